@@ -1,0 +1,94 @@
+"""Process start-up from torchrun's or SLURM's environment.
+
+``init_distributed()`` reads the launcher's variables, picks NCCL when CUDA is
+available and gloo otherwise, binds the local GPU, and initializes the default
+process group. It returns the rank facts; the process group itself lives in
+torch.distributed, and plait code reaches it only through a ``ParallelMesh``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits: global rank, world size, rank on its node, rendezvous."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM node list: ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``.
+
+    Raises:
+        ValueError: when the list is empty or malformed.
+    """
+    nodelist = nodelist.strip()
+    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not nodelist or match is None:
+        raise ValueError(f"cannot parse SLURM_NODELIST {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_info(env: dict | None = None) -> LaunchInfo:
+    """Read rank facts from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) or SLURM
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODELIST). torchrun's variables win when both
+    are present. Without either, a single process on 127.0.0.1.
+
+    Raises:
+        ValueError: rank not below world size.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+    elif "SLURM_PROCID" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
+        local = int(env.get("SLURM_LOCALID", 0))
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
+    else:
+        rank, world, local, addr = 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1")
+    port = int(env.get("MASTER_PORT", 29500))
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, world size {world})")
+    return LaunchInfo(rank, world, local, addr, port)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     env: dict | None = None) -> LaunchInfo:
+    """Initialize the default process group from the launcher's environment.
+
+    Args:
+        backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
+        timeout_s: collective timeout in seconds; a dead peer raises after this instead of hanging.
+
+    Returns the ``LaunchInfo``. Calling it when a group already exists returns the facts unchanged.
+    """
+    info = launch_info(env)
+    if dist.is_initialized():
+        return info
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    source = os.environ if env is None else env
+    # Under torchrun, env:// lets torch reuse the elastic agent's store; elsewhere rank 0 hosts one.
+    init_method = ("env://" if env is None and "RANK" in source and "MASTER_ADDR" in source
+                   else f"tcp://{info.master_addr}:{info.master_port}")
+    dist.init_process_group(backend, init_method=init_method, rank=info.rank,
+                            world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
+    return info

@@ -1,0 +1,128 @@
+"""ParallelMesh: the (pp, dp, tp) grid of ranks and its process groups.
+
+Rank layout follows Megatron-LM and torchtitan: tp varies fastest (neighbouring
+ranks, same node, fastest links), then dp, then pp. For world size W = pp*dp*tp,
+global rank r sits at ``(pp_rank, dp_rank, tp_rank) = (r // (dp*tp), (r // tp) % dp, r % tp)``.
+
+The mesh is an ordinary object passed explicitly to every layer, optimizer and
+schedule that needs it; plait keeps no module-level process-group state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DIM_NAMES = ("pp", "dp", "tp")
+
+
+def check_divisible(value: int, divisor: int, what: str, by: str, fix: str) -> None:
+    """Raise ValueError naming both numbers when ``value % divisor != 0``."""
+    if divisor <= 0 or value % divisor != 0:
+        raise ValueError(f"{what} ({value}) is not divisible by {by} ({divisor}); {fix}")
+
+
+@dataclass
+class ParallelMesh:
+    """Tensor x pipeline x data parallel grid over ``torch.distributed.device_mesh``.
+
+    Args:
+        tp: tensor-parallel size (ranks that split each layer's weights).
+        pp: pipeline-parallel size (ranks that split the layer list into stages).
+        dp: data-parallel size; inferred as ``world_size // (tp*pp)`` when None.
+        device_type: "cpu" (gloo) or "cuda" (NCCL); defaults from the backend.
+
+    With no process group initialized and ``tp = pp = dp = 1`` the mesh is a
+    single-process mesh: every group is None and every rank is 0, so the same
+    model code runs as a plain ``nn.Module``.
+
+    Raises:
+        ValueError: world size not divisible by ``tp*pp``, or ``tp*pp*dp`` not
+            equal to the world size; the message names the numbers and the fix.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    device_type: str | None = None
+    device_mesh: object = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        check_divisible(world, self.tp * self.pp, "world size", f"tp x pp = {self.tp} x {self.pp}",
+                        "launch a multiple of tp*pp processes or change tp/pp")
+        inferred = world // (self.tp * self.pp)
+        if self.dp is None:
+            self.dp = inferred
+        elif self.dp != inferred:
+            raise ValueError(
+                f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = {self.tp * self.pp * self.dp} "
+                f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
+        if not dist.is_initialized():
+            return
+        if self.device_type is None:
+            self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        from torch.distributed.device_mesh import init_device_mesh
+        self.device_mesh = init_device_mesh(
+            self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES)
+
+    # ---- groups, ranks and sizes per dim -------------------------------------------------
+    def group(self, dim: str):
+        """ProcessGroup of this rank along ``dim`` ("tp", "pp" or "dp"); None in one process."""
+        if dim not in DIM_NAMES:
+            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {DIM_NAMES}")
+        return None if self.device_mesh is None else self.device_mesh.get_group(dim)
+
+    def size(self, dim: str) -> int:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}[dim]
+
+    def rank(self, dim: str) -> int:
+        """This process's coordinate along ``dim``."""
+        if self.device_mesh is None:
+            return 0
+        return self.device_mesh.get_local_rank(dim)
+
+    def ranks(self, dim: str) -> list[int]:
+        """Global ranks of this process's group along ``dim``, in group-rank order."""
+        if self.device_mesh is None:
+            return [0]
+        return dist.get_process_group_ranks(self.group(dim))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    tp_group = property(lambda self: self.group("tp"))
+    pp_group = property(lambda self: self.group("pp"))
+    dp_group = property(lambda self: self.group("dp"))
+    tp_rank = property(lambda self: self.rank("tp"))
+    pp_rank = property(lambda self: self.rank("pp"))
+    dp_rank = property(lambda self: self.rank("dp"))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: the local CUDA device under NCCL, else CPU."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, rank={self.global_rank}, "
+                f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank}))")

@@ -1,0 +1,107 @@
+"""Run a function on N gloo processes on CPU: the multi-process test harness.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forkserver
+with torch preloaded, so start-up is cheap), initializes a gloo process group through a
+file store in a fresh temporary directory (no rendezvous port to leak), calls
+``fn(*args)`` on every rank and returns the list of per-rank return values.
+
+A rank that raises has its formatted traceback re-raised in the caller as
+``DistributedTestError``; a run that outlives ``timeout_s`` is killed whole and reported
+with the ranks that had not finished. Every child is reaped before returning.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, died, or the run timed out; the message holds each failing rank's traceback."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _worker(rank, world_size, store_path, results, fn, args, threads):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=120))
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, threads: int = 1):
+    """Call ``fn(*args)`` on ``world_size`` gloo ranks; return ``[result_rank0, result_rank1, ...]``.
+
+    ``fn`` must be a module-level (picklable) function; inside it, ``torch.distributed`` is
+    initialized and ``dist.get_rank()`` tells the rank. Results must be picklable.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message), a process exited
+            without reporting, or the run exceeded ``timeout_s`` seconds.
+    """
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="plait-dist-") as tmp:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, os.path.join(tmp, "store"), results, fn, args, threads))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=0.2)
+                    outcomes[rank] = (status, value)
+                    if status == "error":  # give peers a moment to report too, then stop
+                        deadline = min(deadline, time.monotonic() + 5.0)
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # a result may still be in flight through the queue
+                    while not results.empty():
+                        rank, status, value = results.get()
+                        outcomes[rank] = (status, value)
+                    for r in dead:
+                        outcomes.setdefault(r, ("error", f"process exited with code {procs[r].exitcode} "
+                                                          "without reporting a result"))
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            results.close()
+            results.join_thread()
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if errors or missing:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            parts.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (killed)")
+        raise DistributedTestError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(parts))
+    return [outcomes[r][1] for r in range(world_size)]
