@@ -1,0 +1,277 @@
+"""Read a DeepSpeed-style JSON config: check every key and value type, then resolve and build.
+
+Keys are checked against the dataclasses in :mod:`plait.config.schema`. An unknown key raises
+:class:`ConfigError` naming the key, its section and the closest valid key (``difflib``); a DeepSpeed key
+plait does not implement raises :class:`UnsupportedConfigError` (see :mod:`plait.config.unsupported`);
+a value of the wrong type names the key and the expected type. ``"auto"`` is kept for the fields that
+allow it and resolved in :mod:`plait.config.resolve`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any, Literal, Mapping, Optional, Union
+
+from plait.config.resolve import build_config, resolve_auto
+from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
+                                 PlaitConfig, SchedulerConfig)
+from plait.config.unsupported import (UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS, UnsupportedConfigError,
+                                      check_unsupported, check_unsupported_value)
+
+
+def load_config(source: Union[str, os.PathLike, Mapping[str, Any]], *,
+                dp_size: Optional[int] = None, world_size: Optional[int] = None,
+                model_hidden_size: Optional[int] = None,
+                micro_batch_size: Optional[int] = None, gradient_accumulation_steps: Optional[int] = None,
+                train_batch_size: Optional[int] = None, mixed_precision: Optional[str] = None,
+                gradient_clipping: Optional[float] = None, lr: Optional[float] = None,
+                betas: Optional[tuple[float, float]] = None, eps: Optional[float] = None,
+                weight_decay: Optional[float] = None, warmup_min_lr: Optional[float] = None,
+                warmup_num_steps: Optional[int] = None, total_num_steps: Optional[int] = None) -> PlaitConfig:
+    """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated :class:`PlaitConfig`.
+
+    Args:
+        source: path of a JSON file or an already-parsed dict (not modified).
+        dp_size: data-parallel size (ranks holding model replicas). Needed to derive a missing member of
+            ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp``.
+        world_size: total ranks; gives ``dp = world_size / (tensor_parallel.size x pipeline.size)``.
+        model_hidden_size: hidden size h, for the ZeRO "auto" bucket sizes.
+        micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
+        mixed_precision: "fp16", "bf16", "fp32" or None: resolves ``fp16.enabled``/``bf16.enabled`` "auto".
+        gradient_clipping, lr, betas, eps, weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps:
+            values for those keys when "auto" (Hugging Face Trainer style).
+        The "auto" rules are listed in :mod:`plait.config.resolve`.
+
+    Returns:
+        The frozen :class:`PlaitConfig`; ``cfg.to_dict()`` loads back to an equal config.
+
+    Raises:
+        ConfigError (a ValueError): unknown key (with the closest valid key), wrong value type, batch sizes
+            that do not multiply out (naming all four numbers), "auto" without the fact it needs, fp16 and
+            bf16 both enabled, zero stage outside 0..3, offload_param without stage 3.
+        UnsupportedConfigError (a ConfigError): a DeepSpeed feature plait does not implement.
+        FileNotFoundError: ``source`` path does not exist.
+    """
+    data = _load_json(source)
+    raw = read_raw(data)
+    facts = dict(dp_size=dp_size, world_size=world_size, hidden=model_hidden_size, micro=micro_batch_size,
+                 gas=gradient_accumulation_steps, train=train_batch_size, mixed_precision=mixed_precision,
+                 gradient_clipping=gradient_clipping, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                 warmup_min_lr=warmup_min_lr, warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
+    return build_config(resolve_auto(raw, **facts))
+
+
+def _load_json(source: Any) -> dict:
+    if isinstance(source, Mapping):
+        return json.loads(json.dumps(source))  # deep copy; also rejects non-JSON values early
+    path = os.fspath(source)
+    with open(path, encoding="utf-8") as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+
+
+def read_raw(data: Any) -> dict:
+    """Check keys and value types of a parsed ds_config; return the present keys as a nested dict with
+    values coerced (ints from integral floats like ``2e8``, tuples for betas) and "auto" kept as "auto"."""
+    return _read_section(data, PlaitConfig, "")
+
+
+# ---------------------------------------------------------------------------------------------- sections
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _name(section: str) -> str:
+    return f"'{section}'" if section else "config"
+
+
+def _keys(cls: type) -> tuple:
+    """(json key -> field, type hints) for a section dataclass; aliases map to their field."""
+    by_key = {}
+    for f in fields(cls):
+        by_key[f.name] = f
+        for alias in f.metadata.get("aliases", ()):
+            by_key[alias] = f
+    return types.MappingProxyType(by_key), types.MappingProxyType(typing.get_type_hints(cls))
+
+
+def _read_section(data: Any, cls: type, section: str) -> dict:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_name(section)} must be a JSON object, got {type(data).__name__} {data!r}")
+    by_key, hints = _keys(cls)
+    out: dict = {}
+    for key, value in data.items():
+        key = str(key)
+        f = by_key.get(key)
+        if f is None:
+            if check_unsupported(section, key, value):
+                continue
+            raise _unknown_key(key, section, [f.name for f in fields(cls)])
+        if f.name in out:
+            raise ConfigError(f"{_name(section)} sets '{f.name}' twice (as '{f.name}' and an alias); keep one")
+        out[f.name] = _read_value(value, hints[f.name], f, section, key)
+    return out
+
+
+def _unknown_key(key: str, section: str, valid: list) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean '{close[0]}'?"
+    else:
+        homes = [s for s in _sections_with_key(key) if s != section]
+        hint = (f"'{key}' belongs in {_name(homes[0])}" if homes else "valid keys: " + ", ".join(sorted(valid)))
+    return ConfigError(f"unknown key '{key}' in {_name(section)}; {hint}")
+
+
+def _sections_with_key(key: str, cls: type = PlaitConfig, section: str = "") -> list:
+    found = []
+    by_key, hints = _keys(cls)
+    if key in by_key:
+        found.append(section)
+    for f in fields(cls):
+        sub = _strip_optional(hints[f.name])
+        if is_dataclass(sub) and sub not in (OptimizerConfig, SchedulerConfig):
+            found += _sections_with_key(key, sub, _join(section, f.name))
+    return found
+
+
+def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
+    path = _join(section, f.name)
+    if isinstance(value, str) and value == AUTO:
+        if f.metadata.get("auto"):
+            return AUTO
+        raise ConfigError(f"'{path}' does not accept \"auto\"; write {_describe(hint)}")
+    check_unsupported_value(section, key, value)
+    inner = _strip_optional(hint)
+    if inner is OptimizerConfig:
+        return None if value is None else _read_typed(value, path, OPTIMIZER_PARAMS, UNSUPPORTED_OPTIMIZERS)
+    if inner is SchedulerConfig:
+        return None if value is None else _read_typed(value, path, SCHEDULER_PARAMS, UNSUPPORTED_SCHEDULERS)
+    if is_dataclass(inner):
+        return _read_section(value, inner, path)
+    return _coerce(value, hint, path)
+
+
+def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozenset) -> dict:
+    """``optimizer`` / ``scheduler``: {"type": name, "params": {...}} with per-type params."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{section}' must be a JSON object with \"type\" and \"params\", got {data!r}")
+    for key in data:
+        if key not in ("type", "params") and not check_unsupported(section, key, data[key]):
+            raise _unknown_key(key, section, ["type", "params"])
+    name = data.get("type")
+    if not isinstance(name, str):
+        raise ConfigError(f"'{section}.type' must be a string, one of {', '.join(registry)}; got {name!r}")
+    canonical = {k.lower(): k for k in registry}.get(name.lower())
+    if canonical is None:
+        if name.lower() in {u.lower() for u in unsupported}:
+            raise UnsupportedConfigError(f"plait does not implement {section} type '{name}'; use one of "
+                                         f"{', '.join(registry)}")
+        close = difflib.get_close_matches(name.lower(), [k.lower() for k in registry], n=1, cutoff=0.6)
+        hint = f"; did you mean '{ {k.lower(): k for k in registry}[close[0]] }'?" if close else ""
+        raise ConfigError(f"unknown {section} type '{name}'{hint} (supported: {', '.join(registry)})")
+    params = _read_section(data.get("params", {}), registry[canonical], f"{section}.params")
+    if canonical == "AdamW" and params.get("adam_w_mode") is False:
+        raise ConfigError("optimizer type 'AdamW' with params.adam_w_mode false is contradictory; use type "
+                          "'Adam' with adam_w_mode false for L2-regularised Adam")
+    return {"type": canonical, "params": params}
+
+
+# ------------------------------------------------------------------------------------------------- types
+def _strip_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) is Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return "a boolean (true/false)"
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)} numbers"
+    if origin is list:
+        return "a list of integers"
+    if origin is Union:
+        parts = [_describe(a) for a in args if a is not type(None)]
+        return " or ".join(parts) + (" or null" if type(None) in args else "")
+    return getattr(hint, "__name__", str(hint))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    try:
+        return _convert(value, hint)
+    except _Mismatch:
+        extra = ""
+        if typing.get_origin(_strip_optional(hint)) is Literal and isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(a) for a in typing.get_args(_strip_optional(hint))], 1)
+            extra = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"'{path}' must be {_describe(hint)}, got {type(value).__name__} {value!r}"
+                          f"{extra}") from None
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # DeepSpeed configs write bucket sizes as 2e8
+        raise _Mismatch
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _Mismatch
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise _Mismatch
+    if origin is Union:
+        for arg in args:
+            try:
+                return _convert(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is tuple:
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(_convert(v, a) for v, a in zip(value, args))
+        raise _Mismatch
+    if origin is list:
+        if isinstance(value, list):
+            return [_convert(v, args[0]) for v in value]
+        raise _Mismatch
+    raise TypeError(f"plait.config: no reader for type {hint!r}")  # a schema bug, not a user error
+

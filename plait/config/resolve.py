@@ -1,0 +1,235 @@
+"""Resolve "auto" values and the batch-size triple, then build the frozen :class:`PlaitConfig`.
+
+"auto" rules (the Hugging Face Trainer's DeepSpeed integration fills the same keys from its arguments;
+here the facts are keyword arguments of :func:`plait.config.load_config`):
+
+=============================================  =========================================================
+key                                            "auto" becomes
+=============================================  =========================================================
+train_batch_size, train_micro_batch_size_per   the fact ``train_batch_size`` / ``micro_batch_size`` /
+_gpu, gradient_accumulation_steps              ``gradient_accumulation_steps`` if given, else derived by
+                                               the triple rule below (as if the key were absent)
+fp16.enabled / bf16.enabled                    ``mixed_precision == "fp16"`` / ``== "bf16"``; False when
+                                               ``mixed_precision`` is not given
+gradient_clipping                              the fact ``gradient_clipping``, else 1.0
+optimizer.params lr, betas, eps, weight_decay  the fact of the same name, else the optimizer's default
+                                               (e.g. AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0)
+scheduler.params.warmup_min_lr                 the fact ``warmup_min_lr``, else 0.0
+scheduler.params.warmup_max_lr                 the fact ``lr``, else the optimizer's resolved lr
+scheduler.params.warmup_num_steps              the fact ``warmup_num_steps`` (required)
+scheduler.params.total_num_steps               the fact ``total_num_steps`` (required)
+zero_optimization.reduce_bucket_size           h * h                (h = ``model_hidden_size``, required)
+zero_optimization.stage3_prefetch_bucket_size  int(0.9 * h * h)
+zero_optimization.stage3_param_persistence_    10 * h
+threshold
+zero_optimization.stage3_gather_16bit_         False (plait checkpoints are layout-free; nothing to gather)
+weights_on_model_save
+=============================================  =========================================================
+
+Batch triple (DeepSpeed's rule): ``train_batch_size = train_micro_batch_size_per_gpu x
+gradient_accumulation_steps x dp``, with dp from ``dp_size`` or ``world_size / (tp x pp)``.
+All three given: checked (against dp when known). Two given and dp known: the third is derived and must
+come out a positive integer. Only the micro-batch or only train_batch_size given: gradient accumulation
+steps = 1 and the other is derived. ``pipeline.micro_batches``, when given, stands for
+gradient_accumulation_steps (a pipeline step runs one micro-batch per accumulation step).
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, asdict, fields, is_dataclass
+from typing import Any, Optional
+
+from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
+                                 OptimizerConfig, PlaitConfig, SchedulerConfig)
+
+_TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """Default value of field ``name`` of dataclass ``cls``."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    raise KeyError(name)
+
+
+def _need(value: Any, key: str, fact: str) -> Any:
+    if value is None:
+        raise ConfigError(f"'{key}' is \"auto\" but nothing resolves it; pass {fact}=... to load_config or "
+                          "write a number in the config")
+    return value
+
+
+def resolve_auto(raw: dict, *, dp_size: Optional[int], world_size: Optional[int], hidden: Optional[int],
+                 micro: Optional[int], gas: Optional[int], train: Optional[int], mixed_precision: Optional[str],
+                 gradient_clipping: Optional[float], lr: Optional[float], betas: Any, eps: Optional[float],
+                 weight_decay: Optional[float], warmup_min_lr: Optional[float], warmup_num_steps: Optional[int],
+                 total_num_steps: Optional[int]) -> dict:
+    """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
+    batch triple complete, following the table in this module's docstring. Raises ConfigError."""
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+
+    if mixed_precision not in (None, "fp16", "bf16", "fp32"):
+        raise ConfigError(f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}")
+    for section in ("fp16", "bf16"):
+        if cfg.get(section, {}).get("enabled") == AUTO:
+            cfg[section]["enabled"] = mixed_precision == section
+    if cfg.get("gradient_clipping") == AUTO:
+        cfg["gradient_clipping"] = 1.0 if gradient_clipping is None else float(gradient_clipping)
+
+    opt_lr = None
+    if cfg.get("optimizer"):
+        opt = cfg["optimizer"] = {"type": cfg["optimizer"]["type"], "params": dict(cfg["optimizer"]["params"])}
+        cls = OPTIMIZER_PARAMS[opt["type"]]
+        facts = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
+                 "weight_decay": weight_decay}
+        for key, fact in facts.items():
+            if opt["params"].get(key) == AUTO:
+                opt["params"][key] = fact if fact is not None else field_default(cls, key)
+        opt_lr = opt["params"].get("lr", field_default(cls, "lr"))
+    if cfg.get("scheduler"):
+        sch = cfg["scheduler"] = {"type": cfg["scheduler"]["type"], "params": dict(cfg["scheduler"]["params"])}
+        p, where = sch["params"], "scheduler.params."
+        if p.get("warmup_min_lr") == AUTO:
+            p["warmup_min_lr"] = 0.0 if warmup_min_lr is None else float(warmup_min_lr)
+        if p.get("warmup_max_lr") == AUTO:
+            p["warmup_max_lr"] = float(_need(lr if lr is not None else opt_lr, where + "warmup_max_lr", "lr"))
+        if p.get("warmup_num_steps") == AUTO:
+            p["warmup_num_steps"] = _need(warmup_num_steps, where + "warmup_num_steps", "warmup_num_steps")
+        if p.get("total_num_steps") == AUTO:
+            p["total_num_steps"] = _need(total_num_steps, where + "total_num_steps", "total_num_steps")
+
+    zero = cfg.get("zero_optimization", {})
+    rules = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "stage3_param_persistence_threshold": lambda h: 10 * h}
+    for key, rule in rules.items():
+        if zero.get(key) == AUTO:
+            zero[key] = rule(_need(hidden, f"zero_optimization.{key}", "model_hidden_size"))
+    if zero.get("stage3_gather_16bit_weights_on_model_save") == AUTO:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+
+    _resolve_batch(cfg, dp_size=dp_size, world_size=world_size, facts=(train, micro, gas))
+    _check_no_auto(cfg, "")
+    return cfg
+
+
+def _dp(cfg: dict, dp_size: Optional[int], world_size: Optional[int]) -> Optional[int]:
+    tp = cfg.get("tensor_parallel", {}).get("size", 1)
+    pp = cfg.get("pipeline", {}).get("size", 1)
+    for name, value in (("dp_size", dp_size), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if world_size is None:
+        return dp_size
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"world_size ({world_size}) is not divisible by tensor_parallel.size ({tp}) x "
+                          f"pipeline.size ({pp}); launch a multiple of {tp * pp} ranks or change tp/pp")
+    derived = world_size // (tp * pp)
+    if dp_size is not None and dp_size != derived:
+        raise ConfigError(f"dp_size ({dp_size}) != world_size ({world_size}) / (tp {tp} x pp {pp}) = {derived}; "
+                          "pass one of them or make them agree")
+    return derived
+
+
+def _resolve_batch(cfg: dict, *, dp_size: Optional[int], world_size: Optional[int], facts: tuple) -> None:
+    dp = _dp(cfg, dp_size, world_size)
+    mb = cfg.get("pipeline", {}).get("micro_batches")
+    if mb is not None and cfg.get("gradient_accumulation_steps") in (None, AUTO):
+        cfg["gradient_accumulation_steps"] = mb
+    vals = {}
+    for key, fact in zip(_TRIPLE, facts):
+        v = cfg.get(key)
+        vals[key] = fact if v == AUTO else v
+    for key, v in vals.items():
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    train, micro, gas = (vals[k] for k in _TRIPLE)
+    dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
+    numbers = (f"train_batch_size ({train}), train_micro_batch_size_per_gpu ({micro}), "
+               f"gradient_accumulation_steps ({gas}), {dp_text}")
+    fix = ("train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
+           "change one, or set it to \"auto\" to derive it")
+
+    if train is None and micro is None:
+        raise ConfigError(f"set train_batch_size or train_micro_batch_size_per_gpu (both missing or unresolved "
+                          f"\"auto\"); {numbers}")
+    if gas is None and (train is None or micro is None):
+        gas = 1  # DeepSpeed: only one of train / micro given -> no accumulation
+    if train is not None and micro is not None and gas is not None:
+        if dp is not None and train != micro * gas * dp:
+            raise ConfigError(f"inconsistent batch sizes: {numbers}: {micro} x {gas} x {dp} = {micro * gas * dp} "
+                              f"!= {train}; {fix}")
+        if train % (micro * gas) != 0:
+            raise ConfigError(f"inconsistent batch sizes: {numbers}: {train} is not a multiple of {micro} x "
+                              f"{gas}; {fix}")
+    else:
+        if dp is None:
+            raise ConfigError(f"cannot complete the batch sizes without the data-parallel size: {numbers}; pass "
+                              "dp_size= (or world_size=) to load_config, or give all three batch keys")
+        if train is None:
+            train = micro * gas * dp
+        else:
+            known, missing = (micro, "gradient_accumulation_steps") if gas is None else (gas, "train_micro_"
+                                                                                          "batch_size_per_gpu")
+            if train % (known * dp) != 0:
+                raise ConfigError(f"cannot derive {missing}: {numbers}: {train} is not divisible by "
+                                  f"{known} x {dp}; {fix}")
+            if gas is None:
+                gas = train // (micro * dp)
+            else:
+                micro = train // (gas * dp)
+    cfg.update(zip(_TRIPLE, (train, micro, gas)))
+    pipe = cfg.get("pipeline")
+    if pipe is not None and (pipe.get("size", 1) > 1 or "micro_batches" in pipe):
+        cfg["pipeline"] = {**pipe, "micro_batches": pipe.get("micro_batches", gas)}
+
+
+def _check_no_auto(value: Any, path: str) -> None:
+    if value == AUTO:
+        raise ConfigError(f"'{path}' is \"auto\" and no rule resolves it")  # schema/rule mismatch
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_no_auto(v, f"{path}.{k}" if path else k)
+
+
+# ------------------------------------------------------------------------------------------------- build
+def build_config(cfg: dict) -> PlaitConfig:
+    """Construct the frozen dataclasses from a resolved dict; defaults fill absent keys."""
+    return _build(PlaitConfig, cfg)
+
+
+def _build(cls: type, data: dict) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        inner = _unwrap(hint)
+        if value is None:
+            kwargs[f.name] = None
+        elif inner is OptimizerConfig:
+            kwargs[f.name] = OptimizerConfig(value["type"], _params(OPTIMIZER_PARAMS[value["type"]], value,
+                                                                    "optimizer"))
+        elif inner is SchedulerConfig:
+            kwargs[f.name] = SchedulerConfig(value["type"], _params(SCHEDULER_PARAMS[value["type"]], value,
+                                                                    "scheduler"))
+        elif is_dataclass(inner):
+            kwargs[f.name] = _build(inner, value)
+        else:
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _unwrap(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def _params(cls: type, value: dict, section: str) -> dict:
+    params = asdict(cls(**value["params"]))
+    for key in REQUIRED_PARAMS & params.keys():
+        if params[key] is None:
+            raise ConfigError(f"{section} type '{value['type']}' needs params.{key}; write it or set it to "
+                              f"\"auto\" and pass {key}= to load_config")
+    return params
