@@ -1,0 +1,92 @@
+"""Self-attention with heads split over tp: MHA and GQA, causal or bidirectional, RoPE or none.
+
+q/k/v projections are column-parallel (each rank computes ``heads/tp`` query heads and
+``kv_heads/tp`` key/value heads), the output projection is row-parallel (Shoeybi et al.,
+"Megatron-LM", 2019, Sec. 3, Fig. 3b). Grouped-query attention: Ainslie et al., 2023.
+The core is ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, enter_tp_region
+from plait.layers.rope import apply_rope, rope_cos_sin
+from plait.parallel.collectives import group_size
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention.
+
+    Args:
+        hidden_size, num_heads: model width and query heads; ``num_kv_heads`` (default num_heads)
+            key/value heads. All head counts must divide by tp and num_heads by num_kv_heads.
+        head_dim: per-head width (default hidden_size // num_heads).
+        causal: mask future positions. rope_theta: apply RoPE with this base (None: no RoPE).
+        bias: biases on q/k/v/o. attention_dropout: dropout on attention probabilities.
+        group, sequence_parallel, rng: tp group, sequence parallelism, ``RNGTracker`` for dropout.
+
+    Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
+    ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``.
+    Returns the same shape as ``x``.
+
+    Raises:
+        ValueError: head counts not divisible by tp, or num_heads not a multiple of num_kv_heads.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 head_dim: int | None = None, causal: bool = True, rope_theta: float | None = None,
+                 bias: bool = False, attention_dropout: float = 0.0, group=None,
+                 sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
+                 output_init_std: float | None = None, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.local_heads = divide(num_heads, tp, "num_heads")
+        self.local_kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.causal, self.rope_theta, self.dropout = causal, rope_theta, attention_dropout
+        self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
+        kw = dict(group=group, device=device, dtype=dtype)
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * self.head_dim, bias, init_std=init_std, **kw)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * self.head_dim, bias, init_std=init_std, **kw)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * self.head_dim, bias, init_std=init_std, **kw)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, bias,
+                                        sequence_parallel=sequence_parallel,
+                                        init_std=output_init_std or init_std, **kw)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = enter_tp_region(x, self.group, self.sequence_parallel)           # [b, s, h]
+        q = rearrange(self.q_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        k = rearrange(self.k_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        v = rearrange(self.v_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        if self.rope_theta is not None:
+            if position_ids is None:
+                position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+            cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if attention_mask is not None and not self.causal:
+            mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]
+        p = self.dropout if self.training else 0.0
+        gqa = self.local_heads != self.local_kv_heads
+        if p > 0.0:
+            with self.rng.fork("tp"):                                      # heads differ per tp rank
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                     is_causal=self.causal, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
+                                                 enable_gqa=gqa)
+        return self.o_proj(rearrange(out, "b n s d -> b s (n d)"))
+
+
+def scaled_init_std(init_std: float, num_layers: int) -> float:
+    """GPT-2's residual-projection init, ``std / sqrt(2 * layers)`` (Radford et al., 2019, Sec. 2.3)."""
+    return init_std / math.sqrt(2.0 * num_layers)

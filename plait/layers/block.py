@@ -1,0 +1,69 @@
+"""The transformer block: attention + MLP with residuals, pre-norm (GPT-2, Llama) or
+post-norm (BERT; Vaswani et al., 2017), with dropout drawn from the right RNG stream and
+optional activation recomputation."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.layers.attention import Attention, scaled_init_std
+from plait.layers.config import TransformerConfig
+from plait.layers.mlp import MLP
+from plait.layers.norm import make_norm
+from plait.parallel.random import checkpoint
+
+RECOMPUTE = (None, "full")
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, rng, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on the residual stream: the "tp" stream on a sequence shard (masks differ per tp
+    rank), the "replicated" stream otherwise (identical masks keep tp replicas identical)."""
+    if p == 0.0 or not training:
+        return x
+    with rng.fork("tp" if sequence_parallel else "replicated"):
+        return F.dropout(x, p, True)
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer. ``forward(hidden, batch)`` maps ``[b, s, h]`` (``[b, s/tp, h]`` with
+    sequence parallelism) to the same shape; ``batch`` may hold ``attention_mask [b, s]`` and
+    ``position_ids [b, s]``.
+
+    Args:
+        config: architecture. group / sequence_parallel / rng: tp group, sequence parallelism,
+            ``RNGTracker``. recompute: None or "full" (recompute the block in backward).
+    """
+
+    def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel: bool = False,
+                 rng=None, recompute: str | None = None, device=None, dtype=None):
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"unknown recompute mode {recompute!r}; use one of {RECOMPUTE}")
+        c = config
+        self.config, self.sequence_parallel, self.rng, self.recompute = c, sequence_parallel, rng, recompute
+        kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        out_std = scaled_init_std(c.init_std, c.num_layers)
+        self.attn_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
+        self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
+                              rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
+                              rng=rng, init_std=c.init_std, output_init_std=out_std, **kw)
+        self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
+        self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
+                       output_init_std=out_std, **kw)
+
+    def _drop(self, x):
+        return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+
+    def _body(self, x, attention_mask, position_ids):
+        if self.config.post_norm:
+            x = self.attn_norm(x + self._drop(self.attn(x, attention_mask, position_ids)))
+            return self.mlp_norm(x + self._drop(self.mlp(x)))
+        x = x + self._drop(self.attn(self.attn_norm(x), attention_mask, position_ids))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
+
+    def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        mask, pos = batch.get("attention_mask"), batch.get("position_ids")
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self._body, hidden, mask, pos, tracker=self.rng)
+        return self._body(hidden, mask, pos)

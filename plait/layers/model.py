@@ -1,0 +1,201 @@
+"""Models as ordered layer lists: embedding, transformer blocks, head (final norm + logits + loss).
+
+``TransformerModel`` holds layers in ``self.layers`` keyed by their global index, so a
+parameter's name (``layers.3.attn.q_proj.weight``) is the same whether the model runs in one
+process, split over tp, or cut into pipeline stages (build a stage with ``layers=range(a, b)``;
+only those layers are constructed). Index 0 is the embedding, 1..L the blocks, L+1 the head.
+Every layer is called as ``layer(hidden, batch)`` with ``batch`` a dict of the micro-batch's
+inputs (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, ``token_type_ids``).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.layers.block import TransformerBlock, dropout
+from plait.layers.config import TransformerConfig
+from plait.layers.cross_entropy import vocab_parallel_cross_entropy
+from plait.layers.embedding import VocabParallelEmbedding
+from plait.layers.init import TIED_ATTR, init_parameters
+from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, replicated_param, sharded_param
+from plait.layers.norm import make_norm
+from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
+from plait.parallel.random import RNGTracker
+
+EMBEDDING_WEIGHT = "layers.0.word_embeddings.weight"
+
+
+class EmbeddingLayer(nn.Module):
+    """Layer 0: ``batch["input_ids"] [b, s]`` -> hidden ``[b, s, h]`` (``[b, s/tp, h]`` with
+    sequence parallelism): vocab-parallel token embedding, plus learned positions (GPT-2, BERT) and
+    token types and LayerNorm (BERT), then dropout."""
+
+    def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False, rng=None,
+                 device=None, dtype=None):
+        super().__init__()
+        c = config
+        self.config, self.group, self.sequence_parallel, self.rng = c, group, sequence_parallel, rng
+        self.word_embeddings = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group,
+                                                      alignment=c.vocab_alignment, sequence_parallel=sequence_parallel,
+                                                      init_std=c.init_std, device=device, dtype=dtype)
+        learned = c.rope_theta is None
+        self.position_embeddings = (replicated_param((c.max_position_embeddings, c.hidden_size), "normal",
+                                                     c.init_std, device, dtype) if learned else None)
+        self.token_type_embeddings = (replicated_param((c.type_vocab_size, c.hidden_size), "normal", c.init_std,
+                                                       device, dtype) if c.type_vocab_size else None)
+        self.norm = (make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, group=group,
+                               sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                     if c.arch == "bert" else None)
+
+    def _table(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Lookup in a replicated table; under sequence parallelism only this rank's seq shard."""
+        if self.sequence_parallel:
+            return F.embedding(_split(ids, 1, self.group), copy_to_tp(weight, self.group))
+        return F.embedding(ids, weight)
+
+    def forward(self, hidden, batch: dict) -> torch.Tensor:
+        ids = batch["input_ids"]
+        if ids.shape[1] > self.config.max_position_embeddings and self.position_embeddings is not None:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        x = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            pos = batch.get("position_ids")
+            if pos is None:
+                pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            x = x + self._table(self.position_embeddings, pos)
+        if self.token_type_embeddings is not None:
+            types = batch.get("token_type_ids")
+            x = x + self._table(self.token_type_embeddings, torch.zeros_like(ids) if types is None else types)
+        if self.norm is not None:
+            x = self.norm(x)
+        return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)
+
+
+class LMHead(nn.Module):
+    """Layer L+1: hidden -> vocab-parallel logits ``[b, s, V_pad/tp]`` -> mean cross entropy.
+
+    Decoders apply the final norm first; BERT applies its MLM transform (dense, GELU, LayerNorm)
+    and adds an output bias. ``forward`` returns the scalar mean loss over tokens whose label is
+    not -100 when ``batch`` has ``labels``, else this rank's logits (``gather_logits`` makes them
+    whole). The output weight is the embedding's when tied and both are on this rank; a tied head
+    on a different pipeline stage owns a copy marked ``plait_tied_to``, initialized identically.
+    """
+
+    def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False,
+                 tied_weight: nn.Parameter | None = None, device=None, dtype=None):
+        super().__init__()
+        c = config
+        self.config, self.group, self.sequence_parallel = c, group, sequence_parallel
+        kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.dense = (ReplicatedLinear(c.hidden_size, c.hidden_size, True, init_std=c.init_std, **kw)
+                      if c.arch == "bert" else None)
+        self.norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
+        self.vocab = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group, alignment=c.vocab_alignment,
+                                            device="meta")  # geometry only: padded size, this rank's block
+        if tied_weight is not None:
+            self.weight = tied_weight
+        else:
+            self.weight = sharded_param((c.vocab_size, c.hidden_size), 0, group, "normal", c.init_std,
+                                        padded=self.vocab.padded_vocab, device=device, dtype=dtype)
+            if c.tie_embeddings:
+                setattr(self.weight, TIED_ATTR, EMBEDDING_WEIGHT)
+        self.bias = (sharded_param((c.vocab_size,), 0, group, "zeros", padded=self.vocab.padded_vocab,
+                                   device=device, dtype=dtype) if c.arch == "bert" else None)
+        del self.vocab.weight  # the geometry helper owns no parameter
+
+    def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        x = hidden
+        if self.dense is not None:
+            x = F.gelu(self.dense(x))
+        x = enter_tp_region(self.norm(x), self.group, self.sequence_parallel)   # [b, s, h]
+        logits = F.linear(x, self.weight, self.bias)                             # [b, s, V_pad/tp]
+        labels = batch.get("labels")
+        if labels is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
+                                              vocab_start=self.vocab.vocab_start, group=self.group,
+                                              label_smoothing=self.config.label_smoothing)
+        count = (labels != -100).sum().clamp(min=1)
+        return losses.sum() / count
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[b, s, V_pad/tp]`` -> whole ``[b, s, V]`` (all-gather over tp, padding dropped)."""
+        return gather_from_tp(logits, self.group)[..., : self.config.vocab_size]
+
+
+def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """Raise ValueError naming the numbers when the architecture cannot be split over ``tp`` ranks."""
+    divide(config.hidden_size, tp, "hidden_size")
+    divide(config.num_heads, tp, "num_heads")
+    divide(config.num_kv_heads, tp, "num_kv_heads")
+    divide(config.ffn_hidden_size, tp, "ffn_hidden_size")
+
+
+class TransformerModel(nn.Module):
+    """A GPT-2 / Llama / BERT model (or a pipeline stage of one) built from plait layers.
+
+    Args:
+        config: architecture. mesh: ``ParallelMesh`` (None: one process).
+        sequence_parallel: shard activations outside attention/MLP along seq over tp.
+        layers: global layer indices to build (default all: ``0 .. num_layers + 1``).
+        seed: initialization and dropout seed (layout-invariant; see ``plait.layers.init``).
+        recompute: activation recomputation per block (None or "full").
+        device, dtype: where and in what dtype to build; "meta" skips initialization.
+
+    ``forward(input_ids=..., labels=..., attention_mask=..., position_ids=..., token_type_ids=...,
+    hidden=None)`` runs the built layers in order and returns the mean loss (when the head is built
+    and ``labels`` given), the head's local logits, or the hidden state ``[b, s(/tp), h]``.
+
+    Raises:
+        ValueError: sizes not divisible by tp, or layer indices out of range.
+    """
+
+    def __init__(self, config: TransformerConfig, mesh=None, *, sequence_parallel: bool = False,
+                 layers: Iterable[int] | None = None, seed: int = 1234, recompute: str | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        group = None if mesh is None else mesh.tp_group
+        tp = group_size(group)
+        check_tensor_parallel(config, tp)
+        self.config, self.mesh, self.sequence_parallel = config, mesh, sequence_parallel and tp > 1
+        total = config.num_layers + 2
+        indices = list(range(total)) if layers is None else sorted(set(layers))
+        if not indices or indices[0] < 0 or indices[-1] >= total:
+            raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
+        self.layer_indices = indices
+        rng_device = torch.device("cpu") if device is None or torch.device(device).type == "meta" else torch.device(device)
+        pp_rank = 0 if mesh is None else mesh.pp_rank
+        self.rng = RNGTracker(seed + 100 * pp_rank, 0 if mesh is None else mesh.tp_rank, rng_device)
+        kw = dict(group=group, sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
+        self.layers = nn.ModuleDict()
+        for i in indices:
+            if i == 0:
+                self.layers[str(i)] = EmbeddingLayer(config, rng=self.rng, **kw)
+            elif i == total - 1:
+                tied = (self.layers["0"].word_embeddings.weight
+                        if config.tie_embeddings and "0" in self.layers else None)
+                self.layers[str(i)] = LMHead(config, tied_weight=tied, **kw)
+            else:
+                self.layers[str(i)] = TransformerBlock(config, rng=self.rng, recompute=recompute, **kw)
+        init_parameters(self, seed)
+
+    @property
+    def has_head(self) -> bool:
+        return str(self.config.num_layers + 1) in self.layers
+
+    @property
+    def head(self) -> LMHead:
+        return self.layers[str(self.config.num_layers + 1)]
+
+    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None,
+                token_type_ids=None, hidden=None):
+        batch = {k: v for k, v in dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
+                                       position_ids=position_ids, token_type_ids=token_type_ids).items()
+                 if v is not None}
+        for layer in self.layers.values():
+            hidden = layer(hidden, batch)
+        return hidden
