@@ -145,8 +145,9 @@ def _resolve_batch(cfg: dict, *, dp_size: Optional[int], world_size: Optional[in
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
     train, micro, gas = (vals[k] for k in _TRIPLE)
     dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
-    numbers = (f"train_batch_size ({train}), train_micro_batch_size_per_gpu ({micro}), "
-               f"gradient_accumulation_steps ({gas}), {dp_text}")
+    show = lambda v: "missing" if v is None else v  # noqa: E731
+    numbers = (f"train_batch_size ({show(train)}), train_micro_batch_size_per_gpu ({show(micro)}), "
+               f"gradient_accumulation_steps ({show(gas)}), {dp_text}")
     fix = ("train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
            "change one, or set it to \"auto\" to derive it")
 
