@@ -67,6 +67,12 @@ class TransformerConfig:
         return sum(math.prod(shard_of(p).logical_shape) for p in model.parameters())
 
     def replace(self, **changes) -> "TransformerConfig":
+        """A copy with ``changes``; fields still at their derived default (``num_kv_heads ==
+        num_heads``, ``ffn_hidden_size == 4 * hidden_size``) follow the changed sizes."""
+        if "num_kv_heads" not in changes and self.num_kv_heads == self.num_heads:
+            changes["num_kv_heads"] = None
+        if "ffn_hidden_size" not in changes and self.ffn_hidden_size == 4 * self.hidden_size:
+            changes["ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -1,0 +1,65 @@
+"""ParallelMesh layout and errors, launcher environment parsing."""
+import pytest
+import torch.distributed as dist
+
+from plait.parallel import ParallelMesh, launch_info
+from plait.parallel.launch import first_slurm_host
+from plait.testing import run_distributed
+
+
+def mesh_body(tp, pp, dp):
+    m = ParallelMesh(tp=tp, pp=pp, dp=dp)
+    return dict(rank=dist.get_rank(), coords=(m.pp_rank, m.dp_rank, m.tp_rank), tp=m.ranks("tp"),
+                dp=m.ranks("dp"), pp=m.ranks("pp"), first=m.is_first_stage, last=m.is_last_stage,
+                sizes=(m.size("pp"), m.size("dp"), m.size("tp")))
+
+
+def test_mesh_rank_layout_tp_fastest_then_dp_then_pp():
+    out = run_distributed(mesh_body, 8, 2, 2, None)        # dp inferred: 8 / (2*2) = 2
+    for r, info in enumerate(out):
+        pp, dp, tp = r // 4, (r // 2) % 2, r % 2
+        assert info["coords"] == (pp, dp, tp)
+        assert info["sizes"] == (2, 2, 2)
+        assert info["tp"] == [pp * 4 + dp * 2 + t for t in range(2)]
+        assert info["dp"] == [pp * 4 + d * 2 + tp for d in range(2)]
+        assert info["pp"] == [p * 4 + dp * 2 + tp for p in range(2)]
+        assert info["first"] == (pp == 0) and info["last"] == (pp == 1)
+
+
+def bad_mesh_body(tp, pp, dp):
+    with pytest.raises(ValueError) as err:
+        ParallelMesh(tp=tp, pp=pp, dp=dp)
+    return str(err.value)
+
+
+def test_world_not_divisible_by_tp_pp_names_numbers():
+    msg = run_distributed(bad_mesh_body, 6, 4, 1, None)[0]
+    assert "world size (6)" in msg and "tp x pp = 4 x 1" in msg
+    msg = run_distributed(bad_mesh_body, 4, 2, 1, 4)[0]
+    assert "2 x 1 x 4 = 8" in msg and "world size is 4" in msg and "dp=2" in msg
+
+
+def test_single_process_mesh_without_process_group():
+    m = ParallelMesh()
+    assert (m.tp, m.pp, m.dp, m.tp_rank, m.tp_group) == (1, 1, 1, 0, None)
+    assert m.is_first_stage and m.is_last_stage
+    with pytest.raises(ValueError, match="world size"):
+        ParallelMesh(tp=2)
+
+
+def test_launch_info_torchrun_and_slurm():
+    t = launch_info({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
+                     "MASTER_PORT": "1234"})
+    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port) == (3, 8, 1, "n0", 1234)
+    s = launch_info({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                     "SLURM_NODELIST": "gpu[007-009,012]"})
+    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.master_port) == (5, 16, 1, "gpu007", 29500)
+    assert launch_info({}).world_size == 1
+    with pytest.raises(ValueError, match="rank 4"):
+        launch_info({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+@pytest.mark.parametrize("nodes,first", [("node1", "node1"), ("a[1-3]", "a1"), ("gpu-[10,12]x", "gpu-10"),
+                                         ("h1,h2", "h1")])
+def test_first_slurm_host(nodes, first):
+    assert first_slurm_host(nodes) == first
