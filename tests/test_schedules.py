@@ -21,7 +21,7 @@ def test_action_and_virtual_stage_mapping():
     assert hash(Action("B", 1)) == hash(Action("B", 1, 0))
     # Megatron's interleaved assignment: chunk c on rank r is virtual stage c*p + r.
     assert [stage_of(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
-    assert rank_chunk_of(0, 4) == (0, 0) and rank_chunk_of(7, 4) == (3, 1) and rank_chunk_of(5, 4) == (1, 1)
+    assert [rank_chunk_of(s, 4) for s in (0, 5, 7)] == [(0, 0), (1, 1), (3, 1)]
     with pytest.raises(ValueError, match="'X' is not one of"):
         Action("X", 0)
     with pytest.raises(ValueError, match="microbatch=-1"):

@@ -70,7 +70,8 @@ def rank_chunk_of(stage: int, p: int) -> tuple[int, int]:
 
 
 def _check_sizes(name: str, p: int, m: int, v: int) -> None:
-    for label, value in (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
+    sizes = (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v))
+    for label, value in sizes:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
 
@@ -138,8 +139,9 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     micro-batches through chunk 0, then chunk 1, ...; backwards in the same groups through chunk
     ``v-1`` first. Rank ``r`` warms up with ``min((p-r-1)*2 + (v-1)*p, m*v)`` chunk-forwards, then
     alternates one chunk-forward with one chunk-backward, then cools down. With each chunk costing
-    ``1/v`` of a whole stage, the bubble ratio is ``(p-1)/(v*m)`` (paper Eq. for t_pb^int); the
-    price is ``v`` times more point-to-point messages.
+    ``1/v`` of a whole stage, the bubble ratio is ``(p-1)/(v*m)`` (Sec. 2.2.2: bubble time
+    ``(p-1)(t_f+t_b)/v``); the price is ``v`` times more point-to-point messages and more
+    activations held on early ranks (rank 0: ``min((v+1)*p - 1, m*v)`` chunks).
 
     Raises:
         ValueError: ``m`` not a multiple of ``p`` (the grouping needs whole groups of p; the
@@ -173,9 +175,10 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     forward/BI pairs, then cool-down BIs) so activations held stay at 1F1B's ``min(p-r, m)``, and
     delays its weight-gradient passes by ``r`` micro-batches: BW of micro-batch ``i - r`` follows
     BI ``i``, and the last ``min(r, m)`` BWs close the step, filling the tail bubble. Every rank
-    then has ``p`` micro-batches between forward and BW, as the paper's "same number of in-flight
-    micro-batches". With T_F = T_BI = T_BW the bubble is ``(p-1)/(3m)`` of the busy time, a third
-    of 1F1B's ``(p-1)/m``. Raises ValueError for ``v != 1``.
+    then has ``min(p, m)`` micro-batches between forward and BW, the paper's "same number of
+    in-flight micro-batches". With T_F = T_BI = T_BW and ``m >= p`` the bubble is ``(p-1)/(3m)``
+    of the busy time, a third of 1F1B's ``(p-1)/m`` (``m < p`` runs, with a larger bubble).
+    Raises ValueError for ``v != 1``.
     """
     _check_sizes("zb-h1", p, m, v)
     _single_chunk("zb-h1", v)
@@ -183,20 +186,10 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     for r in range(p):
         w = min(p - r - 1, m)
         acts = [Action("F", i) for i in range(w)]
-        next_w = 0
-
-        def after_bi(i: int) -> list[Action]:
-            nonlocal next_w
-            if i - r >= next_w:
-                next_w += 1
-                return [Action("BW", next_w - 1)]
-            return []
-
-        for i in range(m - w):
-            acts += [Action("F", w + i), Action("BI", i)] + after_bi(i)
-        for i in range(m - w, m):
-            acts += [Action("BI", i)] + after_bi(i)
-        acts += [Action("BW", i) for i in range(next_w, m)]
+        for i in range(m):  # BI i, preceded by a forward while any are left, followed by BW i-r
+            acts += [Action("F", w + i)] if w + i < m else []
+            acts += [Action("BI", i)] + ([Action("BW", i - r)] if i >= r else [])
+        acts += [Action("BW", i) for i in range(max(m - r, 0), m)]
         out.append(acts)
     return out
 

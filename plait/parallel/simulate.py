@@ -232,8 +232,9 @@ def with_communication(lists: Schedule, p: int, v: int = 1) -> Schedule:
     actions. Placing each send right after its producer instead deadlocks interleaved 1F1B
     (e.g. p=2, m=4, v=2) under rendezvous semantics.
 
-    Stage 0 never receives activations and the last stage never receives gradients; with
-    ``p == 1`` every peer is the same rank and the lists are returned unchanged (copied).
+    Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives
+    activations and the last stage never receives gradients; with ``p == 1`` every peer is the
+    same rank and the compute actions are returned unchanged (copied).
 
     Raises:
         DeadlockError: the compute-only lists already deadlock.
