@@ -14,9 +14,9 @@ from plait.data import (
     TokenDataset,
     build_token_file,
     bundled_corpus_path,
+    bundled_token_file,
     bundled_tokenizer_path,
     epoch_permutation,
-    bundled_token_file,
     load_bundled_text,
     load_tokens,
     mask_tokens,
@@ -169,7 +169,7 @@ def test_train_val_split_is_disjoint_and_covering(arange_tokens):
     train_seen = {t for i in range(len(train)) for t in train.window(i).tolist()}
     val_seen = {t for i in range(len(val)) for t in val.window(i).tolist()}
     assert train_seen.isdisjoint(val_seen)
-    assert train_inputs == list(range(0, 896)) and val_inputs == list(range(900, 996))  # tiles, tails < 16
+    assert train_inputs == list(range(896)) and val_inputs == list(range(900, 996))  # tiles, tails < 16
     xb, yb = train.get_batch([3, 0])
     assert xb.shape == (2, 16) and torch.equal(xb[0], x) and torch.equal(yb[1], train[0][1])
     assert pickle.loads(pickle.dumps(train))[5][0].tolist() == list(range(80, 96))
@@ -320,3 +320,11 @@ def test_bundled_token_file_builds_once_into_the_cache(tmp_path, text, tok):
     assert bundled_token_file(tmp_path / "cache", data_dir=data) == out and out.stat().st_mtime_ns == mtime
     with pytest.raises(FileNotFoundError, match="pass data_dir="):
         bundled_token_file(tmp_path / "cache", data_dir=tmp_path / "nowhere")
+
+
+def test_batches_from_a_plain_map_style_dataset():
+    data = [(torch.full((3,), i), torch.full((3,), i + 1)) for i in range(10)]
+    got = list(DistributedBatches(data, 3, 2, 3, seed=5, drop_last=False))  # rank 2 of 3
+    perm = epoch_permutation(10, 5, 0).tolist()
+    assert [bt["input_ids"][:, 0].tolist() for bt in got] == [perm[6:9], []]
+    assert got[1]["input_ids"].shape == (0, 3) and torch.equal(got[0]["labels"], got[0]["input_ids"] + 1)

@@ -31,7 +31,7 @@ import zlib
 from pathlib import Path
 
 BLOCK_ENTRY = struct.Struct("<III")  # offset, compressed size, uncompressed size (bytes)
-NOTE = re.compile(r"<note\b[^>]*>.*?</note>", re.S)
+NOTE = re.compile(r"<note\b[^>]*>.*?</note>", re.DOTALL)
 # Tags whose boundaries separate lines of prose: headings, paragraphs, poetry lines, line breaks,
 # list items and chapter starts.
 LINE_BREAK_TAG = re.compile(

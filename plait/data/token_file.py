@@ -32,12 +32,18 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from plait.data.bundled import atomic_write_bytes, bundled_corpus_path, bundled_tokenizer_path, cache_dir_path, file_sha256
+from plait.data.bundled import (
+    atomic_write_bytes,
+    bundled_corpus_path,
+    bundled_tokenizer_path,
+    cache_dir_path,
+    file_sha256,
+)
 
 FORMAT = "plait-tokens"
 VERSION = 1
@@ -85,9 +91,9 @@ def load_tokens(path: PathLike, dtype: np.dtype | str | None = None) -> np.ndarr
                 f"{p} has no sidecar {sidecar_path(p).name}, so its dtype is unknown: pass dtype= "
                 f"(e.g. numpy.uint16) or rebuild it with build_token_file"
             )
-        if meta is not None and dtype is not None and np.dtype(dtype) != np.dtype(meta["dtype"]):
+        if meta is not None and dtype is not None and np.dtype(dtype).name != np.dtype(meta["dtype"]).name:
             raise ValueError(f"{p}: dtype={np.dtype(dtype)} given but its sidecar says {meta['dtype']}")
-        dt = np.dtype(meta["dtype"] if meta is not None else dtype)
+        dt = np.dtype(meta["dtype"] if meta is not None else dtype).newbyteorder("<")  # files are little-endian
         size = p.stat().st_size
         if size % dt.itemsize:
             raise ValueError(f"{p} is {size} bytes, not a multiple of {dt} ({dt.itemsize} bytes)")
@@ -109,13 +115,13 @@ def iter_pieces(lines: Iterable[str], doc_boundary: str) -> Iterator[tuple[str, 
     if doc_boundary == "line":
         for line in lines:
             if line.strip():
-                yield line[:-1] if line.endswith("\n") else line, True
+                yield line.removesuffix("\n"), True
         return
     buf: list[str] = []
     for line in lines:
         if doc_boundary == "blank_line" and not line.strip():
             if buf:
-                buf[-1] = buf[-1][:-1] if buf[-1].endswith("\n") else buf[-1]
+                buf[-1] = buf[-1].removesuffix("\n")
                 yield "".join(buf), True
                 buf = []
             continue
