@@ -289,7 +289,7 @@ def build_token_file(
 
 def bundled_token_file(cache_dir: PathLike | None = None, data_dir: PathLike | None = None) -> Path:
     """The whole bundled corpus tokenized with the bundled tokenizer (1,185,568 uint16 ids, one
-    document ending in ``<|endoftext|>``), built into the cache directory on first use (about 2 s).
+    document ending in ``<|endoftext|>``), built into the cache directory on first use (about 1 s).
     """
     corpus = bundled_corpus_path(cache_dir, data_dir)
     tok = bundled_tokenizer_path(data_dir)
