@@ -132,8 +132,8 @@ def _delete(root: str, path: str) -> None:
 
 
 def remove_leftovers(root: str, keep: str) -> None:
-    """Delete what crashed saves left: ``.tmp-*`` and ``.del-*`` dirs (except ``keep``), and
-    ``.old-<tag>-*`` dirs whose ``<tag>`` exists again."""
+    """Clean up after crashed saves: delete ``.tmp-*`` and ``.del-*`` dirs (except ``keep``);
+    put a complete ``.old-<tag>-*`` back as ``<tag>`` when ``<tag>`` is missing, else delete it."""
     for e in _entries(root):
         path = os.path.join(root, e)
         if path == keep:
@@ -142,8 +142,11 @@ def remove_leftovers(root: str, keep: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif e.startswith(".old-"):
             tag = e[len(".old-"):].rsplit("-", 1)[0]
-            if os.path.isdir(os.path.join(root, tag)):
+            if os.path.lexists(os.path.join(root, tag)):
                 shutil.rmtree(path, ignore_errors=True)
+            elif os.path.isfile(os.path.join(path, INDEX_FILE)):  # crash between publish's renames
+                os.rename(path, os.path.join(root, tag))
+                fsync_path(root)
 
 
 def prune(root: str, keep_last: int) -> list[str]:

@@ -108,9 +108,10 @@ def load_index(path: str) -> dict:
         with open(path, "rb") as f:
             index = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        _fail(path, "is missing (not a checkpoint, or a save that did not finish)")
+        raise CheckpointError(f"checkpoint index {path} is missing (not a checkpoint, or a save "
+                              "that did not finish)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        _fail(path, f"is not valid JSON ({e})")
+        raise CheckpointError(f"checkpoint index {path} is not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         _fail(path, f"format is {index.get('format') if isinstance(index, dict) else None!r}, "
                     f"expected {FORMAT!r}")

@@ -62,6 +62,7 @@ class CheckpointReader:
         self._tensors = self.index["tensors"]
         self._handles: dict[str, object] = {}
         self._verified: set[str] = set()
+        self._by_file: dict[str, list] | None = None
         self._lazy = verify == "lazy"
         for fname, info in self.index["files"].items():
             verify_file(self._file(fname), info["bytes"], info["checksum"] if verify == "full" else None)
@@ -89,11 +90,13 @@ class CheckpointReader:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"checkpoint file {self._file(fname)} is not valid JSON ({e})") from None
 
-    def _slices_in(self, fname: str):
-        for name, entry in self._tensors.items():
-            for sl in entry["slices"]:
-                if sl["file"] == fname:
-                    yield name, entry, sl
+    def _slices_in(self, fname: str) -> list:
+        if self._by_file is None:
+            self._by_file = {}
+            for name, entry in self._tensors.items():
+                for sl in entry["slices"]:
+                    self._by_file.setdefault(sl["file"], []).append((name, entry, sl))
+        return self._by_file.get(fname, [])
 
     def _check_header(self, fname: str) -> None:
         """Every slice the index places in ``fname`` exists there with its shape and dtype."""

@@ -1,0 +1,369 @@
+"""plait.checkpoint storage layer: multi-rank save, resharding reads, validation, crash safety."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.checkpoint import (CheckpointError, CheckpointReader, CheckpointWriter, ShardItem,
+                              flat_range_boxes, list_tags, model_fingerprint, optimizer_key,
+                              read_latest, read_tp_shard, save, tensor_from_json, tensor_to_json,
+                              tp_box, tp_shard_item)
+from plait.checkpoint.boxes import check_tiling
+from plait.parallel.sharding import TPShard
+from plait.testing import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def full(name: str, shape, dtype=torch.float32) -> torch.Tensor:
+    """The same logical tensor on every process: seeded by its name."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+SHAPES = {"w0": (10, 6), "w1": (5, 9), "bf": (8, 4), "rep": (3, 3), "flat": (6, 7),
+          optimizer_key("exp_avg", "w0"): (10, 6)}
+
+
+def _dtype(name):
+    return torch.bfloat16 if name == "bf" else torch.float32
+
+
+def _items_4(rank: int, world: int) -> list[ShardItem]:
+    """Rank's boxes: dim-0 uneven (padded) split, dim-1 split with an all-padding rank, 2x2 grid
+    in bf16, replicated (rank 0 only), ZeRO-style flat range, optimizer state."""
+    items = []
+    for name in ("w0", optimizer_key("exp_avg", "w0")):
+        spec = TPShard((10, 6), dim=0, padded=12, rank=rank, world=world)
+        items.append(tp_shard_item(name, spec.shard(full(name, (10, 6))), spec))
+    spec = TPShard((5, 9), dim=1, padded=12, rank=rank, world=world)
+    item = tp_shard_item("w1", spec.shard(full("w1", (5, 9))), spec)
+    if item is not None:  # with world 4 rank 3 holds only padding
+        items.append(item)
+    bf = full("bf", (8, 4), torch.bfloat16)
+    if world == 4:  # 2x2 grid of [4, 2] boxes
+        rows, cols = (rank // 2) * 4, (rank % 2) * 2
+        items.append(ShardItem("bf", bf[rows:rows + 4, cols:cols + 2], (8, 4), (rows, cols)))
+    else:  # 2 ways along dim 1
+        items.append(ShardItem("bf", bf[:, rank * 2:rank * 2 + 2], (8, 4), (0, rank * 2)))
+    if rank == 0:
+        items.append(ShardItem.whole("rep", full("rep", (3, 3))))
+    flat = full("flat", (6, 7)).reshape(-1)
+    bounds = [0, 11, 22, 33, 42] if world == 4 else [0, 23, 42]
+    items += ShardItem.from_flat("flat", flat[bounds[rank]:bounds[rank + 1]], (6, 7), bounds[rank])
+    return items
+
+
+def _save_world(root: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = tensor_to_json(torch.tensor([rank, 7], dtype=torch.int64))
+    save(root, "step5", _items_4(rank, world), {"step": 5, "client_state": {"epoch": 1}},
+         rank_meta={"rng": rng})
+    # every rank reads back its shard at a *different* layout (tp=3 along dim 1 of w0)
+    r = CheckpointReader(root)
+    spec = TPShard((10, 6), dim=1, rank=rank % 3, world=3)
+    mine = read_tp_shard(r, "w0", spec)
+    return bool(torch.equal(mine, spec.shard(full("w0", (10, 6))))), sorted(os.listdir(r.path))
+
+
+def _check_any_layout(root: str):
+    r = CheckpointReader(root)
+    assert r.meta == {"step": 5, "client_state": {"epoch": 1}}
+    assert [tensor_from_json(m["rng"]).tolist()[0] for m in r.rank_meta()] == list(range(len(r.rank_meta())))
+    for name, shape in SHAPES.items():
+        want = full(name, shape, _dtype(name))
+        assert r.shape(name) == shape and r.dtype(name) == _dtype(name)
+        assert torch.equal(r.read(name), want), name
+        for k in range(3):  # read as 3 boxes along dim 1 (any split other than the saved one)
+            lo, hi = k * shape[1] // 3, (k + 1) * shape[1] // 3
+            assert torch.equal(r.read(name, (0, lo), (shape[0], hi - lo)), want[:, lo:hi]), name
+        assert torch.equal(r.read(name, (1, 2), (shape[0] - 2, 1)), want[1:-1, 2:3])
+        n = want.numel()
+        assert torch.equal(r.read_flat(name, n // 4 + 1, n - 2), want.reshape(-1)[n // 4 + 1:n - 2])
+    assert len(r.index["tensors"]["rep"]["slices"]) == 1  # replicated: written once
+    assert torch.equal(r.read("w0", dtype=torch.float64), full("w0", (10, 6)).double())
+    for rank in range(3):  # vocabulary-style padded load at tp=3: [5, 12/3=4] with zero padding
+        spec = TPShard((5, 9), dim=1, padded=12, rank=rank, world=3)
+        assert torch.equal(read_tp_shard(r, "w1", spec), spec.shard(full("w1", (5, 9))))
+    return r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_rank_save_reads_back_in_any_layout(tmp_path, world):
+    results = run_distributed(_save_world, world, str(tmp_path))
+    assert all(ok for ok, _ in results)
+    files = results[0][1]
+    assert files == sorted(["index.json", "meta.json", "rank_meta.json"]
+                           + [f"rank{r:05d}.safetensors" for r in range(world)])
+    assert read_latest(str(tmp_path)) == "step5"
+    assert [e for e in os.listdir(tmp_path) if e.startswith(".")] == []
+    _check_any_layout(str(tmp_path))
+
+
+def _save_errors(root: str):
+    rank = dist.get_rank()
+    out = []
+    good = [ShardItem("t", full("t", (4, 6))[:, rank * 3:rank * 3 + 3], (4, 6), (0, rank * 3))]
+    save(root, "ok", good, {"step": 1})
+    # both ranks pass a replicated tensor -> every rank fails, naming it
+    try:
+        save(root, "bad", good + [ShardItem.whole("rep", torch.ones(2))], {"step": 2})
+    except CheckpointError as e:
+        out.append(str(e))
+    # only rank 1's rank_meta is not JSON -> every rank fails, naming rank 1 and the key path
+    try:
+        save(root, "bad", good, {"step": 2}, rank_meta={"rng": torch.ones(2)} if rank == 1 else None)
+    except CheckpointError as e:
+        out.append(str(e))
+    # async: rank 1 sees its error at once, rank 0 at wait()
+    writer = CheckpointWriter(root)
+    try:
+        writer.save("bad", good, {"x": {1: 2}} if rank == 1 else {}, async_=True).wait()
+    except CheckpointError as e:
+        out.append(str(e))
+    writer.wait()
+    return out, read_latest(root), sorted(list_tags(root))
+
+
+def test_multi_rank_errors_raise_on_every_rank_and_keep_previous(tmp_path):
+    for errors, latest, tags in run_distributed(_save_errors, 2, str(tmp_path)):
+        assert len(errors) == 3
+        assert "'rep'" in errors[0] and "overlaps" in errors[0]
+        assert "rank 1" in errors[1] and "rank_meta['rng']" in errors[1] and "torch.Tensor" in errors[1]
+        assert "key 1" in errors[2] and "meta['x']" in errors[2]
+        assert latest == "ok" and tags == ["ok"]
+    assert torch.equal(CheckpointReader(str(tmp_path)).read("t"), full("t", (4, 6)))
+
+
+# ----------------------------------------------------------------------------- single process
+
+def _simple_items():
+    a, b = full("a", (6, 4)), full("b", (5,), torch.bfloat16)
+    return [ShardItem("a", a[:2], (6, 4), (0, 0)), ShardItem("a", a[2:], (6, 4), (2, 0)),
+            ShardItem.whole("b", b), ShardItem.whole("s", torch.tensor(3.0))]
+
+
+def test_meta_round_trip_and_non_json_rejected_with_key_path(tmp_path):
+    root = str(tmp_path)
+    meta = {"step": 10, "lr": 1e-3, "mesh": {"tp": 2, "dp": 2}, "nan": float("nan"),
+            "rng": tensor_to_json(torch.get_rng_state()), "client_state": {"hist": [1, 2.5, None, "x"]}}
+    save(root, "s", _simple_items(), meta)
+    got = CheckpointReader(root).meta
+    assert got["mesh"] == meta["mesh"] and got["client_state"] == meta["client_state"]
+    assert torch.equal(tensor_from_json(got["rng"]), torch.get_rng_state())
+    bad = {"step": 11, "client_state": {"sampler": [0, {"pos": object()}]}}
+    with pytest.raises(CheckpointError, match=r"meta\['client_state'\]\['sampler'\]\[1\]\['pos'\]: builtins.object"):
+        save(root, "s2", _simple_items(), bad)
+    with pytest.raises(CheckpointError, match=r"tag"):
+        save(root, "../x", _simple_items(), {})
+    assert read_latest(root) == "s" and sorted(os.listdir(root)) == ["latest", "s"]
+
+
+def _corrupt_root(tmp_path):
+    root = str(tmp_path / "ck")
+    a = full("a", (8, 4))
+    save(root, "t", [ShardItem("a", a[:4], (8, 4), (0, 0)), ShardItem("a", a[4:], (8, 4), (4, 0)),
+                     ShardItem.whole("b", full("b", (300,)))], {}, max_file_bytes=200)
+    files = sorted(f for f in os.listdir(os.path.join(root, "t")) if f.endswith(".safetensors"))
+    assert files == ["rank00000-000.safetensors", "rank00000-001.safetensors"]  # max_file_bytes split
+    return root, os.path.join(root, "t"), files
+
+
+def test_corruption_is_detected_naming_the_file(tmp_path):
+    root, path, files = _corrupt_root(tmp_path)
+    assert torch.equal(CheckpointReader(root).read("a"), full("a", (8, 4)))
+    victim = os.path.join(path, files[1])
+    data = open(victim, "rb").read()
+    with open(victim, "wb") as f:  # flipped byte in the tensor data
+        f.write(data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:])
+    with pytest.raises(CheckpointError, match=f"{files[1]} is corrupted: checksum"):
+        CheckpointReader(root)
+    with open(victim, "wb") as f:  # truncated
+        f.write(data[:-8])
+    with pytest.raises(CheckpointError, match=f"{files[1]} has {len(data) - 8} bytes, the index records {len(data)}"):
+        CheckpointReader(root)
+    os.remove(victim)
+    with pytest.raises(CheckpointError, match=f"{files[1]} is missing"):
+        CheckpointReader(root)
+    with open(victim, "wb") as f:
+        f.write(data)
+    CheckpointReader(root)
+    os.remove(os.path.join(path, "index.json"))
+    with pytest.raises(CheckpointError, match="index.json is missing"):
+        CheckpointReader(root)
+
+
+def test_index_from_another_model_and_model_checks(tmp_path):
+    root, path, _ = _corrupt_root(tmp_path)
+    other = str(tmp_path / "other")
+    save(other, "t", [ShardItem.whole("a", full("a", (8, 5))), ShardItem.whole("b", full("b", (300,)))], {})
+    idx = open(os.path.join(other, "t", "index.json"), "rb").read()
+    with open(os.path.join(path, "index.json"), "wb") as f:
+        f.write(idx)
+    with pytest.raises(CheckpointError, match=r"checkpoint file .*rank00000.safetensors"):
+        CheckpointReader(root)  # nothing is loaded: the constructor refuses
+    # an index edited to describe other shapes fails its own fingerprint check
+    doc = json.loads(idx)
+    doc["tensors"]["a"]["shape"] = [8, 6]
+    doc["tensors"]["a"]["slices"][0]["lengths"] = [8, 6]
+    with open(os.path.join(other, "t", "index.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(CheckpointError, match="model fingerprint"):
+        CheckpointReader(other)
+    root2 = str(tmp_path / "fresh")
+    save(root2, "t", [ShardItem.whole("a", full("a", (8, 4))), ShardItem.whole("b", torch.ones(3)),
+                      ShardItem.whole(optimizer_key("exp_avg", "a"), torch.ones(8, 4))], {})
+    r = CheckpointReader(root2, model=model_fingerprint({"a": (8, 4), "b": (3,)}))
+    assert r.fingerprint == model_fingerprint({"a": [8, 4], "b": [3], "optimizer.master.a": [1]})
+    with pytest.raises(CheckpointError, match="another model"):
+        CheckpointReader(root2, model=model_fingerprint({"a": (8, 5), "b": (3,)}))
+    with pytest.raises(CheckpointError, match=r"tensor 'a' has shape \[8, 4\], the model expects \[4, 8\]"):
+        r.check_model({"a": (4, 8), "b": (3,)}, strict=False)
+    with pytest.raises(CheckpointError, match=r"missing \['c'\], unexpected \['b'\]"):
+        r.check_model({"a": (8, 4), "c": (1,)})
+    report = r.check_model({"a": (8, 4), "c": (1,)}, strict=False)
+    assert report.missing == ["c"] and report.unexpected == ["b"]
+
+
+def test_reads_touch_only_overlapping_files(tmp_path):
+    root, path, files = _corrupt_root(tmp_path)
+    r = CheckpointReader(root, verify="size")
+    a_files = {s["file"] for s in r.index["tensors"]["a"]["slices"] if s["offsets"][0] == 0}
+    for f in files:  # scramble (same size) every file the box [0:4, 1:3] of 'a' does not need
+        if f not in a_files:
+            p = os.path.join(path, f)
+            n = os.path.getsize(p)
+            with open(p, "r+b") as fh:
+                fh.seek(n - 16)
+                fh.write(b"\xff" * 16)
+    assert torch.equal(r.read("a", (0, 1), (4, 2)), full("a", (8, 4))[:4, 1:3])
+    lazy = CheckpointReader(root, verify="lazy")
+    assert torch.equal(lazy.read("a", (0, 1), (4, 2)), full("a", (8, 4))[:4, 1:3])
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        lazy.read("b")
+
+
+def test_keep_last_prunes_and_never_the_latest(tmp_path):
+    root = str(tmp_path)
+    writer = CheckpointWriter(root, keep_last=2)
+    for step in range(4):
+        writer.save(f"step{step}", _simple_items(), {"step": step})
+    assert sorted(os.listdir(root)) == ["latest", "step2", "step3"]
+    writer.save("step1", _simple_items(), {"step": 1})  # re-saving an old tag makes it the newest
+    assert sorted(list_tags(root)) == ["step1", "step3"] and read_latest(root) == "step1"
+    writer.save("step1", _simple_items(), {"step": 11})  # replace the tag latest names
+    assert CheckpointReader(root).meta == {"step": 11} and sorted(list_tags(root)) == ["step1", "step3"]
+    assert not [e for e in os.listdir(root) if e.startswith(".")]
+
+
+def test_async_save_is_identical_and_serialised(tmp_path):
+    sync_root, async_root = str(tmp_path / "s"), str(tmp_path / "a")
+    items = _simple_items()
+    save(sync_root, "x", items, {"step": 1})
+    writer = CheckpointWriter(async_root)
+    src = full("a", (6, 4))
+    live = [ShardItem("a", src[:2], (6, 4), (0, 0)), ShardItem("a", src[2:], (6, 4), (2, 0))] + items[2:]
+    first = writer.save("x", live, {"step": 1}, async_=True)
+    src.zero_()  # the host copy was taken before save returned
+    second = writer.save("y", items, {"step": 2}, async_=True)  # waits for the first
+    assert first.done()
+    second.wait()
+    for name in ("rank00000.safetensors", "meta.json"):
+        assert open(os.path.join(sync_root, "x", name), "rb").read() == \
+            open(os.path.join(async_root, "x", name), "rb").read()
+    i_sync = json.load(open(os.path.join(sync_root, "x", "index.json")))
+    i_async = json.load(open(os.path.join(async_root, "x", "index.json")))
+    for doc in (i_sync, i_async):
+        doc.pop("saved_at")
+    assert i_sync == i_async and read_latest(async_root) == "y"
+    assert torch.equal(CheckpointReader(async_root, "x").read("a"), full("a", (6, 4)))
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    from plait.checkpoint import ShardItem, save
+    root, tag = sys.argv[1], sys.argv[2]
+    items = [ShardItem.whole(f"t{i}", torch.full((64, 64), float(i))) for i in range(3)]
+    save(root, tag, items, {"step": "new"})
+""")
+
+
+@pytest.mark.parametrize("phase,tag", [("file", "new"), ("index", "new"), ("rename", "old"),
+                                       ("latest", "new")])
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, phase, tag):
+    root = str(tmp_path / "ck")
+    save(root, "old", _simple_items(), {"step": "old"})
+    marker = str(tmp_path / "paused")
+    env = dict(os.environ, PLAIT_CHECKPOINT_TEST_PAUSE=f"{phase}:{marker}",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, root, tag], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):
+            assert child.poll() is None, f"child exited with {child.returncode} before pausing"
+            assert time.monotonic() < deadline, "child never reached the pause point"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert read_latest(root) == "old"
+    r = CheckpointReader(root)
+    assert r.tag == "old" and r.meta == {"step": "old"}
+    assert torch.equal(r.read("a"), full("a", (6, 4)))
+    save(root, "next", _simple_items(), {"step": "next"})  # the next save clears the leftovers
+    assert not [e for e in os.listdir(root) if e.startswith(".")]
+    assert sorted(list_tags(root)) == (["next", "old"] if phase != "latest" else ["new", "next", "old"])
+
+
+# ----------------------------------------------------------------------------- boxes and tp
+
+def test_flat_range_boxes_cover_exactly_the_range():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)]:
+        n = torch.Size(shape).numel()
+        ref = torch.arange(n).reshape(shape)
+        for _ in range(40):
+            start, stop = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+            boxes = flat_range_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1
+            got = [ref[tuple(slice(o, o + m) for o, m in zip(*b))].reshape(-1) for b in boxes]
+            assert (torch.cat(got).tolist() if got else []) == list(range(start, stop))
+
+
+def test_check_tiling_reports_overlap_and_gap():
+    check_tiling("w", (4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 2)), ((2, 2), (2, 2))])
+    with pytest.raises(CheckpointError, match=r"'w'.*overlaps"):
+        check_tiling("w", (4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
+    with pytest.raises(CheckpointError, match=r"cover 12 of 16 elements \(4 missing\)"):
+        check_tiling("w", (4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 2))])
+
+
+def test_tp_helpers_round_trip_between_tp_sizes(tmp_path):
+    root = str(tmp_path)
+    vocab = full("emb", (50, 8))
+    items = []
+    for rank in range(4):  # saved at tp=4 with the vocabulary padded to 64
+        spec = TPShard((50, 8), dim=0, padded=64, rank=rank, world=4)
+        assert tp_box(spec) == ((min(16 * rank, 50), 0), (min(16, max(0, 50 - 16 * rank)), 8))
+        item = tp_shard_item("emb", spec.shard(vocab), spec)
+        items += [item] if item is not None else []
+    save(root, "t", items + [tp_shard_item("norm", torch.ones(8), TPShard((8,)))], {})
+    r = CheckpointReader(root)
+    for rank in range(3):  # loaded at tp=3 with padding to 51
+        spec = TPShard((50, 8), dim=0, padded=51, rank=rank, world=3)
+        assert torch.equal(read_tp_shard(r, "emb", spec), spec.shard(vocab))
+    assert torch.equal(read_tp_shard(r, "norm", TPShard((8,))), torch.ones(8))
+    with pytest.raises(CheckpointError, match=r"'emb'.*logical shape \[50, 8\].*expects \[52, 8\]"):
+        read_tp_shard(r, "emb", TPShard((52, 8), dim=0, rank=0, world=4))
