@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` script; returns the exit status (also usable from Python)."""
     args = build_parser().parse_args(argv)
     return args._run(args)

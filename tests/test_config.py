@@ -82,6 +82,9 @@ def test_zero_auto_buckets_from_hidden_size():
     assert z.stage3_prefetch_bucket_size == 15_099_494  # int(0.9 * 4096 * 4096)
     assert z.stage3_param_persistence_threshold == 40_960
     assert z.stage3_gather_16bit_weights_on_model_save is False
+    assert z.overlap_comm is True  # DeepSpeed's default for stage 3
+    stage2 = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, dp_size=1)
+    assert stage2.zero_optimization.overlap_comm is False
     assert cfg.bf16.enabled and cfg.precision == "bf16"
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 1)
     with pytest.raises(ConfigError, match=r"'zero_optimization\.reduce_bucket_size' is \"auto\".*model_hidden_size"):
@@ -254,6 +257,11 @@ def test_optimizer_and_scheduler_params_are_filled_and_checked():
     with pytest.raises(ConfigError, match="'AdamW' with params.adam_w_mode false"):
         load_config({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}},
                     dp_size=1)
+
+
+def test_non_json_values_in_a_dict_are_rejected():
+    with pytest.raises(ConfigError, match="only JSON values"):
+        load_config({"train_batch_size": 8, "seed": object()})
 
 
 def test_bad_json_file_names_the_path(tmp_path):

@@ -14,7 +14,8 @@ import os
 import types
 import typing
 from dataclasses import fields, is_dataclass
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Union
+from collections.abc import Mapping
 
 from plait.config.resolve import build_config, resolve_auto
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
@@ -22,16 +23,18 @@ from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, Confi
 from plait.config.unsupported import (UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS, UnsupportedConfigError,
                                       check_unsupported, check_unsupported_value)
 
+_UNIONS = (Union, types.UnionType)
 
-def load_config(source: Union[str, os.PathLike, Mapping[str, Any]], *,
-                dp_size: Optional[int] = None, world_size: Optional[int] = None,
-                model_hidden_size: Optional[int] = None,
-                micro_batch_size: Optional[int] = None, gradient_accumulation_steps: Optional[int] = None,
-                train_batch_size: Optional[int] = None, mixed_precision: Optional[str] = None,
-                gradient_clipping: Optional[float] = None, lr: Optional[float] = None,
-                betas: Optional[tuple[float, float]] = None, eps: Optional[float] = None,
-                weight_decay: Optional[float] = None, warmup_min_lr: Optional[float] = None,
-                warmup_num_steps: Optional[int] = None, total_num_steps: Optional[int] = None) -> PlaitConfig:
+
+def load_config(source: str | os.PathLike | Mapping[str, Any], *,
+                dp_size: int | None = None, world_size: int | None = None,
+                model_hidden_size: int | None = None,
+                micro_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
+                train_batch_size: int | None = None, mixed_precision: str | None = None,
+                gradient_clipping: float | None = None, lr: float | None = None,
+                betas: tuple[float, float] | None = None, eps: float | None = None,
+                weight_decay: float | None = None, warmup_min_lr: float | None = None,
+                warmup_num_steps: int | None = None, total_num_steps: int | None = None) -> PlaitConfig:
     """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated :class:`PlaitConfig`.
 
     Args:
@@ -67,7 +70,11 @@ def load_config(source: Union[str, os.PathLike, Mapping[str, Any]], *,
 
 def _load_json(source: Any) -> dict:
     if isinstance(source, Mapping):
-        return json.loads(json.dumps(source))  # deep copy; also rejects non-JSON values early
+        try:
+            return json.loads(json.dumps(source))  # deep copy; also rejects non-JSON values early
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"config dict must hold only JSON values (dict, list, str, number, bool, "
+                              f"null): {err}") from None
     path = os.fspath(source)
     with open(path, encoding="utf-8") as fh:
         try:
@@ -185,7 +192,7 @@ def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozens
 
 # ------------------------------------------------------------------------------------------------- types
 def _strip_optional(hint: Any) -> Any:
-    if typing.get_origin(hint) is Union:
+    if typing.get_origin(hint) in _UNIONS:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
             return args[0]
@@ -208,7 +215,7 @@ def _describe(hint: Any) -> str:
         return f"a list of {len(args)} numbers"
     if origin is list:
         return "a list of integers"
-    if origin is Union:
+    if origin in _UNIONS:
         parts = [_describe(a) for a in args if a is not type(None)]
         return " or ".join(parts) + (" or null" if type(None) in args else "")
     return getattr(hint, "__name__", str(hint))
@@ -258,7 +265,7 @@ def _convert(value: Any, hint: Any) -> Any:
         if isinstance(value, str) and value in args:
             return value
         raise _Mismatch
-    if origin is Union:
+    if origin in _UNIONS:
         for arg in args:
             try:
                 return _convert(value, arg)

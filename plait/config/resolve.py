@@ -35,9 +35,10 @@ gradient_accumulation_steps (a pipeline step runs one micro-batch per accumulati
 """
 from __future__ import annotations
 
+import types
 import typing
 from dataclasses import MISSING, asdict, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any
 
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
                                  OptimizerConfig, PlaitConfig, SchedulerConfig)
@@ -60,11 +61,11 @@ def _need(value: Any, key: str, fact: str) -> Any:
     return value
 
 
-def resolve_auto(raw: dict, *, dp_size: Optional[int], world_size: Optional[int], hidden: Optional[int],
-                 micro: Optional[int], gas: Optional[int], train: Optional[int], mixed_precision: Optional[str],
-                 gradient_clipping: Optional[float], lr: Optional[float], betas: Any, eps: Optional[float],
-                 weight_decay: Optional[float], warmup_min_lr: Optional[float], warmup_num_steps: Optional[int],
-                 total_num_steps: Optional[int]) -> dict:
+def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidden: int | None,
+                 micro: int | None, gas: int | None, train: int | None, mixed_precision: str | None,
+                 gradient_clipping: float | None, lr: float | None, betas: Any, eps: float | None,
+                 weight_decay: float | None, warmup_min_lr: float | None, warmup_num_steps: int | None,
+                 total_num_steps: int | None) -> dict:
     """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
     batch triple complete, following the table in this module's docstring. Raises ConfigError."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
@@ -113,7 +114,7 @@ def resolve_auto(raw: dict, *, dp_size: Optional[int], world_size: Optional[int]
     return cfg
 
 
-def _dp(cfg: dict, dp_size: Optional[int], world_size: Optional[int]) -> Optional[int]:
+def _dp(cfg: dict, dp_size: int | None, world_size: int | None) -> int | None:
     tp = cfg.get("tensor_parallel", {}).get("size", 1)
     pp = cfg.get("pipeline", {}).get("size", 1)
     for name, value in (("dp_size", dp_size), ("world_size", world_size)):
@@ -131,7 +132,7 @@ def _dp(cfg: dict, dp_size: Optional[int], world_size: Optional[int]) -> Optiona
     return derived
 
 
-def _resolve_batch(cfg: dict, *, dp_size: Optional[int], world_size: Optional[int], facts: tuple) -> None:
+def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, facts: tuple) -> None:
     dp = _dp(cfg, dp_size, world_size)
     mb = cfg.get("pipeline", {}).get("micro_batches")
     if mb is not None and cfg.get("gradient_accumulation_steps") in (None, AUTO):
@@ -145,7 +146,10 @@ def _resolve_batch(cfg: dict, *, dp_size: Optional[int], world_size: Optional[in
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
     train, micro, gas = (vals[k] for k in _TRIPLE)
     dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
-    show = lambda v: "missing" if v is None else v  # noqa: E731
+
+    def show(v: int | None) -> object:
+        return "missing" if v is None else v
+
     numbers = (f"train_batch_size ({show(train)}), train_micro_batch_size_per_gpu ({show(micro)}), "
                f"gradient_accumulation_steps ({show(gas)}), {dp_text}")
     fix = ("train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
@@ -170,8 +174,10 @@ def _resolve_batch(cfg: dict, *, dp_size: Optional[int], world_size: Optional[in
         if train is None:
             train = micro * gas * dp
         else:
-            known, missing = (micro, "gradient_accumulation_steps") if gas is None else (gas, "train_micro_"
-                                                                                          "batch_size_per_gpu")
+            if gas is None:
+                known, missing = micro, "gradient_accumulation_steps"
+            else:
+                known, missing = gas, "train_micro_batch_size_per_gpu"
             if train % (known * dp) != 0:
                 raise ConfigError(f"cannot derive {missing}: {numbers}: {train} is not divisible by "
                                   f"{known} x {dp}; {fix}")
@@ -224,7 +230,8 @@ def _build(cls: type, data: dict) -> Any:
 
 def _unwrap(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return args[0] if union and len(args) == 1 else hint
 
 
 def _params(cls: type, value: dict, section: str) -> dict:

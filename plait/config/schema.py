@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 AUTO = "auto"
 
@@ -205,7 +205,7 @@ class ZeroConfig:
     stage: int = 0
     allgather_partitions: bool = True
     allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
+    overlap_comm: bool | None = None  # None: True for stage 3, else False (DeepSpeed's default)
     reduce_scatter: bool = True
     reduce_bucket_size: int = _auto(500_000_000)
     contiguous_gradients: bool = True
@@ -221,6 +221,8 @@ class ZeroConfig:
     ignore_unused_parameters: bool = True
 
     def __post_init__(self) -> None:
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
         if self.offload_param.enabled and self.stage != 3:
@@ -240,7 +242,7 @@ class ActivationCheckpointingConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    number_checkpoints: Optional[int] = None
+    number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
@@ -277,8 +279,8 @@ class PipelineConfig:
     size: int = field(default=1, metadata={"aliases": ("stages",)})
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
     virtual_stages: int = 1
-    micro_batches: Optional[int] = None
-    partition: Union[Literal["uniform", "parameters"], list[int]] = "uniform"
+    micro_batches: int | None = None
+    partition: Literal["uniform", "parameters"] | list[int] = "uniform"
 
     @property
     def num_chunks(self) -> int:
@@ -330,8 +332,8 @@ class PlaitConfig:
     gradient_clipping: float = _auto(0.0)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config, metadata={"aliases": ("bfloat16",)})
-    optimizer: Optional[OptimizerConfig] = None
-    scheduler: Optional[SchedulerConfig] = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
@@ -341,7 +343,7 @@ class PlaitConfig:
     memory_breakdown: bool = False
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
-    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     zero_allow_untested_optimizer: bool = False
     seed: int = 1234
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -175,7 +175,7 @@ def format_memory_table(estimates: Iterable[MemoryEstimate], unit: str = "GiB") 
     scale = {"GiB": GiB, "GB": GB}.get(unit)
     if scale is None:
         raise ValueError(f"unit must be 'GiB' or 'GB', got {unit!r}")
-    head = ("stage", "offload", f"GPU params", "GPU grads", "GPU optim", f"GPU total", "host total")
+    head = ("stage", "offload", "GPU params", "GPU grads", "GPU optim", "GPU total", "host total")
     rows = [head]
     for e in estimates:
         rows.append((str(e.stage), e.offload, *(f"{b / scale:.2f}" for b in (
