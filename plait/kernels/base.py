@@ -1,0 +1,221 @@
+"""What every flat-buffer CPU optimizer shares: buffer checks, threads, the step counter, ranges, state.
+
+A ZeRO-Offload rank owns one flat float32 master-parameter buffer of ``numel`` elements on the host
+(its optimizer partition), the matching flat float32 gradient buffer, and optimizer state of the same
+length. Subclasses supply the numba kernel; this class turns torch tensors into zero-copy numpy views,
+checks lengths, applies the thread count for the duration of one call only, and keeps the step count.
+
+Stepping by bucket: the offload pipeline can update one gradient bucket while backward is still
+producing the next. One optimizer step is then::
+
+    opt.begin_step(lr)                      # step counter += 1, lr fixed for this step
+    for off, n, grad_bucket in buckets:     # any order, each range exactly once
+        opt.step_range(params, grad_bucket, off, n, lowp_out=params_bf16)
+
+and gives bit-identical results to ``opt.step(params, grads, params_bf16, lr)``, because every
+element's update depends only on that element and the per-step scalars (LAMB: on its whole segment,
+so LAMB ranges must cover whole segments).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+import torch
+
+from plait.kernels.lowp import MODE_NONE, lowp_bits_view, torch_bf16_nan_bits
+
+
+def flat_f32(x, name: str) -> np.ndarray:
+    """Zero-copy 1-D float32 numpy view of a contiguous CPU float32 torch tensor or numpy array.
+
+    Raises:
+        TypeError: wrong type or dtype. ValueError: non-contiguous or non-CPU tensor.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {x.dtype}")
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})"
+            )
+        return x.detach().reshape(-1).numpy()
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return x.reshape(-1)
+    raise TypeError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
+
+
+@contextmanager
+def numba_threads(n: int):
+    """Run the body with numba's thread count set to ``n``, restoring the caller's count after.
+
+    ``numba.set_num_threads`` is per calling thread, so this affects nothing outside the block.
+    """
+    prev = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
+def _check_beta(name: str, b: float) -> float:
+    if not 0.0 <= b < 1.0:
+        raise ValueError(f"{name}={b} must be in [0, 1)")
+    return float(b)
+
+
+class FlatOptimizer:
+    """Base class: a step counter and fp32 state tensors over ``numel`` elements.
+
+    Args:
+        params: the flat float32 master buffer (only its element count is used) or that count.
+        lr: learning rate (units of the parameter per step).
+        num_threads: numba threads per call; None -> all (``numba.config.NUMBA_NUM_THREADS``).
+
+    Subclasses set ``_state_names`` and implement ``_run`` and ``_hparams``/``_set_hparams``.
+    """
+
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, params, lr: float, num_threads: int | None = None):
+        numel = params.numel() if isinstance(params, torch.Tensor) else int(getattr(params, "size", params))
+        if numel < 0:
+            raise ValueError(f"numel={numel} must be >= 0")
+        if lr < 0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        max_threads = numba.config.NUMBA_NUM_THREADS
+        if num_threads is None:
+            num_threads = max_threads
+        if not 1 <= num_threads <= max_threads:
+            raise ValueError(
+                f"num_threads={num_threads} must be in [1, {max_threads}]; numba's pool size is fixed at "
+                "start-up by NUMBA_NUM_THREADS"
+            )
+        self.numel = numel
+        self.lr = float(lr)
+        self.num_threads = int(num_threads)
+        self.step_count = 0
+        self._step_lr: float | None = None
+        self._nan_bits = np.uint16(torch_bf16_nan_bits())
+        for name in self._state_names:
+            setattr(self, name, torch.zeros(numel, dtype=torch.float32))
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def begin_step(self, lr: float | None = None) -> int:
+        """Start one optimizer step: advance the step counter (bias correction uses it) and fix lr.
+
+        Call once per optimizer step, then :meth:`step_range` once for each range of the buffer.
+        Returns the new step count (1 for the first step).
+        """
+        self.step_count += 1
+        self._step_lr = self.lr if lr is None else float(lr)
+        if self._step_lr < 0:
+            raise ValueError(f"lr={self._step_lr} must be >= 0")
+        return self.step_count
+
+    def step_range(self, params, grads, offset: int = 0, length: int | None = None, lowp_out=None,
+                   grad_scale: float = 1.0) -> None:
+        """Update elements ``[offset, offset + length)`` of the flat buffer for the current step.
+
+        Args:
+            params: float32 master weights, ``[numel]`` (whole buffer; the range is sliced out) or
+                ``[length]`` (just the range). Updated in place.
+            grads: float32 gradients, ``[numel]`` or ``[length]`` likewise. Read only.
+            offset: first element of the range. length: its size (None: to the end).
+            lowp_out: None, or a bf16/fp16 tensor (or numpy float16 array) ``[numel]`` or ``[length]``
+                that receives the updated weights rounded to nearest even, in the same pass.
+            grad_scale: the gradient is divided by it (fp16 loss-scale unscaling and the
+                gradient-clipping coefficient folded in); must be finite and > 0.
+
+        Raises:
+            RuntimeError: :meth:`begin_step` was not called first.
+            ValueError: range outside ``[0, numel]``, buffers of another size, bad ``grad_scale``.
+        """
+        if self._step_lr is None:
+            raise RuntimeError("call begin_step() before step_range(): it advances the step counter once per step")
+        if length is None:
+            length = self.numel - offset
+        if offset < 0 or length < 0 or offset + length > self.numel:
+            raise ValueError(f"range offset={offset}, length={length} lies outside the buffer of numel={self.numel}")
+        if not (math.isfinite(grad_scale) and grad_scale > 0):
+            raise ValueError(f"grad_scale={grad_scale} must be finite and > 0 (it divides the gradient)")
+        self._check_range(offset, length)
+        p = self._slice(flat_f32(params, "params"), offset, length, "params")
+        g = self._slice(flat_f32(grads, "grads"), offset, length, "grads")
+        bits, mode = lowp_bits_view(lowp_out)
+        if mode != MODE_NONE:
+            bits = self._slice(bits, offset, length, "lowp_out")
+        states = [getattr(self, n).numpy()[offset:offset + length] for n in self._state_names]
+        if length == 0:
+            return
+        with numba_threads(self.num_threads):
+            self._run(p, g, states, bits, mode, offset, length, np.float32(grad_scale))
+
+    def step(self, params, grads, lowp_out=None, lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """One whole optimizer step over the buffer: ``begin_step(lr)`` then ``step_range`` of all of it.
+
+        Shapes as in :meth:`step_range` with ``length == numel``.
+        """
+        self.begin_step(lr)
+        self.step_range(params, grads, 0, self.numel, lowp_out=lowp_out, grad_scale=grad_scale)
+
+    def _slice(self, arr: np.ndarray, offset: int, length: int, name: str) -> np.ndarray:
+        if arr.shape[0] == self.numel:
+            return arr[offset:offset + length]
+        if arr.shape[0] == length:
+            return arr
+        raise ValueError(
+            f"{name} has {arr.shape[0]} elements; expected the whole buffer ({self.numel}) or the range ({length})"
+        )
+
+    def _check_range(self, offset: int, length: int) -> None:
+        """Hook: subclasses whose update couples elements (LAMB) restrict the allowed ranges."""
+
+    def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
+        raise NotImplementedError
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def _hparams(self) -> dict:
+        return {"lr": self.lr}
+
+    def _set_hparams(self, hp: dict) -> None:
+        self.lr = float(hp["lr"])
+
+    def state_dict(self) -> dict:
+        """Plain tensors and numbers: ``{"step": int, "hparams": {name: float|bool}, <state name>: [numel] fp32}``.
+
+        The tensors are the live state (no copy); save or clone them before the next step.
+        """
+        sd = {"step": self.step_count, "hparams": self._hparams()}
+        for n in self._state_names:
+            sd[n] = getattr(self, n)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Copy state from :meth:`state_dict` output (in place, so views of the state stay valid).
+
+        Raises:
+            KeyError: a state tensor is missing. ValueError: a tensor has another element count.
+        """
+        for n in self._state_names:
+            if n not in sd:
+                raise KeyError(f"state dict has no '{n}' (keys: {sorted(sd)}); was it saved by {type(self).__name__}?")
+            t = sd[n]
+            if t.numel() != self.numel:
+                raise ValueError(
+                    f"state '{n}' has {t.numel()} elements but this optimizer has numel={self.numel}; "
+                    "load the partition saved for this rank's layout"
+                )
+        for n in self._state_names:
+            getattr(self, n).copy_(sd[n].reshape(-1).to(torch.float32))
+        self.step_count = int(sd["step"])
+        self._step_lr = None
+        if "hparams" in sd:
+            self._set_hparams(sd["hparams"])

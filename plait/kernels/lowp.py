@@ -1,0 +1,147 @@
+"""float32 -> bfloat16 / float16 rounding as bit patterns, for the optimizers' fused copy-out.
+
+The optimizer kernels write the updated low-precision parameter copy (the weights the next
+forward reads) in the same pass as the fp32 update, so the host never makes a second sweep
+over a 10^9-element buffer. Numba has no bfloat16 type, so both formats are produced as
+``uint16`` bit patterns written into a ``uint16`` view of the destination tensor
+(see :func:`lowp_bits_view`).
+
+Both conversions equal torch's CPU ``Tensor.to(dtype)`` bit for bit, including the cases that
+bit-level shortcuts usually get wrong:
+
+* round to nearest, ties to even (IEEE 754-2019 section 4.3.1), so ``1 + 2^-8`` -> ``1.0`` in bf16;
+* overflow on rounding: the largest float32 rounds to ``inf`` in bf16, ``65520.0`` to ``inf`` in fp16;
+* ``inf``/``-inf``, signed zeros, float32 subnormals (kept in bf16, which shares float32's exponent
+  range; rounded into fp16 subnormals or to zero);
+* NaN. bf16: torch's CPU kernels (ATen ``cvtfp32_bf16``, AVX2 and AVX-512) write ``0xFFFF`` for
+  every NaN, sign and payload discarded, while the scalar ``c10::BFloat16`` constructor gives
+  ``0x7FC0``. The kernels therefore take the NaN pattern as an argument and
+  :func:`torch_bf16_nan_bits` asks torch which one it writes. fp16: torch uses the F16C
+  instruction ``vcvtps2ph``, which keeps the sign, sets the quiet bit and keeps the top 10
+  payload bits; :func:`fp16_bits` does the same.
+
+Modes for the ``mode`` argument of every kernel: :data:`MODE_NONE`, :data:`MODE_BF16`, :data:`MODE_FP16`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+MODE_NONE = 0
+MODE_BF16 = 1
+MODE_FP16 = 2
+
+_U16 = {torch.bfloat16: MODE_BF16, torch.float16: MODE_FP16}
+
+
+@njit(cache=True, inline="always")
+def bf16_bits(x, nan_bits):
+    """bfloat16 bit pattern (uint16) of float32 ``x``, round to nearest even.
+
+    Adding ``0x7FFF + lsb`` to the float32 bits and dropping the low 16 bits rounds the mantissa to
+    8 bits with ties to even; a carry out of the mantissa bumps the exponent, so the largest finite
+    values round up to ``inf`` (``0x7F80``) exactly as IEEE requires. NaN maps to ``nan_bits``.
+    """
+    u = np.float32(x).view(np.uint32)
+    r = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        r = nan_bits
+    return r
+
+
+@njit(cache=True, inline="always")
+def fp16_bits(x):
+    """IEEE binary16 bit pattern (uint16) of float32 ``x``, round to nearest even.
+
+    Normal range: re-bias the exponent (127 -> 15, i.e. subtract ``112 << 23``) and round the
+    mantissa from 23 to 10 bits. ``|x| >= 65520`` rounds to ``inf``. ``|x| < 2^-14`` becomes a
+    subnormal: the 24-bit significand is shifted right by ``126 - exponent`` with explicit
+    round-half-even. NaN: sign kept, quiet bit set, top 10 payload bits kept (x86 F16C).
+    """
+    u = np.float32(x).view(np.uint32)
+    sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
+    a = u & np.uint32(0x7FFFFFFF)
+    if a > np.uint32(0x7F800000):  # NaN
+        return np.uint16(sign | np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF)))
+    if a >= np.uint32(0x477FF000):  # >= 65520 (incl. inf): rounds to inf
+        return np.uint16(sign | np.uint32(0x7C00))
+    if a >= np.uint32(0x38800000):  # >= 2^-14: normal half
+        b = a - np.uint32(0x38000000)
+        return np.uint16(sign | ((b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)))
+    if a <= np.uint32(0x33000000):  # <= 2^-25: rounds to (signed) zero, 2^-25 being a tie to even
+        return np.uint16(sign)
+    e = a >> np.uint32(23)
+    m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    shift = np.uint32(126) - e  # 14..24 here
+    q = m >> shift
+    rem = m & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    if rem > half or (rem == half and (q & np.uint32(1)) == np.uint32(1)):
+        q += np.uint32(1)
+    return np.uint16(sign | q)
+
+
+@njit(parallel=True, cache=True)
+def _convert(src, out, mode, nan_bits):
+    for i in prange(src.shape[0]):
+        if mode == MODE_BF16:
+            out[i] = bf16_bits(src[i], nan_bits)
+        else:
+            out[i] = fp16_bits(src[i])
+
+
+def torch_bf16_nan_bits() -> int:
+    """The uint16 pattern torch's CPU ``.to(torch.bfloat16)`` writes for NaN (``0xFFFF`` on x86)."""
+    x = torch.full((64,), float("nan"))
+    return int(x.to(torch.bfloat16).view(torch.int16)[0].item()) & 0xFFFF
+
+
+def lowp_bits_view(out) -> tuple[np.ndarray, int]:
+    """``(uint16 numpy view, mode)`` of a low-precision destination, sharing its memory.
+
+    Args:
+        out: None (-> empty array, :data:`MODE_NONE`), a contiguous CPU torch tensor of dtype
+            ``torch.bfloat16`` or ``torch.float16``, or a contiguous numpy ``float16`` array.
+
+    Raises:
+        TypeError: any other dtype or type. ValueError: non-contiguous or non-CPU tensors.
+    """
+    if out is None:
+        return np.empty(0, np.uint16), MODE_NONE
+    if isinstance(out, np.ndarray):
+        if out.dtype != np.float16:
+            raise TypeError(f"low-precision output must be numpy float16, got {out.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("low-precision output array must be C-contiguous; pass np.ascontiguousarray(out)")
+        return out.reshape(-1).view(np.uint16), MODE_FP16
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"low-precision output must be a torch tensor or numpy array, got {type(out).__name__}")
+    if out.dtype not in _U16:
+        raise TypeError(f"low-precision output must be torch.bfloat16 or torch.float16, got {out.dtype}")
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(
+            f"low-precision output must be a contiguous CPU tensor (device={out.device}, "
+            f"contiguous={out.is_contiguous()}); copy it to a contiguous host buffer first"
+        )
+    return out.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16), _U16[out.dtype]
+
+
+def copy_to_lowp(src: torch.Tensor, out, nan_bits: int | None = None) -> None:
+    """Write ``src`` (float32, any shape, contiguous CPU) rounded to bf16/fp16 into ``out`` in place.
+
+    Equal bit for bit to ``out.copy_(src.to(out.dtype))`` (see the module docstring), parallel over
+    numba's threads. ``out`` as in :func:`lowp_bits_view` (not None) with ``src.numel()`` elements.
+
+    Raises:
+        ValueError: element counts differ, or ``src`` is not contiguous float32.
+    """
+    if src.dtype != torch.float32 or not src.is_contiguous():
+        raise ValueError(f"src must be contiguous float32, got dtype={src.dtype}, contiguous={src.is_contiguous()}")
+    bits, mode = lowp_bits_view(out)
+    if mode == MODE_NONE:
+        raise ValueError("out is None: nothing to copy into")
+    if bits.shape[0] != src.numel():
+        raise ValueError(f"out has {bits.shape[0]} elements but src has {src.numel()}")
+    nan = torch_bf16_nan_bits() if nan_bits is None else nan_bits
+    _convert(src.detach().reshape(-1).numpy(), bits, mode, np.uint16(nan))
