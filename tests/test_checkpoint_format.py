@@ -8,15 +8,29 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from plait.checkpoint import (CheckpointError, CheckpointReader, CheckpointWriter, ShardItem,
-                              flat_range_boxes, list_tags, model_fingerprint, optimizer_key,
-                              read_latest, read_tp_shard, save, tensor_from_json, tensor_to_json,
-                              tp_box, tp_shard_item)
+from plait.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    ShardItem,
+    flat_range_boxes,
+    list_tags,
+    model_fingerprint,
+    optimizer_key,
+    read_latest,
+    read_tp_shard,
+    save,
+    tensor_from_json,
+    tensor_to_json,
+    tp_box,
+    tp_shard_item,
+)
 from plait.checkpoint.boxes import check_tiling
 from plait.parallel.sharding import TPShard
 from plait.testing import run_distributed
@@ -131,17 +145,20 @@ def _save_errors(root: str):
     except CheckpointError as e:
         out.append(str(e))
     writer.wait()
-    return out, read_latest(root), sorted(list_tags(root))
+    before = (read_latest(root), sorted(list_tags(root)))
+    writer.save("async_ok", good, {"step": 3}, async_=True).wait()  # on the writer's side group
+    return out, before, read_latest(root)
 
 
 def test_multi_rank_errors_raise_on_every_rank_and_keep_previous(tmp_path):
-    for errors, latest, tags in run_distributed(_save_errors, 2, str(tmp_path)):
+    for errors, (latest, tags), after in run_distributed(_save_errors, 2, str(tmp_path)):
         assert len(errors) == 3
         assert "'rep'" in errors[0] and "overlaps" in errors[0]
         assert "rank 1" in errors[1] and "rank_meta['rng']" in errors[1] and "torch.Tensor" in errors[1]
         assert "key 1" in errors[2] and "meta['x']" in errors[2]
-        assert latest == "ok" and tags == ["ok"]
+        assert latest == "ok" and tags == ["ok"] and after == "async_ok"
     assert torch.equal(CheckpointReader(str(tmp_path)).read("t"), full("t", (4, 6)))
+    assert CheckpointReader(str(tmp_path)).meta == {"step": 3}
 
 
 # ----------------------------------------------------------------------------- single process
@@ -182,7 +199,7 @@ def test_corruption_is_detected_naming_the_file(tmp_path):
     root, path, files = _corrupt_root(tmp_path)
     assert torch.equal(CheckpointReader(root).read("a"), full("a", (8, 4)))
     victim = os.path.join(path, files[1])
-    data = open(victim, "rb").read()
+    data = Path(victim).read_bytes()
     with open(victim, "wb") as f:  # flipped byte in the tensor data
         f.write(data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:])
     with pytest.raises(CheckpointError, match=f"{files[1]} is corrupted: checksum"):
@@ -206,7 +223,7 @@ def test_index_from_another_model_and_model_checks(tmp_path):
     root, path, _ = _corrupt_root(tmp_path)
     other = str(tmp_path / "other")
     save(other, "t", [ShardItem.whole("a", full("a", (8, 5))), ShardItem.whole("b", full("b", (300,)))], {})
-    idx = open(os.path.join(other, "t", "index.json"), "rb").read()
+    idx = Path(other, "t", "index.json").read_bytes()
     with open(os.path.join(path, "index.json"), "wb") as f:
         f.write(idx)
     with pytest.raises(CheckpointError, match=r"checkpoint file .*rank00000.safetensors"):
@@ -278,10 +295,9 @@ def test_async_save_is_identical_and_serialised(tmp_path):
     assert first.done()
     second.wait()
     for name in ("rank00000.safetensors", "meta.json"):
-        assert open(os.path.join(sync_root, "x", name), "rb").read() == \
-            open(os.path.join(async_root, "x", name), "rb").read()
-    i_sync = json.load(open(os.path.join(sync_root, "x", "index.json")))
-    i_async = json.load(open(os.path.join(async_root, "x", "index.json")))
+        assert Path(sync_root, "x", name).read_bytes() == Path(async_root, "x", name).read_bytes()
+    i_sync = json.loads(Path(sync_root, "x", "index.json").read_text())
+    i_async = json.loads(Path(async_root, "x", "index.json").read_text())
     for doc in (i_sync, i_async):
         doc.pop("saved_at")
     assert i_sync == i_async and read_latest(async_root) == "y"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from plait.checkpoint.boxes import box_error, check_tiling
 from plait.checkpoint.errors import CheckpointError

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -18,8 +18,13 @@ from safetensors import safe_open
 from plait.checkpoint.boxes import box_error, flat_range_boxes, intersect, volume
 from plait.checkpoint.dirs import resolve_tag
 from plait.checkpoint.errors import CheckpointError
-from plait.checkpoint.index import (INDEX_FILE, META_FILE, OPTIMIZER_PREFIX, RANK_META_FILE,
-                                    load_index)
+from plait.checkpoint.index import (
+    INDEX_FILE,
+    META_FILE,
+    OPTIMIZER_PREFIX,
+    RANK_META_FILE,
+    load_index,
+)
 from plait.checkpoint.integrity import verify_file
 from plait.checkpoint.stfile import DTYPE_BY_NAME, ST_DTYPES
 

@@ -17,13 +17,14 @@ Ranks must share the file system holding ``root``. One writer per root at a time
 """
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,13 @@ import torch.distributed as dist
 from plait.checkpoint.boxes import box_error, flat_range_boxes
 from plait.checkpoint.dirs import check_tag, prune, publish, remove_leftovers
 from plait.checkpoint.errors import CheckpointError
-from plait.checkpoint.index import INDEX_FILE, META_FILE, RANK_META_FILE, build_index, dumps_index
+from plait.checkpoint.index import (
+    INDEX_FILE,
+    META_FILE,
+    RANK_META_FILE,
+    build_index,
+    dumps_index,
+)
 from plait.checkpoint.integrity import fsync_path, write_durable
 from plait.checkpoint.meta import dumps, json_error
 from plait.checkpoint.stfile import dtype_name, write_safetensors
@@ -55,6 +62,7 @@ class ShardItem:
 
     Raises:
         ValueError: the box does not fit in ``global_shape`` or the dtype cannot be stored.
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
     """
 
     name: str
@@ -68,20 +76,20 @@ class ShardItem:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ShardItem name must be a non-empty str, got {self.name!r}")
         if not isinstance(self.tensor, torch.Tensor):
-            raise ValueError(f"ShardItem {self.name!r}: tensor is a {type(self.tensor).__name__}")
+            raise TypeError(f"ShardItem {self.name!r}: tensor is a {type(self.tensor).__name__}")
         dtype_name(self.tensor.dtype)
         err = box_error(self.global_shape, self.offsets, tuple(self.tensor.shape))
         if err:
             raise ValueError(f"ShardItem {self.name!r} of tensor shape {list(self.tensor.shape)}: {err}")
 
     @classmethod
-    def whole(cls, name: str, tensor: torch.Tensor) -> "ShardItem":
+    def whole(cls, name: str, tensor: torch.Tensor) -> ShardItem:
         """The whole tensor as one slice (replicated tensors: pass from one rank only)."""
         return cls(name, tensor, tuple(tensor.shape), (0,) * tensor.dim())
 
     @classmethod
     def from_flat(cls, name: str, flat: torch.Tensor, global_shape: Sequence[int],
-                  start: int) -> list["ShardItem"]:
+                  start: int) -> list[ShardItem]:
         """Items for elements ``[start, start + flat.numel())`` of the row-major flattened logical
         tensor (a ZeRO partition of one parameter); ``flat`` is 1-D. At most ``2 * ndim - 1`` items."""
         out, pos = [], 0
@@ -234,6 +242,8 @@ class CheckpointWriter:
             error = f"rank {comm.rank}: {e}"
         items = [(s.name, s.tensor.detach().to("cpu", copy=True) if async_ else s.tensor.detach(),
                   s.global_shape, s.offsets) for s in shards] if error is None else []
+        if async_:  # the caller may change its dicts while the thread writes
+            meta, rank_meta = copy.deepcopy(meta), copy.deepcopy(rank_meta)
         job = _Job(self.root, tag, items, meta or {}, rank_meta, self.keep_last, self.max_file_bytes,
                    comm, error)
         if error is not None and comm.world == 1:
