@@ -1,0 +1,9 @@
+"""ZeRO data-parallel sharding (Rajbhandari et al., SC'20): stages 0-3, fp32 master weights,
+fp16 loss scaling, global gradient-norm clipping over dp/tp/pp, and logical checkpoint slices."""
+from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
+from plait.zero.flat import ParamSlice, ShardState, slices_reader
+from plait.zero.optimizer import ZeroOptimizer, weight_decay_groups
+from plait.zero.precision import LossScaleError, LossScaler, resolve_dtype
+
+__all__ = ["ZeroOptimizer", "weight_decay_groups", "LossScaler", "LossScaleError", "resolve_dtype",
+           "NormGroups", "global_grad_norm", "clip_coefficient", "ParamSlice", "ShardState", "slices_reader"]

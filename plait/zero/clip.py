@@ -1,0 +1,88 @@
+"""Global gradient norm over dp, tp and pp, and clipping by it.
+
+The norm is that of the single-process model's full gradient (Pascanu et al., "On the
+difficulty of training recurrent neural networks", ICML 2013, Sec. 3.2: rescale g to
+``max_norm * g / ||g||`` when ``||g|| > max_norm``), however the gradient is spread:
+
+* dp: ZeRO shards are disjoint pieces of the gradient; squares are summed over dp.
+  Unsharded (stage 0) gradients are whole on every dp rank: pass ``dp_group=None``.
+* tp: a parameter split over tp (``plait_shard.dim`` set) contributes every shard; one
+  replicated over tp (``plait_shard.dim is None``) holds the same gradient on every tp rank and
+  is counted once (only tp rank 0 adds it; summing and dividing by tp would round differently).
+* pp: stages hold different parameters; squares are summed over pp.
+
+A parameter duplicated on several pipeline stages (tied embeddings on the first and last stage)
+must be passed by one stage only; ``global_grad_norm`` cannot tell the copies apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.collectives import group_rank, group_size
+
+
+@dataclass(frozen=True)
+class NormGroups:
+    """The model-parallel groups a gradient norm (and the fp16 overflow flag) must span.
+
+    ``tp``: ``mesh.tp_group``; ``pp``: ``mesh.pp_group``. None (the default) for a dim of size 1.
+    """
+
+    tp: object = None
+    pp: object = None
+
+
+def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dp_group=None, tp_group=None,
+                     pp_group=None, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model's gradient, identical on every rank.
+
+    Args:
+        pieces: ``(grad, tp_replicated)`` pairs: gradient tensors (any shape) this rank accounts
+            for, disjoint from other dp ranks' pieces when ``dp_group`` is given; ``tp_replicated``
+            marks a gradient that every tp rank also holds (counted on tp rank 0 only).
+        dp_group, tp_group, pp_group: groups to reduce over (None: not split along that dim).
+        norm_type: 2.0 (default), any p >= 1, or ``math.inf``.
+
+    Returns:
+        0-dim float32 tensor (on the pieces' device), the same value on all ranks.
+        Computed in float32 from float32 squares (pieces of other dtypes are upcast).
+
+    Collective: all-reduce (SUM, or MAX for inf) over each non-None group of size > 1.
+
+    Raises:
+        ValueError: ``norm_type`` < 1.
+    """
+    if norm_type < 1:
+        raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
+    pieces = list(pieces)
+    device = pieces[0][0].device if pieces else torch.device("cpu")
+    skip_replicated = group_rank(tp_group) != 0
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad, replicated in pieces:
+        if grad.numel() == 0 or (replicated and skip_replicated):
+            continue
+        g = grad.detach().float()
+        if norm_type == math.inf:
+            total = torch.maximum(total, g.abs().max())
+        else:
+            total = total + (g.pow(2).sum() if norm_type == 2.0 else g.abs().pow(norm_type).sum())
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    total = total.reshape(1)
+    for group in (dp_group, tp_group, pp_group):
+        if group is not None and group_size(group) > 1:
+            dist.all_reduce(total, op=op, group=group)
+    total = total.reshape(())
+    return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
+    """Factor to multiply gradients by: ``min(1, max_norm / (total_norm + eps))`` — the formula of
+    ``torch.nn.utils.clip_grad_norm_``; 1.0 when clipping is off (``max_norm`` 0 or None)."""
+    if not max_norm or max_norm <= 0:
+        return 1.0
+    return min(1.0, float(max_norm) / (float(total_norm) + eps))

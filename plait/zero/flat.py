@@ -1,0 +1,418 @@
+"""Flat buffers for ZeRO: parameters packed into padded segments split evenly over dp ranks.
+
+Layout (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC'20, Sec. 5: each of the N_d data-parallel ranks owns 1/N_d of every model state):
+
+* A **segment** is a run of parameters of one dtype and one optimizer param group, each
+  flattened and packed back to back, then zero-padded to a multiple of the dp size ``world``.
+  Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded / world``; the boundary may
+  fall inside a parameter (a parameter is then split between two ranks). Segments are the unit
+  of communication: one reduce-scatter per segment for gradients, one all-gather per segment
+  (or per coalesced run of segments) for parameters. Segment size is bounded by the reduce
+  bucket size (a bigger parameter gets a segment of its own).
+* A **flat group** is the list of segments sharing a ``GroupKey`` (param group, compute dtype,
+  tp placement, stage-3 persistence). The rank's *shard* of a flat group is the concatenation of
+  its slice of each segment: one 1-D tensor on which the fp32 master weights and the optimizer
+  state live, so any elementwise torch optimizer steps it unchanged.
+
+With ``world = 1`` (stage 0) a segment is unpadded and its one "slice" is all of it.
+Nothing here talks to process groups except ``gather_segments``, which takes one explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.collectives import all_gather_flat, reduce_scatter_flat
+
+
+class GroupKey(NamedTuple):
+    """What parameters must share to live in one flat group (and one master tensor)."""
+
+    param_group: int          # index of the optimizer param group (lr, weight decay, ...)
+    dtype: torch.dtype        # compute dtype of the model parameters
+    tp_replicated: bool       # ``plait_shard.dim is None``: counted once over tp in the grad norm
+    persistent: bool = False  # stage 3: kept whole on every rank (numel < persistence threshold)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter's place in its segment: elements ``[offset, offset + numel)``."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part of one parameter that this rank owns: flattened elements ``[start, start+length)``
+    of the parameter, stored at ``[shard_offset, shard_offset+length)`` of the flat group's shard."""
+
+    slot: Slot
+    start: int
+    length: int
+    shard_offset: int
+
+
+@dataclass(eq=False)
+class Segment:
+    """A padded run of parameters; see the module docstring.
+
+    Runtime fields: ``full`` is the whole padded buffer ``[padded]`` in the compute dtype while it
+    exists (always for stages 0-2 and stage-3 persistent segments; only while gathered for other
+    stage-3 segments); ``local`` is this rank's ``[S]`` slice in the compute dtype (stage 3 only).
+    """
+
+    key: GroupKey
+    slots: list[Slot]
+    numel: int
+    world: int
+    rank: int
+    group: int = 0           # index of the flat group in the layout
+    shard_offset: int = 0    # where this rank's slice starts in the flat group's shard
+    unit: int | None = None  # stage 3: index of the unit that owns these parameters
+    full: torch.Tensor | None = field(default=None, repr=False)
+    local: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.world) * self.world
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.world
+
+    @property
+    def lo(self) -> int:
+        """First element of the segment this rank owns."""
+        return self.rank * self.shard_size
+
+    def pieces(self) -> list[Piece]:
+        """The parts of each parameter inside this rank's slice ``[lo, lo + S)``."""
+        lo, hi = self.lo, self.lo + self.shard_size
+        out = []
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                out.append(Piece(slot, a - slot.offset, b - a, self.shard_offset + a - lo))
+        return out
+
+    def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """A new zero-padded ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot
+        (``None``: left zero)."""
+        device = self.slots[0].param.device
+        out = torch.zeros(self.padded, dtype=dtype, device=device)
+        for slot in self.slots:
+            value = get(slot)
+            if value is not None:
+                out[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+        return out
+
+    def set_views(self, full: torch.Tensor) -> None:
+        """Point every parameter's ``.data`` at its place in ``full`` (``[padded]``)."""
+        self.full = full
+        for slot in self.slots:
+            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def free(self) -> None:
+        """Drop the full buffer; parameters become empty ``[0]`` tensors (storage released)."""
+        self.full = None
+        for slot in self.slots:
+            slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """Segments sharing one ``GroupKey``; ``shard_numel`` is the length of this rank's shard."""
+
+    key: GroupKey
+    segments: list[Segment]
+    shard_numel: int
+
+    def pieces(self) -> list[Piece]:
+        return [p for seg in self.segments for p in seg.pieces()]
+
+
+@dataclass
+class Entry:
+    """Input to ``build_layout``: one parameter and where it goes."""
+
+    name: str
+    param: torch.nn.Parameter
+    key: GroupKey
+    unit: int | None = None
+
+
+def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int) -> list[FlatGroup]:
+    """Pack ``entries`` (in the given order) into flat groups of segments.
+
+    A segment holds parameters of one key (and one unit, for stage 3) and is closed when adding the
+    next parameter would take it past ``bucket_numel`` elements; a parameter larger than the bucket
+    gets a segment of its own. Flat groups come in order of first appearance of their key.
+
+    Raises:
+        ValueError: ``world`` < 1, ``rank`` outside ``[0, world)`` or ``bucket_numel`` < 1.
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank {rank} and world {world}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket size must be at least 1 element, got {bucket_numel}")
+    by_key: dict[GroupKey, list[Segment]] = {}
+    open_seg: dict[GroupKey, Segment] = {}
+    for e in entries:
+        n = e.param.numel()
+        seg = open_seg.get(e.key)
+        if seg is None or seg.unit != e.unit or (seg.numel + n > bucket_numel and seg.numel > 0):
+            seg = Segment(e.key, [], 0, world, rank, unit=e.unit)
+            open_seg[e.key] = seg
+            by_key.setdefault(e.key, []).append(seg)
+        seg.slots.append(Slot(e.name, e.param, seg.numel, n, e.param.shape))
+        seg.numel += n
+    groups = []
+    for gi, (key, segs) in enumerate(by_key.items()):
+        offset = 0
+        for seg in segs:
+            seg.group, seg.shard_offset = gi, offset
+            offset += seg.shard_size
+        groups.append(FlatGroup(key, segs, offset))
+    return groups
+
+
+class Pending:
+    """Handle on launched collectives: ``wait()`` waits for them, then runs the finishers (copies
+    out of staging buffers) once. Collectives launched synchronously are already done."""
+
+    def __init__(self, works=(), finish: Callable[[], None] | None = None):
+        self.works = [w for w in works if w is not None]
+        self.finish = finish
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        if self.finish is not None:
+            self.finish()
+        self.done = True
+
+
+def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, world: int,
+                    bucket_numel: int, async_op: bool = False) -> list[tuple[Pending, list[int]]]:
+    """All-gather ``inputs[k]`` (``[S_k]``, this rank's slice) into ``outputs[k]`` (``[world*S_k]``).
+
+    Consecutive segments are coalesced into one collective while their total padded size stays
+    within ``bucket_numel`` elements (a staging buffer is then copied out on ``wait``).
+    ``world == 1`` copies locally. Collective over ``group``: every rank must call it with segments
+    of the same sizes in the same order. Returns ``(pending, indices of the segments it covers)``
+    per collective; with ``async_op=False`` they are already complete.
+    """
+    if world == 1:
+        for out, inp in zip(outputs, inputs):
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+        return []
+    runs: list[list[int]] = []
+    total = 0
+    for k, out in enumerate(outputs):
+        if runs and total + out.numel() <= bucket_numel:
+            runs[-1].append(k)
+            total += out.numel()
+        else:
+            runs.append([k])
+            total = out.numel()
+    pendings = []
+    for run in runs:
+        if len(run) == 1:
+            k = run[0]
+            work = all_gather_flat(outputs[k], inputs[k].contiguous(), group=group, async_op=async_op)
+            pendings.append((Pending([work] if async_op else []), run))
+            continue
+        sizes = [inputs[k].numel() for k in run]
+        staged = torch.cat([inputs[k].reshape(-1) for k in run])
+        buf = torch.empty(world * staged.numel(), dtype=staged.dtype, device=staged.device)
+        work = all_gather_flat(buf, staged, group=group, async_op=async_op)
+
+        def finish(run=run, sizes=sizes, buf=buf):
+            per_rank = buf.view(world, -1)
+            col = 0
+            for k, s in zip(run, sizes):
+                outputs[k].view(world, s).copy_(per_rank[:, col:col + s])
+                col += s
+
+        p = Pending([work] if async_op else [], finish)
+        if not async_op:
+            p.wait()
+        pendings.append((p, run))
+    return pendings
+
+
+def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
+                         release: bool, async_op: bool) -> tuple[Pending, torch.Tensor]:
+    """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
+
+    Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
+    divides by ``world`` (before the sum, so fp16/bf16 reductions do not overflow) and
+    reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
+    ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
+    ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
+    collective and the tensor that holds the result after ``wait()``.
+    """
+    buf = seg.pack(lambda s: s.param.grad, reduce_dtype)
+    if release:
+        for slot in seg.slots:
+            slot.param.grad = None
+    if world > 1:
+        buf.div_(world)
+    if world == 1:
+        return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
+    if seg.world == 1:
+        work = dist.all_reduce(buf, group=group, async_op=async_op)
+        return Pending([work] if async_op else []), buf
+    out = torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
+    work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
+    keep_alive = Pending([work] if async_op else [])
+    keep_alive.buf = buf  # the input must outlive an async collective
+    return keep_alive, out
+
+
+# ---- logical view of the shards: what a checkpoint stores ------------------------------------
+@dataclass
+class ParamSlice:
+    """Flattened elements ``[start, start+length)`` of parameter ``name`` held by one rank.
+
+    ``shape`` is the parameter's shape as this process holds it (its tp-local shard; map to the
+    logical tensor with its ``plait_shard``). ``master`` is float32 ``[length]``; ``state`` maps each
+    elementwise optimizer state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) to ``[length]``.
+    From ``ZeroOptimizer.shard_state()`` these are views of live buffers: copy before training on.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    length: int
+    master: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+@dataclass
+class ShardState:
+    """Everything a checkpoint needs from one rank's ZeroOptimizer.
+
+    ``groups`` maps each param-group index (as passed to the optimizer) to ``{"hyper": {lr, ...},
+    "scalars": {"step": 5.0, ...}, "elementwise": ["exp_avg", ...]}``. With ``replicated`` (stage 0)
+    every dp rank holds identical whole slices: write them from dp rank 0 only; otherwise the dp
+    ranks' slices are disjoint and together cover every parameter.
+    """
+
+    slices: list[ParamSlice]
+    groups: dict[int, dict]
+    loss_scaler: dict | None
+    global_steps: int
+    skipped_steps: int
+    stage: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def replicated(self) -> bool:
+        return self.stage == 0
+
+
+def shard_state(opt) -> ShardState:
+    """``opt.shard_state()``: build a ``ShardState`` of a ``ZeroOptimizer`` (views, no copies)."""
+    slices, groups = [], {}
+    for group, master in zip(opt.groups, opt.masters):
+        st = opt.optimizer.state.get(master, {})
+        elem = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}
+        info = groups.setdefault(group.key.param_group, {"hyper": {}, "scalars": {}, "elementwise": sorted(elem)})
+        info["scalars"].update({k: float(v) for k, v in st.items() if k not in elem})
+        for piece in group.pieces():
+            sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
+            slices.append(ParamSlice(piece.slot.name, tuple(piece.slot.shape), piece.start, piece.length,
+                                     master.detach()[sl], {k: v[sl] for k, v in elem.items()}))
+    for pg in opt.optimizer.param_groups:
+        index = next(g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is pg["params"][0])
+        groups[index]["hyper"] = {k: v for k, v in pg.items() if k != "params"}
+    scaler = opt.scaler.state_dict() if opt.scaler is not None else None
+    return ShardState(slices, groups, scaler, opt.global_steps, opt.skipped_steps, opt.stage,
+                      opt.dp_size, opt.dp_rank)
+
+
+def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], state: ShardState | None) -> None:
+    """Fill ``opt``'s master and optimizer-state shards from a checkpoint saved at any dp size/stage.
+
+    Args:
+        read: ``read(name, kind, start, length)`` returns flattened elements ``[start, start+length)``
+            of parameter ``name``'s ``kind`` ("master" or an elementwise state key) — e.g. a lazy
+            safetensors slice, or ``slices_reader(saved_slices)``.
+        state: the saved ``ShardState`` for hyperparameters, scalar state (``step``), loss scaler and
+            counters (its ``slices`` are not used); None restores only the master weights.
+
+    Collective (parameters are all-gathered afterwards). Raises KeyError / ValueError from ``read``
+    for missing parameters or ranges.
+    """
+    per_index: dict[int, dict] = {}
+    for group, master, index in zip(opt.groups, opt.masters, opt._opt_index):
+        info = state.groups.get(group.key.param_group, {}) if state is not None else {}
+        keys = info.get("elementwise", [])
+        new_master = torch.zeros_like(master, requires_grad=False)
+        bufs = {k: torch.zeros_like(new_master) for k in keys}
+        for piece in group.pieces():
+            sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
+            name = piece.slot.name
+            new_master[sl] = read(name, "master", piece.start, piece.length)
+            for k in keys:
+                bufs[k][sl] = read(name, k, piece.start, piece.length)
+        master.data.copy_(new_master)
+        if keys or info.get("scalars"):
+            scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in info.get("scalars", {}).items()}
+            per_index[index] = {**scalars, **bufs}
+    if state is not None:
+        current = opt.optimizer.state_dict()
+        for pg, live in zip(current["param_groups"], opt.optimizer.param_groups):
+            index = next(g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is live["params"][0])
+            pg.update(state.groups.get(index, {}).get("hyper", {}))
+        opt.optimizer.load_state_dict({"state": per_index, "param_groups": current["param_groups"]})
+        if opt.scaler is not None and state.loss_scaler is not None:
+            opt.scaler.load_state_dict(state.loss_scaler)
+        opt.global_steps, opt.skipped_steps = state.global_steps, state.skipped_steps
+    opt.write_back()
+
+
+def slices_reader(slices) -> Callable[[str, str, int, int], torch.Tensor]:
+    """A ``read`` function for ``load_shard_state`` over saved ``ParamSlice`` s (e.g. every old rank's).
+
+    Raises (from ``read``):
+        KeyError: no slice of that parameter, or a state kind that was not saved.
+        ValueError: the saved slices do not cover the requested range (names the gap).
+    """
+    index: dict[str, list[ParamSlice]] = {}
+    for s in slices:
+        index.setdefault(s.name, []).append(s)
+
+    def read(name: str, kind: str, start: int, length: int) -> torch.Tensor:
+        if name not in index:
+            raise KeyError(f"no saved slices for parameter {name!r} (saved: {len(index)} parameters)")
+        out = torch.zeros(length, dtype=torch.float32)
+        covered = torch.zeros(length, dtype=torch.bool)
+        for s in index[name]:
+            a, b = max(start, s.start), min(start + length, s.start + s.length)
+            if a >= b:
+                continue
+            src = s.master if kind == "master" else s.state[kind]
+            out[a - start:b - start] = src[a - s.start:b - s.start]
+            covered[a - start:b - start] = True
+        if not bool(covered.all()):
+            gap = int((~covered).nonzero()[0]) + start
+            raise ValueError(f"saved slices of {name!r} do not cover element {gap} of the requested "
+                             f"[{start}, {start + length}); the checkpoint is missing a rank's shard")
+        return out
+
+    return read

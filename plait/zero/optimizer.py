@@ -1,0 +1,405 @@
+"""ZeroOptimizer: ZeRO stages 0-3 over any ``nn.Module`` with fp32 master weights.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC'20. Per rank, with Psi parameters, N_d data-parallel ranks, compute dtype of ``b`` bytes
+(2 for bf16/fp16) and Adam (K = 12 bytes/param: fp32 master + two fp32 moments), the buffers held
+here are (``memory_bytes()`` measures them; padding adds < N_d elements per segment):
+
+=======  =================  ===============================  ================  =================
+stage    params             gradients                        fp32 master       optimizer state
+=======  =================  ===============================  ================  =================
+0        b*Psi              b*Psi (param.grad) + 4*Psi       4*Psi             8*Psi
+1        b*Psi              b*Psi (param.grad) + 4*Psi/N_d   4*Psi/N_d         8*Psi/N_d
+2        b*Psi              4*Psi/N_d (fp32 shard)           4*Psi/N_d         8*Psi/N_d
+3        b*Psi/N_d          4*Psi/N_d (fp32 shard)           4*Psi/N_d         8*Psi/N_d
+=======  =================  ===============================  ================  =================
+
+(The paper counts fp16 gradients, 2*Psi/N_d for stage 2; this implementation accumulates the
+gradient shard in fp32 so gradient accumulation does not round, as DeepSpeed does.) Stage-3
+persistent parameters (numel < ``param_persistence_threshold``) are whole on every rank.
+
+Lifecycle (the engine drives it)::
+
+    opt = ZeroOptimizer(model, mesh.dp_group, stage=2, optimizer=torch.optim.AdamW,
+                        optimizer_kwargs=dict(lr=1e-4), param_groups=weight_decay_groups(model, 0.1),
+                        param_dtype="bf16", gradient_accumulation_steps=4, max_grad_norm=1.0,
+                        grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+    for micro_batch in batches:
+        loss = model(micro_batch)          # stage 3 gathers parameters in forward hooks
+        opt.backward(loss)                 # x loss scale / GAS; stages 2-3 reduce during backward
+        applied = opt.step()               # no-op (False) until the accumulation boundary
+
+``backward`` owns the 1/GAS scaling; an engine that runs autograd itself (pipeline schedules)
+multiplies its loss by ``opt.loss_scale / GAS`` (``scale_loss``), calls ``note_micro_step()`` once
+per micro-batch and ``step()`` at the end. Stage 2/3 reduction also runs on plain ``loss.backward()``
+(it is driven by parameter hooks and an end-of-backward callback).
+
+The torch optimizer sees one flat fp32 tensor per flat group, so it must treat parameters
+elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, Lion...). Optimizers that need per-tensor
+norms (LAMB, LARS, Adafactor's factored moments) would see a flat shard that mixes and splits
+parameters: they need unflattened per-parameter views and are not supported here.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from plait.parallel.collectives import group_rank, group_size
+from plait.parallel.sharding import shard_of
+from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
+from plait.zero.flat import (Entry, GroupKey, ParamSlice, ShardState, build_layout, gather_segments,
+                             load_shard_state, shard_state)
+from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
+from plait.zero.stage3 import ParamGatherer, build_units
+from plait.zero.stage12 import GradReducer
+
+
+def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Torch-style param groups: ``weight_decay`` for matrices, 0 for biases and norm weights
+    (parameters with fewer than 2 dims). Frozen parameters are left out."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
+    if param_groups is None:
+        return [{}], {id(p): 0 for _, p in named}
+    names = {id(p): n for n, p in named}
+    group_of: dict[int, int] = {}
+    opts = []
+    for i, g in enumerate(param_groups):
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in params:
+            if not p.requires_grad:
+                continue
+            if id(p) not in names:
+                raise ValueError(f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                 "trainable parameter of the module; build groups from module.parameters()")
+            if id(p) in group_of:
+                raise ValueError(f"parameter {names[id(p)]} is in param groups {group_of[id(p)]} and {i}; "
+                                 "list each parameter once")
+            group_of[id(p)] = i
+        opts.append({k: v for k, v in g.items() if k != "params"})
+    missing = [n for n, p in named if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"{len(missing)} trainable parameters are in no param group (first: {missing[:4]}); "
+                         "add them to a group or set requires_grad=False")
+    return opts, group_of
+
+
+class ZeroOptimizer:
+    """Data-parallel ZeRO optimizer wrapping a torch optimizer class (see module docstring).
+
+    Args:
+        module: any ``nn.Module``; its trainable parameters are re-pointed into flat buffers (and
+            cast to ``param_dtype``); frozen parameters are left alone. Construct after moving the
+            module to its device.
+        dp_group: data-parallel ProcessGroup (e.g. ``mesh.dp_group``); None means one process
+            (no communication; note None is *not* the world group here).
+        stage: 0 (plain DP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+        optimizer: torch optimizer class or factory ``f(param_groups, **optimizer_kwargs)``; it must
+            be elementwise (Adam/AdamW/SGD...; not LAMB).
+        optimizer_kwargs: defaults for every group (lr, betas, weight_decay, ...).
+        param_groups: torch-style groups over ``module``'s parameters with per-group options (e.g.
+            ``weight_decay_groups``); None: one group.
+        param_dtype: compute dtype of the model parameters ("fp32", "bf16", "fp16" or a dtype);
+            None keeps each parameter's dtype. Master weights are fp32 from the original values.
+        reduce_dtype: dtype gradients are reduced in (default float32).
+        reduce_bucket_size: elements per segment, i.e. per gradient reduce-scatter/all-reduce.
+        allgather_bucket_size: elements per coalesced parameter all-gather.
+        overlap_comm: asynchronous collectives (reduction overlaps backward; all-gathers overlap
+            each other).
+        prefetch_bucket_size: stage 3: elements all-gathered ahead of use (0: no prefetch).
+        param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every rank.
+        units: stage 3: modules gathered as one unit (e.g. transformer blocks); None: every module
+            with parameters of its own (see ``stage3``).
+        gradient_accumulation_steps: micro-steps per optimizer step (GAS).
+        max_grad_norm: clip the global gradient norm to this; 0 or None: no clipping.
+        loss_scaler: a ``LossScaler``; default: dynamic (``LossScaler()``) for fp16, none otherwise.
+        grad_norm_groups: ``NormGroups(tp=..., pp=...)``: the norm and the overflow flag span them.
+
+    Raises:
+        ValueError: bad stage, sizes or param groups (message names the values and the fix).
+    """
+
+    def __init__(self, module: nn.Module, dp_group=None, *, stage: int = 1, optimizer=torch.optim.AdamW,
+                 optimizer_kwargs: dict | None = None, param_groups: list[dict] | None = None,
+                 param_dtype=None, reduce_dtype=torch.float32, reduce_bucket_size: int = 500_000_000,
+                 allgather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
+                 prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
+                 units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
+                 max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
+                 grad_norm_groups: NormGroups | None = None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        for name, value in (("reduce_bucket_size", reduce_bucket_size),
+                            ("allgather_bucket_size", allgather_bucket_size)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be at least 1 element, got {value}")
+        self.module, self.stage, self.dp_group = module, stage, dp_group
+        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.norm_groups = grad_norm_groups or NormGroups()
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.reduce_dtype = resolve_dtype(reduce_dtype)
+        self.allgather_bucket_size, self.overlap_comm = int(allgather_bucket_size), overlap_comm
+        dtype = resolve_dtype(param_dtype) if param_dtype is not None else None
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the module has no trainable parameters")
+        group_opts, group_of = _resolve_groups(named, param_groups)
+
+        def key(p, persistent=False):
+            return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent)
+
+        if stage < 3:  # reverse registration order ~ the order backward produces gradients
+            entries = [Entry(n, p, key(p)) for n, p in reversed(named)]
+            self.units = []
+        else:
+            persistent = {id(p) for _, p in named if p.numel() < param_persistence_threshold}
+            self.units = build_units(module, {id(p) for _, p in named if id(p) not in persistent}, units)
+            owner = {}
+            for u in self.units:
+                for p in u.params:
+                    owner.setdefault(id(p), u.index)
+            entries = sorted((Entry(n, p, key(p), owner[id(p)]) for n, p in named if id(p) in owner),
+                             key=lambda e: e.unit)
+            entries += [Entry(n, p, key(p, True)) for n, p in reversed(named) if id(p) in persistent]
+        world, rank = (1, 0) if stage == 0 else (self.dp_size, self.dp_rank)
+        self.groups = build_layout(entries, world, rank, int(reduce_bucket_size))
+        self.params = [p for _, p in named]
+        self.masters = [self._materialize(g) for g in self.groups]
+        self.grad_shards = [torch.zeros_like(m) for m in self.masters]
+
+        opt_groups, self._opt_slots = [], []
+        for gi, opts in enumerate(group_opts):
+            members = [m for m, g in zip(self.masters, self.groups) if g.key.param_group == gi]
+            if members:
+                opt_groups.append({"params": members, **opts})
+        order = {id(m): i for i, m in enumerate(m for g in opt_groups for m in g["params"])}
+        self._opt_index = [order[id(m)] for m in self.masters]
+        self.optimizer = optimizer(opt_groups, **(optimizer_kwargs or {}))
+
+        if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
+            loss_scaler = LossScaler()
+        self.scaler = loss_scaler
+        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, self.reduce_dtype,
+                                   overlap_comm, eager=stage >= 2)
+        self.gatherer = None
+        if stage == 3:
+            for u in self.units:
+                wanted = {id(p) for p in u.params}
+                u.segments = [s for g in self.groups for s in g.segments
+                              if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)]
+            self.gatherer = ParamGatherer(module, self.units, dp_group, self.dp_size, self.allgather_bucket_size,
+                                          int(prefetch_bucket_size), self._note_backward)
+        self._hooks = []
+        if stage >= 2:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._in_backward = False
+        self.micro_steps = 0       # micro-steps since the last optimizer step
+        self.global_steps = 0      # optimizer steps applied
+        self.skipped_steps = 0     # optimizer steps skipped for fp16 overflow
+        self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
+
+    def _materialize(self, group) -> nn.Parameter:
+        """Build the fp32 master shard of ``group`` and point its parameters at flat storage."""
+        slices = []
+        for seg in group.segments:
+            full32 = seg.pack(lambda s: s.param.detach(), torch.float32)
+            slices.append(full32[seg.lo:seg.lo + seg.shard_size].clone())
+            full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
+            for slot in seg.slots:
+                slot.param.grad = None
+            if self.stage == 3 and not group.key.persistent:
+                seg.local = full[seg.lo:seg.lo + seg.shard_size].clone()
+                seg.free()
+            else:
+                seg.set_views(full)
+        return nn.Parameter(torch.cat(slices))
+
+    # ---- backward -----------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without fp16 scaling)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale / gradient_accumulation_steps`` in float32: what ``backward`` differentiates."""
+        return loss.float() * (self.loss_scale / self.gradient_accumulation_steps)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of one micro-batch's loss (mean over the micro-batch on this rank).
+
+        Scales by the loss scale and 1/GAS; gradients are averaged over dp by the reduction, so the
+        update equals one on the mean loss of the global batch when micro-batches are equal-sized.
+        """
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
+        self.note_micro_step()
+
+    def note_micro_step(self) -> None:
+        """Count one micro-batch (``backward`` does this; engines running autograd themselves call it)."""
+        self.micro_steps += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def _note_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._note_backward()
+        self.reducer.on_grad(param)
+        if self.gatherer is not None:
+            self.gatherer.on_grad(param)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self.reducer.flush()
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
+
+    # ---- step -------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Apply one optimizer step at the accumulation boundary.
+
+        Reduces gradients (stages 0-1), checks fp16 overflow on every dp/tp/pp rank, unscales,
+        clips to ``max_grad_norm`` by the global norm, steps the fp32 master shards and copies them
+        back into the model parameters (all-gathering for stages 1-2 and stage-3 persistent params).
+
+        Returns:
+            True when the parameters were updated; False before the boundary or when fp16
+            gradients overflowed (the step is skipped on all ranks and the loss scale lowered).
+
+        Raises:
+            LossScaleError: overflow with the loss scale already at ``min_loss_scale``.
+        """
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        if self.stage < 2:
+            self.reducer.reduce_all()
+        else:
+            self.reducer.wait()
+        self.micro_steps = 0
+        groups = (self.dp_group, self.norm_groups.tp, self.norm_groups.pp)
+        if self.scaler is not None and any_nonfinite(self.grad_shards, groups):
+            self.reducer.zero()
+            self.grad_norm = None
+            self.skipped_steps += 1
+            self.scaler.update(True)
+            return False
+        scale = self.loss_scale
+        pieces = [(g, grp.key.tp_replicated) for g, grp in zip(self.grad_shards, self.groups)]
+        norm = float(global_grad_norm(pieces, self.dp_group if self.stage > 0 else None,
+                                      self.norm_groups.tp, self.norm_groups.pp)) / scale
+        self.grad_norm = norm
+        coef = clip_coefficient(norm, self.max_grad_norm) / scale
+        for master, grad in zip(self.masters, self.grad_shards):
+            if coef != 1.0:
+                grad.mul_(coef)
+            master.grad = grad
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self.reducer.zero()
+        self.write_back()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self.global_steps += 1
+        return True
+
+    def write_back(self) -> None:
+        """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
+        where every rank holds whole parameters. Collective."""
+        outs, ins = [], []
+        for group, master in zip(self.groups, self.masters):
+            for seg in group.segments:
+                src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
+                if seg.local is not None:
+                    seg.local.copy_(src)
+                    if seg.full is not None:  # gathered right now (gathered_parameters())
+                        outs.append(seg.full)
+                        ins.append(seg.local)
+                    continue
+                own = seg.full[seg.lo:seg.lo + seg.shard_size]
+                own.copy_(src)
+                if seg.world > 1:
+                    outs.append(seg.full)
+                    ins.append(own.clone())
+        launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
+                                   async_op=self.overlap_comm)
+        for pending, _ in launched:
+            pending.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (model ``.grad`` and the fp32 grad shards)."""
+        for p in self.params:
+            p.grad = None
+        self.reducer.zero()
+        self.micro_steps = 0
+
+    # ---- stage 3 whole-parameter access, memory, checkpoints ------------------------------------
+    @contextmanager
+    def gathered_parameters(self):
+        """Context in which every parameter is whole (stage 3; a no-op otherwise). Collective."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.gather_all()
+        try:
+            yield
+        finally:
+            self.gatherer.release_all()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind: ``params`` (model parameter storage, compute dtype;
+        stage-3 shards, persistent and currently gathered params), ``grads`` (``param.grad`` tensors),
+        ``grad_shards`` (fp32 reduced gradients), ``master`` (fp32 weights), ``optimizer_state``
+        (torch optimizer state tensors), and ``total``."""
+        seen, params = set(), 0
+        for g in self.groups:
+            for seg in g.segments:
+                for t in (seg.full, seg.local):
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        params += t.numel() * t.element_size()
+        out = {
+            "params": params,
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None),
+            "grad_shards": sum(g.numel() * g.element_size() for g in self.grad_shards),
+            "master": sum(m.numel() * m.element_size() for m in self.masters),
+            "optimizer_state": sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                                   for v in st.values() if torch.is_tensor(v)),
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def shard_state(self) -> ShardState:
+        """This rank's fp32 master and optimizer-state slices per logical parameter (views, not
+        copies), plus per-group scalars and counters; see ``plait.zero.flat.ShardState``."""
+        return shard_state(self)
+
+    def load_shard_state(self, read, state: ShardState | None = None) -> None:
+        """Restore from slices saved at any dp size / stage; see ``plait.zero.flat.load_shard_state``."""
+        load_shard_state(self, read, state)
+
+    def param_slices(self) -> list[ParamSlice]:
+        return self.shard_state().slices
+
+    def close(self) -> None:
+        """Remove every hook this optimizer put on the model (after a final ``gathered_parameters``
+        export, for instance)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()

@@ -1,0 +1,113 @@
+"""Gradient reduction for ZeRO stages 0-3: from ``param.grad`` into each rank's fp32 shard.
+
+Stage 0 all-reduces each segment and every rank keeps the whole averaged gradient; stages 1-3
+reduce-scatter each segment so a rank keeps only the ``1/dp`` slice it owns (ZeRO, Sec. 5.1-5.2:
+P_os keeps full gradients until the step, P_os+g reduces them to the owner as soon as they
+exist). The destination is always a float32 *grad shard* per flat group (``[shard_numel]``),
+which also accumulates gradient-accumulation micro-steps in fp32 as DeepSpeed does.
+
+When the reduction runs:
+
+* ``eager=False`` (stages 0 and 1): gradients accumulate in ``param.grad`` (compute dtype) over
+  the micro-steps and ``reduce_all()`` reduces every segment at the accumulation boundary.
+* ``eager=True`` (stages 2 and 3): ``on_grad(param)`` is called from each parameter's
+  post-accumulate-grad hook; a segment is reduced as soon as all its parameters have their
+  gradient for this backward pass, and ``flush()`` (called when the backward pass ends) reduces the
+  rest (missing gradients count as zero) so every rank issues the same collectives. Full
+  gradients are freed (``param.grad = None``) once packed. With ``overlap`` the collectives are
+  asynchronous and run while autograd computes earlier layers' gradients.
+
+All dp ranks must run the same autograd graph (same parameters receive gradients in the same
+order), as with DistributedDataParallel; otherwise collectives pair up wrongly.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from plait.zero.flat import FlatGroup, Pending, Segment, reduce_segment_grads
+
+MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (bounds buffer memory)
+
+
+class GradReducer:
+    """Reduces segment gradients into ``grad_shards[g]`` (float32 ``[groups[g].shard_numel]``).
+
+    Args:
+        groups: the layout (``flat.build_layout``).
+        grad_shards: one float32 accumulator per flat group; reductions are *added* into them.
+        dp_group: the data-parallel group (None: one process, no communication).
+        dp_size: its size.
+        reduce_dtype: dtype gradients travel in (float32 default; bf16/fp16 halve the traffic).
+        overlap: launch collectives asynchronously.
+        eager: reduce from hooks as gradients appear (stages 2, 3) instead of at the boundary.
+    """
+
+    def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], dp_group, dp_size: int,
+                 reduce_dtype: torch.dtype, overlap: bool, eager: bool):
+        self.groups, self.grad_shards = groups, grad_shards
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.reduce_dtype, self.overlap, self.eager = reduce_dtype, overlap, eager
+        self.segments: list[Segment] = [seg for g in groups for seg in g.segments]
+        self._segment_of = {id(slot.param): seg for seg in self.segments for slot in seg.slots}
+        self._remaining: dict[int, int] = {}
+        self._launched: set[int] = set()
+        self._in_flight: deque[tuple[Pending, torch.Tensor, Segment]] = deque()
+        self._reset_counts()
+
+    # ---- launching and landing ----------------------------------------------------------
+    def _reset_counts(self) -> None:
+        self._remaining = {id(seg): len(seg.slots) for seg in self.segments}
+        self._launched.clear()
+
+    def _launch(self, seg: Segment) -> None:
+        self._launched.add(id(seg))
+        pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
+                                            release=True, async_op=self.overlap)
+        self._in_flight.append((pending, out, seg))
+        limit = MAX_IN_FLIGHT if self.overlap else 0
+        while len(self._in_flight) > limit:
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        pending, out, seg = self._in_flight.popleft()
+        pending.wait()
+        shard = self.grad_shards[seg.group]
+        shard[seg.shard_offset:seg.shard_offset + seg.shard_size].add_(out)
+
+    def wait(self) -> None:
+        """Wait for every launched reduction and add it into the grad shards."""
+        while self._in_flight:
+            self._land_oldest()
+
+    # ---- stage 0/1: at the boundary --------------------------------------------------------
+    def reduce_all(self) -> None:
+        """Reduce every segment's accumulated ``param.grad`` (stages 0, 1) and wait. Collective."""
+        for seg in self.segments:
+            self._launch(seg)
+        self.wait()
+        self._reset_counts()
+
+    # ---- stage 2/3: during backward --------------------------------------------------------
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook body: launch the segment once all its gradients are in."""
+        seg = self._segment_of.get(id(param))
+        if seg is None or id(seg) in self._launched:
+            return
+        self._remaining[id(seg)] -= 1
+        if self._remaining[id(seg)] == 0:
+            self._launch(seg)
+
+    def flush(self) -> None:
+        """End of a backward pass: reduce segments still waiting (in layout order, the same on
+        every rank), wait for all, and re-arm the counters. Collective."""
+        for seg in self.segments:
+            if id(seg) not in self._launched:
+                self._launch(seg)
+        self.wait()
+        self._reset_counts()
+
+    def zero(self) -> None:
+        for shard in self.grad_shards:
+            shard.zero_()

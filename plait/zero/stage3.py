@@ -1,0 +1,300 @@
+"""ZeRO stage 3: parameters sharded over dp, gathered per module unit just in time.
+
+ZeRO, Sec. 5.3 (P_os+g+p): each rank stores only its ``1/dp`` slice of every parameter
+(``Segment.local``); a *unit*'s parameters are all-gathered right before the unit runs forward,
+released right after, all-gathered again when the gradient reaches the unit's outputs (start of
+its backward) and released once autograd has accumulated every one of its parameters' gradients
+(or when the backward pass ends). The gradient hooks of ``stage12.GradReducer`` reduce-scatter
+those gradients to their owners meanwhile.
+
+Units. By default every module with parameters of its own is a unit holding its *direct*
+parameters (DeepSpeed's granularity). With ``units=[...]`` (e.g. the transformer blocks) each
+listed module is a unit holding the direct parameters of every module it encloses that is not
+inside a nested listed unit; the root module is a unit for whatever is left. A parameter shared
+by several modules (tied embedding and output head) belongs to every unit that encloses one of
+those modules; gathering is reference-counted per segment, so it stays whole while any of them
+needs it. Its storage (and optimizer state) lives once, in the first unit that holds it.
+
+Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
+all-gather the next units asynchronously, up to ``prefetch_bucket_size`` elements ahead. A pass
+that departs from the recorded order simply stops prefetching.
+
+Limits (documented, not detected): a parameter used by code outside the forward of every unit
+holding it (``F.linear(x, self.embed.weight)`` in the root's forward when ``embed`` is its own
+unit) is empty there — list a unit that encloses that code, or use ``units=[...]``; a unit whose
+outputs are not tensors (or pytree containers of tensors) cannot re-gather for backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from plait.zero.flat import Pending, Segment, gather_segments
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module whose forward needs ``params`` (non-persistent, sharded) gathered."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    segments: list[Segment] = field(default_factory=list)
+    gathered: bool = False
+    remaining: int = 0
+
+
+def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | None) -> list[Unit]:
+    """Units over ``root`` whose params are those with ``id`` in ``sharded`` (module docstring).
+
+    Raises:
+        ValueError: a module in ``units`` is not a submodule of ``root``.
+    """
+    names = {id(m): n for n, m in root.named_modules()}
+    if units is None:
+        chosen = [m for _, m in root.named_modules()
+                  if any(id(p) in sharded for p in m.parameters(recurse=False))]
+    else:
+        missing = [type(m).__name__ for m in units if id(m) not in names]
+        if missing:
+            raise ValueError(f"stage-3 units {missing} are not submodules of the model; pass modules "
+                             "from model.modules() (e.g. the transformer blocks)")
+        chosen = list(units) + ([root] if all(m is not root for m in units) else [])
+    chosen_ids = {id(m) for m in chosen}
+    params: dict[int, list[nn.Parameter]] = {id(m): [] for m in chosen}
+    seen_modules: set[int] = set()
+
+    def visit(m: nn.Module, current: nn.Module | None) -> None:
+        if id(m) in seen_modules:
+            return
+        seen_modules.add(id(m))
+        if id(m) in chosen_ids:
+            current = m
+        if current is not None:
+            bucket = params[id(current)]
+            for p in m.parameters(recurse=False):
+                if id(p) in sharded and all(p is not q for q in bucket):
+                    bucket.append(p)
+        for child in m.children():
+            visit(child, current)
+
+    visit(root, None)
+    ordered = [m for _, m in root.named_modules() if id(m) in chosen_ids]
+    return [Unit(i, names[id(m)] or "<root>", m, params[id(m)])
+            for i, m in enumerate(ordered) if params[id(m)]]
+
+
+class _Order:
+    """Records the unit order of the first pass, then predicts the next units on later passes."""
+
+    def __init__(self):
+        self.order: list[int] = []
+        self.recording = True
+        self.cursor = 0
+
+    def start(self) -> None:
+        self.cursor = 0
+
+    def stop_recording(self) -> None:
+        if self.order:
+            self.recording = False
+
+    def advance(self, index: int) -> list[int]:
+        """Note that unit ``index`` runs now; return the predicted units after it."""
+        if self.recording:
+            self.order.append(index)
+            return []
+        if self.cursor < 0 or self.cursor >= len(self.order) or self.order[self.cursor] != index:
+            self.cursor = -1  # off the recorded path: no more prefetch this pass
+            return []
+        self.cursor += 1
+        return self.order[self.cursor:]
+
+
+class ParamGatherer:
+    """Forward/backward hooks that all-gather and release stage-3 parameters per unit.
+
+    Args:
+        root: the model (hooks go on its units and on it).
+        units: from ``build_units``; each unit's ``segments`` must be filled in by the caller.
+        dp_group, dp_size: the data-parallel group and its size.
+        allgather_bucket_size: elements per coalesced all-gather.
+        prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
+        on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
+    """
+
+    def __init__(self, root: nn.Module, units: list[Unit], dp_group, dp_size: int, allgather_bucket_size: int,
+                 prefetch_bucket_size: int, on_backward: Callable[[], None]):
+        self.root, self.units = root, units
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
+        self.on_backward = on_backward
+        self.refs: dict[int, int] = {}
+        self.in_flight: dict[int, tuple[Pending, list[Segment], list[torch.Tensor]]] = {}
+        self.units_of: dict[int, list[Unit]] = {}
+        for u in units:
+            for p in u.params:
+                self.units_of.setdefault(id(p), []).append(u)
+        self.fwd, self.bwd = _Order(), _Order()
+        self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
+                        root.register_forward_hook(self._root_post_forward, always_call=True)]
+        for u in units:
+            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self.handles.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
+        self._reset_counts()
+
+    # ---- gather / release ----------------------------------------------------------------
+    def _segments(self) -> list[Segment]:
+        seen, out = set(), []
+        for u in self.units:
+            for seg in u.segments:
+                if id(seg) not in seen:
+                    seen.add(id(seg))
+                    out.append(seg)
+        return out
+
+    def _fetch(self, segs: list[Segment], async_op: bool) -> None:
+        if not segs:
+            return
+        outs = [torch.empty(s.padded, dtype=s.local.dtype, device=s.local.device) for s in segs]
+        launched = gather_segments(outs, [s.local for s in segs], self.dp_group, self.dp_size,
+                                   self.allgather_bucket_size, async_op=async_op)
+        if not async_op or not launched:
+            for s, out in zip(segs, outs):
+                s.set_views(out)
+            return
+        for pending, run in launched:
+            record = (pending, [segs[k] for k in run], [outs[k] for k in run])
+            for k in run:
+                self.in_flight[id(segs[k])] = record
+
+    def _land(self, seg: Segment) -> None:
+        record = self.in_flight.get(id(seg))
+        if record is None:
+            return
+        pending, segs, outs = record
+        pending.wait()
+        for s, out in zip(segs, outs):
+            self.in_flight.pop(id(s), None)
+            s.set_views(out)
+
+    def gather(self, u: Unit) -> None:
+        """Make ``u``'s parameters whole (synchronous for what was not prefetched). Collective."""
+        if u.gathered:
+            return
+        u.gathered = True
+        need = []
+        for seg in u.segments:
+            self.refs[id(seg)] = self.refs.get(id(seg), 0) + 1
+            if seg.full is None and id(seg) not in self.in_flight:
+                need.append(seg)
+        self._fetch(need, async_op=False)
+        for seg in u.segments:
+            self._land(seg)
+
+    def release(self, u: Unit) -> None:
+        """Drop ``u``'s hold on its segments; a segment no unit holds goes back to its shard."""
+        if not u.gathered:
+            return
+        u.gathered = False
+        for seg in u.segments:
+            self.refs[id(seg)] -= 1
+            if self.refs[id(seg)] == 0 and id(seg) not in self.in_flight:
+                seg.free()
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        if self.prefetch_bucket_size <= 0 or not upcoming:
+            return
+        budget, take, seen = self.prefetch_bucket_size, [], set()
+        for index in upcoming:
+            for seg in self.units[index].segments:
+                if id(seg) in seen:
+                    continue
+                seen.add(id(seg))
+                budget -= seg.padded
+                if budget < 0:
+                    break
+                if seg.full is None and id(seg) not in self.in_flight:
+                    take.append(seg)
+            if budget < 0:
+                break
+        self._fetch(take, async_op=True)
+
+    def _free_unheld(self) -> None:
+        for seg in list(self._segments()):
+            self._land(seg)
+        for seg in self._segments():
+            if self.refs.get(id(seg), 0) == 0 and seg.full is not None:
+                seg.free()
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args):
+        self.fwd.start()
+
+    def _root_post_forward(self, module, args, output):
+        self.fwd.stop_recording()
+        self._free_unheld()
+
+    def _make_pre(self, u: Unit):
+        def pre_forward(module, args):
+            self.gather(u)
+            self._prefetch(self.fwd.advance(u.index))
+        return pre_forward
+
+    def _make_post(self, u: Unit):
+        def post_forward(module, args, output):
+            self.release(u)
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
+                        t.register_hook(lambda grad, u=u: self._pre_backward(u))
+            return None
+        return post_forward
+
+    def _pre_backward(self, u: Unit) -> None:
+        self.on_backward()
+        if u.gathered:
+            return
+        self.gather(u)
+        self._prefetch(self.bwd.advance(u.index))
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook body: release a unit once all its gradients are in."""
+        for u in self.units_of.get(id(param), ()):
+            u.remaining -= 1
+            if u.remaining == 0:
+                self.release(u)
+
+    def end_backward(self) -> None:
+        """End of a backward pass: release every unit, free unheld segments, re-arm counters."""
+        for u in self.units:
+            self.release(u)
+        self._free_unheld()
+        self.bwd.stop_recording()
+        self.bwd.start()
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        for u in self.units:
+            u.remaining = len(u.params)
+
+    # ---- whole-model access -------------------------------------------------------------------
+    def gather_all(self) -> None:
+        """Gather every unit (for evaluation outside hooks, export, or tests). Collective."""
+        for u in self.units:
+            self.gather(u)
+
+    def release_all(self) -> None:
+        for u in self.units:
+            self.release(u)
+        self._free_unheld()
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
