@@ -2,12 +2,13 @@
 
 ``CPUAdam`` (Adam/AdamW), ``CPULion``, ``CPULAMB`` step a flat float32 host buffer in one pass (LAMB:
 two), optionally writing the updated bf16/fp16 weights; ``copy_to_lowp`` is the stand-alone
-conversion; ``compile_kernels`` compiles them up front and reports the seconds it took.
+conversion; ``compile_kernels`` compiles them up front (or loads numba's on-disk cache) and
+reports the seconds it took.
 """
 from plait.kernels.cpu_adam import CPUAdam
 from plait.kernels.cpu_lamb import CPULAMB
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
-from plait.kernels.warmup import compile_kernels
+from plait.kernels.warmup import CompileReport, compile_kernels
 
-__all__ = ["CPUAdam", "CPULAMB", "CPULion", "copy_to_lowp", "compile_kernels"]
+__all__ = ["CPUAdam", "CPULAMB", "CPULion", "CompileReport", "compile_kernels", "copy_to_lowp"]

@@ -1,36 +1,63 @@
 """Compile the CPU optimizer kernels ahead of the first training step and report how long it took.
 
-Numba compiles a kernel on its first call (about 1-10 s each on one core for the parallel kernels).
-Every kernel is declared with ``cache=True``, so the machine code is also written to numba's on-disk
-cache (``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``) and later processes, such as the
-other ranks and every later run, load it in well under a second. Call :func:`compile_kernels` once at
-start-up (before timing anything) so the first optimizer step is not charged with compilation.
+Numba compiles a kernel on its first call (about 1-5 s each on one core for the parallel kernels,
+some 10-15 s for all of them). Every kernel is declared with ``cache=True``, so the machine code is
+also written to numba's on-disk cache (``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``) and
+later processes, such as the other ranks and every later run, load it instead (about 0.1 s a kernel;
+the first parallel call also starts numba's thread pool). Editing a kernel's source invalidates its
+entry. Call :func:`compile_kernels` once at start-up, before timing anything, so the first optimizer
+step is not charged with compilation.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from plait.kernels import cpu_adam, cpu_lamb, cpu_lion, lowp
 from plait.kernels.cpu_adam import CPUAdam
 from plait.kernels.cpu_lamb import CPULAMB
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 
+KERNELS = (cpu_adam.adam_kernel, cpu_lion.lion_kernel, cpu_lamb.lamb_moments_kernel, cpu_lamb.lamb_chunk_scales,
+           cpu_lamb.lamb_apply_kernel, lowp._convert)
 
-def compile_kernels(num_threads: int | None = None) -> dict[str, float]:
-    """Compile (or load from the on-disk cache) every kernel in every copy-out mode.
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What :func:`compile_kernels` did.
+
+    Attributes:
+        seconds: ``{"adam", "lion", "lamb", "lowp"}`` -> wall seconds of the first calls (compile or
+            cache load, plus tiny 64-element steps in the three copy-out modes).
+        total_s: their sum, seconds.
+        compiled: kernel signatures compiled in this call (0: everything came from the on-disk cache
+            or was already loaded in this process).
+        cache_dir: where numba keeps the cached machine code.
+    """
+
+    seconds: dict
+    total_s: float
+    compiled: int
+    cache_dir: str
+
+
+def _misses() -> int:
+    return sum(sum(k.stats.cache_misses.values()) for k in KERNELS)
+
+
+def compile_kernels(num_threads: int | None = None) -> CompileReport:
+    """Compile (or load from the on-disk cache) every kernel in every copy-out mode; see :class:`CompileReport`.
 
     Args:
         num_threads: numba threads for the warm-up calls (None: all).
-
-    Returns:
-        ``{"adam", "lion", "lamb", "lowp", "total"}`` -> wall seconds of each first call (compile or
-        cache load plus a 64-element step). A second call in the same process returns ~0 for each.
     """
     n = 64
-    times: dict[str, float] = {}
+    before = _misses()
+    seconds: dict[str, float] = {}
     outs = (None, torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.float16))
     makers = {
         "adam": lambda: CPUAdam(n, num_threads=num_threads),
@@ -43,10 +70,10 @@ def compile_kernels(num_threads: int | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
         for out in outs:
             opt.step(p, g, out)
-        times[name] = time.perf_counter() - t0
+        seconds[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for out in outs[1:]:
         copy_to_lowp(torch.randn(n), out)
-    times["lowp"] = time.perf_counter() - t0
-    times["total"] = sum(times.values())
-    return times
+    seconds["lowp"] = time.perf_counter() - t0
+    return CompileReport(seconds=seconds, total_s=sum(seconds.values()), compiled=_misses() - before,
+                         cache_dir=str(KERNELS[0].stats.cache_path))
