@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -39,8 +40,9 @@ def _worker(rank, world_size, store_path, results, fn, args, threads):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
-        value = fn(*args)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor data into bytes; the queue's own pickler would pass shared-memory
+        # file descriptors that die with this process before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -104,4 +106,4 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, thread
         if missing:
             parts.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (killed)")
         raise DistributedTestError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(parts))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
