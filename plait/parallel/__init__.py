@@ -1,10 +1,16 @@
-"""Who talks to whom: the parallel mesh, tensor-parallel collectives, RNG tracking, start-up."""
+"""Who talks to whom: the parallel mesh, tensor-parallel collectives, RNG tracking, start-up,
+and pipeline schedules as data."""
 from plait.parallel.collectives import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                                         reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
 from plait.parallel.launch import LaunchInfo, init_distributed, launch_info
 from plait.parallel.mesh import ParallelMesh
+from plait.parallel.random import RNGTracker, checkpoint
+from plait.parallel.schedules import SCHEDULES, Action, check_schedule, get_schedule
+from plait.parallel.simulate import SimResult, render, simulate, with_communication
 
 __all__ = [
     "ParallelMesh", "LaunchInfo", "init_distributed", "launch_info", "copy_to_tp", "reduce_from_tp",
     "scatter_to_tp", "gather_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
+    "RNGTracker", "checkpoint", "Action", "SCHEDULES", "get_schedule", "check_schedule", "simulate",
+    "SimResult", "render", "with_communication",
 ]
