@@ -47,26 +47,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-3)).item()
 
 
-def parity_body(arch: str, tp: int, sequence_parallel: bool):
-    """On every rank: plait forward/backward, gather whole grads; rank 0 compares to the reference."""
+def parity_body(arch: str, tp: int, sequence_parallel: bool, device: str = "cpu"):
+    """On every rank: plait forward/backward, gather whole grads; rank 0 compares to the reference.
+    ``device="cuda"`` runs the same check over NCCL (tests/gpu/run_tp_parity_nccl.py)."""
     mesh = ParallelMesh(tp=tp)
     cfg = make_config(arch)
-    model = TransformerModel(cfg, mesh, sequence_parallel=sequence_parallel, seed=11)
-    batch = make_batch(arch)
+    model = TransformerModel(cfg, mesh, sequence_parallel=sequence_parallel, seed=11, device=device)
+    batch = {k: v.to(device) for k, v in make_batch(arch).items()}
     loss = model(**batch)
     loss.backward()
     full_w, full_g = {}, {}
     for name, p in model.named_parameters():
         spec = shard_of(p)
-        full_w[name] = gather_full(p.detach(), spec, mesh.tp_group)
-        full_g[name] = gather_full(p.grad, spec, mesh.tp_group)
+        full_w[name] = gather_full(p.detach(), spec, mesh.tp_group).cpu()
+        full_g[name] = gather_full(p.grad, spec, mesh.tp_group).cpu()
     # Layout-invariant initialization: whole weights equal a single-process build's.
-    single = {n: gather_full(p.detach(), shard_of(p), None)
-              for n, p in TransformerModel(cfg, None, seed=11).named_parameters()}
+    single = {n: gather_full(p.detach(), shard_of(p), None).cpu()
+              for n, p in TransformerModel(cfg, None, seed=11, device=device).named_parameters()}
     for name, w in full_w.items():
         assert torch.equal(w, single[name]), f"{name} differs from the tp=1 initialization"
-    losses = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    batch = {k: v.cpu() for k, v in batch.items()}
+    losses = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(losses, loss.detach().reshape(1))
+    losses = [x.cpu() for x in losses]
     assert all(torch.equal(x, losses[0]) for x in losses), f"loss differs across tp ranks: {losses}"
     if dist.get_rank() != 0:
         return None
