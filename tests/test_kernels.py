@@ -3,12 +3,14 @@
 Tolerance: "relative" below is max|ours - ref| / max|ref| per tensor, required <= 1e-6 after 10
 steps (float32 rounding differs only by operation order, e.g. torch's FMA in lerp/add).
 """
+import itertools
+
 import numba
 import numpy as np
 import pytest
 import torch
 
-from plait.kernels import CPUAdam, CPULAMB, CPULion, compile_kernels, copy_to_lowp
+from plait.kernels import CPULAMB, CPUAdam, CPULion, compile_kernels, copy_to_lowp
 
 STEPS = 10
 RTOL = 1e-6
@@ -64,7 +66,7 @@ def ref_lamb(p, grads, lr, b1, b2, eps, wd, bias_correction):
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if bias_correction else (1.0, 1.0)
         u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
         new = p.clone()
-        for a, b in zip(SEGMENTS[:-1], SEGMENTS[1:]):
+        for a, b in itertools.pairwise(SEGMENTS):
             wn, un = p[a:b].double().norm().item(), u[a:b].double().norm().item()
             ratio = wn / un if wn > 0 and un > 0 else 1.0
             new[a:b] = p[a:b] - lr * ratio * u[a:b]
@@ -153,7 +155,7 @@ def test_step_by_bucket_equals_whole_step(k, dtype):
     ow, ob = torch.empty(N, dtype=dtype), torch.empty(N, dtype=dtype)
     # Segment-aligned for LAMB; arbitrary cuts for the element-wise optimizers.
     cuts = SEGMENTS if k == 3 else [0, 1, 999, 1000, 2500, N]
-    ranges = list(zip(cuts[:-1], cuts[1:]))[::-1]  # buckets arrive last layer first
+    ranges = list(itertools.pairwise(cuts))[::-1]  # buckets arrive last layer first
     for g in grads:
         whole.step(pw, g, ow)
         assert bucketed.begin_step() == whole.step_count

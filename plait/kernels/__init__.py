@@ -11,4 +11,4 @@ from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 from plait.kernels.warmup import CompileReport, compile_kernels
 
-__all__ = ["CPUAdam", "CPULAMB", "CPULion", "CompileReport", "compile_kernels", "copy_to_lowp"]
+__all__ = ["CPULAMB", "CPUAdam", "CPULion", "CompileReport", "compile_kernels", "copy_to_lowp"]

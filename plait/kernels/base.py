@@ -15,6 +15,13 @@ producing the next. One optimizer step is then::
 and gives bit-identical results to ``opt.step(params, grads, params_bf16, lr)``, because every
 element's update depends only on that element and the per-step scalars (LAMB: on its whole segment,
 so LAMB ranges must cover whole segments).
+
+Threads: each call runs on ``num_threads`` of numba's pool (``numba.set_num_threads`` for that call
+only; it is per calling thread, so nothing leaks). A background Python thread may step buckets
+while the main thread runs backward; calls from several Python threads at once need numba's ``omp``
+or ``tbb`` threading layer (``workqueue`` is not re-entrant). Kernels are compiled without
+``fastmath`` and with ``error_model="numpy"`` (IEEE results, no Python exceptions), so results are
+independent of the thread count and of vector/scalar loop splits.
 """
 from __future__ import annotations
 

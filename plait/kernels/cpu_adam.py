@@ -25,7 +25,7 @@ from plait.kernels.base import FlatOptimizer, _check_beta
 from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _adam_elem(w, grad, m, v, hp):
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size, bc2_sqrt, \
         grad_scale = hp
@@ -40,7 +40,7 @@ def _adam_elem(w, grad, m, v, hp):
     return w - step_size * (m / denom), m, v
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                 weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_scale):
     """One Adam/AdamW step over ``p, g, m, v`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).

@@ -20,7 +20,7 @@ from plait.kernels.base import FlatOptimizer, _check_beta
 from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _lion_elem(w, grad, m, hp):
     lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_scale = hp
     grad = grad / grad_scale
@@ -30,13 +30,13 @@ def _lion_elem(w, grad, m, hp):
         s = np.float32(1.0)
     elif c < np.float32(0.0):
         s = np.float32(-1.0)
-    elif c != c:  # NaN propagates, as torch.sign
+    elif np.isnan(c):  # NaN propagates, as torch.sign
         s = c
     w = w - lr * (s + weight_decay * w)
     return w, beta2 * m + one_minus_beta2 * grad
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def lion_kernel(p, g, m, out, mode, nan_bits, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
                 grad_scale):
     """One Lion step over ``p, g, m`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).

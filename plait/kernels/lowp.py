@@ -35,7 +35,7 @@ MODE_FP16 = 2
 _U16 = {torch.bfloat16: MODE_BF16, torch.float16: MODE_FP16}
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def bf16_bits(x, nan_bits):
     """bfloat16 bit pattern (uint16) of float32 ``x``, round to nearest even.
 
@@ -50,7 +50,7 @@ def bf16_bits(x, nan_bits):
     return r
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def fp16_bits(x):
     """IEEE binary16 bit pattern (uint16) of float32 ``x``, round to nearest even.
 
@@ -82,7 +82,7 @@ def fp16_bits(x):
     return np.uint16(sign | q)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _convert(src, out, mode, nan_bits):
     for i in prange(src.shape[0]):
         if mode == MODE_BF16:
