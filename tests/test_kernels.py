@@ -136,6 +136,19 @@ def test_lamb_matches_reference(wd, bias_correction):
     assert p[SEGMENTS[4]:SEGMENTS[5]].abs().min() > 0
 
 
+def test_lamb_zero_update_norm_uses_ratio_one():
+    # Zero gradients and no weight decay on the first tensor: u = 0 there, ||u|| = 0 -> ratio 1, no NaN.
+    p0, grads = data(12, steps=2)
+    p = p0.clone()
+    opt = CPULAMB(N, SEGMENTS, lr=1e-2, weight_decay=0.0)
+    for g in grads:
+        g = g.clone()
+        g[:SEGMENTS[1]] = 0
+        opt.step(p, g)
+    assert torch.equal(p[:SEGMENTS[1]], p0[:SEGMENTS[1]])
+    assert p.isfinite().all() and not torch.equal(p[SEGMENTS[1]:], p0[SEGMENTS[1]:])
+
+
 # ---- stepping by bucket, threads, grad_scale, checkpoints ----------------------------------------------
 def make_all():
     return [
