@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plait.testing import run_distributed
-from plait.zero import LossScaler, NormGroups, ZeroOptimizer, slices_reader, weight_decay_groups
+from plait.zero import (LossScaleError, LossScaler, NormGroups, ZeroOptimizer, clip_coefficient, global_grad_norm,
+                        slices_reader, weight_decay_groups)
 from plait.zero.flat import ParamSlice, ShardState
 
 VOCAB, HIDDEN, SEQ, MICRO_BS, STEPS, LR, MAX_NORM = 32, 16, 8, 2, 5, 1e-3, 0.05
@@ -159,6 +160,10 @@ def _parity(cfg):
         info["param_numel"] = {n: p.numel() for n, p in model.named_parameters()}
         info["storage"] = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
         info["seen"] = seen
+        info["stats"] = dict(opt.gatherer.stats)
+        with torch.no_grad():  # evaluation forward: gathers and releases too
+            model.eval()(*micro_batch(0, 1, 1, 0, 0))
+        assert all(p.numel() == 0 or p.numel() < cfg.get("persist", 0) for p in model.parameters())
     return info
 
 
@@ -250,6 +255,24 @@ def _tp_norm():
     return {"norms": out, "rep": rep, "full": full, "a": a, "b": b, "tp_rank": mesh.tp_rank}
 
 
+def _pp_norm():
+    """pp=2 x dp=2: each stage holds different parameters; the norm sums over stages (and inf-norm
+    takes the max), through both ``global_grad_norm`` and the optimizer."""
+    from plait.parallel.mesh import ParallelMesh
+    mesh = ParallelMesh(pp=2)
+    g = torch.Generator().manual_seed(11)
+    grads = [[torch.randn(6 + 3 * stage, generator=g) for _ in range(2)] for stage in range(2)]
+    m = nn.Module()
+    m.w = nn.Parameter(torch.zeros(6 + 3 * mesh.pp_rank))
+    opt = ZeroOptimizer(m, mesh.dp_group, stage=1, optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=1.0),
+                        grad_norm_groups=NormGroups(pp=mesh.pp_group))
+    opt.backward((m.w * grads[mesh.pp_rank][mesh.dp_rank]).sum())
+    opt.step()
+    mine = grads[mesh.pp_rank][mesh.dp_rank]
+    inf = global_grad_norm([(mine, True)], mesh.dp_group, None, mesh.pp_group, norm_type=math.inf)
+    return {"norm": opt.grad_norm, "grads": grads, "inf": float(inf)}
+
+
 def _guard(fn, *args):
     try:
         return ("ok", fn(*args))
@@ -266,6 +289,7 @@ def _suite(dp: int, saved_dp2=None):
     if dp == 4:
         out["memory"] = {s: _guard(_memory, s, dp) for s in (1, 2, 3)}
         out["tp_norm"] = _guard(_tp_norm)
+        out["pp_norm"] = _guard(_pp_norm)
         out["restore"] = {s: _guard(_restore, saved_dp2, dict(stage=s, bucket=500, overlap=True), 2) for s in (2, 3)}
     return out
 
@@ -327,7 +351,7 @@ def parity_cfgs(dp: int) -> list[dict]:
             for s in (0, 1, 2, 3) for g in (1, 3) for o in (False, True)]
     cfgs += [dict(stage=s, gas=1 + 2 * (s % 2), max_norm=MAX_NORM, overlap=s > 1) for s in (0, 1, 2, 3)]
     if dp > 1:
-        cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=2000, overlap=True, max_norm=MAX_NORM),
+        cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, max_norm=MAX_NORM),
                  dict(stage=2, gas=1, opt="sgd", bucket=500), dict(stage=3, gas=1, opt="sgd", persist=20)]
     return cfgs
 
@@ -427,6 +451,20 @@ def test_global_norm_counts_tp_replicated_params_once():
             torch.testing.assert_close(shard, (r["full"] - coef * gb)[rows])
 
 
+def test_global_norm_sums_over_pipeline_stages():
+    for r in ok([r["pp_norm"] for r in suite(4)]):
+        per_stage = [(g[0] + g[1]) / 2 for g in r["grads"]]
+        assert r["norm"] == pytest.approx(float(torch.cat(per_stage).norm()), rel=1e-6)
+        assert r["inf"] == pytest.approx(max(float(t.abs().max()) for g in r["grads"] for t in g))
+
+
+def test_stage3_prefetches_after_recording_the_order():
+    for i, cfg in enumerate(parity_cfgs(2)):
+        if cfg["stage"] == 3 and cfg.get("prefetch", 0) >= 600:
+            for r in ok([r["parity"][i] for r in suite(2)]):
+                assert r["stats"]["prefetched"] > 0, cfg
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_saved_at_dp2_stage1_restores_at_dp4(stage):
     want, _, _ = reference(8)  # dp=2 x GAS 2 x 2 rows = dp=4 x GAS 1 x 2 rows per step
@@ -440,3 +478,51 @@ def test_checkpoint_restores_in_one_process_stage0():
     saved = ok([r["save"] for r in suite(2)])
     out = _restore(saved, dict(stage=0, gas=4), 2)  # 1 rank x GAS 4 x 2 rows = 8 rows per step
     assert_weights(out["module"], reference(8)[0], "restore dp=1 stage 0")
+
+
+# ---- single-process unit tests ------------------------------------------------------------------------
+def test_loss_scaler_follows_deepspeed_semantics():
+    s = LossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2)
+    trace = []
+    for overflow in [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0]:
+        s.update(bool(overflow))
+        trace.append(s.scale)
+    # 3 clean steps double; first overflow uses up hysteresis, later ones halve until the scale grows again
+    assert trace == [16, 16, 32, 32, 16, 8, 8, 8, 16, 16, 16]
+    static = LossScaler(loss_scale=128.0)
+    static.update(True)
+    assert static.scale == 128.0 and static.overflows == 1
+
+
+def test_loss_scaler_at_minimum_names_the_numbers():
+    s = LossScaler(initial_scale_power=1, hysteresis=1, min_loss_scale=1)
+    s.update(True)
+    assert s.scale == 1.0
+    with pytest.raises(LossScaleError, match=r"minimum loss scale 1 \(min_loss_scale=1.*bf16"):
+        s.update(True)
+
+
+def test_clip_coefficient_matches_torch():
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6))
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(10.0, 0.0) == 1.0
+    g = [torch.randn(3, 4), torch.randn(5)]
+    assert float(global_grad_norm([(t, True) for t in g])) == pytest.approx(float(torch.cat([t.flatten() for t in g]).norm()))
+
+
+def test_construction_errors_name_the_problem():
+    model = make_model()
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
+        ZeroOptimizer(model, stage=4)
+    with pytest.raises(ValueError, match="in no param group"):
+        ZeroOptimizer(model, param_groups=[{"params": [model.pos]}])
+    with pytest.raises(ValueError, match="not submodules"):
+        ZeroOptimizer(model, stage=3, units=[nn.Linear(2, 2)])
+
+
+def test_any_module_single_process_stage3_matches_reference():
+    """dp_group=None runs without torch.distributed; stage 3 with persistence on a plain model."""
+    cfg = dict(stage=3, gas=3, persist=50, prefetch=10_000)
+    model = make_model()
+    opt = build(model, cfg, None)
+    train(model, opt, cfg, STEPS)
+    assert_weights(_full_weights(model, opt), reference(3 * MICRO_BS)[0], "single process stage 3")

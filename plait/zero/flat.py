@@ -188,9 +188,10 @@ class Pending:
     """Handle on launched collectives: ``wait()`` waits for them, then runs the finishers (copies
     out of staging buffers) once. Collectives launched synchronously are already done."""
 
-    def __init__(self, works=(), finish: Callable[[], None] | None = None):
+    def __init__(self, works=(), finish: Callable[[], None] | None = None, keep=()):
         self.works = [w for w in works if w is not None]
         self.finish = finish
+        self.keep = list(keep)  # tensors an async collective reads or writes: alive until wait()
         self.done = False
 
     def wait(self) -> None:
@@ -200,6 +201,7 @@ class Pending:
             w.wait()
         if self.finish is not None:
             self.finish()
+        self.keep.clear()
         self.done = True
 
 
@@ -231,8 +233,9 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
     for run in runs:
         if len(run) == 1:
             k = run[0]
-            work = all_gather_flat(outputs[k], inputs[k].contiguous(), group=group, async_op=async_op)
-            pendings.append((Pending([work] if async_op else []), run))
+            src = inputs[k].contiguous()
+            work = all_gather_flat(outputs[k], src, group=group, async_op=async_op)
+            pendings.append((Pending([work] if async_op else [], keep=[src]), run))
             continue
         sizes = [inputs[k].numel() for k in run]
         staged = torch.cat([inputs[k].reshape(-1) for k in run])
@@ -246,7 +249,7 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
                 outputs[k].view(world, s).copy_(per_rank[:, col:col + s])
                 col += s
 
-        p = Pending([work] if async_op else [], finish)
+        p = Pending([work] if async_op else [], finish, keep=[staged])
         if not async_op:
             p.wait()
         pendings.append((p, run))
@@ -274,12 +277,10 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
         return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
     if seg.world == 1:
         work = dist.all_reduce(buf, group=group, async_op=async_op)
-        return Pending([work] if async_op else []), buf
+        return Pending([work] if async_op else [], keep=[buf]), buf
     out = torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
     work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
-    keep_alive = Pending([work] if async_op else [])
-    keep_alive.buf = buf  # the input must outlive an async collective
-    return keep_alive, out
+    return Pending([work] if async_op else [], keep=[buf]), out
 
 
 # ---- logical view of the shards: what a checkpoint stores ------------------------------------

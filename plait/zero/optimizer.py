@@ -225,6 +225,12 @@ class ZeroOptimizer:
                 seg.set_views(full)
         return nn.Parameter(torch.cat(slices))
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's param groups (their ``params`` are the fp32 master shards): set
+        ``lr`` here, or hand ``opt.optimizer`` to a torch LR scheduler."""
+        return self.optimizer.param_groups
+
     # ---- backward -----------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -341,7 +347,8 @@ class ZeroOptimizer:
             pending.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop accumulated gradients (model ``.grad`` and the fp32 grad shards)."""
+        """Drop accumulated gradients (model ``.grad`` and the fp32 grad shards) and restart the
+        accumulation count. ``step()`` already leaves them zero; call this only to discard work."""
         for p in self.params:
             p.grad = None
         self.reducer.zero()

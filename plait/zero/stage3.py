@@ -141,6 +141,7 @@ class ParamGatherer:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
         self.fwd, self.bwd = _Order(), _Order()
+        self.stats = {"fetched": 0, "prefetched": 0}  # segments all-gathered on demand / ahead of use
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in units:
@@ -161,6 +162,7 @@ class ParamGatherer:
     def _fetch(self, segs: list[Segment], async_op: bool) -> None:
         if not segs:
             return
+        self.stats["prefetched" if async_op else "fetched"] += len(segs)
         outs = [torch.empty(s.padded, dtype=s.local.dtype, device=s.local.device) for s in segs]
         launched = gather_segments(outs, [s.local for s in segs], self.dp_group, self.dp_size,
                                    self.allgather_bucket_size, async_op=async_op)
