@@ -1,0 +1,206 @@
+"""Pipeline parallelism: ``PipelineParallel(stage_modules, mesh, schedule, m, v).train_batch(data_iter)``.
+
+The pieces: ``plait.parallel.partition`` cuts the layer list and builds this rank's chunks,
+``plait.parallel.schedules`` says what each rank does (a pure function per schedule),
+``plait.parallel.simulate.with_communication`` adds the sends and receives, and
+``plait.parallel.pipeline_exec.PipelineExecutor`` runs any such list. This module ties them
+together for one training or evaluation step and owns the tied-embedding gradient sum.
+
+Semantics (the parity contract): after ``train_batch`` the parameters' ``.grad`` hold exactly what
+plain gradient accumulation over the same m micro-batches would hold with the loss averaged over
+micro-batches (``loss_i / m`` per micro-batch, each ``loss_i`` the mean over its tokens with
+``labels != -100``), added to whatever ``.grad`` held before (zero them between steps yourself).
+Nothing is reduced over data-parallel ranks and no optimizer is stepped: that is the engine's and
+ZeRO's job.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from plait.layers.init import TIED_ATTR
+from plait.parallel.p2p import StageP2P
+from plait.parallel.pipeline_exec import PipelineExecutor
+from plait.parallel.schedules import Action, get_schedule
+from plait.parallel.simulate import with_communication
+
+
+def _hidden_shape_fn(chunk, tp: int) -> Callable[[dict], tuple]:
+    hidden = chunk.config.hidden_size
+    sequence_parallel = bool(getattr(chunk, "sequence_parallel", False))
+
+    def shape(batch: dict) -> tuple:
+        b, s = batch["input_ids"].shape[:2]
+        if sequence_parallel:
+            if s % tp:
+                raise ValueError(f"sequence length {s} is not divisible by tp ({tp}) under sequence "
+                                 f"parallelism; pad the micro-batch to a multiple of {tp}")
+            s //= tp
+        return (b, s, hidden)
+
+    return shape
+
+
+class PipelineParallel:
+    """Runs this rank's pipeline chunks through a schedule, one step per ``train_batch`` call.
+
+    Args:
+        stage_modules: this rank's ``v`` chunks in chunk order (``build_stage_modules``); chunk
+            ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``.
+        mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
+        schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
+        micro_batches: m, micro-batches per step. "interleaved" needs m a multiple of p; the
+            others run any ``m >= 1`` (``m < p`` is mostly bubble; see ``schedules``).
+        virtual_stages: v; must equal ``len(stage_modules)`` (default: that length).
+        activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default
+            ``[b, s, hidden]`` (``[b, s/tp, hidden]`` with sequence parallelism) from
+            ``batch["input_ids"]``, evaluated per micro-batch, so sequence lengths may vary
+            between micro-batches and steps with no shape exchange.
+        grads_ready: optional ``callback(chunk_index)`` when that chunk's gradients of the step
+            are final (tied embedding copies are summed only after the whole schedule).
+
+    Tied embeddings: when the head (last stage) and the embedding (stage 0) are different
+    chunks, the head's weight is a copy (``plait_tied_to``); ``train_batch`` all-reduces the two
+    copies' gradients over a 2-rank group per (dp, tp) coordinate, built here collectively (every
+    rank of the world must construct PipelineParallel, in the same order).
+
+    Raises:
+        ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
+            ``get_schedule``: unknown name, m not a multiple of p for "interleaved", ...).
+    """
+
+    def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
+                 virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
+                 grads_ready: Callable[[int], None] | None = None):
+        self.stage_modules = list(stage_modules)
+        v = len(self.stage_modules)
+        if virtual_stages is not None and virtual_stages != v:
+            raise ValueError(f"virtual_stages={virtual_stages} but {v} stage modules were given; build "
+                             f"them with build_stage_modules(config, mesh, v={virtual_stages})")
+        if v < 1:
+            raise ValueError("PipelineParallel needs at least one stage module")
+        self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
+        self.p = 1 if mesh is None else mesh.pp
+        self.rank = 0 if mesh is None else mesh.pp_rank
+        lists = get_schedule(schedule, self.p, micro_batches, v)
+        self.actions: list[Action] = with_communication(lists, self.p, v)[self.rank]
+        forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]
+        self.eval_actions: list[Action] = with_communication(forward_only, self.p, v)[self.rank]
+        first = next((t for t in self.parameters() if t.is_floating_point()), None)
+        dtype = first.dtype if first is not None else torch.float32
+        self.device = torch.device("cpu") if mesh is None else mesh.device
+        tp = 1 if mesh is None else mesh.tp
+        self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
+        p2p = StageP2P(self.pp_ranks, None if mesh is None else mesh.pp_group, self.p * v)
+        self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
+                                         activation_shape or _hidden_shape_fn(self.stage_modules[0], tp),
+                                         dtype, self.device, grads_ready)
+        self._tied_params, self._tied_group = self._tied_embedding_setup()
+
+    # ---- parameters -------------------------------------------------------------------------
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their global names (``layers.5.attn.q_proj.weight``)."""
+        for chunk in self.stage_modules:
+            yield from chunk.named_parameters()
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        for _, param in self.named_parameters():
+            yield param
+
+    # ---- tied embeddings --------------------------------------------------------------------
+    def _tied_embedding_setup(self):
+        """Local tied copies and the (first stage, last stage) group; collective over the world."""
+        config = getattr(self.stage_modules[0], "config", None)
+        if config is None or not config.tie_embeddings or self.p * self.v == 1:
+            return [], None
+        params = []
+        if self.rank == 0 and "0" in self.stage_modules[0].layers:
+            params.append(self.stage_modules[0].layers["0"].word_embeddings.weight)
+        last = self.stage_modules[-1]
+        if self.rank == self.p - 1 and getattr(last, "has_head", False):
+            weight = last.head.weight
+            if getattr(weight, TIED_ATTR, None) is None:
+                raise ValueError("the head chunk has no tied copy of the embedding although the config ties "
+                                 "them; build chunks with build_stage_modules")
+            params.append(weight)
+        group = None
+        if self.p > 1:
+            grid = self.mesh.device_mesh.mesh  # [pp, dp, tp] global ranks
+            me = dist.get_rank()
+            for d in range(grid.shape[1]):
+                for t in range(grid.shape[2]):
+                    pair = [int(grid[0, d, t]), int(grid[-1, d, t])]
+                    g = dist.new_group(pair)
+                    if me in pair:
+                        group = g
+        return params, group
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the embedding's and the head copy's gradients on both stages (called by
+        ``train_batch``; the copies stay bitwise equal because both sides add the same two values)."""
+        if not self._tied_params:
+            return
+        grads = []
+        for param in self._tied_params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        if self.p == 1:  # both copies on this rank, in different chunks
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+            return
+        for grad in grads:
+            dist.all_reduce(grad, group=self._tied_group)
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _pull(self, data_iter) -> list[dict]:
+        it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
+        out = []
+        for i in range(self.m):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {i} of {self.m} micro-batches; give "
+                                 f"train_batch/eval_batch at least micro_batches={self.m} batches") from None
+            out.append({k: (t.to(self.device) if torch.is_tensor(t) else t) for k, t in batch.items()})
+        return out
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if losses:
+            loss = torch.stack([x.float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.p > 1:
+            dist.broadcast(loss, src=self.pp_ranks[-1], group=self.mesh.pp_group)
+        return loss
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        """One training step's forward and backward over ``m`` micro-batches.
+
+        Args:
+            data_iter: iterator of micro-batch dicts (``input_ids [b, s]``, ``labels [b, s]``,
+                optional ``attention_mask``, ``position_ids``, ``token_type_ids``); every pipeline
+                rank must yield the same m micro-batches (stage 0 reads ``input_ids``, the last
+                stage ``labels``, the others only shapes).
+
+        Returns:
+            The mean over micro-batches of the micro-batch losses, a float32 scalar tensor on
+            every rank (broadcast from the last stage; this data-parallel replica's loss).
+
+        Raises:
+            ValueError: fewer than m micro-batches; a micro-batch without labels.
+        """
+        microbatches = self._pull(data_iter)
+        losses = self.executor.run(self.actions, microbatches, train=True)
+        self.sum_tied_gradients()
+        return self._mean_loss(losses)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter) -> torch.Tensor:
+        """Forward only over m micro-batches (the schedule's forward order); returns the mean loss
+        on every rank like ``train_batch``. Leaves ``.grad`` untouched; does not change
+        ``train()``/``eval()`` modes (set them on the stage modules yourself)."""
+        microbatches = self._pull(data_iter)
+        return self._mean_loss(self.executor.run(self.eval_actions, microbatches, train=False))

@@ -1,0 +1,188 @@
+"""The one pipeline executor: runs any rank's action list (see ``plait.parallel.schedules``).
+
+Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank``):
+
+- F: run chunk ``c`` on the received activation (stage 0: on the micro-batch dict); keep the
+  input and output for the backward. On the last stage the output is the micro-batch's mean loss,
+  kept scaled by ``1/m`` so the accumulated ``.grad`` is the gradient of the mean over micro-batches.
+- B: backward from the received output gradient (last stage: from the scaled loss); parameter
+  gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
+- BI / BW: the zero-bubble split (``plait.parallel.pipeline_backward``).
+- SEND_F / RECV_F / SEND_B / RECV_B: each run of consecutive comm actions is ONE
+  ``batch_isend_irecv`` (``StageP2P.exchange``), waited on before the next compute action;
+  ``schedules.with_communication`` places them so that this cannot deadlock.
+
+Memory: a stage input, output and received gradient are dropped as soon as their last use has
+run (the output after the backward, the input gradient after its send), so rank r holds the
+activations of exactly the micro-batches its schedule has in flight.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from plait.parallel.p2p import StageP2P, Transfer
+from plait.parallel.pipeline_backward import backward_input, backward_weight
+from plait.parallel.schedules import Action
+
+MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
+
+
+class PipelineExecutor:
+    """Runs one rank's action list over its local chunks.
+
+    Args:
+        chunks: this rank's model chunks (``v`` modules called as ``chunk(hidden=x, **batch)``).
+        p2p: ``StageP2P`` of this rank (unused when ``p == 1``).
+        p, rank: pipeline size and this rank's pipeline coordinate.
+        activation_shape: ``batch -> shape`` of the activation entering a stage > 0 for that
+            micro-batch (e.g. ``[b, s, h]``, ``[b, s/tp, h]`` under sequence parallelism);
+            evaluated per micro-batch, so micro-batches may differ in sequence length.
+        dtype, device: of activations and gradients sent between stages.
+        grads_ready: optional ``callback(chunk_index)`` called when a chunk's last weight-gradient
+            action of the step has run (its ``.grad`` is final for this step, before tied sums).
+    """
+
+    def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
+                 activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
+                 grads_ready: Callable[[int], None] | None = None):
+        self.chunks, self.p2p, self.p, self.rank = chunks, p2p, p, rank
+        self.v = len(chunks)
+        self.last = p * self.v - 1
+        self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+        self.grads_ready = grads_ready
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    # ---- one step ---------------------------------------------------------------------------
+    def run(self, actions: list[Action], microbatches: list[dict], train: bool = True) -> list[torch.Tensor]:
+        """Run ``actions`` on ``microbatches`` (m dicts of tensors on ``device``).
+
+        Returns:
+            On a rank holding the last stage, the m unscaled micro-batch losses (detached scalars)
+            in micro-batch order; else an empty list.
+
+        Raises:
+            RuntimeError: an action found its input missing (the list is not a valid schedule
+                for this rank; ``check_schedule`` names the problem), or state was left over.
+        """
+        self._m, self._mbs, self._train = len(microbatches), microbatches, train
+        self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
+        self._to_send, self._pending, self._losses = {}, {}, {}
+        self._remaining = self._weight_actions(actions) if train else {}
+        batch_comm: list[Action] = []
+        for action in actions:
+            if action.is_compute:
+                self._communicate(batch_comm)
+                batch_comm = []
+                getattr(self, "_do_" + action.kind)(action.microbatch, action.chunk)
+            else:
+                batch_comm.append(action)
+        self._communicate(batch_comm)
+        left = {name: sorted(d) for name, d in (("inputs", self._inputs), ("saved", self._saved),
+                                                 ("grad_out", self._grad_out), ("grad_in", self._grad_in),
+                                                 ("to_send", self._to_send), ("pending BW", self._pending)) if d}
+        if left:
+            raise RuntimeError(f"pipeline rank {self.rank}: state left after the step {left}; the action "
+                               f"list is incomplete (run check_schedule on it)")
+        return [self._losses[i] for i in sorted(self._losses)]
+
+    def _weight_actions(self, actions: list[Action]) -> dict[int, int]:
+        count: dict[int, int] = {}
+        for a in actions:
+            if a.kind in ("B", "BW"):
+                count[a.chunk] = count.get(a.chunk, 0) + 1
+        return count
+
+    def _take(self, store: dict, key, what: str):
+        if key not in store:
+            raise RuntimeError(f"pipeline rank {self.rank}: {what} of micro-batch {key[0]}, chunk {key[1]} "
+                               f"is missing; the action list runs it too early (run check_schedule)")
+        return store.pop(key)
+
+    # ---- communication ----------------------------------------------------------------------
+    def _communicate(self, comm: list[Action]) -> None:
+        if not comm:
+            return
+        sends, recvs, landed = [], [], []
+        for a in comm:
+            key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
+            if a.kind == "SEND_F":
+                sends.append((Transfer("F", a.microbatch, s), self._take(self._to_send, key, "output to send")))
+            elif a.kind == "SEND_B":
+                sends.append((Transfer("B", a.microbatch, s), self._take(self._grad_in, key, "input gradient")))
+            elif a.kind == "RECV_F":
+                shape = tuple(self.activation_shape(self._mbs[a.microbatch]))
+                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                recvs.append((Transfer("F", a.microbatch, s - 1), buf))
+                landed.append((self._inputs, key, buf))
+            else:  # RECV_B: the gradient of this stage's output, shaped like it
+                out = self._saved.get(key)
+                if out is None:
+                    raise RuntimeError(f"pipeline rank {self.rank}: RECV_B of micro-batch {key[0]}, chunk "
+                                       f"{key[1]} before its forward (run check_schedule)")
+                buf = torch.empty_like(out[0], memory_format=torch.contiguous_format)
+                recvs.append((Transfer("B", a.microbatch, s + 1), buf))
+                landed.append((self._grad_out, key, buf))
+        self.p2p.exchange(sends, recvs)
+        for store, key, buf in landed:
+            store[key] = buf.requires_grad_(self._train) if store is self._inputs else buf
+
+    # ---- compute ----------------------------------------------------------------------------
+    def _do_F(self, mb: int, chunk: int) -> None:
+        s, key = self.stage(chunk), (mb, chunk)
+        x = None if s == 0 else self._take(self._inputs, key, "input activation")
+        batch = {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
+        with torch.set_grad_enabled(self._train):
+            out = self.chunks[chunk](hidden=x, **batch)
+        if s == self.last:
+            if out.dim() != 0:
+                raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
+                                 f"loss; give every micro-batch 'labels'")
+            self._losses[mb] = out.detach()
+            out = out / self._m
+        elif self.p == 1:  # the next stage is a chunk of this same rank: hand over directly
+            self._inputs[(mb, chunk + 1)] = out.detach().requires_grad_(self._train)
+        else:
+            self._to_send[key] = out.detach()
+        if self._train:
+            self._saved[key] = (out, x)
+
+    def _input_grad_ready(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
+        if self.stage(chunk) == 0:
+            return
+        if self.p == 1:
+            self._grad_out[(mb, chunk - 1)] = grad
+        else:
+            self._grad_in[(mb, chunk)] = grad
+
+    def _backward_inputs(self, mb: int, chunk: int):
+        out, x = self._take(self._saved, (mb, chunk), "saved forward")
+        grad = None if self.stage(chunk) == self.last else self._take(self._grad_out, (mb, chunk),
+                                                                     "output gradient")
+        return out, grad, x
+
+    def _weights_done(self, chunk: int) -> None:
+        self._remaining[chunk] -= 1
+        if self._remaining[chunk] == 0 and self.grads_ready is not None:
+            self.grads_ready(chunk)
+
+    def _do_B(self, mb: int, chunk: int) -> None:
+        out, grad, x = self._backward_inputs(mb, chunk)
+        torch.autograd.backward(out, grad)  # parameters and the stage input (a leaf of our own)
+        gx = None if x is None else x.grad
+        del out, grad, x
+        self._input_grad_ready(mb, chunk, gx)
+        self._weights_done(chunk)
+
+    def _do_BI(self, mb: int, chunk: int) -> None:
+        out, grad, x = self._backward_inputs(mb, chunk)
+        gx, self._pending[(mb, chunk)] = backward_input(out, grad, x)
+        del out, grad, x
+        self._input_grad_ready(mb, chunk, gx)
+
+    def _do_BW(self, mb: int, chunk: int) -> None:
+        backward_weight(self._take(self._pending, (mb, chunk), "BI result"))
+        self._weights_done(chunk)

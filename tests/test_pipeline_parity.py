@@ -1,0 +1,160 @@
+"""Pipeline-parallel parity on CPU/gloo: pp in {2, 4} x tp in {1, 2} x dp in {1, 2} (world size up to 8)
+x schedule in {gpipe, 1f1b, interleaved (v=2), zb-h1} x {GPT-2 (tied embeddings), Llama (GQA, untied)}.
+
+Each configuration runs one ``PipelineParallel.train_batch`` on dp x m micro-batches (dp rank d takes
+micro-batches d*m .. d*m+m-1; micro-batches differ in sequence length, so activation shapes change
+within a step), all-reduces gradients over dp itself (the pipeline does not), gathers every gradient
+to its whole logical tensor over tp, and compares with the float64 single-process reference
+(reference_models.py) on the same global batch: loss = mean over the dp*m micro-batches of each
+micro-batch's mean token loss (labels != -100).
+
+Tolerances (float32 vs float64): the loss to 1e-5 relative; every gradient to 1e-5 in the
+norm-relative metric ||g - g_ref|| / max(||g_ref||, 1e-3), as in test_tp_parity.py (the floor only
+matters for k_proj.bias, whose exact gradient is zero). The tied head copy's gradient must equal the
+embedding's summed gradient, and the two copies must be bitwise equal after the step.
+
+Runtime is kept low by one process launch per world size that loops over its configurations.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.layers import TransformerModel, preset
+from plait.layers.init import TIED_ATTR
+from plait.parallel import ParallelMesh
+from plait.parallel.partition import build_stage_modules, layer_parameter_counts, partition_layers
+from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.sharding import gather_full, shard_of
+from plait.testing import run_distributed
+from reference_models import reference_loss
+
+RTOL = 1e-5
+MICRO = 2                      # samples per micro-batch
+SEQS = (8, 12, 6, 10)          # sequence length of micro-batch i is SEQS[i % 4] (even: tp=2 with SP)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ARCHES = ("gpt2", "llama")
+METHODS = ("uniform", "parameters", "explicit")
+
+
+def make_config(arch: str):
+    kw = dict(vocab_size=1001, num_layers=6, hidden_size=32, num_heads=4, max_position_embeddings=64,
+              hidden_dropout=0.0, attention_dropout=0.0)
+    if arch == "llama":
+        kw.update(num_kv_heads=2, ffn_hidden_size=64)
+    return preset(f"{arch}-tiny", **kw)
+
+
+def make_microbatches(count: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        s = SEQS[i % len(SEQS)]
+        ids = torch.randint(0, 1001, (MICRO, s), generator=g)
+        labels = torch.randint(0, 1001, (MICRO, s), generator=g)
+        labels[i % MICRO, : 1 + i % 3] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    ids = out[0]["input_ids"]
+    ids[0, 0] = 1000  # the last real vocabulary row (padding follows it on the last tp rank)
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-3)).item()
+
+
+def reference(arch: str, batches: list[dict]):
+    """(loss, {name: grad}) of the float64 single-process model: mean of the micro-batch losses."""
+    cfg = make_config(arch)
+    weights = {n: gather_full(p.detach(), shard_of(p), None).double().requires_grad_()
+               for n, p in TransformerModel(cfg, None, seed=11).named_parameters()}  # vocab padding dropped
+    loss = sum(reference_loss(cfg, weights, b["input_ids"], b["labels"]) for b in batches) / len(batches)
+    loss.backward()
+    return loss.item(), {n: w.grad for n, w in weights.items()}
+
+
+def layouts(world: int) -> list[tuple[int, int, int]]:
+    """(pp, tp, dp) with pp in {2, 4}, tp and dp in {1, 2} and pp*tp*dp == world."""
+    return [(pp, tp, dp) for pp in (2, 4) for tp in (1, 2) for dp in (1, 2) if pp * tp * dp == world]
+
+
+def check_one(mesh, arch, schedule, method, cache) -> tuple[float, float]:
+    """Run one configuration; raise AssertionError on a mismatch; return (loss err, worst grad err)."""
+    cfg = make_config(arch)
+    pp, tp, dp = mesh.pp, mesh.tp, mesh.dp
+    v = 2 if schedule == "interleaved" else 1
+    m = 4
+    n = cfg.num_layers + 2
+    if method == "explicit":  # deliberately uneven: as much as possible on the first stage
+        parts = list(range(pp * v)) + [n]
+        parts[1:-1] = [n - pp * v + i for i in range(1, pp * v)]
+        split = parts
+    else:
+        split = method
+    sp = tp > 1 and arch == "llama"
+    chunks = build_stage_modules(cfg, mesh, v, split, sequence_parallel=sp, seed=11)
+    stages = partition_layers(n, pp, v, split, layer_parameter_counts(cfg) if split == "parameters" else None)
+    for c, chunk in enumerate(chunks):  # each chunk builds exactly its own layers
+        assert chunk.layer_indices == list(range(*stages[c * pp + mesh.pp_rank])), (c, chunk.layer_indices)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v)
+    key = (arch, dp * m)
+    if key not in cache:
+        batches = make_microbatches(dp * m, seed=5)
+        cache[key] = (batches, *reference(arch, batches))
+    batches, ref_loss, ref_grads = cache[key]
+    mine = batches[mesh.dp_rank * m:(mesh.dp_rank + 1) * m]
+    loss = pipe.train_batch(iter(mine))
+    eval_loss = pipe.eval_batch(iter(mine))
+    assert torch.allclose(eval_loss, loss, rtol=1e-6, atol=0), (eval_loss, loss)
+    params = dict(pipe.named_parameters())
+    for p in params.values():
+        dist.all_reduce(p.grad, group=mesh.dp_group)
+        p.grad /= dp
+    dist.all_reduce(loss, group=mesh.dp_group)
+    loss /= dp
+    loss_err = abs(loss.item() - ref_loss) / abs(ref_loss)
+    assert loss_err <= RTOL, f"loss {loss.item()} vs reference {ref_loss} (rel {loss_err:.2e})"
+    worst = (0.0, "")
+    for name, p in params.items():
+        full = gather_full(p.grad, shard_of(p), mesh.tp_group)
+        tied = getattr(p, TIED_ATTR, None)
+        ref = ref_grads[tied if tied is not None else name]
+        err = rel_err(full, ref)
+        worst = max(worst, (err, name))
+        assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
+    if cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
+        for name, p in params.items():
+            if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):
+                other = p.grad.clone()
+                dist.all_reduce(other, group=pipe._tied_group, op=dist.ReduceOp.MAX)
+                assert torch.equal(other, p.grad), f"tied copies of the embedding gradient differ ({name})"
+    return loss_err, worst[0]
+
+
+def parity_body(world: int):
+    cache, results, k = {}, [], 0
+    for pp, tp, dp in layouts(world):
+        mesh = ParallelMesh(tp=tp, pp=pp, dp=dp)
+        for schedule in SCHEDULES:
+            for arch in ARCHES:
+                method = METHODS[k % len(METHODS)]
+                k += 1
+                label = f"pp={pp} tp={tp} dp={dp} {schedule} {arch} {method}"
+                try:
+                    errs = check_one(mesh, arch, schedule, method, cache)
+                except AssertionError as exc:
+                    raise AssertionError(f"[{label}] {exc}") from exc
+                results.append((label, *errs))
+        if pp == 2:  # interleaved needs m to be a multiple of p: the error names the numbers
+            chunks = build_stage_modules(make_config("llama"), mesh, 2, seed=11)
+            with pytest.raises(ValueError, match="m=3, p=2"):
+                PipelineParallel(chunks, mesh, schedule="interleaved", micro_batches=3, virtual_stages=2)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_pipeline_parity(world):
+    results = run_distributed(parity_body, world, world, timeout_s=300)
+    rows = results[0]
+    assert len(rows) == 8 * len(layouts(world))
+    for label, loss_err, grad_err in rows:
+        assert loss_err <= RTOL and grad_err <= RTOL, label
