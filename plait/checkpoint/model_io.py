@@ -1,0 +1,212 @@
+"""Save and load a model's weights in any tensor/pipeline/data-parallel layout.
+
+``save_model_weights`` is collective over the writer's group (every rank calls it); each rank
+contributes only the boxes it owns, so every logical element is written exactly once:
+
+- tp-sharded parameters: the unpadded part of the local shard, from dp rank 0 only;
+- tp-replicated parameters (norms, row-parallel biases, position tables): from tp rank 0 of dp
+  rank 0 only;
+- pipeline stages: each stage saves the layers it built;
+- a tied head copy (a parameter with ``plait_tied_to``, the output weight of a head that lives on
+  another pipeline stage than the embedding) is not saved; the embedding's stage saves it.
+
+``load_model_weights`` fills every local parameter of any layout from any saved layout, reading
+only this rank's box of each tensor (``read_tp_shard``); vocabulary padding rows are zero-filled.
+
+The checkpoint's ``meta.json`` holds the architecture under :data:`MODEL_CONFIG_KEY`
+(``TransformerConfig.to_dict()``) and the saving layout under :data:`MESH_KEY`, so a checkpoint
+knows what it is; ``config_from_meta`` rebuilds the config. Names starting with
+:data:`EXTRA_PREFIX` (tensors kept only for Hugging Face export, e.g. BERT's pooler) and
+``optimizer.`` are not model weights and are ignored by ``load_model_weights``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.index import OPTIMIZER_PREFIX
+from plait.checkpoint.reader import CheckpointReader
+from plait.checkpoint.tp import read_tp_shard, tp_shard_item
+from plait.checkpoint.writer import CheckpointWriter, SaveHandle
+from plait.layers.config import TransformerConfig
+from plait.layers.init import TIED_ATTR
+from plait.parallel.sharding import shard_of
+
+#: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
+MODEL_CONFIG_KEY = "model_config"
+#: ``meta.json`` key holding the saving layout ``{"tp": .., "pp": .., "dp": ..}``.
+MESH_KEY = "mesh"
+#: Prefix of tensors that are no plait parameter (kept for export only); never loaded into a model.
+EXTRA_PREFIX = "hf_extra."
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass
+class LoadReport:
+    """What ``load_model_weights(strict=False)`` could not match.
+
+    ``missing``: this model's parameters the checkpoint lacks (they keep their current values);
+    ``unexpected``: checkpoint model weights that belong to this model's layers (or to no layer
+    of its architecture) but match no parameter. Weights of layers this pipeline stage did not
+    build are neither.
+    """
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def checkpoint_name(name: str, param: torch.Tensor) -> str:
+    """The logical name a parameter is stored under: its own, or for a tied copy the original's."""
+    return getattr(param, TIED_ATTR, None) or name
+
+
+def _mesh_coords(mesh) -> dict[str, int]:
+    if mesh is None:
+        return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "dp_rank": 0}
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank}
+
+
+def model_shard_items(model: nn.Module, mesh=None) -> list:
+    """The ``ShardItem``s this rank owns for ``model``'s parameters (see the module docstring)."""
+    coords = _mesh_coords(mesh)
+    if coords["dp_rank"] != 0:
+        return []
+    items = []
+    for name, param in model.named_parameters():
+        if getattr(param, TIED_ATTR, None):
+            continue                        # the embedding's stage saves the tied weight
+        spec = shard_of(param)
+        if spec.dim is None and coords["tp_rank"] != 0:
+            continue
+        item = tp_shard_item(name, param.detach(), spec)
+        if item is not None:
+            items.append(item)
+    return items
+
+
+def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
+    """``meta`` plus the model's config (:data:`MODEL_CONFIG_KEY`) and the layout (:data:`MESH_KEY`)."""
+    out = dict(meta or {})
+    config = getattr(model, "config", None)
+    if isinstance(config, TransformerConfig):
+        out.setdefault(MODEL_CONFIG_KEY, config.to_dict())
+    coords = _mesh_coords(mesh)
+    out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp")})
+    return out
+
+
+def save_model_weights(model: nn.Module, mesh, writer_or_root: CheckpointWriter | str | os.PathLike,
+                       tag: str, meta: dict | None = None, *, async_: bool = False) -> SaveHandle:
+    """Save ``model``'s weights as checkpoint ``tag``; collective over the writer's group.
+
+    Args:
+        model: this rank's model or pipeline stage (parameters carry ``TPShard``s).
+        mesh: the ``ParallelMesh`` it was built with (None: one process).
+        writer_or_root: a ``CheckpointWriter`` (its group must hold every rank of the mesh) or a
+            root directory (a writer over the default group is made).
+        tag: checkpoint name, e.g. ``"step1000"``.
+        meta: JSON dict for ``meta.json``; the config and layout are added (see ``model_meta``).
+        async_: write in a background thread (``handle.wait()`` finishes it).
+
+    Raises:
+        CheckpointError: as ``CheckpointWriter.save`` (e.g. a tensor not tiled because ranks
+            disagree on the layout).
+    """
+    writer = writer_or_root if isinstance(writer_or_root, CheckpointWriter) else CheckpointWriter(writer_or_root)
+    return writer.save(tag, model_shard_items(model, mesh), model_meta(model, mesh, meta), async_=async_)
+
+
+def config_from_meta(meta: dict, where: str = "checkpoint") -> TransformerConfig:
+    """The ``TransformerConfig`` stored under :data:`MODEL_CONFIG_KEY`.
+
+    Raises:
+        CheckpointError: the key is missing or does not describe a valid config.
+    """
+    raw = meta.get(MODEL_CONFIG_KEY)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: meta.json has no {MODEL_CONFIG_KEY!r} dict (saved without "
+                              f"save_model_weights?); pass the TransformerConfig explicitly")
+    try:
+        return TransformerConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: meta[{MODEL_CONFIG_KEY!r}] is not a valid TransformerConfig: {e}") from None
+
+
+def _is_model_weight(name: str) -> bool:
+    return not (name.startswith(OPTIMIZER_PREFIX) or name.startswith(EXTRA_PREFIX))
+
+
+def _elsewhere(name: str, model: nn.Module) -> bool:
+    """True if ``name`` belongs to a layer of the architecture that this stage did not build."""
+    indices = getattr(model, "layer_indices", None)
+    config = getattr(model, "config", None)
+    m = _LAYER.match(name)
+    if indices is None or config is None or m is None:
+        return False
+    i = int(m.group(1))
+    return 0 <= i < config.num_layers + 2 and i not in indices
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.PathLike, strict: bool = True,
+                       tag: str | None = None) -> LoadReport:
+    """Fill every parameter of ``model`` (any tp/pp layout) from a checkpoint of any layout.
+
+    Each parameter reads only its own box (``read_tp_shard``), converted to the parameter's dtype;
+    vocabulary padding rows become zero. A tied head copy (``plait_tied_to``) reads the embedding's
+    weight. Shapes are checked for all parameters before any is changed.
+
+    Args:
+        model: model or pipeline stage, materialized (not on the meta device: ``to_empty`` first).
+        reader: a ``CheckpointReader`` or a checkpoint root (``tag`` picks the checkpoint).
+        strict: raise if parameters are missing or checkpoint weights of this model's layers are
+            unexpected; with False, load what matches and return the ``LoadReport``.
+
+    Returns:
+        ``LoadReport`` (empty lists when everything matched).
+
+    Raises:
+        CheckpointError: a logical shape differs (names the tensor and both shapes); with
+            ``strict``, missing or unexpected weights (listed); a parameter on the meta device.
+    """
+    if not isinstance(reader, CheckpointReader):
+        reader = CheckpointReader(reader, tag)
+    stored = set(reader.names())
+    plan, report, wanted = [], LoadReport(), set()
+    for name, param in model.named_parameters():
+        key = checkpoint_name(name, param)
+        wanted.add(key)
+        spec = shard_of(param)
+        if key not in stored:
+            report.missing.append(name if key == name else f"{name} (tied to {key})")
+            continue
+        have = reader.shape(key)
+        if tuple(have) != tuple(spec.logical_shape):
+            raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
+                                  f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
+                                  f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])")
+        if param.is_meta:
+            raise CheckpointError(f"parameter {name!r} is on the meta device; call "
+                                  f"model.to_empty(device=...) before load_model_weights")
+        plan.append((param, key, spec))
+    report.unexpected = sorted(n for n in stored - wanted
+                               if _is_model_weight(n) and not _elsewhere(n, model))
+    if strict and (report.missing or report.unexpected):
+        raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
+                              f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
+                              f"pass strict=False to load the rest")
+    for param, key, spec in plan:
+        param.copy_(read_tp_shard(reader, key, spec, dtype=param.dtype, device=param.device))
+    return report
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return f"[{shown}{more}]"
