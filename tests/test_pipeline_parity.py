@@ -18,6 +18,7 @@ Runtime is kept low by one process launch per world size that loops over its con
 import pytest
 import torch
 import torch.distributed as dist
+from reference_models import reference_loss
 
 from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
@@ -26,7 +27,6 @@ from plait.parallel.partition import build_stage_modules, layer_parameter_counts
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import gather_full, shard_of
 from plait.testing import run_distributed
-from reference_models import reference_loss
 
 RTOL = 1e-5
 MICRO = 2                      # samples per micro-batch
@@ -37,8 +37,8 @@ METHODS = ("uniform", "parameters", "explicit")
 
 
 def make_config(arch: str):
-    kw = dict(vocab_size=1001, num_layers=6, hidden_size=32, num_heads=4, max_position_embeddings=64,
-              hidden_dropout=0.0, attention_dropout=0.0)
+    kw = {"vocab_size": 1001, "num_layers": 6, "hidden_size": 32, "num_heads": 4, "max_position_embeddings": 64,
+          "hidden_dropout": 0.0, "attention_dropout": 0.0}
     if arch == "llama":
         kw.update(num_kv_heads=2, ffn_hidden_size=64)
     return preset(f"{arch}-tiny", **kw)
@@ -158,3 +158,77 @@ def test_pipeline_parity(world):
     assert len(rows) == 8 * len(layouts(world))
     for label, loss_err, grad_err in rows:
         assert loss_err <= RTOL and grad_err <= RTOL, label
+
+
+# ---- single process: the executor with p = 1 and the zero-bubble split ----------------------------
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_single_process_pipeline_matches_accumulation(schedule):
+    """p = 1 (interleaved: v = 2 chunks on one rank, handing activations over locally; tied copies
+    summed locally): grads equal plain gradient accumulation of the whole model, loss averaged."""
+    v = 2 if schedule == "interleaved" else 1
+    for arch in ARCHES:
+        cfg = make_config(arch)
+        batches = make_microbatches(3, seed=9)
+        whole = TransformerModel(cfg, None, seed=11)
+        want_loss = sum(whole(**b) for b in batches) / 3
+        want_loss.backward()
+        want = {n: p.grad for n, p in whole.named_parameters()}
+        ready = []
+        pipe = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3,
+                                grads_ready=ready.append)
+        loss = pipe.train_batch(iter(batches))
+        assert sorted(ready) == list(range(v))      # each chunk reported once, after its last backward
+        assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+        for name, p in pipe.named_parameters():
+            ref = want[getattr(p, TIED_ATTR, None) or name]
+            assert rel_err(p.grad, ref) <= RTOL, (schedule, arch, name, rel_err(p.grad, ref))
+        with pytest.raises(ValueError, match="ran out after 2 of 3 micro-batches"):
+            pipe.eval_batch(iter(batches[:2]))
+
+
+def test_zero_bubble_split_defers_weight_gradients():
+    """BI leaves every .grad untouched and returns the exact input gradient; BW then produces the
+    same parameter gradients as one plain backward, without re-running the input half."""
+    from plait.parallel.pipeline_backward import backward_input, backward_weight
+
+    for arch in ARCHES:
+        cfg = make_config(arch)
+        stage = TransformerModel(cfg, None, layers=range(2, 8), seed=11)  # blocks 2..6 and the head
+        batch = make_microbatches(1, seed=3)[0]
+        x0 = torch.randn(*batch["input_ids"].shape, cfg.hidden_size)
+        x = x0.clone().requires_grad_()
+        stage(hidden=x, **batch).backward()
+        want = {n: p.grad.clone() for n, p in stage.named_parameters()}
+        want_x = x.grad
+        stage.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        gx, pending = backward_input(stage(hidden=x, **batch), None, x)
+        assert pending.split and all(p.grad is None for p in stage.parameters())
+        assert rel_err(gx, want_x) <= 1e-6 and x.grad is None
+        backward_weight(pending)
+        for n, p in stage.named_parameters():
+            assert rel_err(p.grad, want[n]) <= 1e-6, n
+
+
+def test_zero_bubble_split_falls_back_on_shared_weight_nodes():
+    """A transposed weight computed once and used twice (a parameter-side node with two parents)
+    makes the cut unsafe: BW re-runs the whole backward instead, still exactly."""
+    from plait.parallel.pipeline_backward import backward_input, backward_weight
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x0 = torch.randn(3, 4)
+
+    def stage(x):
+        wt = w.t()
+        return torch.tanh(x @ wt) @ wt
+
+    x = x0.clone().requires_grad_()
+    stage(x).backward(torch.ones(3, 4))
+    want_w, want_x = w.grad.clone(), x.grad.clone()
+    w.grad = None
+    x = x0.clone().requires_grad_()
+    gx, pending = backward_input(stage(x), torch.ones(3, 4), x)
+    assert not pending.split and w.grad is None
+    backward_weight(pending)
+    assert torch.allclose(gx, want_x) and torch.allclose(w.grad, want_w)

@@ -9,7 +9,7 @@ non-empty range ``[start, stop)`` of items.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 METHODS = ("uniform", "parameters")
 

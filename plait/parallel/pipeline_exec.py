@@ -18,7 +18,7 @@ activations of exactly the micro-batches its schedule has in flight.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
