@@ -8,7 +8,12 @@ Per parameter tensor ``w`` with gradient ``g`` at step ``t``::
     w = w - lr * clip(||w|| / ||r||, min_coeff, max_coeff) * r     (ratio 1 when either norm is 0)
 
 The trust-ratio clamp and its defaults (0.01, 10) follow DeepSpeed's FusedLamb, whose config keys
-``min_coeff``/``max_coeff`` plait accepts. The trust ratio needs the whole tensor, so LAMB runs on unflattened parameters
+``min_coeff``/``max_coeff`` plait accepts.
+
+Under ZeRO the optimizer sees flat fp32 shards that hold pieces of many tensors, some split over dp
+and tp. ``set_segments`` tells it which elements belong to which logical tensor and how to sum a
+vector of per-tensor squared norms over the ranks that share a tensor; the trust ratio is then the
+whole tensor's, exactly as in one process (DeepSpeed's FusedLamb refuses ZeRO instead). The trust ratio needs the whole tensor, so LAMB runs on unflattened parameters
 (ZeRO stage 0 without flattening, as DeepSpeed also requires).
 """
 from __future__ import annotations
@@ -27,33 +32,75 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff))
 
+    def set_segments(self, segments: dict, num_tensors: int, reduce) -> None:
+        """Switch to per-tensor trust ratios over flat buffers.
+
+        Args:
+            segments: ``{id(flat_param): [(offset, length, tensor_index), ...]}`` pieces of each flat param.
+            num_tensors: number of logical tensors (indices into the norm vectors).
+            reduce: ``reduce(sq: Tensor[2, num_tensors]) -> Tensor`` summing squared norms (row 0: weights,
+                row 1: updates) over every rank holding pieces of each tensor (collective).
+        """
+        self._segments, self._num_tensors, self._reduce = segments, num_tensors, reduce
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        if getattr(self, "_segments", None) is not None:
+            self._flat_step()
+            return loss
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                t = state["step"]
-                g = p.grad.float()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                c1, c2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
-                w = p.float()
-                update = (m / c1) / ((v / c2).sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(w, alpha=group["weight_decay"])
+                w, update = self._moments(p, group)
                 w_norm, u_norm = w.norm(), update.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0),
                                     (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
                                     torch.ones_like(w_norm))
                 p.copy_((w - group["lr"] * trust * update).to(p.dtype))
         return loss
+
+    def _moments(self, p, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance the moments of ``p`` and return ``(w, update)`` in float32 (before the trust ratio)."""
+        b1, b2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        t, g = state["step"], p.grad.float()
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        c1, c2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+        w = p.float()
+        update = (m / c1) / ((v / c2).sqrt() + group["eps"])
+        if group["weight_decay"]:
+            update.add_(w, alpha=group["weight_decay"])
+        return w, update
+
+    def _flat_step(self) -> None:
+        work = []
+        device = self.param_groups[0]["params"][0].device
+        sq = torch.zeros(2, self._num_tensors, dtype=torch.float64, device=device)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                w, update = self._moments(p, group)
+                for offset, length, index in self._segments[id(p)]:
+                    sq[0, index] += w[offset:offset + length].double().square().sum()
+                    sq[1, index] += update[offset:offset + length].double().square().sum()
+                work.append((p, group, w, update))
+        norms = self._reduce(sq).sqrt()
+        ok = (norms[0] > 0) & (norms[1] > 0)
+        trust = torch.ones(self._num_tensors, dtype=torch.float64, device=norms.device)
+        for p, group, w, update in work:
+            ratio = torch.where(ok, (norms[0] / norms[1].clamp_min(1e-300)).clamp(group["min_coeff"],
+                                                                                group["max_coeff"]), trust)
+            scale = torch.zeros_like(w)                      # padding elements stay put
+            for offset, length, index in self._segments[id(p)]:
+                scale[offset:offset + length] = ratio[index]
+            p.copy_((w - group["lr"] * scale * update).to(p.dtype))

@@ -1,0 +1,271 @@
+"""``plait.initialize()`` and the ``Engine``: DeepSpeed's training API over plait's ZeRO, tensor and
+pipeline parallelism.
+
+    engine = plait.initialize(model, "ds_config.json", mesh=mesh)
+    for batch in loader:                       # without a pipeline
+        loss = engine(**batch)
+        engine.backward(loss)                  # x loss scale / GAS; ZeRO-2/3 reduce during backward
+        engine.step()                          # applies at the accumulation boundary
+    loss = engine.train_batch(data_iter)       # GAS micro-batches (through the pipeline when pp > 1)
+    engine.save_checkpoint("ckpt")             # sharded safetensors; loads into any layout
+
+Differences from ``deepspeed.initialize``: it returns the engine alone (not a 4-tuple), and a user
+learning-rate schedule is passed as a factory ``f(optimizer)`` because ZeRO builds its own optimizer
+over the fp32 master shards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.config import ConfigError, PlaitConfig, load_config
+from plait.lamb import Lamb
+from plait.optim_factory import (optimizer_from_config, optimizer_from_user, scheduler_from_config,
+                                 scheduler_from_user)
+from plait.parallel.mesh import ParallelMesh
+from plait.parallel.sharding import shard_of
+from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
+
+
+def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mesh: ParallelMesh) -> None:
+    """Give LAMB the logical tensor of every piece of ZeRO's flat master shards, and a reduction
+    that sums per-tensor squared norms over dp (pieces of one tensor on several dp ranks) and over
+    tp (tensor-parallel shards; replicated tensors are counted once)."""
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    index = {n: i for i, n in enumerate(names)}
+    params = dict(module.named_parameters())
+    tp_split = torch.tensor([shard_of(params[n]).dim is not None for n in names], dtype=torch.float64,
+                            device=mesh.device)
+    segments = {id(master): [(pc.shard_offset, pc.length, index[pc.slot.name]) for pc in group.pieces()]
+                for group, master in zip(zero.groups, zero.masters)}
+
+    def reduce(sq: torch.Tensor) -> torch.Tensor:
+        if zero.stage > 0 and mesh.dp > 1:
+            dist.all_reduce(sq, group=mesh.dp_group)
+        if mesh.tp > 1:
+            split = sq * tp_split
+            dist.all_reduce(split, group=mesh.tp_group)
+            sq = split + sq * (1 - tp_split)
+        return sq
+
+    lamb.set_segments(segments, len(names), reduce)
+
+
+def _stage3_units(module: nn.Module):
+    """plait models gather ZeRO-3 parameters per layer (embedding, each block, head)."""
+    layers = getattr(module, "layers", None)
+    if isinstance(layers, nn.ModuleDict) and hasattr(module, "config"):
+        return list(layers.values())
+    return None
+
+
+class Engine:
+    """Training engine; build it with ``plait.initialize``. See the module docstring.
+
+    Attributes:
+        module: the wrapped model (its parameters live in ZeRO's flat buffers).
+        optimizer: the ``ZeroOptimizer``. lr_scheduler: the schedule (or None).
+        config: the resolved ``PlaitConfig``. mesh: the ``ParallelMesh``.
+        pipeline: a ``PipelineParallel`` when the model is pipelined, else None.
+    """
+
+    def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
+                 model_parameters, pipeline=None):
+        self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
+        z = config.zero_optimization
+        if z.offload_optimizer.enabled or z.offload_param.enabled:
+            raise ConfigError("zero_optimization.offload_optimizer / offload_param are not implemented yet in the "
+                              "engine; remove them (tracked by the ZeRO-Offload issue)")
+        if config.fp16.enabled:
+            param_dtype = torch.float16
+            f = config.fp16
+            scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                                f.min_loss_scale, f.consecutive_hysteresis)
+        else:
+            param_dtype, scaler = (torch.bfloat16 if config.bf16.enabled else None), None
+        if optimizer is None:
+            factory, kwargs = optimizer_from_config(config.optimizer, mesh.device.type)
+            groups = None
+        else:
+            factory, kwargs, groups = optimizer_from_user(optimizer)
+        if groups is None and model_parameters is not None:
+            groups = model_parameters if isinstance(model_parameters, list) and model_parameters and \
+                isinstance(model_parameters[0], dict) else None
+        if groups is None:
+            groups = weight_decay_groups(module, kwargs.get("weight_decay", 0.0))
+            groups = [g for g in groups if g["params"]]
+        reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.communication_data_type,
+                                                                            torch.float32)
+        self.optimizer = ZeroOptimizer(
+            module, mesh.dp_group, stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
+            param_groups=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+            overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+            param_persistence_threshold=z.stage3_param_persistence_threshold,
+            units=_stage3_units(module) if z.stage == 3 else None,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
+            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+        inner = self.optimizer.optimizer
+        if isinstance(inner, Lamb):
+            attach_lamb_segments(inner, self.optimizer, module, mesh)
+        self.lr_scheduler = (scheduler_from_user(lr_scheduler, inner) if lr_scheduler is not None
+                             else scheduler_from_config(config.scheduler, inner))
+        self._step_applied = False
+        self.global_samples = 0
+
+    # ---- DeepSpeed's training API -------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS."""
+        self.optimizer.backward(loss)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.optimizer.is_gradient_accumulation_boundary()
+
+    def step(self) -> None:
+        """Optimizer (and schedule) step at the accumulation boundary; a no-op before it.
+        fp16 overflow skips the step on every rank and does not advance the schedule."""
+        if not self.is_gradient_accumulation_boundary():
+            self._step_applied = False
+            return
+        self._step_applied = self.optimizer.step()
+        if self._step_applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_samples += self.train_batch_size()
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
+        model inputs with ``labels``). Returns the mean loss over the micro-batches (and dp ranks)."""
+        if self.pipeline is not None:
+            loss = self.pipeline.train_batch(data_iter, loss_scale=self.optimizer.loss_scale,
+                                             on_micro_step=self.optimizer.note_micro_step)
+        else:
+            total = torch.zeros((), dtype=torch.float32)
+            for _ in range(self.config.gradient_accumulation_steps):
+                loss = self.module(**next(data_iter))
+                self.backward(loss)
+                total += loss.detach().float().cpu()
+            loss = total / self.config.gradient_accumulation_steps
+        self.step()
+        return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter) -> torch.Tensor:
+        """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1)."""
+        if self.pipeline is not None:
+            return self._dp_mean(self.pipeline.eval_batch(data_iter))
+        n = self.config.gradient_accumulation_steps
+        loss = sum(self.module(**next(data_iter)).float().cpu() for _ in range(n)) / n
+        return self._dp_mean(loss)
+
+    def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.dp_group
+        if group is None or self.mesh.dp == 1:
+            return loss
+        out = loss.detach().to(self.mesh.device, torch.float32).reshape(1)
+        dist.all_reduce(out, group=group)
+        return (out / self.mesh.dp).reshape(()).cpu()
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # ---- facts ------------------------------------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps applied (skipped fp16 steps not counted)."""
+        return self.optimizer.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches since the last optimizer step."""
+        return self.optimizer.micro_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last applied step."""
+        return self.optimizer.grad_norm
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False):
+        """Write a sharded, layout-free checkpoint (see ``plait.checkpoint``). Collective."""
+        from plait.checkpoint.engine_io import save_engine
+        return save_engine(self, save_dir, tag, client_state or {}, async_save)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, strict: bool = True):
+        """Load a checkpoint saved at any layout. Returns ``(path, client_state)``. Collective."""
+        from plait.checkpoint.engine_io import load_engine
+        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict)
+
+
+def initialize(model: nn.Module, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
+               model_parameters=None, pipeline=None, **config_facts) -> Engine:
+    """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
+
+    Args:
+        model: any ``nn.Module`` (an unmodified Hugging Face model works) or a plait model / pipeline
+            stage. Move it to its device first.
+        config: a ds_config path or dict (DeepSpeed key names), or a resolved ``PlaitConfig``.
+        mesh: the ``ParallelMesh``; default: ``tensor_parallel.size`` x ``pipeline.size`` from the config
+            over the initialized process group (or one process).
+        optimizer: None (use the config's ``optimizer``), a torch optimizer class/factory, or an instance.
+        lr_scheduler: None (use the config's ``scheduler``) or a factory ``f(optimizer) -> scheduler``.
+        model_parameters: torch-style param groups (list of dicts) to use instead of the default
+            weight-decay grouping (matrices decay, biases and norm weights do not).
+        pipeline: a ``PipelineParallel`` running ``model``'s stages (``train_batch`` then uses it).
+        config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
+
+    Raises:
+        ConfigError: unknown or inconsistent config keys (named, with the fix).
+    """
+    if mesh is None:
+        raw = config if isinstance(config, PlaitConfig) else load_config(
+            config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            **config_facts)
+        mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size)
+    if not isinstance(config, PlaitConfig):
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config_facts.setdefault("model_hidden_size", hidden)
+        config = load_config(config, dp_size=mesh.dp, **config_facts)
+    if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
+        raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
+                          f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
+    torch.manual_seed(config.seed)
+    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline)
