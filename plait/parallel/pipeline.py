@@ -12,6 +12,18 @@ micro-batches (``loss_i / m`` per micro-batch, each ``loss_i`` the mean over its
 ``labels != -100``), added to whatever ``.grad`` held before (zero them between steps yourself).
 Nothing is reduced over data-parallel ranks and no optimizer is stepped: that is the engine's and
 ZeRO's job.
+
+Engine use, per optimizer step::
+
+    loss = pipe.train_batch(data_iter)   # m micro-batches, grads accumulated, tied copies summed
+    # then: reduce .grad over mesh.dp_group (ZeRO: reduce-scatter), clip, step, zero_grad
+
+Gradient hooks (ZeRO-2 bucketed reduce-scatter, overlap with the pipeline): a chunk's ``.grad``
+is final when ``grads_ready(chunk)`` fires (after that chunk's last B/BW of the step), which is
+the point to launch its dp reduction. Exception: the tied embedding/head copies change once more
+in ``sum_tied_gradients`` after the schedule, so reduce those after ``train_batch`` returns (or
+reduce them first and sum afterwards only if both stages shard them identically). Post-accumulate
+hooks registered on parameters fire inside B and BW (never in BI), once per micro-batch.
 """
 from __future__ import annotations
 

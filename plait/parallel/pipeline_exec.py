@@ -42,6 +42,9 @@ class PipelineExecutor:
         dtype, device: of activations and gradients sent between stages.
         grads_ready: optional ``callback(chunk_index)`` called when a chunk's last weight-gradient
             action of the step has run (its ``.grad`` is final for this step, before tied sums).
+
+    After ``run``, ``peak_in_flight`` is the most (micro-batch, chunk) forwards whose input-gradient
+    backward had not run yet, held at once: ``simulate(...).peak_in_flight`` of this rank.
     """
 
     def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
@@ -72,6 +75,7 @@ class PipelineExecutor:
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
         self._to_send, self._pending, self._losses = {}, {}, {}
         self._remaining = self._weight_actions(actions) if train else {}
+        self.peak_in_flight = 0
         batch_comm: list[Action] = []
         for action in actions:
             if action.is_compute:
@@ -149,6 +153,7 @@ class PipelineExecutor:
             self._to_send[key] = out.detach()
         if self._train:
             self._saved[key] = (out, x)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
 
     def _input_grad_ready(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
         if self.stage(chunk) == 0:
