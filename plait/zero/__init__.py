@@ -5,5 +5,16 @@ from plait.zero.flat import ParamSlice, ShardState, slices_reader
 from plait.zero.optimizer import ZeroOptimizer, weight_decay_groups
 from plait.zero.precision import LossScaleError, LossScaler, resolve_dtype
 
-__all__ = ["ZeroOptimizer", "weight_decay_groups", "LossScaler", "LossScaleError", "resolve_dtype",
-           "NormGroups", "global_grad_norm", "clip_coefficient", "ParamSlice", "ShardState", "slices_reader"]
+__all__ = [
+           "LossScaleError",
+           "LossScaler",
+           "NormGroups",
+           "ParamSlice",
+           "ShardState",
+           "ZeroOptimizer",
+           "clip_coefficient",
+           "global_grad_norm",
+           "resolve_dtype",
+           "slices_reader",
+           "weight_decay_groups",
+]

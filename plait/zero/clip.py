@@ -17,8 +17,8 @@ must be passed by one stage only; ``global_grad_norm`` cannot tell the copies ap
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist

@@ -20,8 +20,9 @@ Nothing here talks to process groups except ``gather_segments``, which takes one
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist

@@ -44,13 +44,21 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import shard_of
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
-from plait.zero.flat import (Entry, GroupKey, ParamSlice, ShardState, build_layout, gather_segments,
-                             load_shard_state, shard_state)
+from plait.zero.flat import (
+    Entry,
+    GroupKey,
+    ParamSlice,
+    ShardState,
+    build_layout,
+    gather_segments,
+    load_shard_state,
+    shard_state,
+)
 from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
 from plait.zero.stage12 import GradReducer
@@ -178,7 +186,7 @@ class ZeroOptimizer:
         self.masters = [self._materialize(g) for g in self.groups]
         self.grad_shards = [torch.zeros_like(m) for m in self.masters]
 
-        opt_groups, self._opt_slots = [], []
+        opt_groups = []
         for gi, opts in enumerate(group_opts):
             members = [m for m, g in zip(self.masters, self.groups) if g.key.param_group == gi]
             if members:
@@ -255,7 +263,9 @@ class ZeroOptimizer:
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps % self.gradient_accumulation_steps == 0
+        """True once ``gradient_accumulation_steps`` micro-steps were counted since the last step
+        (always with GAS 1, so engines that do not count micro-steps can call ``step()`` directly)."""
+        return self.gradient_accumulation_steps == 1 or self.micro_steps >= self.gradient_accumulation_steps
 
     def _note_backward(self) -> None:
         if not self._in_backward:

@@ -26,11 +26,11 @@ outputs are not tensors (or pytree containers of tensors) cannot re-gather for b
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from plait.zero.flat import Pending, Segment, gather_segments
@@ -84,9 +84,8 @@ def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | Non
             visit(child, current)
 
     visit(root, None)
-    ordered = [m for _, m in root.named_modules() if id(m) in chosen_ids]
-    return [Unit(i, names[id(m)] or "<root>", m, params[id(m)])
-            for i, m in enumerate(ordered) if params[id(m)]]
+    ordered = [m for _, m in root.named_modules() if id(m) in chosen_ids and params[id(m)]]
+    return [Unit(i, names[id(m)] or "<root>", m, params[id(m)]) for i, m in enumerate(ordered)]
 
 
 class _Order:
@@ -255,7 +254,6 @@ class ParamGatherer:
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
                         t.register_hook(lambda grad, u=u: self._pre_backward(u))
-            return None
         return post_forward
 
     def _pre_backward(self, u: Unit) -> None:
