@@ -7,6 +7,8 @@ modules inside ``run`` so ``plait --help`` stays fast.
 
     plait estimate-memory --params 7e9 --dp 8 --stage 3 [--offload-optimizer] [--offload-param]
     plait check-config ds_config.json --dp 8 [--hidden 4096]
+    plait convert from-hf HF_DIR ROOT | to-hf ROOT OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
+    plait convert consolidate ROOT OUT.safetensors [--model-only] | inspect ROOT [--tag TAG]
 """
 from __future__ import annotations
 
@@ -106,11 +108,67 @@ def _run_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------- convert
+def _configure_convert(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    a = sub.add_parser("from-hf", help="Hugging Face directory (config.json + safetensors) -> plait checkpoint")
+    a.add_argument("hf_dir", help="directory with config.json and model.safetensors (or its index)")
+    a.add_argument("out_root", help="plait checkpoint root to write")
+    a.add_argument("--tag", default="hf", help="checkpoint tag (default hf)")
+    a.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    b = sub.add_parser("to-hf", help="plait checkpoint (any layout) -> Hugging Face directory")
+    b.add_argument("root", help="plait checkpoint root")
+    b.add_argument("out_dir", help="output directory (config.json + model*.safetensors)")
+    b.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    b.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    b.add_argument("--max-shard-size", default=None, help="split weights into shards, e.g. 5GB or 500MiB")
+    b.add_argument("--overwrite", action="store_true", help="replace weights already in out_dir")
+    c = sub.add_parser("consolidate", help="every logical tensor whole in one safetensors file")
+    c.add_argument("root", help="plait checkpoint root")
+    c.add_argument("out_file", help="output .safetensors file")
+    c.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    c.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    c.add_argument("--model-only", action="store_true", help="leave out optimizer state and hf_extra tensors")
+    d = sub.add_parser("inspect", help="list tensors, shapes, dtypes, meta and files of a checkpoint")
+    d.add_argument("root", help="plait checkpoint root")
+    d.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from plait.checkpoint import CheckpointError
+    from plait.checkpoint import convert
+
+    try:
+        if args.action == "from-hf":
+            r = convert.from_hf(args.hf_dir, args.out_root, tag=args.tag, dtype=args.dtype)
+            print(f"wrote {r.path}: {r.tensors} tensors from {r.architecture}")
+            for what, names in (("missing (plait keeps its init)", r.missing), ("kept as hf_extra", r.extra)):
+                if names:
+                    print(f"  {what}: {', '.join(names)}")
+        elif args.action == "to-hf":
+            r = convert.to_hf(args.root, args.out_dir, tag=args.tag, dtype=args.dtype,
+                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+            print(f"wrote {r.architecture} to {r.out_dir}: {', '.join(r.files)}")
+            for what, names in (("missing", r.missing), ("not exported", r.dropped)):
+                if names:
+                    print(f"  {what}: {', '.join(names)}")
+        elif args.action == "consolidate":
+            print("wrote " + convert.consolidate(args.root, args.out_file, tag=args.tag, dtype=args.dtype,
+                                                 model_only=args.model_only))
+        else:
+            convert.inspect(args.root, tag=args.tag)
+    except (CheckpointError, ValueError, OSError) as err:
+        print(f"plait convert {args.action}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 #: The subcommand table; append a Command to add one.
 COMMANDS: tuple[Command, ...] = (
     Command("estimate-memory", "per-GPU and per-host model-state memory for ZeRO stages 0-3",
             _configure_estimate, _run_estimate),
     Command("check-config", "validate a ds_config JSON and print it resolved", _configure_check, _run_check),
+    Command("convert", "checkpoints: from-hf, to-hf, consolidate, inspect", _configure_convert, _run_convert),
 )
 
 

@@ -35,6 +35,7 @@ from plait.checkpoint.tp import read_tp_shard, tp_shard_item
 from plait.checkpoint.writer import CheckpointWriter, SaveHandle
 from plait.layers.config import TransformerConfig
 from plait.layers.init import TIED_ATTR
+from plait.layers.model import EMBEDDING_WEIGHT
 from plait.parallel.sharding import shard_of
 
 #: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
@@ -61,9 +62,21 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def checkpoint_name(name: str, param: torch.Tensor) -> str:
-    """The logical name a parameter is stored under: its own, or for a tied copy the original's."""
-    return getattr(param, TIED_ATTR, None) or name
+def checkpoint_name(name: str, param: torch.Tensor, model: nn.Module | None = None) -> str:
+    """The logical name a parameter is stored under: its own, or for a tied copy the original's.
+
+    A tied copy carries ``plait_tied_to``; with ``model`` given, the head weight of a tied
+    ``TransformerModel`` also maps to the embedding (``to_empty`` on a meta model unties the
+    shared parameter and the copy has no attribute).
+    """
+    tied = getattr(param, TIED_ATTR, None)
+    if tied:
+        return tied
+    config = getattr(model, "config", None)
+    if (isinstance(config, TransformerConfig) and config.tie_embeddings
+            and name == f"layers.{config.num_layers + 1}.weight"):
+        return EMBEDDING_WEIGHT
+    return name
 
 
 def _mesh_coords(mesh) -> dict[str, int]:
@@ -79,8 +92,8 @@ def model_shard_items(model: nn.Module, mesh=None) -> list:
         return []
     items = []
     for name, param in model.named_parameters():
-        if getattr(param, TIED_ATTR, None):
-            continue                        # the embedding's stage saves the tied weight
+        if checkpoint_name(name, param, model) != name:
+            continue                        # a tied copy: the embedding's stage saves it
         spec = shard_of(param)
         if spec.dim is None and coords["tp_rank"] != 0:
             continue
@@ -180,7 +193,7 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
     stored = set(reader.names())
     plan, report, wanted = [], LoadReport(), set()
     for name, param in model.named_parameters():
-        key = checkpoint_name(name, param)
+        key = checkpoint_name(name, param, model)
         wanted.add(key)
         spec = shard_of(param)
         if key not in stored:
