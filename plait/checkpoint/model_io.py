@@ -168,7 +168,7 @@ def _elsewhere(name: str, model: nn.Module) -> bool:
 
 @torch.no_grad()
 def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.PathLike, strict: bool = True,
-                       tag: str | None = None) -> LoadReport:
+                       tag: str | None = None, device=None) -> LoadReport:
     """Fill every parameter of ``model`` (any tp/pp layout) from a checkpoint of any layout.
 
     Each parameter reads only its own box (``read_tp_shard``), converted to the parameter's dtype;
@@ -176,7 +176,9 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
     weight. Shapes are checked for all parameters before any is changed.
 
     Args:
-        model: model or pipeline stage, materialized (not on the meta device: ``to_empty`` first).
+        model: model or pipeline stage. Parameters on the meta device (a model built with
+            ``device="meta"``, too big to initialize) are replaced by new parameters on ``device``
+            (default CPU) holding the checkpoint's values, keeping their plait attributes and ties.
         reader: a ``CheckpointReader`` or a checkpoint root (``tag`` picks the checkpoint).
         strict: raise if parameters are missing or checkpoint weights of this model's layers are
             unexpected; with False, load what matches and return the ``LoadReport``.
@@ -186,7 +188,7 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
 
     Raises:
         CheckpointError: a logical shape differs (names the tensor and both shapes); with
-            ``strict``, missing or unexpected weights (listed); a parameter on the meta device.
+            ``strict``, missing or unexpected weights (listed).
     """
     if not isinstance(reader, CheckpointReader):
         reader = CheckpointReader(reader, tag)
@@ -204,9 +206,6 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
             raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
                                   f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
                                   f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])")
-        if param.is_meta:
-            raise CheckpointError(f"parameter {name!r} is on the meta device; call "
-                                  f"model.to_empty(device=...) before load_model_weights")
         plan.append((param, key, spec))
     report.unexpected = sorted(n for n in stored - wanted
                                if _is_model_weight(n) and not _elsewhere(n, model))
@@ -214,9 +213,26 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
         raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
                               f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
                               f"pass strict=False to load the rest")
+    fresh = {}
     for param, key, spec in plan:
-        param.copy_(read_tp_shard(reader, key, spec, dtype=param.dtype, device=param.device))
+        if param.is_meta:
+            new = nn.Parameter(read_tp_shard(reader, key, spec, dtype=param.dtype, device=device),
+                               requires_grad=param.requires_grad)
+            new.__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
+            fresh[id(param)] = new
+        else:
+            param.copy_(read_tp_shard(reader, key, spec, dtype=param.dtype, device=param.device))
+    if fresh:
+        _replace_parameters(model, fresh)
     return report
+
+
+def _replace_parameters(model: nn.Module, fresh: dict) -> None:
+    """Put ``fresh[id(old)]`` wherever ``old`` is registered (all owners of a shared parameter)."""
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if id(param) in fresh:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = fresh[id(param)]
 
 
 def _few(names: list[str], limit: int = 8) -> str:
