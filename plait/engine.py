@@ -15,6 +15,8 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +26,7 @@ from plait.lamb import Lamb
 from plait.optim_factory import (optimizer_from_config, optimizer_from_user, scheduler_from_config,
                                  scheduler_from_user)
 from plait.parallel.mesh import ParallelMesh
+from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
 
@@ -53,11 +56,16 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
 
 
 def _stage3_units(module: nn.Module):
-    """plait models gather ZeRO-3 parameters per layer (embedding, each block, head)."""
-    layers = getattr(module, "layers", None)
-    if isinstance(layers, nn.ModuleDict) and hasattr(module, "config"):
-        return list(layers.values())
-    return None
+    """plait models (and pipeline chunks) gather ZeRO-3 parameters per layer (embedding, each block,
+    head); other modules use ZeRO's default units."""
+    chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
+    units = []
+    for chunk in chunks:
+        layers = getattr(chunk, "layers", None)
+        if not (isinstance(layers, nn.ModuleDict) and hasattr(chunk, "config")):
+            return None
+        units.extend(layers.values())
+    return units
 
 
 class Engine:
@@ -144,8 +152,12 @@ class Engine:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
         model inputs with ``labels``). Returns the mean loss over the micro-batches (and dp ranks)."""
         if self.pipeline is not None:
-            loss = self.pipeline.train_batch(data_iter, loss_scale=self.optimizer.loss_scale,
-                                             on_micro_step=self.optimizer.note_micro_step)
+            zero = self.optimizer
+            loss = self.pipeline.train_batch(data_iter, loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
+            for _ in range(self.pipeline.m):
+                zero.note_micro_step()
+            if zero.stage >= 2:
+                self._sum_tied_grad_shards()
         else:
             total = torch.zeros((), dtype=torch.float32)
             for _ in range(self.config.gradient_accumulation_steps):
@@ -155,6 +167,38 @@ class Engine:
             loss = total / self.config.gradient_accumulation_steps
         self.step()
         return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def _sum_tied_grad_shards(self) -> None:
+        """ZeRO-2/3 with a pipeline: the embedding (first stage) and its tied head copy (last stage)
+        had their gradients reduce-scattered during backward, so sum the two dp-reduced gradients
+        here: rebuild each copy's whole gradient from the dp ranks' pieces, add the two copies, keep
+        this rank's pieces. Linear, so equal to summing before the reduction."""
+        tied, group = self.pipeline._tied_params, self.pipeline._tied_group
+        if not tied:
+            return
+        zero = self.optimizer
+        zero.reducer.wait()
+        fulls, where = [], []
+        for param in tied:
+            numel = math.prod(shard_of(param).local_shape)      # param.numel() is 0 under ZeRO-3
+            full = torch.zeros(numel, dtype=torch.float32, device=self.mesh.device)
+            pieces = [(pc, gi) for gi, g in enumerate(zero.groups) for pc in g.pieces() if pc.slot.param is param]
+            for pc, gi in pieces:
+                full[pc.start:pc.start + pc.length] = zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length]
+            if zero.dp_size > 1:
+                dist.all_reduce(full, group=self.mesh.dp_group)
+            fulls.append(full)
+            where.append(pieces)
+        if self.pipeline.p == 1:
+            total = sum(fulls)
+            fulls = [total for _ in fulls]
+        else:
+            for full in fulls:
+                dist.all_reduce(full, group=group)
+        for full, pieces in zip(fulls, where):
+            for pc, gi in pieces:
+                zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length] = full[pc.start:pc.start + pc.length]
 
     @torch.no_grad()
     def eval_batch(self, data_iter) -> torch.Tensor:
@@ -235,13 +279,14 @@ class Engine:
         return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict)
 
 
-def initialize(model: nn.Module, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
-               model_parameters=None, pipeline=None, **config_facts) -> Engine:
+def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
+               model_parameters=None, **config_facts) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
 
     Args:
-        model: any ``nn.Module`` (an unmodified Hugging Face model works) or a plait model / pipeline
-            stage. Move it to its device first.
+        model: any ``nn.Module`` (an unmodified Hugging Face model works), a plait model, or a
+            ``PipelineParallel`` over this rank's stage chunks (``train_batch`` then runs its schedule;
+            its ``micro_batches`` must equal ``gradient_accumulation_steps``). Move it to its device first.
         config: a ds_config path or dict (DeepSpeed key names), or a resolved ``PlaitConfig``.
         mesh: the ``ParallelMesh``; default: ``tensor_parallel.size`` x ``pipeline.size`` from the config
             over the initialized process group (or one process).
@@ -249,7 +294,6 @@ def initialize(model: nn.Module, config, mesh: ParallelMesh | None = None, optim
         lr_scheduler: None (use the config's ``scheduler``) or a factory ``f(optimizer) -> scheduler``.
         model_parameters: torch-style param groups (list of dicts) to use instead of the default
             weight-decay grouping (matrices decay, biases and norm weights do not).
-        pipeline: a ``PipelineParallel`` running ``model``'s stages (``train_batch`` then uses it).
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:
@@ -268,4 +312,9 @@ def initialize(model: nn.Module, config, mesh: ParallelMesh | None = None, optim
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
     torch.manual_seed(config.seed)
+    if isinstance(model, PipelineParallel):
+        pipeline, model = model, nn.ModuleList(model.stage_modules)
+        if pipeline.m != config.gradient_accumulation_steps:
+            raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
+                              f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
     return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline)

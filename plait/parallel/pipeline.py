@@ -188,7 +188,7 @@ class PipelineParallel:
             dist.broadcast(loss, src=self.pp_ranks[-1], group=self.mesh.pp_group)
         return loss
 
-    def train_batch(self, data_iter) -> torch.Tensor:
+    def train_batch(self, data_iter, loss_scale: float = 1.0, sum_tied: bool = True) -> torch.Tensor:
         """One training step's forward and backward over ``m`` micro-batches.
 
         Args:
@@ -196,6 +196,10 @@ class PipelineParallel:
                 optional ``attention_mask``, ``position_ids``, ``token_type_ids``); every pipeline
                 rank must yield the same m micro-batches (stage 0 reads ``input_ids``, the last
                 stage ``labels``, the others only shapes).
+            loss_scale: multiplies each micro-batch loss before backward (fp16 loss scaling); the
+                gradients are then ``loss_scale`` times the mean-loss gradients.
+            sum_tied: sum the tied embedding copies' ``.grad`` after the schedule (an engine whose
+                ZeRO stage already consumed ``.grad`` during backward sums its gradient shards instead).
 
         Returns:
             The mean over micro-batches of the micro-batch losses, a float32 scalar tensor on
@@ -205,8 +209,10 @@ class PipelineParallel:
             ValueError: fewer than m micro-batches; a micro-batch without labels.
         """
         microbatches = self._pull(data_iter)
+        self.executor.loss_scale = loss_scale
         losses = self.executor.run(self.actions, microbatches, train=True)
-        self.sum_tied_gradients()
+        if sum_tied:
+            self.sum_tied_gradients()
         return self._mean_loss(losses)
 
     @torch.no_grad()

@@ -55,6 +55,7 @@ class PipelineExecutor:
         self.last = p * self.v - 1
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.grads_ready = grads_ready
+        self.loss_scale = 1.0   # multiplies each last-stage loss before backward (fp16 loss scaling)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -146,7 +147,7 @@ class PipelineExecutor:
                 raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
                                  f"loss; give every micro-batch 'labels'")
             self._losses[mb] = out.detach()
-            out = out / self._m
+            out = out * (self.loss_scale / self._m)
         elif self.p == 1:  # the next stage is a chunk of this same rank: hand over directly
             self._inputs[(mb, chunk + 1)] = out.detach().requires_grad_(self._train)
         else:
