@@ -15,6 +15,11 @@ by several modules (tied embedding and output head) belongs to every unit that e
 those modules; gathering is reference-counted per segment, so it stays whole while any of them
 needs it. Its storage (and optimizer state) lives once, in the first unit that holds it.
 
+Persistent parameters (fewer than ``param_persistence_threshold`` elements: biases, norms) are
+whole on every rank and never gathered; their gradients are reduce-scattered like stage 2 and the
+updated slices all-gathered after the step (the traffic of one all-reduce, with the optimizer
+state still sharded).
+
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
 all-gather the next units asynchronously, up to ``prefetch_bucket_size`` elements ahead. A pass
 that departs from the recorded order simply stops prefetching.

@@ -1,0 +1,102 @@
+"""ZeRO stage 3 specifics (prefetch, pytree (dict) outputs, single-process runs) and the
+single-process unit tests of the loss scaler, the norm helpers and construction errors.
+
+Shares the model, reference and cached distributed suite of ``test_zero`` (see its docstring for
+the parity contract: 1e-6 relative after 5 AdamW steps).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.zero import LossScaleError, LossScaler, ZeroOptimizer, clip_coefficient, global_grad_norm
+from test_zero import (MICRO_BS, STEPS, TinyLM, _full_weights, assert_weights, build, make_model, ok, parity_cfgs,
+                       reference, suite, train)
+
+
+def test_stage3_prefetches_after_recording_the_order():
+    for i, cfg in enumerate(parity_cfgs(2)):
+        if cfg["stage"] == 3 and cfg.get("prefetch", 0) >= 600:
+            for r in ok([r["parity"][i] for r in suite(2)]):
+                assert r["stats"]["prefetched"] > 0, cfg
+
+
+def test_any_module_single_process_stage3_matches_reference():
+    """dp_group=None runs without torch.distributed; stage 3 with persistence on a plain model."""
+    cfg = dict(stage=3, gas=3, persist=50, prefetch=10_000)
+    model = make_model()
+    opt = build(model, cfg, None)
+    train(model, opt, cfg, STEPS)
+    assert_weights(_full_weights(model, opt), reference(3 * MICRO_BS)[0], "single process stage 3")
+
+
+class DictBlock(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return {"hidden": self.block(x), "aux": None}
+
+
+def test_units_returning_dicts_regather_for_backward():
+    """Units whose outputs are dicts: the backward re-gather hooks sit on the tensors inside."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.blocks = nn.ModuleList([DictBlock(b) for b in model.blocks])
+
+    def forward(ids, targets):
+        x = model.embed(ids) + model.pos[: ids.shape[1]]
+        for block in model.blocks:
+            x = block(x)["hidden"]
+        return F.cross_entropy(model.head(model.norm(x)).float().flatten(0, 1), targets.flatten())
+
+    model.forward = forward
+    cfg = {"stage": 3, "units": "blocks", "gas": 1}
+    opt = build(model, cfg, None)
+    assert [u.name for u in opt.units] == ["<root>", "blocks.0", "blocks.1"]
+    train(model, opt, cfg, STEPS)
+    want = {n.replace(".block.", "."): w for n, w in _full_weights(model, opt).items()}
+    assert_weights(want, reference(MICRO_BS)[0], "dict-output units")
+
+
+# ---- single-process unit tests ------------------------------------------------------------------------
+def test_loss_scaler_follows_deepspeed_semantics():
+    s = LossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2)
+    trace = []
+    for overflow in [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0]:
+        s.update(bool(overflow))
+        trace.append(s.scale)
+    # 3 clean steps double; first overflow uses up hysteresis, later ones halve until the scale grows again
+    assert trace == [16, 16, 32, 32, 16, 8, 8, 8, 16, 16, 16]
+    static = LossScaler(loss_scale=128.0)
+    static.update(True)
+    assert static.scale == 128.0 and static.overflows == 1
+
+
+def test_loss_scaler_at_minimum_names_the_numbers():
+    s = LossScaler(initial_scale_power=1, hysteresis=1, min_loss_scale=1)
+    s.update(True)
+    assert s.scale == 1.0
+    with pytest.raises(LossScaleError, match=r"minimum loss scale 1 \(min_loss_scale=1.*bf16"):
+        s.update(True)
+
+
+def test_clip_coefficient_matches_torch():
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6))
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(10.0, 0.0) == 1.0
+    g = [torch.randn(3, 4), torch.randn(5)]
+    want = float(torch.cat([t.flatten() for t in g]).norm())
+    assert float(global_grad_norm([(t, True) for t in g])) == pytest.approx(want)
+
+
+def test_construction_errors_name_the_problem():
+    model = make_model()
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
+        ZeroOptimizer(model, stage=4)
+    with pytest.raises(ValueError, match="in no param group"):
+        ZeroOptimizer(model, param_groups=[{"params": [model.pos]}])
+    with pytest.raises(ValueError, match="not submodules"):
+        ZeroOptimizer(model, stage=3, units=[nn.Linear(2, 2)])
