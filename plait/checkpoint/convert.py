@@ -97,7 +97,7 @@ class HFWeights:
         single, index = os.path.join(self.dir, HF_WEIGHTS), os.path.join(self.dir, HF_INDEX)
         self._handles: dict[str, object] = {}
         if os.path.isfile(single):
-            self.file_of = {k: single for k in self._open(single).keys()}
+            self.file_of = dict.fromkeys(self._open(single).keys(), single)
         elif os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
@@ -123,7 +123,7 @@ class HFWeights:
     def get(self, name: str) -> torch.Tensor:
         path = self.file_of[name]
         handle = self._open(path)
-        if name not in handle.keys():
+        if name not in set(handle.keys()):
             raise CheckpointError(f"{path} has no tensor {name!r}, though {HF_INDEX} lists it there")
         return handle.get_tensor(name)
 
@@ -348,7 +348,7 @@ def consolidate(plait_root: str, out_file: str, tag: str | None = None, dtype: s
     dtype = parse_dtype(dtype)
     reader = CheckpointReader(plait_root, tag)
     names = [n for n in reader.names()
-             if not model_only or not (n.startswith(OPTIMIZER_PREFIX) or n.startswith(EXTRA_PREFIX))]
+             if not model_only or not n.startswith((OPTIMIZER_PREFIX, EXTRA_PREFIX))]
     tensors = {n: _cast(reader.read(n), dtype) for n in names}
     parent = os.path.dirname(os.path.abspath(out_file))
     os.makedirs(parent, exist_ok=True)
@@ -371,8 +371,8 @@ def describe(plait_root: str, tag: str | None = None) -> str:
     r = CheckpointReader(plait_root, tag, verify="size")
     idx, meta = r.index, r.meta
     lines = [f"checkpoint {r.path}",
-             f"  tag {r.tag}, saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(idx['saved_at']))}, "
-             f"{idx['writers']} writer rank(s), fingerprint {idx['model_fingerprint']}"]
+             (f"  tag {r.tag}, saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(idx['saved_at']))}, "
+              f"{idx['writers']} writer rank(s), fingerprint {idx['model_fingerprint']}")]
     steps = {k: v for k, v in meta.items() if "step" in k and isinstance(v, (int, float))}
     if steps:
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in sorted(steps.items())))
@@ -395,9 +395,9 @@ def describe(plait_root: str, tag: str | None = None) -> str:
         numel = 1
         for s in e["shape"]:
             numel *= s
-        count += numel if not (n.startswith(OPTIMIZER_PREFIX) or n.startswith(EXTRA_PREFIX)) else 0
+        count += numel if not n.startswith((OPTIMIZER_PREFIX, EXTRA_PREFIX)) else 0
         total += numel * torch.empty(0, dtype=r.dtype(n)).element_size()
-        lines.append(f"  {n:<{width}}  {str(e['shape']):<20} {e['dtype']:<9} {len(e['slices'])}")
+        lines.append(f"  {n:<{width}}  {e['shape']!s:<20} {e['dtype']:<9} {len(e['slices'])}")
     lines.append(f"\n  {len(names)} tensors, {count:,} model-weight elements, {_human(total)} of tensor data")
     lines.append("  files:")
     for fname, info in sorted(idx["files"].items()):

@@ -152,7 +152,7 @@ def config_from_meta(meta: dict, where: str = "checkpoint") -> TransformerConfig
 
 
 def _is_model_weight(name: str) -> bool:
-    return not (name.startswith(OPTIMIZER_PREFIX) or name.startswith(EXTRA_PREFIX))
+    return not name.startswith((OPTIMIZER_PREFIX, EXTRA_PREFIX))
 
 
 def _elsewhere(name: str, model: nn.Module) -> bool:
