@@ -123,6 +123,7 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
     b.add_argument("--max-shard-size", default=None, help="split weights into shards, e.g. 5GB or 500MiB")
     b.add_argument("--overwrite", action="store_true", help="replace weights already in out_dir")
+    b.add_argument("--tokenizer-from", default=None, help="copy tokenizer/generation files from this directory")
     c = sub.add_parser("consolidate", help="every logical tensor whole in one safetensors file")
     c.add_argument("root", help="plait checkpoint root")
     c.add_argument("out_file", help="output .safetensors file")
@@ -146,7 +147,8 @@ def _run_convert(args: argparse.Namespace) -> int:
                     print(f"  {what}: {', '.join(names)}")
         elif args.action == "to-hf":
             r = convert.to_hf(args.root, args.out_dir, tag=args.tag, dtype=args.dtype,
-                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                              tokenizer_from=args.tokenizer_from)
             print(f"wrote {r.architecture} to {r.out_dir}: {', '.join(r.files)}")
             for what, names in (("missing", r.missing), ("not exported", r.dropped)):
                 if names:

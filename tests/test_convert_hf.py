@@ -201,8 +201,9 @@ def test_minilm_tp2_hidden_states_match_and_export_round_trips(minilm, tmp_path)
     print(f"MiniLM tp=2 last hidden rel err {err:.2e}")
     assert err <= RTOL
     # The pooler (hf_extra) stays in the from_hf checkpoint only; export that one to keep it.
-    report = to_hf(str(root), str(tmp_path / "hf"))
+    report = to_hf(str(root), str(tmp_path / "hf"), tokenizer_from=hf_dir)
     assert report.architecture == "BertModel" and report.dropped == []
+    assert {"vocab.txt", "tokenizer.json"} <= set(report.files)
     assert_bit_identical(tmp_path / "hf", st_tensors(hf_dir), skip=("embeddings.position_ids",))
     report = to_hf(str(tmp_path / "tp2"), str(tmp_path / "hf_tp2"))
     assert report.architecture == "BertModel"

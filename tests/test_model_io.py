@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter, ShardItem
+from plait.checkpoint.convert import describe
 from plait.checkpoint.model_io import (
     MESH_KEY,
     MODEL_CONFIG_KEY,
@@ -105,6 +106,8 @@ def test_tp2_checkpoint_loads_at_tp1_and_as_pp_stages(tp2_root, arch):
     assert reader.meta["step"] == 7 and reader.meta[MESH_KEY] == {"tp": 2, "pp": 1, "dp": 1}
     assert config_from_meta(reader.meta) == cfg and reader.meta[MODEL_CONFIG_KEY] == cfg.to_dict()
     assert reader.shape("layers.0.word_embeddings.weight") == (1001, 64)   # padding never stored
+    text = describe(root, "tp2")
+    assert "step 7" in text and "saved from mesh tp=2, pp=1, dp=1" in text and f"arch={arch}" in text
     model = TransformerModel(cfg, seed=OTHER)
     assert load_model_weights(model, reader).missing == []
     assert_same(whole(model), ref, "tp=1")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from collections import Counter
@@ -45,6 +46,9 @@ HF_KEY = "hf"                                   # meta.json: what from_hf saw
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
+#: Files ``to_hf(tokenizer_from=...)`` copies when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -236,7 +240,7 @@ def _plan_shards(jobs: list, sizes: list[int], max_bytes: int | None) -> list[li
 
 def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None,
           max_shard_bytes: int | str | None = None, *, config: TransformerConfig | None = None,
-          overwrite: bool = False) -> ExportReport:
+          overwrite: bool = False, tokenizer_from: str | None = None) -> ExportReport:
     """Write the plait checkpoint ``<plait_root>/<tag>`` (default: latest) as a Hugging Face model.
 
     Args:
@@ -246,6 +250,8 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
             larger than it gets a shard of its own); None: one ``model.safetensors``.
         config: the architecture, when the checkpoint's meta has no ``model_config``.
         overwrite: replace weights files already in ``out_dir`` (otherwise FileExistsError).
+        tokenizer_from: a directory to copy the tokenizer and generation files from (e.g. the
+            ``hf_dir`` of ``from_hf``; see :data:`TOKENIZER_FILES`).
 
     Returns:
         ``ExportReport`` naming the HF class (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
@@ -280,7 +286,7 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         jobs.append(rule)
         sizes.append(sum(_nbytes(reader, p, dtype) for p in rule.plait))
     extras = [n for n in names if n.startswith(EXTRA_PREFIX)]
-    keep_extras = hf_meta.get("prefix") == layout.prefix and hf_meta.get("model_type") == layout.model_type
+    keep_extras = hf_meta.get("architecture") == layout.architecture and hf_meta.get("prefix") == layout.prefix
     for n in extras if keep_extras else []:
         jobs.append(n)
         sizes.append(_nbytes(reader, n, dtype))
@@ -293,6 +299,10 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     out_dtype = dtype or (stored.most_common(1)[0][0] if stored else torch.float32)
     setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", out_dtype)
     hf_config.to_json_file(os.path.join(out_dir, HF_CONFIG), use_diff=True)
+    for fname in TOKENIZER_FILES if tokenizer_from else ():
+        if os.path.isfile(os.path.join(tokenizer_from, fname)):
+            shutil.copyfile(os.path.join(tokenizer_from, fname), os.path.join(out_dir, fname))
+            files.append(fname)
     return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
 
 
@@ -373,7 +383,9 @@ def describe(plait_root: str, tag: str | None = None) -> str:
     lines = [f"checkpoint {r.path}",
              (f"  tag {r.tag}, saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(idx['saved_at']))}, "
               f"{idx['writers']} writer rank(s), fingerprint {idx['model_fingerprint']}")]
-    steps = {k: v for k, v in meta.items() if "step" in k and isinstance(v, (int, float))}
+    counters = {**meta, **(meta.get("engine") if isinstance(meta.get("engine"), dict) else {})}
+    steps = {k: v for k, v in counters.items()
+             if ("step" in k or "sample" in k or k == "zero_stage") and isinstance(v, (int, float))}
     if steps:
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in sorted(steps.items())))
     if isinstance(meta.get(MESH_KEY), dict):

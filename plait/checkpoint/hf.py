@@ -193,7 +193,10 @@ def detect_layout(model_type: str, hf_names) -> HFLayout:
         has_head = any(n.startswith("cls.predictions.") for n in names)
     else:
         has_head = bool(prefix) or "lm_head.weight" in names
-    return HFLayout(model_type, head_cls if has_head else base_cls, prefix, True)
+    architecture = head_cls if has_head else base_cls
+    if model_type == "bert" and "cls.seq_relationship.weight" in names:
+        architecture = "BertForPreTraining"     # its next-sentence head is kept as hf_extra
+    return HFLayout(model_type, architecture, prefix, True)
 
 
 def export_layout(config: TransformerConfig, plait_names) -> HFLayout:
