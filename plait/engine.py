@@ -23,6 +23,7 @@ from torch import nn
 
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.lamb import Lamb
+from plait.layers.init import TIED_ATTR
 from plait.optim_factory import (optimizer_from_config, optimizer_from_user, scheduler_from_config,
                                  scheduler_from_user)
 from plait.parallel.mesh import ParallelMesh
@@ -115,6 +116,8 @@ class Engine:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
             grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+        # A tied head copy (on another pipeline stage than its embedding) must count once in the norm.
+        self.optimizer.norm_exclude = {id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}
         inner = self.optimizer.optimizer
         if isinstance(inner, Lamb):
             attach_lamb_segments(inner, self.optimizer, module, mesh)
@@ -312,8 +315,13 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
     torch.manual_seed(config.seed)
+    pipeline = None
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
+        if pipeline.schedule == "zb-h1" and config.zero_optimization.stage == 3:
+            raise ConfigError("pipeline schedule 'zb-h1' with zero stage 3 is not supported yet: ZeRO-3 releases a "
+                              "layer's parameters after its input-gradient pass, before the deferred weight-gradient "
+                              "pass; use schedule '1f1b' or 'interleaved' with stage 3, or zero stage 1-2 with zb-h1")
         if pipeline.m != config.gradient_accumulation_steps:
             raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
                               f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")

@@ -104,15 +104,27 @@ class Segment:
                 out.append(Piece(slot, a - slot.offset, b - a, self.shard_offset + a - lo))
         return out
 
-    def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        """A new zero-padded ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot
-        (``None``: left zero)."""
+    def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """A ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot, zero elsewhere
+        (``None``: zero). Written into ``out`` when given; only the gaps are zero-filled, so each
+        element is written once."""
         device = self.slots[0].param.device
-        out = torch.zeros(self.padded, dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(self.padded, dtype=dtype, device=device)
+        pos = 0
         for slot in self.slots:
+            if slot.offset > pos:
+                out[pos:slot.offset].zero_()
             value = get(slot)
-            if value is not None:
-                out[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+            dest = out[slot.offset:slot.offset + slot.numel]
+            if value is None:
+                dest.zero_()
+            else:
+                dest.copy_(value.reshape(-1))
+            pos = slot.offset + slot.numel
+        if pos < self.padded:
+            out[pos:].zero_()
         return out
 
     def set_views(self, full: torch.Tensor) -> None:
@@ -258,7 +270,8 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
 
 
 def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
-                         release: bool, async_op: bool) -> tuple[Pending, torch.Tensor]:
+                         release: bool, async_op: bool, out: torch.Tensor | None = None
+                         ) -> tuple[Pending, torch.Tensor]:
     """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
 
     Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
@@ -266,9 +279,10 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
     ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
     ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
-    collective and the tensor that holds the result after ``wait()``.
+    collective and the tensor that holds the result after ``wait()``. With ``world == 1`` and an
+    ``out`` of ``[padded]`` elements (a grad-shard slice), the gradients are packed straight into it.
     """
-    buf = seg.pack(lambda s: s.param.grad, reduce_dtype)
+    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None)
     if release:
         for slot in seg.slots:
             slot.param.grad = None

@@ -216,6 +216,7 @@ class ZeroOptimizer:
         self.global_steps = 0      # optimizer steps applied
         self.skipped_steps = 0     # optimizer steps skipped for fp16 overflow
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
+        self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
 
     def _materialize(self, group) -> nn.Parameter:
         """Build the fp32 master shard of ``group`` and point its parameters at flat storage."""
@@ -314,7 +315,7 @@ class ZeroOptimizer:
             self.scaler.update(True)
             return False
         scale = self.loss_scale
-        pieces = [(g, grp.key.tp_replicated) for g, grp in zip(self.grad_shards, self.groups)]
+        pieces = self._norm_pieces()
         norm = float(global_grad_norm(pieces, self.dp_group if self.stage > 0 else None,
                                       self.norm_groups.tp, self.norm_groups.pp)) / scale
         self.grad_norm = norm
@@ -332,6 +333,20 @@ class ZeroOptimizer:
             self.scaler.update(False)
         self.global_steps += 1
         return True
+
+    def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
+        ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
+        out = []
+        for g, grp in zip(self.grad_shards, self.groups):
+            skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
+                          if id(pc.slot.param) in self.norm_exclude) if self.norm_exclude else []
+            pos = 0
+            for a, b in skip + [(g.numel(), g.numel())]:
+                if a > pos:
+                    out.append((g[pos:a], grp.key.tp_replicated))
+                pos = max(pos, b)
+        return out
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp

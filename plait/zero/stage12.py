@@ -36,7 +36,8 @@ class GradReducer:
 
     Args:
         groups: the layout (``flat.build_layout``).
-        grad_shards: one float32 accumulator per flat group; reductions are *added* into them.
+        grad_shards: one float32 accumulator per flat group; the first reduction of a step is copied in,
+            later ones (gradient-accumulation micro-steps) are added.
         dp_group: the data-parallel group (None: one process, no communication).
         dp_size: its size.
         reduce_dtype: dtype gradients travel in (float32 default; bf16/fp16 halve the traffic).
@@ -54,6 +55,10 @@ class GradReducer:
         self._remaining: dict[int, int] = {}
         self._launched: set[int] = set()
         self._in_flight: deque[tuple[Pending, torch.Tensor, Segment]] = deque()
+        # Segments whose shard slice holds no gradient yet this step: the first reduction lands by
+        # copy (no zero-fill, no read-modify-write), later micro-steps add. Every segment lands at
+        # least once per backward pass (``flush``/``reduce_all`` launch all), so no stale values.
+        self._fresh: set[int] = {id(seg) for seg in self.segments}
         self._reset_counts()
 
     # ---- launching and landing ----------------------------------------------------------
@@ -61,10 +66,19 @@ class GradReducer:
         self._remaining = {id(seg): len(seg.slots) for seg in self.segments}
         self._launched.clear()
 
+    def _slice(self, seg: Segment) -> torch.Tensor:
+        return self.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
+
     def _launch(self, seg: Segment) -> None:
         self._launched.add(id(seg))
+        direct = None
+        if self.dp_size == 1 and id(seg) in self._fresh and self.reduce_dtype == self.grad_shards[seg.group].dtype:
+            direct = self._slice(seg)                  # one process: pack straight into the shard
         pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
-                                            release=True, async_op=self.overlap)
+                                            release=True, async_op=self.overlap, out=direct)
+        if direct is not None:
+            self._fresh.discard(id(seg))
+            return
         self._in_flight.append((pending, out, seg))
         limit = MAX_IN_FLIGHT if self.overlap else 0
         while len(self._in_flight) > limit:
@@ -73,8 +87,11 @@ class GradReducer:
     def _land_oldest(self) -> None:
         pending, out, seg = self._in_flight.popleft()
         pending.wait()
-        shard = self.grad_shards[seg.group]
-        shard[seg.shard_offset:seg.shard_offset + seg.shard_size].add_(out)
+        if id(seg) in self._fresh:
+            self._slice(seg).copy_(out)
+            self._fresh.discard(id(seg))
+        else:
+            self._slice(seg).add_(out)
 
     def wait(self) -> None:
         """Wait for every launched reduction and add it into the grad shards."""
@@ -109,5 +126,5 @@ class GradReducer:
         self._reset_counts()
 
     def zero(self) -> None:
-        for shard in self.grad_shards:
-            shard.zero_()
+        """Start a new step: the next reduction into each slice overwrites it (see ``_fresh``)."""
+        self._fresh = {id(seg) for seg in self.segments}
