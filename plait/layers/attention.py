@@ -17,6 +17,7 @@ from torch import nn
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, enter_tp_region
 from plait.layers.rope import apply_rope, rope_cos_sin
 from plait.parallel.collectives import group_size
+from plait.parallel.random import checkpoint
 
 
 class Attention(nn.Module):
@@ -29,6 +30,9 @@ class Attention(nn.Module):
         causal: mask future positions. rope_theta: apply RoPE with this base (None: no RoPE).
         bias: biases on q/k/v/o. attention_dropout: dropout on attention probabilities.
         group, sequence_parallel, rng: tp group, sequence parallelism, ``RNGTracker`` for dropout.
+        recompute_core: selective activation recomputation: keep only q/k/v and recompute the
+            attention core (scores, softmax, dropout, weighted sum) in backward (Korthikanti et al.,
+            2022, Sec. 5); dropout masks replay exactly through the tracker.
 
     Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
     ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``.
@@ -42,7 +46,7 @@ class Attention(nn.Module):
                  head_dim: int | None = None, causal: bool = True, rope_theta: float | None = None,
                  bias: bool = False, attention_dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
-                 output_init_std: float | None = None, device=None, dtype=None):
+                 output_init_std: float | None = None, recompute_core: bool = False, device=None, dtype=None):
         super().__init__()
         tp = group_size(group)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -53,6 +57,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden_size // num_heads
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, attention_dropout
         self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
+        self.recompute_core = recompute_core
         kw = dict(group=group, device=device, dtype=dtype)
         self.q_proj = ColumnParallelLinear(hidden_size, num_heads * self.head_dim, bias, init_std=init_std, **kw)
         self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * self.head_dim, bias, init_std=init_std, **kw)
@@ -75,16 +80,21 @@ class Attention(nn.Module):
         mask = None
         if attention_mask is not None and not self.causal:
             mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(self._core, q, k, v, mask, tracker=self.rng)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.o_proj(rearrange(out, "b n s d -> b s (n d)"))
+
+    def _core(self, q, k, v, mask):
+        """Scaled dot-product attention on this rank's heads: ``[b, heads/tp, s, head_dim]``."""
         p = self.dropout if self.training else 0.0
         gqa = self.local_heads != self.local_kv_heads
         if p > 0.0:
             with self.rng.fork("tp"):                                      # heads differ per tp rank
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=self.causal, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
-                                                 enable_gqa=gqa)
-        return self.o_proj(rearrange(out, "b n s d -> b s (n d)"))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                      is_causal=self.causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, enable_gqa=gqa)
 
 
 def scaled_init_std(init_std: float, num_layers: int) -> float:

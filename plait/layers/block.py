@@ -13,7 +13,7 @@ from plait.layers.mlp import MLP
 from plait.layers.norm import make_norm
 from plait.parallel.random import checkpoint
 
-RECOMPUTE = (None, "full")
+RECOMPUTE = (None, "full", "selective")
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, rng, sequence_parallel: bool) -> torch.Tensor:
@@ -32,7 +32,8 @@ class TransformerBlock(nn.Module):
 
     Args:
         config: architecture. group / sequence_parallel / rng: tp group, sequence parallelism,
-            ``RNGTracker``. recompute: None or "full" (recompute the block in backward).
+            ``RNGTracker``. recompute: None, "full" (recompute the whole block in backward) or
+            "selective" (recompute only the attention core; Korthikanti et al., 2022, Sec. 5).
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel: bool = False,
@@ -47,7 +48,8 @@ class TransformerBlock(nn.Module):
         self.attn_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
                               rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
-                              rng=rng, init_std=c.init_std, output_init_std=out_std, **kw)
+                              rng=rng, init_std=c.init_std, output_init_std=out_std,
+                              recompute_core=recompute == "selective", **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
                        output_init_std=out_std, **kw)

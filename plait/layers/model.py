@@ -143,7 +143,7 @@ class TransformerModel(nn.Module):
         sequence_parallel: shard activations outside attention/MLP along seq over tp.
         layers: global layer indices to build (default all: ``0 .. num_layers + 1``).
         seed: initialization and dropout seed (layout-invariant; see ``plait.layers.init``).
-        recompute: activation recomputation per block (None or "full").
+        recompute: activation recomputation per block (None, "full" or "selective").
         device, dtype: where and in what dtype to build; "meta" skips initialization.
 
     ``forward(input_ids=..., labels=..., attention_mask=..., position_ids=..., token_type_ids=...,
@@ -168,8 +168,9 @@ class TransformerModel(nn.Module):
             raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
         self.layer_indices = indices
         rng_device = torch.device("cpu") if device is None or torch.device(device).type == "meta" else torch.device(device)
-        pp_rank = 0 if mesh is None else mesh.pp_rank
-        self.rng = RNGTracker(seed + 100 * pp_rank, 0 if mesh is None else mesh.tp_rank, rng_device)
+        # Dropout streams differ per pipeline chunk (keyed by its first layer, so interleaved chunks on
+        # one rank differ too) and per tp rank inside tp-split regions; see plait.parallel.random.
+        self.rng = RNGTracker(seed + 100 * indices[0], 0 if mesh is None else mesh.tp_rank, rng_device)
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
         self.layers = nn.ModuleDict()
         for i in indices:
