@@ -164,7 +164,7 @@ class Engine:
         else:
             total = torch.zeros((), dtype=torch.float32)
             for _ in range(self.config.gradient_accumulation_steps):
-                loss = self.module(**next(data_iter))
+                loss = self.module(**self._to_device(next(data_iter)))
                 self.backward(loss)
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
@@ -209,8 +209,12 @@ class Engine:
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.eval_batch(data_iter))
         n = self.config.gradient_accumulation_steps
-        loss = sum(self.module(**next(data_iter)).float().cpu() for _ in range(n)) / n
+        loss = sum(self.module(**self._to_device(next(data_iter))).float().cpu() for _ in range(n)) / n
         return self._dp_mean(loss)
+
+    def _to_device(self, batch: dict) -> dict:
+        device = self.mesh.device
+        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
         group = self.mesh.dp_group

@@ -60,34 +60,39 @@ def reference(dp, arch_config=None):
     return {n: shard_of(p).unpad(p.detach()) for n, p in model.named_parameters()}, losses
 
 
-def engine_body(tp):
+def engine_body(tp, device="cpu"):
+    """Every ZeRO stage through the engine; ``device="cuda"`` runs it over NCCL
+    (tests/gpu/run_engine_parity_nccl.py)."""
     results = {}
     for stage in (0, 1, 2, 3):
         mesh = ParallelMesh(tp=tp)
-        model = TransformerModel(tiny(), mesh, seed=5)
+        model = TransformerModel(tiny(), mesh, seed=5, device=device)
         engine = plait.initialize(model, ds_config(stage, tp), mesh=mesh)
         losses = []
         for step in range(STEPS):
             batches = iter([micro_batch(step, gas, mesh.dp_rank) for gas in range(GAS)])
             losses.append(engine.train_batch(batches).item())
         with engine.optimizer.gathered_parameters():
-            whole = {n: gather_full(p.detach().float(), shard_of(p), mesh.tp_group)
+            whole = {n: gather_full(p.detach().float(), shard_of(p), mesh.tp_group).cpu()
                      for n, p in model.named_parameters()}
         results[stage] = (whole, losses, engine.global_steps, engine.get_lr()[0])
     return results if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
-def test_engine_zero_stages_match_single_process_adamw(tp, world):
-    dp = world // tp
-    ref_weights, ref_losses = reference(dp)
-    results = run_distributed(engine_body, world, tp)[0]
+def check_engine_results(results, ref_weights, ref_losses, tp, dp):
     for stage, (whole, losses, steps, lr) in results.items():
         assert steps == STEPS and lr == pytest.approx(3e-3)
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} loss curve"
         for name, ref in ref_weights.items():
             err = ((whole[name].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
             assert err <= 1e-6, f"stage {stage} tp={tp} dp={dp}: {name} off by {err:.2e}"
+
+
+@pytest.mark.parametrize("tp,world", [(2, 4), (1, 2)])
+def test_engine_zero_stages_match_single_process_adamw(tp, world):
+    dp = world // tp
+    ref_weights, ref_losses = reference(dp)
+    check_engine_results(run_distributed(engine_body, world, tp)[0], ref_weights, ref_losses, tp, dp)
 
 
 def pipeline_body(arch, schedule):
