@@ -59,6 +59,8 @@ from plait.zero.flat import (
     load_shard_state,
     shard_state,
 )
+from plait.zero.offload import OffloadGatherer, OffloadOptions, OffloadPipeline, host_empty, to_host
+from plait.zero.offload_optim import host_optimizer
 from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
 from plait.zero.stage12 import GradReducer
@@ -130,6 +132,10 @@ class ZeroOptimizer:
         max_grad_norm: clip the global gradient norm to this; 0 or None: no clipping.
         loss_scaler: a ``LossScaler``; default: dynamic (``LossScaler()``) for fp16, none otherwise.
         grad_norm_groups: ``NormGroups(tp=..., pp=...)``: the norm and the overflow flag span them.
+        offload: ``OffloadOptions`` for ZeRO-Offload (``plait.zero.offload``): with ``optimizer`` the
+            masters, gradient shards and optimizer state live on the host and ``optimizer`` must be
+            torch.optim.Adam/AdamW or a ``HostOptimizer`` factory (stages 1-3); with ``param`` the
+            stage-3 parameter shards live on the host. None: everything on the module's device.
 
     Raises:
         ValueError: bad stage, sizes or param groups (message names the values and the fix).
@@ -142,9 +148,14 @@ class ZeroOptimizer:
                  prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
                  max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
-                 grad_norm_groups: NormGroups | None = None):
+                 grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if offload is not None and (offload.optimizer and stage == 0 or offload.param and stage != 3):
+            raise ValueError(f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {stage} "
+                             f"with optimizer={offload.optimizer}, param={offload.param}; change the stage")
+        self.offload_options = offload
+        host_opt = offload is not None and offload.optimizer
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         for name, value in (("reduce_bucket_size", reduce_bucket_size),
@@ -183,8 +194,13 @@ class ZeroOptimizer:
         world, rank = (1, 0) if stage == 0 else (self.dp_size, self.dp_rank)
         self.groups = build_layout(entries, world, rank, int(reduce_bucket_size))
         self.params = [p for _, p in named]
+        self.device = self.params[0].device
+        self._master_device = torch.device("cpu") if host_opt else self.device
         self.masters = [self._materialize(g) for g in self.groups]
-        self.grad_shards = [torch.zeros_like(m) for m in self.masters]
+        self.grad_shards = [host_empty(m.numel(), torch.float32, offload.pin_memory).zero_() if host_opt
+                            else torch.zeros_like(m) for m in self.masters]
+        if host_opt:
+            optimizer = host_optimizer(optimizer, offload.num_threads)
 
         opt_groups = []
         for gi, opts in enumerate(group_opts):
@@ -206,8 +222,10 @@ class ZeroOptimizer:
                 wanted = {id(p) for p in u.params}
                 u.segments = [s for g in self.groups for s in g.segments
                               if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)]
-            self.gatherer = ParamGatherer(module, self.units, dp_group, self.dp_size, self.allgather_bucket_size,
-                                          int(prefetch_bucket_size), self._note_backward)
+            extra = {"device": self.device} if offload is not None and offload.param else {}
+            self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
+                module, self.units, dp_group, self.dp_size, self.allgather_bucket_size, int(prefetch_bucket_size),
+                self._note_backward, **extra)
         self._hooks = []
         if stage >= 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -217,18 +235,23 @@ class ZeroOptimizer:
         self.skipped_steps = 0     # optimizer steps skipped for fp16 overflow
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
         self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
+        self.offload = OffloadPipeline(self, offload) if host_opt else None
+        if self.offload is not None:
+            self.reducer.land = self.offload.land
 
     def _materialize(self, group) -> nn.Parameter:
         """Build the fp32 master shard of ``group`` and point its parameters at flat storage."""
         slices = []
         for seg in group.segments:
             full32 = seg.pack(lambda s: s.param.detach(), torch.float32)
-            slices.append(full32[seg.lo:seg.lo + seg.shard_size].clone())
+            slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(self._master_device, copy=True))
             full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
             for slot in seg.slots:
                 slot.param.grad = None
             if self.stage == 3 and not group.key.persistent:
-                seg.local = full[seg.lo:seg.lo + seg.shard_size].clone()
+                own = full[seg.lo:seg.lo + seg.shard_size]
+                off = self.offload_options
+                seg.local = to_host(own, off.pin_memory) if off is not None and off.param else own.clone()
                 seg.free()
             else:
                 seg.set_views(full)
@@ -307,6 +330,8 @@ class ZeroOptimizer:
         else:
             self.reducer.wait()
         self.micro_steps = 0
+        if self.offload is not None:
+            return self.offload.step()
         groups = (self.dp_group, self.norm_groups.tp, self.norm_groups.pp)
         if self.scaler is not None and any_nonfinite(self.grad_shards, groups):
             self.reducer.zero()
@@ -359,7 +384,7 @@ class ZeroOptimizer:
                     seg.local.copy_(src)
                     if seg.full is not None:  # gathered right now (gathered_parameters())
                         outs.append(seg.full)
-                        ins.append(seg.local)
+                        ins.append(seg.local.to(seg.full.device))
                     continue
                 own = seg.full[seg.lo:seg.lo + seg.shard_size]
                 own.copy_(src)
@@ -376,6 +401,8 @@ class ZeroOptimizer:
         accumulation count. ``step()`` already leaves them zero; call this only to discard work."""
         for p in self.params:
             p.grad = None
+        if self.offload is not None:
+            self.offload.discard()
         self.reducer.zero()
         self.micro_steps = 0
 
@@ -435,3 +462,5 @@ class ZeroOptimizer:
         self._hooks.clear()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
+        if self.offload is not None:
+            self.offload.close()

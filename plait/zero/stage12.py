@@ -43,11 +43,14 @@ class GradReducer:
         reduce_dtype: dtype gradients travel in (float32 default; bf16/fp16 halve the traffic).
         overlap: launch collectives asynchronously.
         eager: reduce from hooks as gradients appear (stages 2, 3) instead of at the boundary.
+        land: ZeRO-Offload hook ``land(seg, out, fresh)`` that takes over each landing (``out``: the
+            reduced ``[S]`` slice on the device, or None when it was packed straight into the
+            grad shard; ``fresh``: first landing of the step); see ``plait.zero.offload``.
     """
 
     def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], dp_group, dp_size: int,
-                 reduce_dtype: torch.dtype, overlap: bool, eager: bool):
-        self.groups, self.grad_shards = groups, grad_shards
+                 reduce_dtype: torch.dtype, overlap: bool, eager: bool, land=None):
+        self.groups, self.grad_shards, self.land = groups, grad_shards, land
         self.dp_group, self.dp_size = dp_group, dp_size
         self.reduce_dtype, self.overlap, self.eager = reduce_dtype, overlap, eager
         self.segments: list[Segment] = [seg for g in groups for seg in g.segments]
@@ -72,12 +75,16 @@ class GradReducer:
     def _launch(self, seg: Segment) -> None:
         self._launched.add(id(seg))
         direct = None
-        if self.dp_size == 1 and id(seg) in self._fresh and self.reduce_dtype == self.grad_shards[seg.group].dtype:
+        shard = self.grad_shards[seg.group]
+        if self.dp_size == 1 and id(seg) in self._fresh and self.reduce_dtype == shard.dtype and \
+                shard.device == seg.slots[0].param.device:
             direct = self._slice(seg)                  # one process: pack straight into the shard
         pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
                                             release=True, async_op=self.overlap, out=direct)
         if direct is not None:
             self._fresh.discard(id(seg))
+            if self.land is not None:
+                self.land(seg, None, True)
             return
         self._in_flight.append((pending, out, seg))
         limit = MAX_IN_FLIGHT if self.overlap else 0
@@ -87,7 +94,11 @@ class GradReducer:
     def _land_oldest(self) -> None:
         pending, out, seg = self._in_flight.popleft()
         pending.wait()
-        if id(seg) in self._fresh:
+        if self.land is not None:
+            fresh = id(seg) in self._fresh
+            self._fresh.discard(id(seg))
+            self.land(seg, out, fresh)
+        elif id(seg) in self._fresh:
             self._slice(seg).copy_(out)
             self._fresh.discard(id(seg))
         else:

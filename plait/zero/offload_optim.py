@@ -1,0 +1,166 @@
+"""``HostOptimizer``: a torch optimizer over ZeRO's flat fp32 master shards that steps on the host
+with plait's numba kernels (``plait.kernels``), one bucket (range) at a time.
+
+ZeRO-Offload (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC'21,
+Sec. 4) keeps the fp32 master weights and the optimizer state of a rank's partition in host memory
+and runs the optimizer on the CPU. This class is what ``ZeroOptimizer`` holds as ``.optimizer`` when
+``offload`` is on, so everything that talks to a torch optimizer keeps working: LR schedules set
+``param_groups[i]["lr"]``, ``state[master]`` holds ``step``, ``exp_avg`` (and ``exp_avg_sq``) under
+torch's names, so ``ZeroOptimizer.shard_state()`` / ``load_shard_state()`` save and restore the same
+checkpoint whether offload is on or off (``load_state_dict`` copies into the kernels' buffers).
+
+Kinds: ``"adamw"`` (decoupled weight decay, torch.optim.AdamW), ``"adam"`` (L2 weight decay,
+torch.optim.Adam), ``"lion"`` (Chen et al. 2023, Alg. 2). LAMB is not offered: its trust ratio needs
+per-tensor norms summed over the dp ranks that share a tensor (see ``plait.lamb``).
+
+Stepping (the offload pipeline drives it)::
+
+    opt.begin_step()                                  # every master: step += 1, hyper-parameters read
+    opt.step_range(i, offset, length, grad, lowp_out, grad_scale)   # any order, each range once
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from plait.kernels import CPUAdam, CPULion
+
+KINDS = ("adam", "adamw", "lion")
+_IGNORED = ("foreach", "fused", "capturable", "differentiable")   # torch options with no meaning here
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """Adam / AdamW / Lion over host fp32 flat tensors (see module docstring).
+
+    Args:
+        params: torch-style params or param groups; every tensor must be a contiguous CPU float32
+            1-D tensor (a ZeRO master shard ``[shard_numel]``).
+        kind: "adamw", "adam" or "lion".
+        lr, betas, eps, weight_decay, bias_correction: per-group defaults, as in torch (eps and
+            bias_correction are ignored by Lion).
+        num_threads: numba threads per kernel call (None: numba's pool size).
+        amsgrad, maximize: accepted for torch compatibility; True raises.
+
+    Raises:
+        ValueError: unknown kind, a non-CPU/non-float32 parameter, amsgrad or maximize set.
+    """
+
+    def __init__(self, params, kind: str = "adamw", lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True, num_threads: int | None = None,
+                 amsgrad: bool = False, maximize: bool = False, **torch_options):
+        if kind not in KINDS:
+            raise ValueError(f"HostOptimizer kind {kind!r} is not one of {KINDS}")
+        unknown = sorted(set(torch_options) - set(_IGNORED) - {"decoupled_weight_decay"})
+        if amsgrad or maximize or unknown:
+            raise ValueError(f"the offloaded CPU optimizer does not support amsgrad={amsgrad}, maximize={maximize} "
+                             f"or options {unknown}; remove them or turn offload_optimizer off")
+        if torch_options.get("decoupled_weight_decay") and kind == "adam":
+            kind = "adamw"
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self.kind, self.num_threads = kind, num_threads
+        self.kernels: dict[torch.Tensor, object] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or p.dim() != 1:
+                    raise ValueError(f"HostOptimizer steps contiguous 1-D float32 CPU tensors; got {p.dtype} "
+                                     f"{tuple(p.shape)} on {p.device}")
+                self.kernels[p] = self._make_kernel(p, group)
+
+    def _make_kernel(self, p: torch.Tensor, group: dict):
+        if self.kind == "lion":
+            return CPULion(p, lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"],
+                           num_threads=self.num_threads)
+        return CPUAdam(p, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"], adamw_mode=self.kind == "adamw",
+                       bias_correction=group["bias_correction"], num_threads=self.num_threads)
+
+    def _hparams(self, group: dict) -> dict:
+        hp = {"lr": group["lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
+              "weight_decay": group["weight_decay"]}
+        if self.kind != "lion":
+            hp.update(eps=group["eps"], adamw_mode=self.kind == "adamw", bias_correction=group["bias_correction"])
+        return hp
+
+    def _link_state(self, p: torch.Tensor) -> None:
+        k = self.kernels[p]
+        st = {"step": torch.tensor(float(k.step_count), dtype=torch.float32)}
+        st.update({n: getattr(k, n) for n in k._state_names})
+        self.state[p] = st
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start one optimizer step for every master: read each group's hyper-parameters (an LR
+        schedule may have changed them), advance the step counters (bias correction)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                k = self.kernels[p]
+                k._set_hparams(self._hparams(group))
+                k.begin_step(group["lr"])
+                self._link_state(p)
+
+    def step_range(self, p: torch.Tensor, offset: int, length: int, grad: torch.Tensor,
+                   lowp_out: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
+        """Update elements ``[offset, offset+length)`` of master ``p`` (``[numel]`` fp32) from ``grad``
+        (fp32, ``[numel]`` or ``[length]``), dividing the gradient by ``grad_scale``; write the
+        rounded bf16/fp16 weights into ``lowp_out`` (``[length]``) in the same pass when given."""
+        self.kernels[p].step_range(p.detach(), grad, offset, length, lowp_out=lowp_out, grad_scale=grad_scale)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch API: one whole step of every master that has a ``.grad``."""
+        loss = closure() if closure is not None else None
+        self.begin_step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_range(p, 0, p.numel(), p.grad.float().contiguous())
+        return loss
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch API; the loaded moments are copied into the kernels' buffers (missing: zero)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                k, st = self.kernels[p], self.state.get(p, {})
+                for n in k._state_names:
+                    buf = getattr(k, n)
+                    if n in st:
+                        buf.copy_(st[n].reshape(-1).to(torch.float32))
+                    else:
+                        buf.zero_()
+                k.step_count = int(float(st.get("step", 0)))
+                k._set_hparams(self._hparams(group))
+                k.lr = float(group["lr"])
+                if st:
+                    self._link_state(p)
+                else:
+                    self.state.pop(p, None)
+
+
+def host_optimizer(factory, num_threads: int | None = None):
+    """The ``HostOptimizer`` factory standing in for a torch optimizer ``factory`` under offload.
+
+    ``torch.optim.AdamW`` -> kind "adamw"; ``torch.optim.Adam`` -> "adam" (L2 decay; DeepSpeed's
+    ``adam_w_mode: false``) or "adamw" with ``decoupled_weight_decay=True``; ``HostOptimizer`` or a
+    ``functools.partial`` of it -> itself. ``num_threads`` is applied unless the factory sets it.
+
+    Raises:
+        ValueError: any other optimizer (names it and the supported ones).
+    """
+    base = factory.func if isinstance(factory, functools.partial) else factory
+    if base is HostOptimizer:
+        keywords = dict(factory.keywords) if isinstance(factory, functools.partial) else {}
+        keywords.setdefault("num_threads", num_threads)
+        return functools.partial(HostOptimizer, **keywords)
+    if factory is torch.optim.AdamW:
+        return functools.partial(HostOptimizer, kind="adamw", num_threads=num_threads)
+    if factory is torch.optim.Adam:
+        return functools.partial(HostOptimizer, kind="adam", num_threads=num_threads)
+    name = getattr(base, "__name__", type(base).__name__)
+    raise ValueError(f"optimizer {name} cannot run offloaded: the CPU optimizers are Adam, AdamW and Lion "
+                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload_optim.HostOptimizer, kind='lion')), "
+                     "or turn offload_optimizer off")
