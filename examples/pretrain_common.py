@@ -170,7 +170,12 @@ def token_file(args, out_dir: Path, is_rank0: bool) -> tuple[Path, int]:
     one ``.npy`` or ``.bin`` (pre-tokenized) is used as it is."""
     from tokenizers import Tokenizer
 
-    from plait.data import build_token_file, bundled_token_file, bundled_tokenizer_path, read_token_meta
+    from plait.data import (
+        build_token_file,
+        bundled_token_file,
+        bundled_tokenizer_path,
+        read_token_meta,
+    )
     tok_path = Path(args.tokenizer) if args.tokenizer else bundled_tokenizer_path()
     vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size(with_added_tokens=True)
     if not args.data:
@@ -269,7 +274,7 @@ class Progress:
         self.file = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8")
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self.t_last, self.items_last = time.perf_counter(), 0
 
     def say(self, text: str) -> None:
@@ -354,7 +359,7 @@ def maybe_crash(args, step: int) -> None:
 
 
 def fmt_time(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
+    m, s = divmod(round(seconds), 60)
     return f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
 
 

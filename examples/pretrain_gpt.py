@@ -30,13 +30,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pretrain_common as common  # noqa: E402
+import pretrain_common as common
+import train_loop
 
-import plait  # noqa: E402
-from plait.data import DistributedBatches, TokenDataset, bundled_data_dir, bundled_tokenizer_path  # noqa: E402
-from plait.layers import TransformerModel, preset  # noqa: E402
-from plait.parallel.partition import build_stage_modules  # noqa: E402
-from plait.parallel.pipeline import PipelineParallel  # noqa: E402
+from plait.data import (
+    DistributedBatches,
+    TokenDataset,
+    bundled_data_dir,
+    bundled_tokenizer_path,
+)
+from plait.layers import preset
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,29 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args, vocab: int):
-    over = {k: v for k, v in dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                                  num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn).items() if v is not None}
+    flags = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
+             "num_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn}
+    over = {k: v for k, v in flags.items() if v is not None}
     cfg = preset(args.model, vocab_size=vocab, **over)
     if cfg.arch == "bert":
         raise SystemExit(f"--model {args.model} is an encoder; use examples/pretrain_bert.py")
     if cfg.max_position_embeddings < args.seq_len:
         cfg = cfg.replace(max_position_embeddings=args.seq_len)
     return cfg
-
-
-def build_engine(args, mesh, cfg, arch):
-    """The model (or this rank's pipeline stages) wrapped by ``plait.initialize``."""
-    sp = cfg.tensor_parallel.sequence_parallel and mesh.tp > 1
-    recompute = "full" if args.recompute else None
-    if mesh.pp > 1 or cfg.pipeline.virtual_stages > 1:
-        chunks = build_stage_modules(arch, mesh, v=cfg.pipeline.virtual_stages, method=cfg.pipeline.partition,
-                                     sequence_parallel=sp, seed=args.seed, recompute=recompute, device=mesh.device)
-        model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps,
-                                 cfg.pipeline.virtual_stages)
-    else:
-        model = TransformerModel(arch, mesh, sequence_parallel=sp, seed=args.seed, recompute=recompute,
-                                 device=mesh.device)
-    return plait.initialize(model, cfg, mesh=mesh)
 
 
 def relaunch_on_local_gpus() -> None:
@@ -128,7 +117,7 @@ def export_and_sample(args, ckpt_dir: Path, out_dir: Path, tokenizer_path: Path,
 def main(argv=None) -> None:
     relaunch_on_local_gpus()
     args = parse_args(argv)
-    out_dir, t_start = Path(args.out_dir), time.perf_counter()
+    out_dir = Path(args.out_dir)
     ckpt_dir = out_dir / "checkpoints"
     tokenizer_path = Path(args.tokenizer) if args.tokenizer else bundled_tokenizer_path()
     from tokenizers import Tokenizer
@@ -141,7 +130,7 @@ def main(argv=None) -> None:
                                                       args.seq_len),
                                common.peak_flops(mesh.device, args.peak_tflops))
     tokens, _ = common.token_file(args, out_dir, rank0)
-    engine = build_engine(args, mesh, cfg, arch)
+    engine = train_loop.build_engine(args, mesh, cfg, arch)
 
     micro, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     to_device = (lambda b: {k: v.to(mesh.device, non_blocking=True) for k, v in b.items()})
@@ -162,54 +151,9 @@ def main(argv=None) -> None:
                  f"global batch {cfg.train_batch_size} x {args.seq_len} tokens (micro {micro} x accumulation "
                  f"{gas} x dp {mesh.dp}); {len(train):,} train / {len(val):,} val samples")
 
-    step, client = 0, {}
-    tag = common.resume_tag(args, ckpt_dir)
-    if tag is not None:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag)
-        step = int(client.get("step", engine.global_steps))
-        progress.say(f"resumed from {path} at step {step} (data epoch {loop.state_dict()['epoch']}, "
-                     f"position {loop.state_dict()['position']})")
-    val_start = client.get("val_start")
-    if val_start is None:
-        val_start = common.validate(engine, val_loader, args.eval_batches)
-        progress.record({"type": "val", "step": step, "val_loss": val_start})
-        progress.say(f"step {step:>6}/{args.steps} | validation loss {val_start:.4f}")
-    val_loss = client.get("val_loss", val_start)
-    tokens_per_step = cfg.train_batch_size * args.seq_len
-    t_train, losses, window = time.perf_counter(), [], []
-    progress.skip_interval()
-    while step < args.steps and step != args.stop_at_step:
-        loss = float(engine.train_batch(loop))
-        step += 1
-        losses.append(loss)
-        window.append(loss)
-        progress.add(tokens_per_step)
-        common.maybe_crash(args, step)
-        if step % args.log_every == 0 or step == args.steps:
-            progress.train(step, args.steps, sum(window) / len(window), engine)
-            window = []
-        if step % args.eval_every == 0 or step == args.steps:
-            val_loss = common.validate(engine, val_loader, args.eval_batches)
-            progress.record({"type": "val", "step": step, "val_loss": val_loss})
-            progress.say(f"step {step:>6}/{args.steps} | validation loss {val_loss:.4f}")
-            progress.skip_interval()
-        if step % args.save_every == 0 or step in (args.steps, args.stop_at_step):
-            client = {"step": step, "val_start": val_start, "val_loss": val_loss}
-            secs = common.save(engine, ckpt_dir, step, client, args.keep_last, rank0)
-            progress.say(f"saved checkpoint step{step} in {secs:.1f}s")
-            progress.skip_interval()
-    t_train = time.perf_counter() - t_train
-    trained = len(losses)
-    summary = {"type": "summary", "step": step, "steps_this_run": trained, "val_loss_start": val_start,
-               "val_loss_end": val_loss, "train_seconds": t_train, "wall_seconds": time.perf_counter() - t_start,
-               "tokens_per_s": trained * tokens_per_step / t_train if trained else None,
-               "peak_mem_gib": common.peak_memory_gib(mesh.device)[0], "layout": [mesh.tp, mesh.pp, mesh.dp],
-               "parameters": arch.num_parameters()}
-    progress.record(summary)
-    rate = f", {summary['tokens_per_s']:,.0f} tokens/s" if trained else ""
-    progress.say(f"\nrun summary: step {step}/{args.steps} ({trained} this launch, {common.fmt_time(t_train)}{rate}); "
-                 f"validation loss {val_start:.4f} -> {val_loss:.4f}; peak memory "
-                 f"{summary['peak_mem_gib']:.2f} GiB on rank 0; checkpoints in {ckpt_dir}")
+    summary = train_loop.run(args, engine, loop, val_loader, progress, ckpt_dir,
+                             cfg.train_batch_size * args.seq_len, rank0)
+    step = summary["step"]
     progress.close()
     dist.barrier()
     if rank0 and step >= args.steps and not args.no_export:
