@@ -15,7 +15,9 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,8 @@ from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
+from plait.zero.offload import OffloadOptions
+from plait.zero.offload_optim import HostOptimizer
 
 
 def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mesh: ParallelMesh) -> None:
@@ -54,6 +58,33 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
         return sq
 
     lamb.set_segments(segments, len(names), reduce)
+
+
+def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions | None:
+    """``OffloadOptions`` from ``zero_optimization.offload_optimizer`` / ``offload_param`` (None when both
+    are off). ``pin_memory`` of either section pins the host buffers; the CPU optimizer's thread count
+    comes from the environment variable ``PLAIT_OFFLOAD_THREADS`` (default: every core numba sees).
+
+    Raises:
+        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS.
+    """
+    z = config.zero_optimization
+    if not (z.offload_optimizer.enabled or z.offload_param.enabled):
+        return None
+    if pipeline is not None:
+        raise ConfigError("zero_optimization.offload_optimizer / offload_param with pipeline parallelism is not "
+                          "supported yet; remove the offload sections or use pipeline.size 1")
+    kind = config.optimizer.type.lower() if optimizer is None and config.optimizer is not None else None
+    if z.offload_optimizer.enabled and (kind == "lamb" or isinstance(optimizer, Lamb) or optimizer is Lamb):
+        raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
+                          "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
+                          "offload_optimizer, or LAMB without it")
+    threads = os.environ.get("PLAIT_OFFLOAD_THREADS")
+    if threads is not None and not threads.isdigit():
+        raise ConfigError(f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)")
+    return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
+                          pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
+                          num_threads=int(threads) if threads else None)
 
 
 def _stage3_units(module: nn.Module):
@@ -83,9 +114,7 @@ class Engine:
                  model_parameters, pipeline=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
         z = config.zero_optimization
-        if z.offload_optimizer.enabled or z.offload_param.enabled:
-            raise ConfigError("zero_optimization.offload_optimizer / offload_param are not implemented yet in the "
-                              "engine; remove them (tracked by the ZeRO-Offload issue)")
+        offload = offload_options(config, pipeline, optimizer)
         if config.fp16.enabled:
             param_dtype = torch.float16
             f = config.fp16
@@ -93,7 +122,11 @@ class Engine:
                                 f.min_loss_scale, f.consecutive_hysteresis)
         else:
             param_dtype, scaler = (torch.bfloat16 if config.bf16.enabled else None), None
-        if optimizer is None:
+        if optimizer is None and offload and offload.optimizer and getattr(config.optimizer, "type", "") == "Lion":
+            params = dict(config.optimizer.params)
+            factory, kwargs = functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}
+            groups = None
+        elif optimizer is None:
             factory, kwargs = optimizer_from_config(config.optimizer, mesh.device.type)
             groups = None
         else:
@@ -115,7 +148,7 @@ class Engine:
             units=_stage3_units(module) if z.stage == 3 else None,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
-            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload)
         # A tied head copy (on another pipeline stage than its embedding) must count once in the norm.
         self.optimizer.norm_exclude = {id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}
         inner = self.optimizer.optimizer

@@ -81,7 +81,8 @@ class HostOptimizer(torch.optim.Optimizer):
         hp = {"lr": group["lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
               "weight_decay": group["weight_decay"]}
         if self.kind != "lion":
-            hp.update(eps=group["eps"], adamw_mode=self.kind == "adamw", bias_correction=group["bias_correction"])
+            hp.update(eps=group.get("eps", 1e-8), adamw_mode=self.kind == "adamw",
+                      bias_correction=group.get("bias_correction", True))
         return hp
 
     def _link_state(self, p: torch.Tensor) -> None:
