@@ -57,8 +57,8 @@ class HostOptimizer(torch.optim.Optimizer):
                              f"or options {unknown}; remove them or turn offload_optimizer off")
         if torch_options.get("decoupled_weight_decay") and kind == "adam":
             kind = "adamw"
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "bias_correction": bias_correction}
         super().__init__(params, defaults)
         self.kind, self.num_threads = kind, num_threads
         self.kernels: dict[torch.Tensor, object] = {}

@@ -59,7 +59,13 @@ from plait.zero.flat import (
     load_shard_state,
     shard_state,
 )
-from plait.zero.offload import OffloadGatherer, OffloadOptions, OffloadPipeline, host_empty, to_host
+from plait.zero.offload import (
+    OffloadGatherer,
+    OffloadOptions,
+    OffloadPipeline,
+    host_empty,
+    to_host,
+)
 from plait.zero.offload_optim import host_optimizer
 from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
