@@ -25,15 +25,15 @@ MICRO = 1
 
 def sync():
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
-def timed_chunks(chunks, make_batch, hidden, seq, dtype, device, reps=3):
-    """Mean seconds of forward and backward for this rank's chunks on one micro-batch."""
+def timed_chunks(chunks, make_batch, hidden, seq, dtype, device, warmup=3, reps=8):
+    """Mean seconds of forward and of backward for this rank's chunks on one micro-batch, timed in
+    isolation (no communication) after ``warmup`` untimed repetitions."""
     tf = tb = 0.0
-    for _ in range(reps + 1):
-        f = b = 0.0
-        for c, chunk in enumerate(chunks):
+    for rep in range(warmup + reps):
+        for chunk in chunks:
             batch = make_batch()
             first = 0 in chunk.layer_indices
             x = None if first else torch.randn(MICRO, seq, hidden, device=device, dtype=dtype,
@@ -43,11 +43,10 @@ def timed_chunks(chunks, make_batch, hidden, seq, dtype, device, reps=3):
             out = chunk(hidden=x, **batch)
             sync()
             t1 = time.perf_counter()
-            (out if out.dim() == 0 else out.float().square().mean()).backward()
+            torch.autograd.backward(out, None if out.dim() == 0 else torch.ones_like(out))
             sync()
-            f, b = f + t1 - t0, b + time.perf_counter() - t1
-        if _ > 0:
-            tf, tb = tf + f / reps, tb + b / reps
+            if rep >= warmup:
+                tf, tb = tf + (t1 - t0) / reps, tb + (time.perf_counter() - t1) / reps
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     return tf, tb
