@@ -147,7 +147,8 @@ class OffloadPipeline:
         for g in opt.groups:
             needs = g.key.dtype != torch.float32 and any(self._device_dest(s) is not None for s in g.segments)
             self.lowp.append(host_empty(g.shard_numel, g.key.dtype, self.pin) if needs else None)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload")
+        init = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.cuda else {}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
         self.futures: list[Future] = []
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)

@@ -1,0 +1,275 @@
+"""ZeRO-Offload on one GPU: plait vs DeepSpeed, in the same run.
+
+    python benchmarks/bench_offload.py                    # (a) then (b)
+    python benchmarks/bench_offload.py --part a --steps 10
+    python benchmarks/bench_offload.py --part b --sizes 1b,3b,7b
+    PLAIT_OFFLOAD_THREADS=15 python benchmarks/bench_offload.py ...   # CPU optimizer threads (default: all)
+    python benchmarks/bench_offload.py --device cpu --part a --arms plait   # smoke test without a GPU
+
+(a) llama-886m (ANCHORS.md), sequence 2048, micro-batch 4, bf16, AdamW (lr 1e-4, wd 0.1, betas 0.9/0.95),
+    gradient clipping 1.0, ZeRO-2 + ``offload_optimizer: {device: cpu, pin_memory: true}``: plait (numba
+    CPUAdam, host step overlapped as in plait.zero.offload) vs DeepSpeed (DeepSpeedCPUAdam). Reported:
+    tokens/s, peak GPU memory (torch.cuda.max_memory_allocated), step time, mean of the timed steps.
+    Target: plait >= 2x DeepSpeed's tokens/s at no more peak memory.
+(b) the largest Llama-style model that trains with ZeRO-3 + offload_param + offload_optimizer on one
+    GPU, for plait and for DeepSpeed: sizes ascend (``SIZES``), each tried for a few steps in a fresh
+    process (micro-batch 1, sequence 2048); an arm stops at its first failure (CUDA OOM, host OOM). A
+    size whose host footprint (about 18 bytes/parameter: fp32 master, two Adam moments, fp32 gradient,
+    bf16 parameter shard; DeepSpeed needs the same) exceeds 90% of MemAvailable is skipped, not tried, so
+    the host is never driven into swap or the OOM killer. Reported: largest size completed, tokens/s.
+
+Every arm runs in its own process (fresh CUDA memory statistics) and prints one ``RESULT {json}`` line;
+the parent prints markdown tables and writes JSON lines to --out. Model code is plait's
+``TransformerModel`` (tp=1) for both frameworks, so the arms differ only in the training wrapper. Each
+arm initializes a 1-rank process group (NCCL on GPU, gloo with --device cpu).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+SEQ = 2048
+HOST_BYTES_PER_PARAM = 18.0
+# name: (hidden, layers, heads, kv heads, ffn) -- Llama-style shapes (TinyLlama, Llama-2/3 family, between)
+SIZES = {
+    "1b": (2048, 22, 32, 4, 5632),
+    "3b": (3200, 26, 32, 8, 8640),
+    "5b": (4096, 24, 32, 8, 11008),
+    "7b": (4096, 32, 32, 32, 11008),
+    "10b": (5120, 32, 40, 8, 13824),
+    "13b": (5120, 40, 40, 40, 13824),
+    "20b": (6144, 44, 48, 8, 16384),
+    "30b": (6656, 60, 52, 52, 17920),
+}
+
+
+def model_config(size: str, device_type: str):
+    from plait.layers import preset
+    if device_type == "cpu":  # smoke test: tiny shapes
+        return preset("llama-tiny", vocab_size=512, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=128, max_position_embeddings=SEQ)
+    if size == "886m":
+        return preset("llama-886m")
+    h, layers, heads, kv, ffn = SIZES[size]
+    return preset("llama-886m", hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                  ffn_hidden_size=ffn, max_position_embeddings=SEQ)
+
+
+def ds_config(stage: int, micro: int, offload_param: bool) -> dict:
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True}, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}}
+
+
+def init_single_process(device: torch.device) -> None:
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 1000))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def batch(cfg, device, micro: int, step: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(step)
+    ids = torch.randint(0, cfg.vocab_size, (micro, SEQ + 1), generator=g, device=device)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def make_step(framework: str, size: str, stage: int, micro: int, offload_param: bool, device: torch.device):
+    """Returns (cfg, n_params, step_fn(i) -> loss) for one arm."""
+    from plait.layers import TransformerModel
+    init_single_process(device)
+    cfg = model_config(size, device.type)
+    model = TransformerModel(cfg, None, seed=0, device=device)
+    conf = ds_config(stage, micro, offload_param)
+    if framework == "plait":
+        import plait
+        from plait.parallel import ParallelMesh
+        engine = plait.initialize(model, conf, mesh=ParallelMesh())
+    elif framework == "ds":
+        import deepspeed
+        if device.type == "cuda":
+            model = model.to(torch.bfloat16)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    else:
+        raise ValueError(f"unknown framework {framework!r}; use plait or ds")
+
+    def step(i):
+        loss = engine(**batch(cfg, device, micro, i))
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return cfg, cfg.num_parameters(), step
+
+
+def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bool, warmup: int, steps: int,
+            device_type: str) -> dict:
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t_init = time.perf_counter()
+    cfg, n_params, step = make_step(framework, size, stage, micro, offload_param, device)
+    init_s = time.perf_counter() - t_init
+    for i in range(warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        loss = step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    return {"framework": framework, "size": size, "params": n_params, "tokens_per_s": micro * SEQ / dt,
+            "step_s": dt, "init_s": init_s, "loss": float(loss),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "host_rss_gib": _rss_gib()}
+
+
+def _rss_gib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def spawn(args, framework, size, stage, micro, offload_param, steps) -> dict:
+    cmd = [sys.executable, __file__, "--one", framework, "--size", size, "--stage", str(stage), "--micro",
+           str(micro), "--warmup", str(args.warmup), "--steps", str(steps), "--device", args.device]
+    if offload_param:
+        cmd.append("--offload-param")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is not None:
+        return json.loads(line[7:])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    oom = "out of memory" in (proc.stderr + proc.stdout).lower() or proc.returncode in (-9, 137)
+    return {"framework": framework, "size": size, "error": " | ".join(tail)[-300:], "oom": oom,
+            "wall_s": time.perf_counter() - t0}
+
+
+def part_a(args, rows):
+    print("\n(a) llama-886m, ZeRO-2 + offload_optimizer, seq 2048, micro-batch 4, bf16, AdamW, clip 1.0", flush=True)
+    out = []
+    for fw in args.arms.split(","):
+        r = spawn(args, fw, "886m", 2, 4, False, args.steps)
+        r["part"] = "a"
+        out.append(r)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return out
+
+
+def part_b(args, rows):
+    print("\n(b) largest model, ZeRO-3 + offload_param + offload_optimizer, seq 2048, micro-batch 1", flush=True)
+    sizes = args.sizes.split(",") if args.device == "cuda" else ["tiny"]
+    best = {}
+    for fw in args.arms.split(","):
+        for size in sizes:
+            n = model_config(size, args.device).num_parameters()
+            need, have = HOST_BYTES_PER_PARAM * n / 2**30, mem_available_gib()
+            if args.device == "cuda" and need > 0.9 * have:
+                r = {"framework": fw, "size": size, "params": n,
+                     "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available", "oom": True}
+            else:
+                r = spawn(args, fw, size, 3, 1, True, args.search_steps)
+            r["part"] = "b"
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if "error" in r:
+                break
+            best[fw] = r
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="ab", help="a, b or ab")
+    parser.add_argument("--arms", default="plait,ds", help="frameworks: plait,ds")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"part (b) sizes, ascending ({','.join(SIZES)})")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of part (a)")
+    parser.add_argument("--search-steps", type=int, default=2, help="timed steps per size in part (b)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per arm process")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--out", default="bench_offload.jsonl")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--size", default="886m", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--offload-param", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        r = run_arm(args.one, args.size, args.stage, args.micro, args.offload_param, args.warmup, args.steps,
+                    args.device)
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    rows = []
+    a = part_a(args, rows) if "a" in args.part else []
+    best = part_b(args, rows) if "b" in args.part else {}
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU smoke test (tiny model)"
+    threads = os.environ.get("PLAIT_OFFLOAD_THREADS", f"all ({os.cpu_count()})")
+    print(f"\n{name}; torch {torch.__version__}; {os.cpu_count()} cores; plait offload threads: {threads}")
+    if a:
+        print("\n(a) llama-886m ZeRO-2 + offload_optimizer (seq 2048, micro-batch 4, bf16, AdamW, clip 1.0)\n")
+        print("| framework | tokens/s | step s | peak GPU GiB | host RSS GiB |\n|---|---|---|---|---|")
+        for r in a:
+            if "error" in r:
+                print(f"| {r['framework']} | failed: {r['error'][:120]} | | | |")
+            else:
+                print(f"| {r['framework']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib']:.2f} | "
+                      f"{r['host_rss_gib']:.1f} |")
+        ok = {r["framework"]: r for r in a if "error" not in r}
+        if "plait" in ok and "ds" in ok:
+            print(f"\nplait / DeepSpeed tokens/s: {ok['plait']['tokens_per_s'] / ok['ds']['tokens_per_s']:.2f}x; "
+                  f"peak memory {ok['plait']['peak_gib']:.2f} vs {ok['ds']['peak_gib']:.2f} GiB")
+    if "b" in args.part:
+        print("\n(b) ZeRO-3 + offload_param + offload_optimizer, largest model that trains (seq 2048, micro-batch 1)\n")
+        print("| framework | size | parameters | tokens/s | step s | peak GPU GiB | host RSS GiB | next size |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for fw in args.arms.split(","):
+            r = best.get(fw)
+            stop = next((x for x in rows if x.get("part") == "b" and x["framework"] == fw and "error" in x), None)
+            why = stop["error"][:80] if stop else "(all sizes trained)"
+            if r is None:
+                print(f"| {fw} | none | | | | | | {why} |")
+            else:
+                print(f"| {fw} | {r['size']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | "
+                      f"{r['peak_gib']:.2f} | {r['host_rss_gib']:.1f} | {why} |")
+
+
+if __name__ == "__main__":
+    main()
