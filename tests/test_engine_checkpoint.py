@@ -38,9 +38,17 @@ def batches(step, dp_rank, dp):
     return iter(out)
 
 
-def run(stage, tp, steps, first_step, root=None, save=False, load=False):
-    mesh = ParallelMesh(tp=tp)
-    engine = plait.initialize(TransformerModel(tiny(), mesh, seed=2), config(stage, tp, mesh.dp), mesh=mesh)
+def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1):
+    mesh = ParallelMesh(tp=tp, pp=pp)
+    cfg = config(stage, tp, mesh.dp)
+    if pp > 1:
+        from plait.parallel.partition import build_stage_modules
+        from plait.parallel.pipeline import PipelineParallel
+        cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
+        model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
+    else:
+        model = TransformerModel(tiny(), mesh, seed=2)
+    engine = plait.initialize(model, cfg, mesh=mesh)
     if load:
         _, client = engine.load_checkpoint(root)
         assert client == {"note": "half way", "step": N}
@@ -60,11 +68,22 @@ def test_same_layout_resume_is_bit_identical(tmp_path):
     assert first + second == full
 
 
-@pytest.mark.parametrize("saved,loaded", [((3, 2, 4), (1, 1, 4)), ((1, 1, 2), (3, 2, 4))])
+def losses_of(out):
+    """The last pipeline stage holds the loss; every rank returns it (rank 0 is enough)."""
+    return out[0]
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ((3, 2, 1, 4), (1, 1, 1, 4)),     # (zero stage, tp, pp, world)
+    ((1, 1, 1, 2), (3, 2, 1, 4)),
+    ((3, 2, 2, 8), (1, 1, 1, 4)),     # tp=2 pp=2 dp=2 ZeRO-3 -> tp=1 pp=1 dp=4 ZeRO-1
+    ((1, 1, 1, 4), (3, 2, 2, 8)),     # and the reverse
+])
 def test_resume_in_another_layout_continues_the_curve(tmp_path, saved, loaded):
-    """(zero stage, tp, world) saved -> loaded."""
     root = str(tmp_path / "ckpt")
-    full = run_distributed(run, saved[2], saved[0], saved[1], 2 * N, 0)[0]
-    run_distributed(run, saved[2], saved[0], saved[1], N, 0, root, True)
-    second = run_distributed(run, loaded[2], loaded[0], loaded[1], N, N, root, False, True)[0]
+    s_stage, s_tp, s_pp, s_world = saved
+    l_stage, l_tp, l_pp, l_world = loaded
+    full = losses_of(run_distributed(run, s_world, s_stage, s_tp, 2 * N, 0, None, False, False, s_pp))
+    run_distributed(run, s_world, s_stage, s_tp, N, 0, root, True, False, s_pp)
+    second = losses_of(run_distributed(run, l_world, l_stage, l_tp, N, N, root, False, True, l_pp))
     assert second == pytest.approx(full[N:], rel=1e-5)
