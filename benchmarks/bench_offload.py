@@ -168,7 +168,10 @@ def spawn(args, framework, size, stage, micro, offload_param, steps) -> dict:
     if offload_param:
         cmd.append("--offload-param")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"framework": framework, "size": size, "error": f"timed out after {args.timeout:.0f} s", "oom": False}
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is not None:
         return json.loads(line[7:])

@@ -191,7 +191,7 @@ class OffloadPipeline:
                 else:
                     src = host_empty(out.numel(), out.dtype, self.pin)
                     src.copy_(out, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the worker sleeps in synchronize()
                 event.record(stream)
             out.record_stream(stream)
         if last and self.cuda:
@@ -270,7 +270,7 @@ class OffloadPipeline:
                 if used is not None:
                     self.h2d.wait_event(used)
                 dest.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the worker sleeps in synchronize()
                 event.record(self.h2d)
             self._copied[id(seg)] = event
         else:
