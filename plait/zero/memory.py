@@ -22,6 +22,13 @@ weights. With stage 1 the GPU still holds the full gradients until they are redu
 2-3 gradients leave the GPU bucket by bucket (buckets are not counted). ``offload_param`` (stage 3 only)
 moves each rank's weight partition to the host as well (ZeRO-Infinity's CPU tier).
 
+``accounting="plait"`` gives what plait's ``ZeroOptimizer`` actually holds instead of the paper's
+idealisation: the reduced gradient partition is kept in fp32 (4 bytes/element, so gradient accumulation does
+not round, as DeepSpeed also does), and at stage 1 it exists beside the full compute-dtype gradients:
+
+    stage 1:  2 * Psi (weights) + 2 * Psi (grads) + 4 * Psi / N (fp32 grad partition) + K * Psi / N
+    stage 2:  2 * Psi + (4 + K) * Psi / N            stage 3:  (2 + 4 + K) * Psi / N
+
 Partitions hold ``ceil(Psi / N)`` elements (flat buffers are padded to a multiple of N). Per-host bytes are a
 rank's host bytes times the ranks on a host, ``min(num_gpus_per_node, dp_size)``. Not counted: activations,
 temporary buffers, communication buckets, allocator fragmentation; stage 3's gathered working set only via
@@ -76,7 +83,7 @@ class MemoryEstimate:
 def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offload_optimizer: bool = False,
                                 offload_param: bool = False, mixed_precision: bool = True,
                                 num_gpus_per_node: int = 8, optimizer_states: int = 2,
-                                largest_layer_params: int = 0) -> MemoryEstimate:
+                                largest_layer_params: int = 0, accounting: str = "paper") -> MemoryEstimate:
     """Bytes of weights, gradients and optimizer states per GPU and per host (formulas in the module doc).
 
     Args:
@@ -90,6 +97,8 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         optimizer_states: fp32 state tensors per parameter (Adam/AdamW/LAMB 2; Lion, SGD-momentum 1).
         largest_layer_params: stage 3 only: parameters of the largest layer, whose full weights and
             gradients are gathered on every GPU while it runs (0 = not counted, as in the paper).
+        accounting: "paper" (the ZeRO paper's formulas) or "plait" (fp32 gradient partitions, as plait's
+            ZeroOptimizer holds them; see the module docstring).
 
     Returns:
         MemoryEstimate with ``gpu`` (bytes on one GPU) and ``cpu`` (bytes on one host) breakdowns.
@@ -105,8 +114,12 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
     k_host = 4 * optimizer_states + 4                      # the host step needs an fp32 master copy
     full, part = num_params, math.ceil(num_params / dp_size)
 
+    if accounting not in ("paper", "plait"):
+        raise ValueError(f"accounting must be 'paper' or 'plait', got {accounting!r}")
     gpu_params = (part if stage == 3 else full) * low
     gpu_grads = (part if stage >= 2 else full) * low
+    if accounting == "plait" and stage >= 1:
+        gpu_grads = part * 4 + (full * low if stage == 1 else 0)
     gpu_optim = (part if stage >= 1 else full) * k_gpu
     host_params = host_grads = host_optim = 0
     if offload_optimizer:
