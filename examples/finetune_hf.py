@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters()) if cfg.zero_optimization.stage < 3 else None
     if rank0:
         size = f"{n_params / 1e6:.2f}M parameters" if n_params else "parameters sharded by ZeRO-3"
-        print(f"plait finetune_hf: {type(model).__name__} ({size}), dp={mesh.dp}, ZeRO-{cfg.zero_optimization.stage}, "
+        print(f"plait finetune_hf: {type(model).__name__} ({size}), dp={mesh.dp}, {common.zero_desc(cfg)}, "
               f"micro-batch {micro} x accumulation {gas} x dp {mesh.dp}, sequence {args.seq_len}", flush=True)
     losses, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):

@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     engine.data_loader = loop
     progress.say(f"plait pretrain_bert: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters, MLM at "
                  f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
-                 f"ZeRO-{cfg.zero_optimization.stage}, {cfg.optimizer.type}, {cfg.precision}; global batch "
+                 f"{common.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
                  f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples")
     summary = train_loop.run(args, engine, loop, lambda: loader(val, shuffle=False, drop_last=False), progress,
                              ckpt_dir, cfg.train_batch_size, rank0)

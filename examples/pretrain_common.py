@@ -176,6 +176,13 @@ def setup(args, model_hidden: int):
     return info, mesh, cfg, ds
 
 
+def zero_desc(cfg) -> str:
+    """"ZeRO-3 + offload optimizer, param" style summary of the config's ZeRO section."""
+    z = cfg.zero_optimization
+    off = [name for name, o in (("optimizer", z.offload_optimizer), ("param", z.offload_param)) if o.enabled]
+    return f"ZeRO-{z.stage}" + (f" + offload {', '.join(off)}" if off else "")
+
+
 def rank0_first(fn, is_rank0: bool):
     """Run ``fn`` on rank 0, then on every other rank after a barrier (builds caches once)."""
     if is_rank0:

@@ -143,11 +143,10 @@ def main(argv=None) -> None:
         return common.EpochLoop(DistributedBatches(val, micro, mesh.dp_rank, mesh.dp, shuffle=False,
                                                    drop_last=False), to_device)
 
-    z = cfg.zero_optimization
     progress.say(f"plait pretrain_gpt: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters "
                  f"({arch.num_layers} blocks, hidden {arch.hidden_size}, vocab {arch.vocab_size}), "
                  f"tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
-                 f"schedule {cfg.pipeline.schedule if mesh.pp > 1 else '-'}, ZeRO-{z.stage}, {cfg.precision}; "
+                 f"schedule {cfg.pipeline.schedule if mesh.pp > 1 else '-'}, {common.zero_desc(cfg)}, {cfg.precision}; "
                  f"global batch {cfg.train_batch_size} x {args.seq_len} tokens (micro {micro} x accumulation "
                  f"{gas} x dp {mesh.dp}); {len(train):,} train / {len(val):,} val samples")
 
