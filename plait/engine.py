@@ -87,6 +87,28 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
                           num_threads=int(threads) if threads else None)
 
 
+def apply_activation_checkpointing(module: nn.Module, ac) -> None:
+    """Honour ds_config's ``activation_checkpointing`` on plait models: ``number_checkpoints`` = n
+    recomputes the first n transformer blocks in backward (all of them when n is at least the block
+    count). Megatron's partitioned / CPU / contiguous variants are refused rather than ignored; other
+    models keep their own setting (e.g. ``model.gradient_checkpointing_enable()`` for transformers).
+
+    Raises:
+        ConfigError: a variant plait does not implement is switched on.
+    """
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary", "profile"):
+        if getattr(ac, key):
+            raise ConfigError(f"activation_checkpointing.{key} is not implemented by plait; remove it (plait "
+                              "recomputes whole blocks or only the attention core: TransformerModel(recompute=...))")
+    if ac.number_checkpoints is None:
+        return
+    from plait.layers.block import TransformerBlock
+    blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
+    for block in blocks[: ac.number_checkpoints]:
+        block.recompute = "full"
+
+
 def _stage3_units(module: nn.Module):
     """plait models (and pipeline chunks) gather ZeRO-3 parameters per layer (embedding, each block,
     head); other modules use ZeRO's default units."""
@@ -113,6 +135,7 @@ class Engine:
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
                  model_parameters, pipeline=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
+        apply_activation_checkpointing(module, config.activation_checkpointing)
         z = config.zero_optimization
         offload = offload_options(config, pipeline, optimizer)
         if config.fp16.enabled:
@@ -307,10 +330,14 @@ class Engine:
         return self.config.train_batch_size
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False):
-        """Write a sharded, layout-free checkpoint (see ``plait.checkpoint``). Collective."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False,
+                        keep_last: int | None = None):
+        """Write a sharded, layout-free checkpoint (see ``plait.checkpoint``) as ``save_dir/tag``
+        (default tag ``global_step<N>``) and point ``save_dir/latest`` at it; keep only the newest
+        ``keep_last`` checkpoints. With ``async_save`` the tensors are copied to host and written in a
+        background thread (the returned handle's ``wait()`` finishes it). Collective."""
         from plait.checkpoint.engine_io import save_engine
-        return save_engine(self, save_dir, tag, client_state or {}, async_save)
+        return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, strict: bool = True):

@@ -212,3 +212,26 @@ def test_global_grad_norm_under_tp_pp_dp_equals_single_process():
     ref = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
     norms = run_distributed(grad_norm_body, 8)
     assert all(n == pytest.approx(ref, rel=1e-6) for n in norms), (norms, ref)
+
+
+def test_activation_checkpointing_config_recomputes_blocks_and_refuses_unimplemented_variants():
+    model = TransformerModel(tiny(), None, seed=5)
+    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1}
+    engine = plait.initialize(model, {**base, "activation_checkpointing": {"number_checkpoints": 1}})
+    assert [model.layers[str(i)].recompute for i in (1, 2)] == ["full", None]
+    loss = engine(**micro_batch(0, 0, 0))
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
+    with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing is not implemented"):
+        plait.initialize(TransformerModel(tiny(), None), {**base, "activation_checkpointing": {"cpu_checkpointing": True}})
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    from plait.checkpoint import list_tags
+    engine = plait.initialize(TransformerModel(tiny(), None, seed=5),
+                              {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1})
+    for step in range(3):
+        engine.train_batch(iter([micro_batch(step, 0, 0)]))
+        engine.save_checkpoint(tmp_path, keep_last=2)
+    assert sorted(list_tags(str(tmp_path))) == ["global_step2", "global_step3"]

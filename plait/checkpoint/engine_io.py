@@ -133,13 +133,15 @@ def _engine_meta(engine, state: ShardState, client_state: dict) -> dict:
     return model_meta(_chunks(engine)[0], engine.mesh, meta)
 
 
-def save_engine(engine, save_dir, tag, client_state: dict, async_save: bool):
+def save_engine(engine, save_dir, tag, client_state: dict, async_save: bool, keep_last: int | None = None):
     """Collective; returns the checkpoint writer's handle (``.wait()`` it for async saves)."""
     tag = tag or f"global_step{engine.global_steps}"
     state = engine.optimizer.shard_state()
     writer = getattr(engine, "_checkpoint_writer", None)
-    if writer is None or str(writer.root) != str(save_dir):
-        writer = engine._checkpoint_writer = CheckpointWriter(save_dir)
+    if writer is None or str(writer.root) != str(save_dir) or writer.keep_last != keep_last:
+        if writer is not None:
+            writer.wait()
+        writer = engine._checkpoint_writer = CheckpointWriter(save_dir, keep_last=keep_last)
     with engine.optimizer.gathered_parameters():
         items = [item for chunk in _chunks(engine) for item in model_shard_items(chunk, engine.mesh)]
         items += _optimizer_items(engine, state)
