@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--val-fraction", type=float, default=0.02)
     m.add_argument("--no-export", action="store_true")
     common.add_parallel_args(parser, "pretrain_bert.json")
-    parser.set_defaults(eval_every=50, log_every=10)
+    parser.set_defaults(steps=200, eval_every=50, log_every=10)
     return parser.parse_args(argv)
 
 
