@@ -40,7 +40,7 @@ def _adam_elem(w, grad, m, v, hp):
     return w - step_size * (m / denom), m, v
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                 weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_scale):
     """One Adam/AdamW step over ``p, g, m, v`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).

@@ -39,7 +39,7 @@ def _lamb_update(w, m, v, hp):
     return (m / bc1) / (np.sqrt(v / bc2) + eps) + weight_decay * w
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def lamb_moments_kernel(p, g, m, v, starts, ends, w_sq, u_sq, beta1, one_minus_beta1, beta2, one_minus_beta2,
                         grad_scale, hp):
     """Pass 1: update ``m, v`` (float32 ``[n]``) and write per-chunk ``sum w^2``, ``sum u^2`` (float64 ``[chunks]``).
@@ -84,7 +84,7 @@ def lamb_chunk_scales(w_sq, u_sq, chunk_seg, n_seg, lr):
     return scale
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def lamb_apply_kernel(p, m, v, out, mode, nan_bits, starts, ends, scale, hp):
     """Pass 2: ``w -= scale[c] * u`` over each chunk, writing ``out`` (uint16 ``[n]`` or ``[0]``) too."""
     for c in prange(starts.shape[0]):

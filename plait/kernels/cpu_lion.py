@@ -36,7 +36,7 @@ def _lion_elem(w, grad, m, hp):
     return w, beta2 * m + one_minus_beta2 * grad
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def lion_kernel(p, g, m, out, mode, nan_bits, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
                 grad_scale):
     """One Lion step over ``p, g, m`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).

@@ -82,7 +82,7 @@ def fp16_bits(x):
     return np.uint16(sign | q)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _convert(src, out, mode, nan_bits):
     for i in prange(src.shape[0]):
         if mode == MODE_BF16:

@@ -35,6 +35,24 @@ global norm costs one scalar all-reduce. The CPU step of a segment needs the cli
   copies, the gradient accumulation and the norm partials already overlapped backward. fp16 overflow
   skips the step before any state is touched.
 
+Overlap with the next forward (``OffloadOptions.overlap_step``, default on): ``step()`` returns once
+the host steps are *queued*; it does not wait for them. Each segment's ticket (``plait.zero.offload_ready``)
+is consumed right before the device first reads the segment: a forward pre-hook on every module
+holding one of its parameters directly (stages 1-2, stage-3 persistent segments), or the stage-3
+gatherer before it fetches a unit (``ParamGatherer.gate``). Consuming waits for the worker to have
+queued the segment's copy-back (host), makes the compute stream wait on that copy's event (device, no
+host sync) and, at dp > 1 where ranks hold parameters whole, all-gathers the updated shards of the
+segments consumed (in step order, at the same hooks on every rank, so the collectives match). So the
+host step of layer ``L+1`` runs while the GPU computes layer ``L`` of the next forward, and the values
+read are exactly those of a synchronous step. Everything else that reads parameters, masters or
+optimizer state, or writes gradients, first waits for the whole step (``synchronize``): the next
+backward, the next ``step``, ``zero_grad``, ``write_back``, ``gathered_parameters``, ``shard_state``
+(checkpoint saves), ``load_shard_state``, ``close``. Stage-3 prefetch skips segments not yet consumed
+(they are fetched on demand). Limit: a parameter read by code outside the forward of every module that
+holds it (``F.linear(x, other_module.weight)``) is not waited for: call ``ZeroOptimizer.synchronize()``
+first or turn ``overlap_step`` off. The worker steps segments in module registration order
+(``offload_ready.forward_order``), a proxy for forward order; a different order is still exact.
+
 Results equal the non-offloaded ``ZeroOptimizer`` to float32 rounding (the kernels match torch's
 Adam/AdamW to ~1e-7; the norm is summed in another order), which ``tests/test_offload.py`` checks to
 1e-6 relative.
@@ -61,6 +79,7 @@ import torch.distributed as dist
 from plait.parallel.collectives import group_rank, group_size
 from plait.zero.clip import clip_coefficient
 from plait.zero.flat import Segment, gather_segments
+from plait.zero.offload_ready import Readiness, forward_order, module_needs
 from plait.zero.stage3 import ParamGatherer
 
 
@@ -77,6 +96,8 @@ class OffloadOptions:
             stage-3 parameter shards) when CUDA is available; needed for asynchronous copies.
         num_threads: numba threads of the CPU optimizer (None: numba's pool, i.e. every core).
         early_step: allow the early mode (module docstring) when the clip coefficient is exactly 1.
+        overlap_step: ``step()`` returns before the host step ends; the next forward waits per
+            segment (module docstring). False: ``step()`` waits for every segment.
     """
 
     optimizer: bool = True
@@ -84,6 +105,7 @@ class OffloadOptions:
     pin_memory: bool = True
     num_threads: int | None = None
     early_step: bool = True
+    overlap_step: bool = True
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -152,7 +174,17 @@ class OffloadPipeline:
         self.futures: list[Future] = []
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-        self._copied: dict[int, object] = {}  # id(seg) -> event of its last host->device copy
+        self._copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
+        self.order = forward_order(opt.module, self.segments)   # the order the worker steps them
+        self.ready = Readiness(self.order, self.device, opt.dp_group, opt.dp_size, opt.allgather_bucket_size,
+                               opt.overlap_comm)
+        self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
+        self._ran: set[int] = set()      # modules whose forward ran (module_needs)
+        self._needs: dict[int, int] = {}
+        self._needs_for = -1             # len(self._ran) when _needs was computed
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in opt.module.modules()]
+        if opt.gatherer is not None:
+            opt.gatherer.gate = self.ready
         self._reset()
 
     # ---- per-step state ---------------------------------------------------------------------------
@@ -162,22 +194,35 @@ class OffloadPipeline:
         self.sumsq: dict[int, float] = {}
         self.nonfinite: dict[int, bool] = {}
         self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
-        self.begun = False
+        self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
 
     def _submit(self, fn, *args) -> None:
         self.futures.append(self.worker.submit(fn, *args))
 
     def drain(self) -> None:
-        """Wait for every queued host task; re-raise the first error a task hit."""
+        """Wait for every queued landing/finalize task; re-raise the first error a task hit."""
         futures, self.futures = self.futures, []
         for f in futures:
             f.result()
+
+    def synchronize(self) -> None:
+        """Main thread: finish the overlapped step in flight (every segment stepped, copied back and,
+        at dp > 1, all-gathered, in order). Collective over dp while a step is in flight."""
+        self.ready.wait_all()
+
+    def _pre_forward(self, module, args) -> None:
+        self._ran.add(id(module))
+        if self.ready.active:
+            k = self._needs.get(id(module))
+            if k is not None:
+                self.ready.through(k)
 
     # ---- landing (main thread, from GradReducer) --------------------------------------------------
     def land(self, seg: Segment, out: torch.Tensor | None, fresh: bool) -> None:
         """A reduced segment gradient ``out`` (``[S]``, reduce dtype, on the device; None: already
         packed into the host shard) is ready: start its copy to the host and queue its host work."""
         opt = self.opt
+        self.ready.wait_all()  # the last step's host work reads the gradient shards this overwrites
         last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps
         host = self._grad(seg)
         src, event = out, None
@@ -194,15 +239,16 @@ class OffloadPipeline:
                 event = torch.cuda.Event(blocking=True)  # the worker sleeps in synchronize()
                 event.record(stream)
             out.record_stream(stream)
+        used = None
         if last and self.cuda:
             used = torch.cuda.Event()
             used.record(torch.cuda.current_stream(self.device))
             self.used[id(seg)] = used
         if last:
             self.finalized.add(id(seg))
-        self._submit(self._landed, seg, host, src, out, event, fresh, last)
+        self._submit(self._landed, seg, host, src, out, event, fresh, last, used)
 
-    def _landed(self, seg, host, src, out, event, fresh, last) -> None:
+    def _landed(self, seg, host, src, out, event, fresh, last, used) -> None:
         if event is not None:
             event.synchronize()
         del out  # the device buffer may be reused once the copy is done
@@ -212,12 +258,12 @@ class OffloadPipeline:
             else:
                 host.add_(src)
         if last:
-            self._finalize(seg)
+            self._finalize(seg, used)
 
     def _grad(self, seg: Segment) -> torch.Tensor:
         return self.opt.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
 
-    def _finalize(self, seg: Segment) -> None:
+    def _finalize(self, seg: Segment, used=None) -> None:
         """Worker: norm partials of a segment's final gradient (and the early step)."""
         g = self._grad(seg)
         excluded = self._excluded(seg)
@@ -226,7 +272,11 @@ class OffloadPipeline:
         self.nonfinite[id(seg)] = not math.isfinite(total)
         self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.early:
-            self._step_segment(seg, 1.0)
+            if not self.begun:
+                self.opt.optimizer.begin_step()
+                self.begun = True
+            self._step_segment(seg, 1.0, used)
+            self.stepped.add(id(seg))
 
     def _excluded(self, seg: Segment) -> list[tuple[int, int]]:
         exclude = self.opt.norm_exclude
@@ -242,11 +292,13 @@ class OffloadPipeline:
             return None if self.options.param else seg.local
         return seg.full[seg.lo:seg.lo + seg.shard_size]
 
-    def _step_segment(self, seg: Segment, grad_scale: float) -> None:
+    def _step_segment(self, seg: Segment, grad_scale: float, used=None):
+        """Worker: host step of ``seg`` (gradient divided by ``grad_scale``) and its copy back to the
+        device, queued on the h2d stream after ``used`` (backward's last read of the segment).
+        Returns the event recorded after that copy (None without CUDA or device destination).
+        Touches no per-step state of the pipeline: it may run after ``step()`` returned."""
         opt, host_opt = self.opt, self.opt.optimizer
-        if not self.begun:
-            host_opt.begin_step()
-            self.begun = True
+        event = None
         previous = self._copied.pop(id(seg), None)
         if previous is not None:
             previous.synchronize()  # last step's copy out of the bf16 host buffer has finished
@@ -266,7 +318,6 @@ class OffloadPipeline:
                 seg.local.copy_(src)
         elif self.cuda:
             with torch.cuda.stream(self.h2d):
-                used = self.used.get(id(seg))
                 if used is not None:
                     self.h2d.wait_event(used)
                 dest.copy_(src, non_blocking=True)
@@ -275,12 +326,13 @@ class OffloadPipeline:
             self._copied[id(seg)] = event
         else:
             dest.copy_(src)
-        self.stepped.add(id(seg))
+        return event
 
     # ---- the boundary (main thread) ---------------------------------------------------------------
     def step(self) -> bool:
         """Finish the optimizer step after every segment was reduced (see ``ZeroOptimizer.step``)."""
         opt = self.opt
+        self.ready.wait_all()
         for seg in self.segments:
             if id(seg) not in self.finalized:
                 self.finalized.add(id(seg))
@@ -306,14 +358,22 @@ class OffloadPipeline:
         if not (coef > 0 and math.isfinite(1.0 / coef)):
             raise FloatingPointError(f"gradient norm {norm} gives clip coefficient {coef}: the gradients are "
                                      "inf/nan; train with fp16 loss scaling or look for the source")
-        order = self.segments if opt.stage == 3 else list(reversed(self.segments))  # forward order
-        for seg in order:
-            if id(seg) not in self.stepped:
-                self._submit(self._step_segment, seg, 1.0 / coef)
-        self.drain()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
-        self._gather_updated()
+        if not self.begun:
+            opt.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
+            self.begun = True
+        tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
+        for seg in self.order:
+            if id(seg) in self.stepped:
+                tickets.append(self._copied.get(id(seg)))   # the worker is idle (drained)
+            else:
+                tickets.append(self.worker.submit(self._step_segment, seg, 1.0 / coef, self.used.get(id(seg))))
+        if self._needs_for != len(self._ran):
+            self._needs = module_needs(opt.module, self._in_place, self.ready.pos, self._ran)
+            self._needs_for = len(self._ran)
+        self.ready.start(tickets)
+        gathered_now = any(s.local is not None and s.full is not None for s in self.segments)
+        if not self.options.overlap_step or gathered_now:  # inside gathered_parameters(): finish here
+            self.ready.wait_all()
         self._reset()
         opt.reducer.zero()
         if opt.scaler is not None:
@@ -321,23 +381,9 @@ class OffloadPipeline:
         opt.global_steps += 1
         return True
 
-    def _gather_updated(self) -> None:
-        """All-gather the updated shards into whole parameters where dp ranks hold them whole."""
-        outs, ins = [], []
-        for seg in self.segments:
-            if seg.local is not None:
-                if seg.full is not None:
-                    outs.append(seg.full)
-                    ins.append(seg.local.to(self.device))
-            elif seg.world > 1:
-                outs.append(seg.full)
-                ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
-        for pending, _ in gather_segments(outs, ins, self.opt.dp_group, self.opt.dp_size,
-                                          self.opt.allgather_bucket_size, async_op=self.opt.overlap_comm):
-            pending.wait()
-
     def discard(self) -> None:
         """``zero_grad``: drop landed gradients. Early-mode steps already applied are completed."""
+        self.ready.wait_all()
         self.drain()
         if self.stepped:
             raise RuntimeError(f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
@@ -346,7 +392,11 @@ class OffloadPipeline:
         self._reset()
 
     def close(self) -> None:
+        self.ready.wait_all()
         self.drain()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         self.worker.shutdown(wait=True)
 
 

@@ -299,6 +299,7 @@ class ZeroOptimizer:
 
     def _note_backward(self) -> None:
         if not self._in_backward:
+            self.synchronize()  # an overlapped offload step still reads the gradient shards
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -379,9 +380,18 @@ class ZeroOptimizer:
                 pos = max(pos, b)
         return out
 
+    def synchronize(self) -> None:
+        """Finish an offloaded optimizer step still running after ``step()`` returned (ZeRO-Offload
+        ``overlap_step``, see ``plait.zero.offload``); a no-op otherwise. The next forward waits per
+        segment by itself, and every method here that reads parameters or state calls this; call it
+        before reading parameters any other way. Collective over dp while a step is in flight."""
+        if self.offload is not None:
+            self.offload.synchronize()
+
     def write_back(self) -> None:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
         where every rank holds whole parameters. Collective."""
+        self.synchronize()
         outs, ins = [], []
         for group, master in zip(self.groups, self.masters):
             for seg in group.segments:
@@ -416,6 +426,7 @@ class ZeroOptimizer:
     @contextmanager
     def gathered_parameters(self):
         """Context in which every parameter is whole (stage 3; a no-op otherwise). Collective."""
+        self.synchronize()
         if self.gatherer is None:
             yield
             return
@@ -451,10 +462,12 @@ class ZeroOptimizer:
     def shard_state(self) -> ShardState:
         """This rank's fp32 master and optimizer-state slices per logical parameter (views, not
         copies), plus per-group scalars and counters; see ``plait.zero.flat.ShardState``."""
+        self.synchronize()
         return shard_state(self)
 
     def load_shard_state(self, read, state: ShardState | None = None) -> None:
         """Restore from slices saved at any dp size / stage; see ``plait.zero.flat.load_shard_state``."""
+        self.synchronize()
         load_shard_state(self, read, state)
 
     def param_slices(self) -> list[ParamSlice]:

@@ -130,6 +130,10 @@ class ParamGatherer:
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
+
+    ``gate`` (set by ZeRO-Offload, ``plait.zero.offload_ready.Readiness``; None otherwise): ``gather``
+    first calls ``gate.wait_for(segments)`` so a host optimizer step still in flight has written them,
+    and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], dp_group, dp_size: int, allgather_bucket_size: int,
@@ -146,6 +150,7 @@ class ParamGatherer:
                 self.units_of.setdefault(id(p), []).append(u)
         self.fwd, self.bwd = _Order(), _Order()
         self.stats = {"fetched": 0, "prefetched": 0}  # segments all-gathered on demand / ahead of use
+        self.gate = None
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in units:
@@ -194,6 +199,8 @@ class ParamGatherer:
         if u.gathered:
             return
         u.gathered = True
+        if self.gate is not None:
+            self.gate.wait_for(u.segments)
         need = []
         for seg in u.segments:
             self.refs[id(seg)] = self.refs.get(id(seg), 0) + 1
@@ -225,7 +232,8 @@ class ParamGatherer:
                 budget -= seg.padded
                 if budget < 0:
                     break
-                if seg.full is None and id(seg) not in self.in_flight:
+                if seg.full is None and id(seg) not in self.in_flight and \
+                        (self.gate is None or self.gate.consumed(seg)):
                     take.append(seg)
             if budget < 0:
                 break

@@ -1,0 +1,161 @@
+"""Per-segment readiness of an offloaded optimizer step that is still running when ``step()`` returns.
+
+``OffloadPipeline.step`` (``plait.zero.offload``) queues the host step of every segment, in forward
+order, on its worker thread and returns. Each queued segment has a *ticket*: a ``Future`` whose
+result is the CUDA event recorded after the segment's updated compute-dtype shard was copied back to
+the device (None on a CPU-only machine, where the worker writes the parameters directly), or that
+event itself when the segment was already stepped (early mode). ``Readiness`` hands out the segments
+to the device in that order, on the main thread::
+
+    ready.start(tickets)            # step(): tickets[k] belongs to order[k]
+    ready.through(k)                # a forward pre-hook needs order[k]: wait for tickets[:k+1]
+    ready.wait_all()                # anything that reads parameters or optimizer state
+
+``through(k)`` blocks the host only until the worker has *queued* the copy of ``order[k]`` (the
+worker steps in order, so earlier segments are done too), then makes the current stream wait on the
+copy events (no host synchronization) and, where dp ranks hold parameters whole (stages 1-2, stage-3
+persistent segments, stage-3 segments gathered at that moment), all-gathers the updated shards of
+the segments it consumed. Consumption happens only at deterministic points (the same module hooks
+fire in the same order on every rank), so every rank issues the same all-gathers in the same order
+on the dp group; the host step's progress (which differs between ranks) never decides a collective.
+
+Exactness: a segment's parameters are read on the device only after its ticket is consumed, so the
+next forward sees exactly the weights a synchronous step writes (no stale or partial values).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from plait.zero.flat import Segment, gather_segments
+
+
+class Readiness:
+    """Hands updated segments to the device in ``order`` (module docstring).
+
+    Args:
+        order: every segment, in the order the worker steps them (forward order).
+        device: the module's device. dp_group, dp_size: data-parallel group and its size.
+        allgather_bucket_size: elements per coalesced all-gather. overlap_comm: asynchronous all-gathers.
+    """
+
+    def __init__(self, order: list[Segment], device: torch.device, dp_group, dp_size: int,
+                 allgather_bucket_size: int, overlap_comm: bool):
+        self.order = order
+        self.pos = {id(s): k for k, s in enumerate(order)}
+        self.device, self.cuda = device, device.type == "cuda"
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.allgather_bucket_size, self.overlap_comm = allgather_bucket_size, overlap_comm
+        self.tickets: list | None = None
+        self.next = 0
+        self.stats = {"steps": 0, "segments_in_flight": 0, "waits": 0}
+
+    @property
+    def active(self) -> bool:
+        """True while some segment of the last step has not been handed to the device."""
+        return self.tickets is not None
+
+    def start(self, tickets: list) -> None:
+        """A step was queued: ``tickets[k]`` (Future, event or None) belongs to ``order[k]``."""
+        if self.tickets is not None:
+            raise RuntimeError("an offloaded step is still in flight; wait_all() before starting another")
+        if len(tickets) != len(self.order):
+            raise ValueError(f"{len(tickets)} tickets for {len(self.order)} segments")
+        self.tickets, self.next = tickets, 0
+        self.stats["steps"] += 1
+        self.stats["segments_in_flight"] += sum(isinstance(t, Future) and not t.done() for t in tickets)
+
+    def consumed(self, seg: Segment) -> bool:
+        """True when ``seg`` may be read on the device now (no step in flight, or already handed out)."""
+        return self.tickets is None or self.pos[id(seg)] < self.next
+
+    def wait_for(self, segs) -> None:
+        """Hand out every segment up to the last of ``segs`` in ``order``."""
+        k = max((self.pos[id(s)] for s in segs), default=-1)
+        self.through(k)
+
+    def wait_all(self) -> None:
+        self.through(len(self.order) - 1)
+
+    def through(self, k: int) -> None:
+        """Main thread: make ``order[:k+1]`` usable on the current stream (module docstring). Collective
+        over dp when it all-gathers; re-raises an error the worker hit."""
+        if self.tickets is None or k < self.next:
+            return
+        self.stats["waits"] += 1
+        outs, ins = [], []
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        try:
+            while self.next <= k:
+                seg, ticket = self.order[self.next], self.tickets[self.next]
+                event = ticket.result() if isinstance(ticket, Future) else ticket
+                self.next += 1
+                if event is not None:
+                    stream.wait_event(event)
+                if seg.local is not None:          # stage 3: shard; whole only while gathered
+                    if seg.full is not None:
+                        outs.append(seg.full)
+                        ins.append(seg.local.to(seg.full.device))
+                elif seg.world > 1:                # stages 1-2, stage-3 persistent: whole on every rank
+                    outs.append(seg.full)
+                    ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
+        except BaseException:
+            self.tickets = None                   # the step failed; do not wait on it again
+            raise
+        if self.next >= len(self.order):
+            self.tickets = None
+        for pending, _ in gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
+                                          async_op=self.overlap_comm):
+            pending.wait()
+
+
+def forward_order(module: torch.nn.Module, segments: list[Segment]) -> list[Segment]:
+    """``segments`` sorted by the registration position of the first module holding one of their
+    parameters directly (a proxy for the order the forward uses them; any order is exact, a wrong
+    guess only costs overlap)."""
+    first: dict[int, int] = {}
+    for index, m in enumerate(module.modules()):
+        for p in m._parameters.values():
+            if p is not None:
+                first.setdefault(id(p), index)
+    big = len(first) + 1
+
+    def key(seg: Segment) -> int:
+        return min((first.get(id(s.param), big) for s in seg.slots), default=big)
+
+    return sorted(segments, key=key)
+
+
+def module_needs(module: torch.nn.Module, segments: list[Segment], pos: dict[int, int],
+                 ran: set[int]) -> dict[int, int]:
+    """``{id(submodule): k}``: the forward pre-hook of that submodule must consume ``order[:k+1]``.
+
+    Models read parameters of submodules that never run themselves (fused QKV or gate/up projections
+    concatenate ``q_proj.weight``...). So each parameter of ``segments`` (those read in place: not
+    stage-3 shards) is the responsibility of the nearest module, itself or an ancestor, whose forward
+    was seen to run (``ran``: ids of modules whose pre-hook fired so far; the root when none did).
+    Such an ancestor's hook fires before any code inside it reads the parameter.
+    """
+    seg_of = {id(s.param): seg for seg in segments for s in seg.slots}
+    parents: dict[int, list[torch.nn.Module]] = {}
+    for m in module.modules():
+        for child in m.children():
+            parents.setdefault(id(child), []).append(m)
+    out: dict[int, int] = {}
+
+    def assign(m: torch.nn.Module, k: int, seen: set[int]) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if id(m) in ran or m is module:
+            out[id(m)] = max(out.get(id(m), -1), k)
+            return
+        for parent in parents.get(id(m), ()):
+            assign(parent, k, seen)
+
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) in seg_of:
+                assign(m, pos[id(seg_of[id(p)])], set())
+    return out
