@@ -75,6 +75,8 @@ class ComposedDecoder(nn.Module):
     """Embedding, blocks alternating ``ParallelBlock`` (odd index) and ``TransformerBlock`` (even),
     head. ``layers``: the global indices to build (a pipeline stage), default all."""
 
+    plait_architecture = "custom"   # its checkpoints must not claim to be a plain Llama (see model_io)
+
     def __init__(self, config, mesh, *, layers=None, sequence_parallel: bool = False, seed: int = 1234,
                  device=None):
         super().__init__()

@@ -137,32 +137,10 @@ def precision_for(args, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def init_restarted_torchrun_worker(timeout_s: float) -> None:
-    """Under ``torchrun --max-restarts``, a restarted worker group rendezvous through the agent's
-    store, which still holds the previous attempt's gloo/NCCL addresses; the new ranks then dial
-    dead peers ("Gloo connectFullMesh failed ... Connection refused"). Keep each attempt's keys
-    apart with a per-attempt prefix. No-op outside a restarted torchrun worker (plait's
-    ``init_distributed`` then sees the group initialized and returns its facts)."""
-    from datetime import timedelta
-    env = os.environ
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
-        return
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    store = dist.PrefixStore(f"plait/attempt{attempt}", store)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
-
-
 def setup(args, model_hidden: int):
     """Start the process group and build the mesh and resolved config.
 
     Returns ``(info, mesh, plait_config, ds_dict)``; ``ds_dict`` is what the config file plus flags said."""
-    init_restarted_torchrun_worker(args.timeout)
     info = init_distributed(timeout_s=args.timeout)
     with open(args.config, encoding="utf-8") as f:
         raw = json.load(f)

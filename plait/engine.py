@@ -109,6 +109,23 @@ def apply_activation_checkpointing(module: nn.Module, ac) -> None:
         block.recompute = "full"
 
 
+def _loss_of(output) -> torch.Tensor:
+    """The loss from a model's output: the tensor itself, or ``output.loss`` (Hugging Face models).
+
+    Raises:
+        TypeError: the output is neither (pass ``labels`` in the batch so the model computes a loss).
+    """
+    if torch.is_tensor(output):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not torch.is_tensor(loss):
+        raise TypeError(f"train_batch needs the model to return a loss tensor or an output with .loss; got "
+                        f"{type(output).__name__} (does the batch hold 'labels'?)")
+    return loss
+
+
 def _stage3_units(module: nn.Module):
     """plait models (and pipeline chunks) gather ZeRO-3 parameters per layer (embedding, each block,
     head); other modules use ZeRO's default units."""
@@ -220,7 +237,7 @@ class Engine:
         else:
             total = torch.zeros((), dtype=torch.float32)
             for _ in range(self.config.gradient_accumulation_steps):
-                loss = self.module(**self._to_device(next(data_iter)))
+                loss = _loss_of(self.module(**self._to_device(next(data_iter))))
                 self.backward(loss)
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
@@ -265,7 +282,7 @@ class Engine:
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.eval_batch(data_iter))
         n = self.config.gradient_accumulation_steps
-        loss = sum(self.module(**self._to_device(next(data_iter))).float().cpu() for _ in range(n)) / n
+        loss = sum(_loss_of(self.module(**self._to_device(next(data_iter)))).float().cpu() for _ in range(n)) / n
         return self._dp_mean(loss)
 
     def _to_device(self, batch: dict) -> dict:

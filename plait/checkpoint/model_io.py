@@ -107,7 +107,9 @@ def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
     """``meta`` plus the model's config (:data:`MODEL_CONFIG_KEY`) and the layout (:data:`MESH_KEY`)."""
     out = dict(meta or {})
     config = getattr(model, "config", None)
-    if isinstance(config, TransformerConfig):
+    # A hand-composed model may reuse TransformerConfig for its sizes without being that architecture:
+    # it sets ``plait_architecture = "custom"`` so the checkpoint does not claim to be GPT-2/Llama/BERT.
+    if isinstance(config, TransformerConfig) and getattr(model, "plait_architecture", None) != "custom":
         out.setdefault(MODEL_CONFIG_KEY, config.to_dict())
     coords = _mesh_coords(mesh)
     out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp")})

@@ -86,9 +86,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     source = os.environ if env is None else env
+    timeout = timedelta(seconds=timeout_s)
+    attempt = int(source.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if env is None and attempt > 0 and source.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A worker group restarted by ``torchrun --max-restarts`` meets in the elastic agent's store,
+        # which still holds the previous attempt's addresses: keep each attempt's keys apart.
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt{attempt}", store),
+                                rank=info.rank, world_size=info.world_size, timeout=timeout)
+        return info
     # Under torchrun, env:// lets torch reuse the elastic agent's store; elsewhere rank 0 hosts one.
     init_method = ("env://" if env is None and "RANK" in source and "MASTER_ADDR" in source
                    else f"tcp://{info.master_addr}:{info.master_port}")
     dist.init_process_group(backend, init_method=init_method, rank=info.rank,
-                            world_size=info.world_size, timeout=timedelta(seconds=timeout_s))
+                            world_size=info.world_size, timeout=timeout)
     return info
