@@ -3,11 +3,15 @@ non-offloaded one. Tolerance: every whole weight after 5 optimizer steps to 1e-6
 (||w - w_ref|| / ||w_ref||, float32) and the loss curve to 1e-6 relative, at dp 1 and 2, ZeRO
 stages 1-3 (stage 3 also with offload_param), gradient clipping active (deferred host steps) and off
 (early host steps during backward), GAS 2; fp16 overflow on one rank skips the step everywhere;
-checkpoints cross offload on/off."""
+checkpoints cross offload on/off. The host step overlaps the next forward (``overlap_step``): with the
+host optimizer slowed down, a forward and a checkpoint save issued right after ``step()`` see exactly
+the updated weights, and the per-segment path is the one taken."""
 import functools
 import math
 import os
 import tempfile
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -57,6 +61,22 @@ def whole(engine):
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
+@contextmanager
+def slow_host_steps(seconds):
+    """Every host segment step sleeps ``seconds`` first, so ``step()`` returns mid-flight."""
+    orig = HostOptimizer.step_range
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return orig(self, *args, **kwargs)
+
+    HostOptimizer.step_range = slow
+    try:
+        yield
+    finally:
+        HostOptimizer.step_range = orig
+
+
 def train(cfg, steps, start=0, load=None, save=None, poison=None):
     """Engine run; ``poison(step, rank)`` multiplies that rank's loss by inf."""
     mesh = ParallelMesh()
@@ -78,6 +98,8 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None):
     masters = {(s.name, s.start): s.master.clone() for s in engine.optimizer.shard_state().slices}
     out = {"weights": whole(engine), "masters": masters, "losses": losses, "steps": engine.global_steps,
            "skipped": engine.skipped_steps, "norm": engine.grad_norm, "lr": engine.get_lr()[0]}
+    if engine.optimizer.offload is not None:
+        out["overlap"] = dict(engine.optimizer.offload.ready.stats)
     engine.optimizer.close()
     return out
 
@@ -109,6 +131,14 @@ def _body(ckpt_dir):
         train(ds_config(2, offload=first), 3, save=path)
         out[f"checkpoint {tag}"] = (train(ds_config(2), STEPS),
                                     train(ds_config(2, offload=second), 2, start=3, load=path))
+    # the overlapped step read mid-flight: slow host steps; forward right after step() (the loop) and
+    # save_checkpoint right after the last step(); the checkpoint loads into a non-offloaded engine
+    with slow_host_steps(0.003):
+        for tag, stage, param in (("stage2", 2, False), ("stage3+param", 3, True)):
+            path = os.path.join(ckpt_dir, f"slow-{stage}")
+            got = train(ds_config(stage, offload=True, param=param), 3, save=path)
+            loaded = train(ds_config(stage), 0, load=path)
+            out[f"mid-flight {tag}"] = (train(ds_config(stage), 3), got, loaded)
     return out if rank == 0 else None
 
 
@@ -155,6 +185,66 @@ def test_checkpoint_crosses_offload_on_and_off(results, tag):
     assert got["losses"] == pytest.approx(ref["losses"][3:], rel=1e-6)
     for name, w in ref["weights"].items():
         assert _rel(got["weights"][name], w) <= 1e-6, name
+
+
+@pytest.mark.parametrize("tag", ["stage2", "stage3+param"])
+def test_forward_and_checkpoint_right_after_an_overlapped_step(results, tag):
+    ref, got, loaded = results[f"mid-flight {tag}"]
+    assert got["overlap"]["steps"] == 3 and got["overlap"]["segments_in_flight"] > 0
+    assert got["overlap"]["waits"] > 3 * 2  # consumed piecewise by forward hooks, not all at once
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    for name, w in ref["weights"].items():
+        assert _rel(got["weights"][name], w) <= 1e-6, name
+        assert _rel(loaded["weights"][name], w) <= 1e-6, name
+
+
+def _zero(stage, offload, clip=1.0, gas=1, overlap=True):
+    torch.manual_seed(0)
+    model = TransformerModel(tiny(), None, seed=5)
+    off = OffloadOptions(overlap_step=overlap, early_step=True) if offload else None
+    return model, ZeroOptimizer(model, None, stage=stage, optimizer=torch.optim.AdamW,
+                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, reduce_bucket_size=2000,
+                                allgather_bucket_size=3000, param_persistence_threshold=100,
+                                gradient_accumulation_steps=gas, max_grad_norm=clip, offload=off,
+                                units=list(model.layers.values()) if stage == 3 else None)
+
+
+@pytest.mark.parametrize("stage,clip,gas", [(1, 1.0, 2), (2, 1.0, 1), (2, 0.0, 1), (3, 1.0, 2)],
+                         ids=["stage1 clip GAS2", "stage2 clip", "stage2 early", "stage3 clip GAS2"])
+def test_step_returns_mid_flight_and_the_next_forward_waits_per_segment(stage, clip, gas):
+    (ref_model, ref), (model, opt) = _zero(stage, False, clip, gas), _zero(stage, True, clip, gas)
+    batches = [micro_batch(s, j, 0) for s in range(3) for j in range(gas)]
+    with slow_host_steps(0.01):
+        for i, b in enumerate(batches):
+            ref.backward(ref_model(**b))
+            ref.step()
+            opt.backward(model(**b))
+            if opt.step():
+                assert opt.offload.ready.active  # step() returned before the host step ended
+                if i == len(batches) - 1:       # last step: a checkpoint read right away waits first
+                    got = {s.name + str(s.start): s.master.clone() for s in opt.shard_state().slices}
+                    assert not opt.offload.ready.active
+                    break
+                waits = opt.offload.ready.stats["waits"]
+                with torch.no_grad():
+                    probe, want = model(**batches[0]), ref_model(**batches[0])
+                assert float(probe) == pytest.approx(float(want), rel=1e-6)   # read mid-flight: updated
+                assert not opt.offload.ready.active and opt.offload.ready.stats["waits"] > waits + 1
+        # deferred (clip): host steps still running after step(); early: done during backward
+        assert (opt.offload.ready.stats["segments_in_flight"] > 0) == (clip > 0)
+        assert opt.offload.ready.stats["steps"] == 3
+    want = {s.name + str(s.start): s.master for s in ref.shard_state().slices}
+    for k, m in want.items():
+        assert _rel(got[k], m) <= 1e-6, k
+    opt.zero_grad()
+    opt.close()
+
+
+def test_overlap_off_finishes_inside_step():
+    model, opt = _zero(2, True, overlap=False)
+    opt.backward(model(**micro_batch(0, 0, 0)))
+    assert opt.step() and not opt.offload.ready.active
+    opt.close()
 
 
 # ---- single process: the host optimizer and the errors ------------------------------------------

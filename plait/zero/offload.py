@@ -19,7 +19,8 @@ in brackets; on a CPU-only machine every copy is a plain host copy and the strea
                                                                    deferred mode: CPU step of each G
                                    [h2d] copy updated bf16 G  <--- (fused bf16/fp16 copy-out of the step)
                                          back to the device
-    all-gather updated shards (dp > 1) ; device waits on [h2d]
+    step() returns; next forward: per segment, a pre-hook waits for its copy (device waits on [h2d]
+    event) and all-gathers its updated shard (dp > 1) right before first use
 
 Exactness of clipping and fp16 overflow (``step_mode``): every segment's squared gradient norm and
 non-finite flag are computed on the host as it lands (overlapped with backward), so at ``step()`` the

@@ -332,6 +332,7 @@ class ZeroOptimizer:
         """
         if not self.is_gradient_accumulation_boundary():
             return False
+        self.synchronize()  # a previous overlapped offload step (plait.zero.offload) is finished
         if self.stage < 2:
             self.reducer.reduce_all()
         else:
