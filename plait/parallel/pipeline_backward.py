@@ -7,30 +7,39 @@ runs the first, keeps ``dy``, and BW later runs the second.
 
 How this is done on a plain autograd graph, with no change to the layers:
 
-1. Walk the graph from the stage output. A node is on the *input path* when the stage input's
-   gradient edge is reachable from it. A *weight node* is an input-path node with at least one
-   child edge that leaves the input path (towards parameters only), e.g. ``MmBackward`` of
-   ``x @ W^T`` whose children are the path to ``x`` and ``TBackward -> AccumulateGrad(W)``.
+1. Walk the graph from the stage output once (:func:`_analyse`). A node is on the *input path*
+   when the stage input's gradient node is reachable from it. A *weight node* is an input-path node
+   with at least one child edge that leaves the input path (towards parameters only), e.g.
+   ``MmBackward0`` of ``x @ W^T`` whose children are the path to ``x`` and
+   ``TBackward0 -> AccumulateGrad(W)``.
 2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every weight node])`` with the
    graph retained. The engine runs only what the input gradient needs, so each weight node
    computes its input-side output only (``dx = dy W``) and the parameter-side outputs are skipped;
    the gradients flowing *into* the weight nodes (``dy``) are captured.
-3. BW: per weight node, ``torch.autograd.grad`` from its captured ``dy`` to its parameter-side child
-   edges (runs only that node's ``dW = dy^T x`` part; graph cut at the edges, so nothing
-   upstream is revisited), then one ``torch.autograd.backward`` from all those edges into the
-   parameters (runs the parameter-only tails: transposes, tp all-reduces of sequence-parallel
-   weights, ``AccumulateGrad``, so gradient hooks fire as in a plain backward).
+3. BW: per weight node, its parameter-side outputs from the captured ``dy`` and the node's saved
+   tensors (``plait.parallel.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
+   ``MmBackward0``, bitwise the engine's result) for the node types of plait's layers (matmul,
+   linear, norm weights, bias adds); any other node type runs alone through the engine
+   (``torch.autograd.grad`` cut at its parameter-side child edges). Then ONE engine call from all
+   those child edges into the parameters runs the parameter-only tails (transposes, the tp
+   all-reduce of sequence-parallel norm weights, ``AccumulateGrad``), so ``.grad`` accumulates and
+   gradient hooks (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
 
-Cost: no recomputation of either the forward or the input-gradient half; BW's extra work is one
-engine call per weight node (about 8 per transformer block: Python/engine overhead of tens of
-microseconds each) and a graph walk in BI. Memory: the captured ``dy`` of every weight node is
-held from BI to BW (activation-sized, as in the paper's W pass), on top of the retained graph.
+Cost (host time matters: GPU kernels are queued from it): BI = the engine's input half plus the
+walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` kernels plus ~10 us of Python
+per weight node (~9 per block) and one engine call over the tails. No recomputation of the forward
+or of the input-gradient half. (An earlier version ran one engine call per weight node in BW, ~140
+us of host time each: BI + BW cost up to 3x a plain backward for small layers.) Memory: the
+captured ``dy`` of every weight node is held from BI to BW (activation-sized, as in the paper's W
+pass), on top of the retained graph. Under (non-reentrant) activation checkpointing a region is
+recomputed in BI and once more in BW (one ``GraphExecGroup`` for all of BW's reads and engine calls).
 
 Fallback: when the graph does not have the simple shape the cut relies on (a parameter-side node
 reached from more than one edge, e.g. a weight reused by two ops that feed each other), BW instead
 re-runs the whole backward from the output with the retained graph (correct, but it repeats the
-input-gradient half: BW then costs a full B). The first stage (no input gradient) always runs its
-whole backward in BW, and BI there is empty.
+input-gradient half: BW then costs a full B). plait's GPT-2, Llama and BERT blocks and heads, with
+tp and sequence parallelism, never take it (``tests/test_zb_split.py``). The first stage (no input
+gradient) always runs its whole backward in BW, and BI there is empty.
 """
 from __future__ import annotations
 
@@ -38,6 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils import checkpoint as _checkpoint
+
+from plait.parallel.weight_grad import weight_grads
 
 
 @dataclass
@@ -47,7 +59,9 @@ class PendingWeightGrad:
     Attributes:
         output, grad_output: the stage output and its gradient (kept only for the full-backward
             fallback and the first stage; None after a successful split).
-        nodes: per weight node, (captured ``[(slot, dy)]``, parameter-side child edges).
+        nodes: per weight node, ``(node, [(slot, dy)], [(i, child, k)])``: the captured gradients
+            of its output slots, and its parameter-side outputs ``i`` with the child edge
+            ``(child, k)`` each feeds.
         split: True when BW runs only the weight halves (see the module docstring).
     """
 
@@ -57,25 +71,59 @@ class PendingWeightGrad:
     split: bool = False
 
 
-def _walk(root) -> tuple[list, dict]:
-    """Nodes reachable from ``root`` (children before parents) and in-edge counts per node."""
-    order, seen, indeg = [], set(), {}
-    stack = [(root, False)]
+def _analyse(root, target, root_slot: int):
+    """Weight nodes of the graph below ``root`` w.r.t. the input-gradient node ``target``.
+
+    One walk reads every node's ``next_functions`` once (the first read of a node wraps it in a
+    Python object: the main host cost, ~1 us per node) and records parents; the input path is then
+    the ancestors of ``target``, and the weight nodes are the input-path parents of the nodes off it.
+
+    Returns:
+        ``(weight_nodes, simple)``: ``[(node, slots, [(i, child, k)])]`` for every input-path node
+        with parameter-side outputs ``i`` (feeding input ``k`` of ``child``), ``slots`` being its
+        output slots that receive a gradient; ``simple`` is False when a parameter-side child has
+        more than one in-edge. ``None`` when ``target`` is not reachable from ``root``.
+    """
+    kids = {}
+    parents: dict = {root: []}
+    stack = [root]
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        for child, _ in node.next_functions:
+        node = stack.pop()
+        edges = kids[node] = node.next_functions
+        for child, _ in edges:
             if child is not None:
-                indeg[child] = indeg.get(child, 0) + 1
-                if child not in seen:
-                    stack.append((child, False))
-    return order, indeg
+                plist = parents.get(child)
+                if plist is None:
+                    parents[child] = [node]
+                    stack.append(child)
+                else:
+                    plist.append(node)
+    if target not in parents or target is root:
+        return None
+    on_path = {target}
+    frontier = [target]
+    while frontier:
+        for parent in parents[frontier.pop()]:
+            if parent not in on_path:
+                on_path.add(parent)
+                frontier.append(parent)
+    weight: dict = {}      # weight node -> None, in a deterministic order
+    simple = True
+    for child, plist in parents.items():
+        if child in on_path:
+            continue
+        hits = [p for p in plist if p in on_path]
+        if hits:
+            simple = simple and len(plist) == 1
+            weight.update(dict.fromkeys(hits))
+    weight_nodes = []
+    for node in weight:
+        side = [(i, c, k) for i, (c, k) in enumerate(kids[node]) if c is not None and c not in on_path]
+        slots = {root_slot} if node is root else set()
+        for parent in dict.fromkeys(parents[node]):
+            slots.update(k for c, k in kids[parent] if c is node)
+        weight_nodes.append((node, sorted(slots), side))
+    return weight_nodes, simple
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
@@ -93,29 +141,12 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
     if stage_input is None or output.grad_fn is None:
         return None, PendingWeightGrad(output, grad_output)
     root = output.grad_fn
-    order, indeg = _walk(root)
     target = get_gradient_edge(stage_input).node
-    on_path = set()
-    for node in order:  # children first, so one pass decides reachability
-        if node is target or any(c in on_path for c, _ in node.next_functions if c is not None):
-            on_path.add(node)
-    slots: dict = {root: {output.output_nr}}
-    for node in order:
-        if node in on_path:
-            for child, k in node.next_functions:
-                if child is not None:
-                    slots.setdefault(child, set()).add(k)
-    weight_nodes, simple = [], True
-    for node in order:
-        if node not in on_path or node is target:
-            continue
-        side = [(c, k) for c, k in node.next_functions if c is not None and c not in on_path]
-        if side:
-            simple = simple and all(indeg.get(c, 0) == 1 for c, _ in side)
-            weight_nodes.append((node, sorted(slots[node]), side))
-    if not simple or not weight_nodes:
-        (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)
+    found = _analyse(root, target, output.output_nr)
+    if found is None or not found[1] or not found[0]:
+        (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True, allow_unused=True)
         return grad, PendingWeightGrad(output, grad_output)
+    weight_nodes = found[0]
     edges = [GradientEdge(n, k) for n, ks, _ in weight_nodes for k in ks]
     grads = torch.autograd.grad(output, [stage_input, *edges], grad_output, retain_graph=True,
                                 allow_unused=True)
@@ -133,15 +164,41 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     if not pending.split:
         torch.autograd.backward(pending.output, pending.grad_output)
         return
+    group = getattr(_checkpoint, "GraphExecGroup", None)
+    if group is None or torch._C._get_graph_exec_group() is not None:
+        _weight_halves(pending)
+        return
+    with group():  # a checkpointed region is recomputed once for all of BW, not once per saved tensor
+        _weight_halves(pending)
+
+
+def _weight_halves(pending: PendingWeightGrad) -> None:
     tails, tail_grads = [], []
     for node, captured, side in pending.nodes:
-        outs = [GradientEdge(node, k) for k, _ in captured]
-        grads = torch.autograd.grad(outs, [GradientEdge(c, k) for c, k in side], [g for _, g in captured],
-                                    allow_unused=True)
-        for (child, k), g in zip(side, grads):
+        grads = (weight_grads(node, captured[0][1], side)
+                 if len(captured) == 1 and captured[0][0] == 0 else None)
+        if grads is None:  # not covered by weight_grads: run this node alone through the engine
+            outs = [GradientEdge(node, k) for k, _ in captured]
+            grads = torch.autograd.grad(outs, [GradientEdge(c, k) for _, c, k in side],
+                                        [g for _, g in captured], allow_unused=True)
+        for (_, child, k), g in zip(side, grads):
             if g is not None:
                 tails.append(GradientEdge(child, k))
                 tail_grads.append(g)
     pending.nodes = []
     if tails:
-        torch.autograd.backward(tails, tail_grads)
+        _run_tails(tails, tail_grads)
+
+
+def _run_tails(edges: list, grads: list) -> None:
+    """One engine call from ``edges`` into the parameters (``AccumulateGrad`` and its hooks fire).
+
+    Every gradient already has its edge's shape and dtype (``weight_grads`` applies the engine's
+    own ``validate_outputs`` rules), so ``torch.autograd.backward``'s Python re-check of each one
+    (~4 us per edge) is skipped where torch exposes the engine entry point it wraps.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        torch.autograd.backward(edges, grads)
+    else:
+        run(tuple(edges), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
