@@ -17,126 +17,32 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait.config import ConfigError, PlaitConfig, load_config
+from plait.engine_setup import (
+    apply_activation_checkpointing,
+    attach_lamb_segments,
+    loss_of,
+    offload_options,
+    stage3_units,
+)
 from plait.lamb import Lamb
 from plait.layers.init import TIED_ATTR
-from plait.optim_factory import (optimizer_from_config, optimizer_from_user, scheduler_from_config,
-                                 scheduler_from_user)
+from plait.optim_factory import (
+    optimizer_from_config,
+    optimizer_from_user,
+    scheduler_from_config,
+    scheduler_from_user,
+)
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
-from plait.zero.offload import OffloadOptions
 from plait.zero.offload_optim import HostOptimizer
-
-
-def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mesh: ParallelMesh) -> None:
-    """Give LAMB the logical tensor of every piece of ZeRO's flat master shards, and a reduction
-    that sums per-tensor squared norms over dp (pieces of one tensor on several dp ranks) and over
-    tp (tensor-parallel shards; replicated tensors are counted once)."""
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    index = {n: i for i, n in enumerate(names)}
-    params = dict(module.named_parameters())
-    tp_split = torch.tensor([shard_of(params[n]).dim is not None for n in names], dtype=torch.float64,
-                            device=mesh.device)
-    segments = {id(master): [(pc.shard_offset, pc.length, index[pc.slot.name]) for pc in group.pieces()]
-                for group, master in zip(zero.groups, zero.masters)}
-
-    def reduce(sq: torch.Tensor) -> torch.Tensor:
-        if zero.stage > 0 and mesh.dp > 1:
-            dist.all_reduce(sq, group=mesh.dp_group)
-        if mesh.tp > 1:
-            split = sq * tp_split
-            dist.all_reduce(split, group=mesh.tp_group)
-            sq = split + sq * (1 - tp_split)
-        return sq
-
-    lamb.set_segments(segments, len(names), reduce)
-
-
-def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions | None:
-    """``OffloadOptions`` from ``zero_optimization.offload_optimizer`` / ``offload_param`` (None when both
-    are off). ``pin_memory`` of either section pins the host buffers; the CPU optimizer's thread count
-    comes from the environment variable ``PLAIT_OFFLOAD_THREADS`` (default: every core numba sees).
-
-    Raises:
-        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS.
-    """
-    z = config.zero_optimization
-    if not (z.offload_optimizer.enabled or z.offload_param.enabled):
-        return None
-    if pipeline is not None:
-        raise ConfigError("zero_optimization.offload_optimizer / offload_param with pipeline parallelism is not "
-                          "supported yet; remove the offload sections or use pipeline.size 1")
-    kind = config.optimizer.type.lower() if optimizer is None and config.optimizer is not None else None
-    if z.offload_optimizer.enabled and (kind == "lamb" or isinstance(optimizer, Lamb) or optimizer is Lamb):
-        raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
-                          "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
-                          "offload_optimizer, or LAMB without it")
-    threads = os.environ.get("PLAIT_OFFLOAD_THREADS")
-    if threads is not None and not threads.isdigit():
-        raise ConfigError(f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)")
-    return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
-                          pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
-                          num_threads=int(threads) if threads else None)
-
-
-def apply_activation_checkpointing(module: nn.Module, ac) -> None:
-    """Honour ds_config's ``activation_checkpointing`` on plait models: ``number_checkpoints`` = n
-    recomputes the first n transformer blocks in backward (all of them when n is at least the block
-    count). Megatron's partitioned / CPU / contiguous variants are refused rather than ignored; other
-    models keep their own setting (e.g. ``model.gradient_checkpointing_enable()`` for transformers).
-
-    Raises:
-        ConfigError: a variant plait does not implement is switched on.
-    """
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile"):
-        if getattr(ac, key):
-            raise ConfigError(f"activation_checkpointing.{key} is not implemented by plait; remove it (plait "
-                              "recomputes whole blocks or only the attention core: TransformerModel(recompute=...))")
-    if ac.number_checkpoints is None:
-        return
-    from plait.layers.block import TransformerBlock
-    blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
-    for block in blocks[: ac.number_checkpoints]:
-        block.recompute = "full"
-
-
-def _loss_of(output) -> torch.Tensor:
-    """The loss from a model's output: the tensor itself, or ``output.loss`` (Hugging Face models).
-
-    Raises:
-        TypeError: the output is neither (pass ``labels`` in the batch so the model computes a loss).
-    """
-    if torch.is_tensor(output):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if not torch.is_tensor(loss):
-        raise TypeError(f"train_batch needs the model to return a loss tensor or an output with .loss; got "
-                        f"{type(output).__name__} (does the batch hold 'labels'?)")
-    return loss
-
-
-def _stage3_units(module: nn.Module):
-    """plait models (and pipeline chunks) gather ZeRO-3 parameters per layer (embedding, each block,
-    head); other modules use ZeRO's default units."""
-    chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
-    units = []
-    for chunk in chunks:
-        layers = getattr(chunk, "layers", None)
-        if not (isinstance(layers, nn.ModuleDict) and hasattr(chunk, "config")):
-            return None
-        units.extend(layers.values())
-    return units
 
 
 class Engine:
@@ -185,7 +91,7 @@ class Engine:
             reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
             overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
             param_persistence_threshold=z.stage3_param_persistence_threshold,
-            units=_stage3_units(module) if z.stage == 3 else None,
+            units=stage3_units(module) if z.stage == 3 else None,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
             grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload)
@@ -237,7 +143,7 @@ class Engine:
         else:
             total = torch.zeros((), dtype=torch.float32)
             for _ in range(self.config.gradient_accumulation_steps):
-                loss = _loss_of(self.module(**self._to_device(next(data_iter))))
+                loss = loss_of(self.module(**self._to_device(next(data_iter))))
                 self.backward(loss)
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
@@ -282,7 +188,7 @@ class Engine:
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.eval_batch(data_iter))
         n = self.config.gradient_accumulation_steps
-        loss = sum(_loss_of(self.module(**self._to_device(next(data_iter)))).float().cpu() for _ in range(n)) / n
+        loss = sum(loss_of(self.module(**self._to_device(next(data_iter)))).float().cpu() for _ in range(n)) / n
         return self._dp_mean(loss)
 
     def _to_device(self, batch: dict) -> dict:

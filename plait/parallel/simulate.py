@@ -255,9 +255,9 @@ def with_communication(lists: Schedule, p: int, v: int = 1) -> Schedule:
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p)
             if a.kind == "F" and s > 0:
-                src, kind, recv, send = ("F", a.microbatch, s - 1), "F", "RECV_F", "SEND_F"
+                src, recv, send = ("F", a.microbatch, s - 1), "RECV_F", "SEND_F"
             elif a.kind in ("B", "BI") and s < last:
-                src, kind, recv, send = ("BI", a.microbatch, s + 1), "B", "RECV_B", "SEND_B"
+                src, recv, send = ("BI", a.microbatch, s + 1), "RECV_B", "SEND_B"
             else:
                 continue
             peer, peer_chunk = rank_chunk_of(src[2], p)
