@@ -5,7 +5,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.layers import TransformerModel, preset
-from plait.layers.block import TransformerBlock
 from plait.layers.model import check_tensor_parallel
 from plait.parallel import ParallelMesh
 from plait.parallel.random import RNGTracker
