@@ -26,7 +26,7 @@ How this is done on a plain autograd graph, with no change to the layers:
    gradient hooks (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
 
 Cost (host time matters: GPU kernels are queued from it): BI = the engine's input half plus the
-walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` kernels plus ~10 us of Python
+walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` kernels plus ~5 us of Python
 per weight node (~9 per block) and one engine call over the tails. No recomputation of the forward
 or of the input-gradient half. (An earlier version ran one engine call per weight node in BW, ~140
 us of host time each: BI + BW cost up to 3x a plain backward for small layers.) Memory: the
@@ -144,7 +144,7 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
     target = get_gradient_edge(stage_input).node
     found = _analyse(root, target, output.output_nr)
     if found is None or not found[1] or not found[0]:
-        (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True, allow_unused=True)
+        (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)
         return grad, PendingWeightGrad(output, grad_output)
     weight_nodes = found[0]
     edges = [GradientEdge(n, k) for n, ks, _ in weight_nodes for k in ks]
