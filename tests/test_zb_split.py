@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from plait.layers import TransformerModel, preset
 from plait.parallel.pipeline_backward import backward_input, backward_weight
-from plait.parallel.weight_grad import weight_grads
+from plait.parallel.weight_grad import plan
 from plait.testing import run_distributed
 
 
@@ -80,7 +80,7 @@ def test_weight_grads_declines_unknown_nodes():
     fn = lambda x: torch.tanh(torch.bmm(x, w)).sum()  # noqa: E731 (BmmBackward0: not covered)
     x = x0.clone().requires_grad_()
     node = torch.bmm(x, w).grad_fn
-    assert weight_grads(node, torch.ones(3, 4, 5), [(1, node.next_functions[1][0], 0)]) is None
+    assert plan(node, [(1, node.next_functions[1][0], 0)]) is None
     want, got, calls = split_vs_plain(fn, x0, [w])
     assert calls == 1
     assert_bitwise(want, got)
@@ -167,3 +167,51 @@ def test_checkpointed_blocks_recompute_once_per_pass():
     assert_bitwise(want, got)
     # plain: forward + recompute per block; split: forward + recompute in BI + recompute in BW
     assert sorted(calls) == [1] * 5 + [2] * 5, calls
+
+
+def _saved_tensor_alive(node) -> bool:
+    try:
+        node._saved_self
+        return True
+    except RuntimeError:  # "Trying to backward through the graph a second time": released
+        return False
+
+
+def test_bi_frees_activations_that_bw_does_not_need():
+    """With plain saved tensors, BI does not retain the graph: e.g. the SiLU of SwiGLU (not a
+    weight node) has released its input after BI; BW still gives the plain backward, bitwise."""
+    model, fn, x0, grad_out = model_case("llama", torch.float32, False)
+    want, _, _ = split_vs_plain(fn, x0, list(model.parameters()), grad_out)
+    x = x0.clone().requires_grad_()
+    out = fn(x)
+    silu, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        silu += [node] if type(node).__name__ == "SiluBackward0" else []
+        stack += [c for c, _ in node.next_functions if c is not None]
+    assert silu and all(_saved_tensor_alive(n) for n in silu)
+    gx, pending = backward_input(out, grad_out, x)
+    assert not any(_saved_tensor_alive(n) for n in silu)
+    backward_weight(pending)
+    assert_bitwise(want, [gx] + [p.grad for p in model.parameters()])
+
+
+def test_saved_tensor_hooks_keep_the_graph_and_stay_exact():
+    """Saved-tensor hooks (offload-style pack/unpack): the formulas read the tensors in BW (the
+    graph is retained) and unpack through the hooks; still bitwise the plain backward."""
+    model, fn, x0, grad_out = model_case("gpt2", torch.float32, False)
+    unpacked = [0]
+
+    def unpack(t):
+        unpacked[0] += 1
+        return t
+
+    def hooked(x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            return fn(x)
+    want, got, calls = split_vs_plain(hooked, x0, list(model.parameters()), grad_out)
+    assert calls == 0 and unpacked[0] > 0
+    assert_bitwise(want, got)

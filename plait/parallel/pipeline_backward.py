@@ -12,10 +12,13 @@ How this is done on a plain autograd graph, with no change to the layers:
    with at least one child edge that leaves the input path (towards parameters only), e.g.
    ``MmBackward0`` of ``x @ W^T`` whose children are the path to ``x`` and
    ``TBackward0 -> AccumulateGrad(W)``.
-2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every weight node])`` with the
-   graph retained. The engine runs only what the input gradient needs, so each weight node
-   computes its input-side output only (``dx = dy W``) and the parameter-side outputs are skipped;
-   the gradients flowing *into* the weight nodes (``dy``) are captured.
+2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every weight node])``. The
+   engine runs only what the input gradient needs, so each weight node computes its input-side
+   output only (``dx = dy W``) and the parameter-side outputs are skipped; the gradients flowing
+   *into* the weight nodes (``dy``) are captured. Just before, ``weight_grad.plan`` takes the saved
+   tensors BW's formulas need (e.g. ``x``); when all are plain tensors the graph is NOT retained,
+   so every other activation of the stage is freed at BI, as in the paper's W pass (with
+   saved-tensor hooks, or a node type without a formula, the graph is retained until BW).
 3. BW: per weight node, its parameter-side outputs from the captured ``dy`` and the node's saved
    tensors (``plait.parallel.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
    ``MmBackward0``, bitwise the engine's result) for the node types of plait's layers (matmul,
@@ -31,8 +34,9 @@ per weight node (~9 per block) and one engine call over the tails. No recomputat
 or of the input-gradient half. (An earlier version ran one engine call per weight node in BW, ~140
 us of host time each: BI + BW cost up to 3x a plain backward for small layers.) Memory: the
 captured ``dy`` of every weight node is held from BI to BW (activation-sized, as in the paper's W
-pass), on top of the retained graph. Under (non-reentrant) activation checkpointing a region is
-recomputed in BI and once more in BW (one ``GraphExecGroup`` for all of BW's reads and engine calls).
+pass), plus the weight nodes' inputs (the whole retained graph when it must be kept). Under
+(non-reentrant) activation checkpointing a region is recomputed in BI and once more in BW (one
+``GraphExecGroup`` for all of BW's reads and engine calls).
 
 Fallback: when the graph does not have the simple shape the cut relies on (a parameter-side node
 reached from more than one edge, e.g. a weight reused by two ops that feed each other), BW instead
@@ -49,7 +53,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils import checkpoint as _checkpoint
 
-from plait.parallel.weight_grad import weight_grads
+from plait.parallel.weight_grad import plan
 
 
 @dataclass
@@ -59,9 +63,10 @@ class PendingWeightGrad:
     Attributes:
         output, grad_output: the stage output and its gradient (kept only for the full-backward
             fallback and the first stage; None after a successful split).
-        nodes: per weight node, ``(node, [(slot, dy)], [(i, child, k)])``: the captured gradients
-            of its output slots, and its parameter-side outputs ``i`` with the child edge
-            ``(child, k)`` each feeds.
+        nodes: per weight node, ``(node, [(slot, dy)], [(i, child, k)], fn)``: the captured
+            gradients of its output slots, its parameter-side outputs ``i`` with the child edge
+            ``(child, k)`` each feeds, and ``fn(dy)`` computing them (``weight_grad.plan``; None:
+            run the node through the engine).
         split: True when BW runs only the weight halves (see the module docstring).
     """
 
@@ -147,15 +152,20 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
         (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)
         return grad, PendingWeightGrad(output, grad_output)
     weight_nodes = found[0]
+    # Formulas for BW, set up before the engine frees anything: when every weight node has one
+    # (reading plain saved tensors now), BI need not retain the graph and its other activations
+    # (attention, activation functions, norms) are freed here instead of after BW.
+    plans = [plan(n, side) if ks == [0] else None for n, ks, side in weight_nodes]
+    retain = not all(p is not None and p[1] for p in plans)
     edges = [GradientEdge(n, k) for n, ks, _ in weight_nodes for k in ks]
-    grads = torch.autograd.grad(output, [stage_input, *edges], grad_output, retain_graph=True,
+    grads = torch.autograd.grad(output, [stage_input, *edges], grad_output, retain_graph=retain,
                                 allow_unused=True)
     it = iter(grads[1:])
     nodes = []
-    for node, ks, side in weight_nodes:
+    for (node, ks, side), p in zip(weight_nodes, plans):
         captured = [(k, g) for k in ks if (g := next(it)) is not None]
         if captured:
-            nodes.append((node, captured, side))
+            nodes.append((node, captured, side, None if p is None else p[0]))
     return grads[0], PendingWeightGrad(nodes=nodes, split=True)
 
 
@@ -174,10 +184,10 @@ def backward_weight(pending: PendingWeightGrad) -> None:
 
 def _weight_halves(pending: PendingWeightGrad) -> None:
     tails, tail_grads = [], []
-    for node, captured, side in pending.nodes:
-        grads = (weight_grads(node, captured[0][1], side)
-                 if len(captured) == 1 and captured[0][0] == 0 else None)
-        if grads is None:  # not covered by weight_grads: run this node alone through the engine
+    for node, captured, side, fn in pending.nodes:
+        if fn is not None:  # plait.parallel.weight_grad: the autograd formula on the saved tensors
+            grads = fn(captured[0][1])
+        else:  # any other node: run it alone through the engine (the graph was retained)
             outs = [GradientEdge(node, k) for k, _ in captured]
             grads = torch.autograd.grad(outs, [GradientEdge(c, k) for _, c, k in side],
                                         [g for _, g in captured], allow_unused=True)

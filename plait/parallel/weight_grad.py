@@ -3,23 +3,37 @@
 The zero-bubble W pass (``plait.parallel.pipeline_backward``) must compute, for a node such as the
 ``MmBackward0`` of ``y = x W^T``, only the parameter-side output ``dW = dy^T x`` from a gradient
 ``dy`` captured earlier. Running each node through the autograd engine costs one engine call per
-node (tens of microseconds of host time each, ~9 per transformer block), so for the node types of
+node (~140 us of host time each on CPU, ~9 per transformer block), so for the node types of
 plait's layers the formula is applied here directly, on the node's saved tensors, exactly as
-PyTorch's autograd formulas (``tools/autograd/derivatives.yaml``, ``FunctionsManual.cpp``) apply
-it: same kernels, same operand layouts, so the result is bitwise the engine's.
+PyTorch's autograd formulas (``tools/autograd/derivatives.yaml``, ``FunctionsManual.cpp``:
+``mm_mat1_backward``, ``mm_mat2_backward``, ``mul_tensor_backward``, ``maybe_multiply``) apply it:
+same kernels, same operand layouts, so the result is bitwise the engine's. Results are then
+reduced and cast as the engine's ``validate_outputs`` would (``sum_to`` the input's shape, then
+its dtype).
 
-``weight_grads(node, dy, slots)`` returns one gradient per requested input slot, already reduced
-and cast as the engine's ``validate_outputs`` would (``sum_to`` the input's shape, then its
-dtype), or None when the node type or its operands are not covered (the caller then runs the
-node through the engine). Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``),
-``MulBackward0`` (RMSNorm weight), ``AddBackward0`` (bias add), ``NativeLayerNormBackward0``.
+Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0`` (RMSNorm weight),
+``AddBackward0`` (bias add), ``NativeLayerNormBackward0``. Real, strided tensors only.
 
-Cost: the same matmul / reduction kernels the engine would launch, plus a few microseconds of
-Python per node.
+:func:`plan` is called before the input-gradient pass: when none of the saved tensors it needs
+has saved-tensor hooks (activation checkpointing, offload), it reads them at once (*eager*), so
+that pass may free the rest of the graph (``retain_graph=False``); otherwise the tensors are read
+when the gradient is computed (*lazy*; the graph must be retained).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# Per node type and output index: the saved tensors (``_saved_<name>``) its formula reads.
+_NEEDS = {
+    "MmBackward0": (("mat2",), ("self",)),
+    "AddmmBackward0": ((), ("mat2",), ("mat1",)),
+    "MulBackward0": (("other",), ("self",)),
+    "AddBackward0": ((), ()),
+}
+_LAYER_NORM = "NativeLayerNormBackward0"
+_LAYER_NORM_NEEDS = ("input", "result1", "result2", "weight", "bias")
 
 
 def _times(t: torch.Tensor, s) -> torch.Tensor:
@@ -41,74 +55,108 @@ def _mat2_grad(grad, mat1, sizes, strides, alpha):
     return _times(mat1.t().mm(grad), alpha)
 
 
-def _fit(grad: torch.Tensor, child, k: int) -> torch.Tensor:
+def _fitter(child, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The engine's ``validate_outputs`` for one edge: sum to the input's shape, cast its dtype."""
     meta = child._input_metadata[k]
-    shape = tuple(meta.shape)
-    if tuple(grad.shape) != shape:
-        grad = grad.sum_to_size(shape)
-    if grad.dtype != meta.dtype:
-        grad = grad.to(meta.dtype)
-    return grad
+    shape, dtype = tuple(meta.shape), meta.dtype
+
+    def fit(grad: torch.Tensor) -> torch.Tensor:
+        if tuple(grad.shape) != shape:
+            grad = grad.sum_to_size(shape)
+        return grad if grad.dtype == dtype else grad.to(dtype)
+    return fit
 
 
-# Per node type: (node, dy, i, child, k) -> gradient of output i (final: shaped and typed like input
-# k of child). Matrix products need no reduction or cast: mm keeps the operand's shape and dtype.
-
-def _mm(node, grad, i, child, k):
-    if i == 0:
-        return _mat1_grad(grad, node._saved_mat2, node._saved_self_sym_sizes, node._saved_self_sym_strides, 1)
-    return _mat2_grad(grad, node._saved_self, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides, 1)
-
-
-def _addmm(node, grad, i, child, k):
-    if i == 0:
-        return _fit(_times(grad, node._saved_beta), child, k)
-    if i == 1:
-        return _mat1_grad(grad, node._saved_mat2, node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides,
-                          node._saved_alpha)
-    return _mat2_grad(grad, node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides,
-                      node._saved_alpha)
-
-
-def _mul(node, grad, i, child, k):
-    return _fit(grad * (node._saved_other if i == 0 else node._saved_self), child, k)
-
-
-def _add(node, grad, i, child, k):
-    return _fit(grad if i == 0 else _times(grad, node._saved_alpha), child, k)
-
-
-_HANDLERS = {"MmBackward0": _mm, "AddmmBackward0": _addmm, "MulBackward0": _mul, "AddBackward0": _add}
+def _formula(node, name: str, i: int, get: Callable, child, k: int) -> Callable:
+    """``dy -> gradient of output i`` (feeding input ``k`` of ``child``) for one covered node;
+    ``get(attr)`` yields a saved tensor. Matrix products need no fitting: mm keeps the operand's
+    shape and dtype."""
+    if name == "MmBackward0":
+        if i == 0:
+            sizes, strides = node._saved_self_sym_sizes, node._saved_self_sym_strides
+            return lambda dy: _mat1_grad(dy, get("mat2"), sizes, strides, 1)
+        sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+        return lambda dy: _mat2_grad(dy, get("self"), sizes, strides, 1)
+    if name == "AddmmBackward0":
+        if i == 0:
+            beta, fit = node._saved_beta, _fitter(child, k)
+            return lambda dy: fit(_times(dy, beta))
+        alpha = node._saved_alpha
+        if i == 1:
+            sizes, strides = node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides
+            return lambda dy: _mat1_grad(dy, get("mat2"), sizes, strides, alpha)
+        sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+        return lambda dy: _mat2_grad(dy, get("mat1"), sizes, strides, alpha)
+    fit = _fitter(child, k)
+    if name == "MulBackward0":
+        other = "other" if i == 0 else "self"
+        return lambda dy: fit(dy * get(other))
+    alpha = 1 if i == 0 else node._saved_alpha   # AddBackward0
+    return lambda dy: fit(_times(dy, alpha))
 
 
-def _layer_norm(node, grad, side):
+def _layer_norm(node, side, get) -> Callable | None:
+    """Weight and bias gradients from one ``native_layer_norm_backward`` (input gradient masked off,
+    as the engine masks it when only these outputs are needed)."""
     slots = [i for i, _, _ in side]
     if 0 in slots:
         return None
-    out = torch.ops.aten.native_layer_norm_backward(
-        grad, node._saved_input, list(node._saved_normalized_shape), node._saved_result1,
-        node._saved_result2, node._saved_weight, node._saved_bias, [False, 1 in slots, 2 in slots])
-    return [_fit(out[i], child, k) for i, child, k in side]
+    shape, mask = list(node._saved_normalized_shape), [False, 1 in slots, 2 in slots]
+    fits = [_fitter(child, k) for _, child, k in side]
+
+    def grads(dy):
+        out = torch.ops.aten.native_layer_norm_backward(
+            dy, get("input"), shape, get("result1"), get("result2"), get("weight"), get("bias"), mask)
+        return [fit(out[i]) for fit, i in zip(fits, slots)]
+    return grads
 
 
-def weight_grads(node, dy: torch.Tensor, side: list) -> list | None:
-    """Gradients of ``node``'s parameter-side inputs from the gradient ``dy`` of its output.
+def _plain(node, attr: str) -> bool:
+    """True when ``_saved_<attr>`` has no saved-tensor hooks (reading it early is free)."""
+    try:
+        return getattr(node, "_raw_saved_" + attr).unpack_hook is None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _usable(t) -> bool:
+    return t is None or (t.layout == torch.strided and not t.is_complex())
+
+
+def plan(node, side: list) -> tuple[Callable, bool] | None:
+    """A function computing ``node``'s parameter-side gradients from the gradient of its output.
 
     Args:
-        node: an autograd node with one output (its saved tensors still held).
-        dy: the gradient flowing into it (shape of its forward output).
-        side: ``[(i, child, k)]``: compute the node's ``i``-th output (``node.next_functions[i]``),
-            which feeds input ``k`` of ``child``.
+        node: an autograd node with one output, before the input-gradient pass runs it.
+        side: ``[(i, child, k)]``: the node's ``i``-th output (``node.next_functions[i]``) feeds
+            input ``k`` of ``child``.
 
     Returns:
-        One tensor per entry of ``side`` (shaped and typed like that child's input), or None
-        when this node is not covered here.
+        ``(fn, eager)``: ``fn(dy)`` returns one gradient per entry of ``side`` (shaped and typed
+        like that child's input); ``eager`` when the saved tensors were read now, so the graph
+        need not be retained for ``fn``. None when the node type or its tensors are not covered.
     """
-    if dy.layout != torch.strided or dy.is_complex():
-        return None
     name = type(node).__name__
-    if name == "NativeLayerNormBackward0":
-        return _layer_norm(node, dy, side)
-    fn = _HANDLERS.get(name)
-    return None if fn is None else [fn(node, dy, i, child, k) for i, child, k in side]
+    if name == _LAYER_NORM:
+        needs = _LAYER_NORM_NEEDS
+    elif name in _NEEDS:
+        needs = tuple({a: None for i, _, _ in side for a in _NEEDS[name][i]})
+    else:
+        return None
+    eager = all(_plain(node, a) for a in needs)
+    if eager:
+        saved = {a: getattr(node, "_saved_" + a) for a in needs}
+        if not all(_usable(t) for t in saved.values()):
+            return None
+        get = saved.__getitem__
+    else:
+        def get(attr):
+            t = getattr(node, "_saved_" + attr)
+            if not _usable(t):
+                raise RuntimeError(f"zero-bubble weight pass: {name}._saved_{attr} is not a real strided tensor")
+            return t
+    if name == _LAYER_NORM:
+        fn = _layer_norm(node, side, get)
+        return None if fn is None else (fn, eager)
+    fns = [_formula(node, name, i, get, child, k) for i, child, k in side]
+    return (lambda dy: [f(dy) for f in fns]), eager
