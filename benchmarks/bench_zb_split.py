@@ -7,9 +7,15 @@ Chunk: ``TransformerModel`` with blocks 1..blocks of a Llama config (hidden 512,
 4 kv heads; float32) as a middle pipeline stage: input ``[batch, seq, hidden]`` that requires grad,
 output of the same shape with a random output gradient. ``--head`` adds the LM head (last stage:
 scalar loss). Per repetition the forward runs untimed, then B (``torch.autograd.backward``) or BI
-(``backward_input``) and BW (``backward_weight``) are timed. Reports the median over ``--reps``
-after 2 warm-ups, the BI/BW split, the path BW took (split / fallback) and the largest relative
-difference between the two ways' parameter and input gradients.
+(``backward_input``) and BW (``backward_weight``) are timed. Reports the median and minimum over
+``--reps`` after 2 warm-ups, the BI/BW split, the path BW took (split / fallback, and how many
+per-node engine calls it made) and the largest relative difference between the two ways' parameter
+and input gradients (0 means bitwise equal).
+
+The default shape is compute-bound on CPU. A host-bound proxy for GPUs (where the kernels are fast
+and the Python/engine overhead per node is what a stage waits on):
+
+    python benchmarks/bench_zb_split.py --threads 1 --reps 40 --hidden 64 --ffn 176 --seq 16 --blocks 8
 """
 from __future__ import annotations
 
