@@ -151,8 +151,9 @@ def main(argv=None) -> None:
                  f"tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}, schedule {cfg.pipeline.schedule}, "
                  f"{common.zero_desc(cfg)}")
     train_loop.run(args, engine, loop,
-                   lambda: common.EpochLoop(DistributedBatches(val, micro, mesh.dp_rank, mesh.dp, shuffle=False,
-                                                               drop_last=False), to_device),
+                   lambda: common.EpochLoop(DistributedBatches(
+                       val, common.validation_micro_batch(len(val), micro, mesh.dp), mesh.dp_rank, mesh.dp,
+                       shuffle=False, drop_last=True), to_device),
                    progress, out_dir / "checkpoints", cfg.train_batch_size * args.seq_len, rank0)
     progress.close()
     dist.barrier()

@@ -132,8 +132,8 @@ def main(argv=None) -> None:
     train = TokenDataset(tokens, args.seq_len - 2, "train", args.val_fraction)
     val = TokenDataset(tokens, args.seq_len - 2, "val", args.val_fraction)
 
-    def loader(dataset, **kw):
-        batches = DistributedBatches(dataset, micro, mesh.dp_rank, mesh.dp, **kw)
+    def loader(dataset, micro_batch=micro, **kw):
+        batches = DistributedBatches(dataset, micro_batch, mesh.dp_rank, mesh.dp, **kw)
         return common.EpochLoop(batches, MLMBatch(batches, ids, vocab, args.mask_prob, args.seed, mesh.dp_rank,
                                                   mesh.device))
 
@@ -143,7 +143,8 @@ def main(argv=None) -> None:
                  f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
                  f"{common.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
                  f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples")
-    summary = train_loop.run(args, engine, loop, lambda: loader(val, shuffle=False, drop_last=False), progress,
+    summary = train_loop.run(args, engine, loop, lambda: loader(val, common.validation_micro_batch(len(val), micro, mesh.dp),
+                                                                        shuffle=False, drop_last=True), progress,
                              ckpt_dir, cfg.train_batch_size, rank0)
     progress.close()
     dist.barrier()

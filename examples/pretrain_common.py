@@ -239,6 +239,19 @@ class EpochLoop:
         self._it = None
 
 
+def validation_micro_batch(num_samples: int, micro: int, dp: int) -> int:
+    """The largest micro-batch <= ``micro`` that gives each of the ``dp`` ranks a full validation batch
+    (validation loaders drop the ragged end, so no rank ever sees an empty micro-batch).
+
+    Raises:
+        ValueError: the validation split holds fewer samples than there are dp ranks.
+    """
+    if num_samples < dp:
+        raise ValueError(f"the validation split has {num_samples} samples, fewer than the {dp} data-parallel "
+                         "ranks; raise --val-fraction or shorten --seq-len")
+    return min(micro, num_samples // dp)
+
+
 @torch.no_grad()
 def validate(engine, make_loader, batches: int) -> float:
     """Mean of ``batches`` ``eval_batch`` calls over a fresh, unshuffled validation loader."""

@@ -139,9 +139,11 @@ def main(argv=None) -> None:
     loop = common.EpochLoop(DistributedBatches(train, micro, mesh.dp_rank, mesh.dp, seed=args.seed), to_device)
     engine.data_loader = loop
 
+    val_micro = common.validation_micro_batch(len(val), micro, mesh.dp)
+
     def val_loader():
-        return common.EpochLoop(DistributedBatches(val, micro, mesh.dp_rank, mesh.dp, shuffle=False,
-                                                   drop_last=False), to_device)
+        return common.EpochLoop(DistributedBatches(val, val_micro, mesh.dp_rank, mesh.dp, shuffle=False,
+                                                   drop_last=True), to_device)
 
     progress.say(f"plait pretrain_gpt: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters "
                  f"({arch.num_layers} blocks, hidden {arch.hidden_size}, vocab {arch.vocab_size}), "

@@ -235,3 +235,24 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
         engine.train_batch(iter([micro_batch(step, 0, 0)]))
         engine.save_checkpoint(tmp_path, keep_last=2)
     assert sorted(list_tags(str(tmp_path))) == ["global_step2", "global_step3"]
+
+
+def bf16_pipeline_body():
+    """ZeRO casts the pipeline's chunks to bf16 after the pipeline was built: activations must travel
+    in bf16 too (the first NCCL run of the pretraining script found this)."""
+    from plait.parallel.partition import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+    mesh = ParallelMesh(pp=2)
+    pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, "1f1b", micro_batches=GAS)
+    cfg = ds_config(1, 1)
+    cfg.update(pipeline={"size": 2}, bf16={"enabled": True})
+    engine = plait.initialize(pipe, cfg, mesh=mesh)
+    losses = [engine.train_batch(iter([micro_batch(s, g, 0) for g in range(GAS)])).item() for s in range(3)]
+    return losses, engine.eval_batch(iter([micro_batch(9, g, 0) for g in range(GAS)])).item()
+
+
+def test_bf16_pipeline_through_the_engine_tracks_fp32():
+    _, ref_losses = reference(1)
+    losses, eval_loss = run_distributed(bf16_pipeline_body, 2)[0]
+    assert losses == pytest.approx(ref_losses[:3], rel=2e-2)       # bf16 weights: ~1% of the fp32 curve
+    assert eval_loss == eval_loss and eval_loss < losses[0]

@@ -166,6 +166,13 @@ class PipelineParallel:
         for grad in grads:
             dist.all_reduce(grad, group=self._tied_group)
 
+    def _refresh_dtype(self) -> None:
+        """Receive activations in the parameters' current dtype (ZeRO may cast the chunks to bf16/fp16
+        after this pipeline was built)."""
+        first = next((t for t in self.parameters() if t.is_floating_point()), None)
+        if first is not None:
+            self.executor.dtype = first.dtype
+
     # ---- steps ------------------------------------------------------------------------------
     def _pull(self, data_iter) -> list[dict]:
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
@@ -209,6 +216,7 @@ class PipelineParallel:
             ValueError: fewer than m micro-batches; a micro-batch without labels.
         """
         microbatches = self._pull(data_iter)
+        self._refresh_dtype()
         self.executor.loss_scale = loss_scale
         losses = self.executor.run(self.actions, microbatches, train=True)
         if sum_tied:
@@ -221,4 +229,5 @@ class PipelineParallel:
         on every rank like ``train_batch``. Leaves ``.grad`` untouched; does not change
         ``train()``/``eval()`` modes (set them on the stage modules yourself)."""
         microbatches = self._pull(data_iter)
+        self._refresh_dtype()
         return self._mean_loss(self.executor.run(self.eval_actions, microbatches, train=False))
