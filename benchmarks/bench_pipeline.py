@@ -4,10 +4,11 @@
 
 Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, micro-batch 1, pp = world size.
 Per configuration: 2 warm-up and --steps timed ``train_batch`` calls (forward + backward, no
-optimizer). The ideal (bubble-free) step of a rank is m x (t_F + t_B) of its own chunks, with t_F and
-t_B timed on that rank in isolation; measured bubble = step / max_rank(ideal) - 1. The prediction
-runs ``plait.parallel.simulate`` on the schedule's action lists with the measured per-rank costs
-(B split evenly into BI and BW for zb-h1) and reports makespan / max_rank(busy) - 1. The theory
+optimizer). Measured bubble: the executor times each rank's compute actions with CUDA events
+(``busy``); bubble = step / max_rank(busy) - 1 (idle over useful time of the busiest rank, the
+simulator's definition). The prediction runs ``plait.parallel.simulate`` on the schedule's action
+lists with t_F and t_B timed per chunk in isolation (B split evenly into BI and BW for zb-h1) and
+reports makespan / max_rank(busy) - 1. The theory
 column is the paper formula: (p-1)/m for 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (with F =
 BI = BW). Prints a markdown table on rank 0 and writes JSON lines to --out.
 """
@@ -91,7 +92,8 @@ def main():
         every = [tuple(x.tolist()) for x in every]
         for m in [int(x) for x in args.micro_batches.split(",")]:
             pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
-            times = []
+            pipe.executor.time_compute = True
+            times, busy = [], []
             for step in range(2 + args.steps):
                 batches = [make_batch() for _ in range(m)]
                 sync()
@@ -102,10 +104,13 @@ def main():
                 dist.barrier()
                 if step >= 2:
                     times.append(time.perf_counter() - t0)
+                    busy.append(pipe.executor.busy_seconds)
                 for chunk in chunks:
                     chunk.zero_grad(set_to_none=True)
             step_s = sum(times) / len(times)
-            ideal = max(m * (f + b) for f, b in every)
+            mine = torch.tensor([sum(busy) / len(busy)], device=device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            ideal = mine.item()                                  # busiest rank's compute seconds
             # Simulator with this schedule and per-rank measured costs (chunk costs are per rank here,
             # v chunks share them evenly).
             lists = get_schedule(schedule, p, m, v)

@@ -18,6 +18,8 @@ activations of exactly the micro-batches its schedule has in flight.
 """
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 
 import torch
@@ -56,6 +58,9 @@ class PipelineExecutor:
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.grads_ready = grads_ready
         self.loss_scale = 1.0   # multiplies each last-stage loss before backward (fp16 loss scaling)
+        # Set ``time_compute = True`` to measure this rank's busy time: ``busy_seconds`` after ``run`` is
+        # the summed duration of its compute actions (CUDA events on GPU), for bubble measurements.
+        self.time_compute, self.busy_seconds = False, 0.0
 
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -78,14 +83,20 @@ class PipelineExecutor:
         self._remaining = self._weight_actions(actions) if train else {}
         self.peak_in_flight = 0
         batch_comm: list[Action] = []
+        spans = []
         for action in actions:
             if action.is_compute:
                 self._communicate(batch_comm)
                 batch_comm = []
+                start = self._mark() if self.time_compute else None
                 getattr(self, "_do_" + action.kind)(action.microbatch, action.chunk)
+                if start is not None:
+                    spans.append((start, self._mark()))
             else:
                 batch_comm.append(action)
         self._communicate(batch_comm)
+        if self.time_compute:
+            self.busy_seconds = self._busy(spans)
         left = {name: sorted(d) for name, d in (("inputs", self._inputs), ("saved", self._saved),
                                                  ("grad_out", self._grad_out), ("grad_in", self._grad_in),
                                                  ("to_send", self._to_send), ("pending BW", self._pending)) if d}
@@ -93,6 +104,19 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {self.rank}: state left after the step {left}; the action "
                                f"list is incomplete (run check_schedule on it)")
         return [self._losses[i] for i in sorted(self._losses)]
+
+    def _mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _busy(self, spans) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return sum(b - a for a, b in spans)
 
     def _weight_actions(self, actions: list[Action]) -> dict[int, int]:
         count: dict[int, int] = {}
