@@ -115,6 +115,20 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(full_run, tmp_path):
         [ref[s] for s in range(HALF + 1, STEPS + 1)], rel=1e-5)
 
 
+def test_killed_rank_without_restarts_ends_the_job_with_a_clear_error(tmp_path):
+    """The same SIGKILL with no restarts allowed: the job exits non-zero, well inside the collective
+    timeout (--timeout 60), and torchrun names the dead rank and its signal instead of hanging."""
+    import time
+    start = time.monotonic()
+    log = torchrun("pretrain_gpt.py", 2, *TINY, "--tp", "1", "--pp", "1", "--out-dir", str(tmp_path / "run"),
+                   "--crash-at-step", "3", "--no-export", "--timeout", "60", check=False, timeout=200)
+    elapsed = time.monotonic() - start
+    assert "killing myself with SIGKILL at step 3" in log
+    assert "ChildFailedError" in log and "Signal 9 (SIGKILL)" in log, log[-3000:]
+    assert f"step {STEPS}/{STEPS}" not in log
+    assert elapsed < 150, f"the job took {elapsed:.0f}s to end"
+
+
 def test_plot_metrics_writes_a_png(full_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _, _ = full_run
