@@ -22,21 +22,14 @@ import numpy as np
 from numba import njit, prange
 
 from plait.kernels.base import FlatOptimizer, _check_beta
-from plait.kernels.lowp import LINE_U16, MODE_BF16, MODE_FP16, bf16_bits, fp16_bits, line_head, store_fence, stream_line
-
-
-#: Elements per parallel work item of the bf16 kernel (a multiple of :data:`LINE_U16`), and per block
-#: whose bf16 bits go through a small L1-resident buffer before being streamed to the destination.
-CHUNK = 1 << 16
-BLOCK = 1 << 11
+from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
 
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _adam_elem(w, grad, m, v, hp):
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size, bc2_sqrt, \
-        grad_scale, unscale = hp
-    if unscale:  # grad / 1 == grad exactly, so skipping the division for grad_scale == 1 changes nothing
-        grad = grad / grad_scale
+        grad_scale = hp
+    grad = grad / grad_scale
     if decoupled:
         w = w * decay
     elif weight_decay != np.float32(0.0):
@@ -47,64 +40,23 @@ def _adam_elem(w, grad, m, v, hp):
     return w - step_size * (m / denom), m, v
 
 
-@njit(cache=True, inline="always", error_model="numpy")
-def _adam_bf16_range(p, g, m, v, out, lo, hi, nan_bits, hp):
-    for i in range(lo, hi):
-        w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
-        p[i] = w
-        out[i] = bf16_bits(w, nan_bits)
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _adam_bf16_block(p, g, m, v, buf, nan_bits, hp):
-    # Views starting at 0: the loop index is provably >= 0, so no negative-index wraparound code
-    # blocks vectorisation (it does for ``range(lo, hi)`` with a computed ``lo``).
-    for i in range(p.shape[0]):
-        w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
-        p[i] = w
-        buf[i] = bf16_bits(w, nan_bits)
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _adam_bf16_streamed(p, g, m, v, out, lo, hi, nan_bits, hp, buf):
-    """``[lo, hi)`` with ``out[lo]`` 64-byte aligned and ``hi - lo`` a multiple of LINE_U16."""
-    for b in range(lo, hi, BLOCK):
-        e = min(b + BLOCK, hi)
-        _adam_bf16_block(p[b:e], g[b:e], m[b:e], v[b:e], buf, nan_bits, hp)  # bf16 bits stay in L1
-        for j in range(0, e - b, LINE_U16):
-            stream_line(out, b + j, buf, j)
-
-
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def adam_kernel(p, g, m, v, out, mode, nan_bits, head, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                 weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_scale):
     """One Adam/AdamW step over ``p, g, m, v`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).
 
-    Scalars are float32 except ``mode`` (int), ``nan_bits`` (uint16), ``head`` (int: elements of
-    ``out`` before its first 64-byte aligned one, :func:`line_head`) and ``decoupled`` (bool);
+    Scalars are float32 except ``mode`` (int), ``nan_bits`` (uint16) and ``decoupled`` (bool);
     ``decay = 1 - lr * weight_decay``, ``step_size = lr / bc1``. One loop per copy-out mode, so each
     loop body is branch-free and vectorizes.
-
-    bf16 (the ZeRO-Offload hot path): the cache-line aligned middle of the range is cut into CHUNK
-    work items over the threads; each computes BLOCK elements at a time, keeps their bf16 bits in a
-    4 KiB buffer and writes them with streaming stores (no read-for-ownership of the destination).
-    The few unaligned elements at both ends take the plain loop. Every element gets the same
-    arithmetic in either path, so results do not depend on alignment or thread count.
     """
     n = p.shape[0]
     hp = (beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size,
-          bc2_sqrt, grad_scale, grad_scale != np.float32(1.0))
+          bc2_sqrt, grad_scale)
     if mode == MODE_BF16:
-        a = min(head, n)
-        z = a + (n - a) // LINE_U16 * LINE_U16
-        _adam_bf16_range(p, g, m, v, out, 0, a, nan_bits, hp)
-        _adam_bf16_range(p, g, m, v, out, z, n, nan_bits, hp)
-        nchunks = (z - a + CHUNK - 1) // CHUNK
-        for c in prange(nchunks):
-            buf = np.empty(BLOCK, np.uint16)
-            lo = a + c * CHUNK
-            _adam_bf16_streamed(p, g, m, v, out, lo, min(lo + CHUNK, z), nan_bits, hp, buf)
-            store_fence()
+        for i in prange(n):
+            w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
+            p[i] = w
+            out[i] = bf16_bits(w, nan_bits)
     elif mode == MODE_FP16:
         for i in prange(n):
             w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
@@ -162,6 +114,6 @@ class CPUAdam(FlatOptimizer):
         bc1 = 1.0 - b1 ** t if self.bias_correction else 1.0
         bc2 = 1.0 - b2 ** t if self.bias_correction else 1.0
         f = np.float32
-        adam_kernel(p, g, states[0], states[1], bits, mode, self._nan_bits, line_head(bits), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2),
+        adam_kernel(p, g, states[0], states[1], bits, mode, self._nan_bits, f(b1), f(1.0 - b1), f(b2), f(1.0 - b2),
                     f(self.eps), f(self.weight_decay), f(1.0 - lr * self.weight_decay), self.adamw_mode,
                     f(lr / bc1), f(math.sqrt(bc2)), grad_scale)

@@ -24,72 +24,15 @@ Modes for the ``mode`` argument of every kernel: :data:`MODE_NONE`, :data:`MODE_
 """
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 MODE_NONE = 0
 MODE_BF16 = 1
 MODE_FP16 = 2
 
 _U16 = {torch.bfloat16: MODE_BF16, torch.float16: MODE_FP16}
-
-#: Elements of one 64-byte cache line of uint16: the unit of :func:`stream_line`.
-LINE_U16 = 32
-
-
-@intrinsic
-def stream_line(typingctx, dst, dst_start, src, src_start):
-    """Copy ``src[src_start:src_start + 32]`` to ``dst[dst_start:dst_start + 32]`` (uint16 1-D arrays).
-
-    One 64-byte non-temporal (streaming) store: the destination line is written without first being
-    read into the cache (no read-for-ownership), which saves 2 of the ~32 bytes per parameter that an
-    optimizer step with copy-out moves. ``dst[dst_start]`` must be 64-byte aligned (see
-    :func:`line_head`); no bounds checks. Streaming stores are weakly ordered: call
-    :func:`store_fence` after the last one, before another thread may read the destination.
-    """
-    sig = types.void(dst, dst_start, src, src_start)
-
-    def codegen(context, builder, signature, args):
-        dst_v, d_i, src_v, s_i = args
-        d = context.make_array(signature.args[0])(context, builder, dst_v)
-        s = context.make_array(signature.args[2])(context, builder, src_v)
-        vec = ir.VectorType(ir.IntType(16), LINE_U16).as_pointer()
-        val = builder.load(builder.bitcast(builder.gep(s.data, [s_i]), vec), align=2)
-        st = builder.store(val, builder.bitcast(builder.gep(d.data, [d_i]), vec), align=64)
-        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
-@intrinsic
-def store_fence(typingctx):
-    """Orders earlier streaming stores before later memory accesses: ``sfence`` on x86 (what the
-    architecture prescribes for non-temporal stores), a sequentially consistent fence elsewhere."""
-    def codegen(context, builder, signature, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse.sfence")
-            builder.call(fn, [])
-        else:
-            builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-def line_head(bits: np.ndarray) -> int:
-    """Elements of uint16 array ``bits`` before its first 64-byte aligned element (0..31)."""
-    return ((-bits.ctypes.data) % 64) // 2
 
 
 @njit(cache=True, inline="always", error_model="numpy")
