@@ -68,29 +68,21 @@ def make_step(arm, device):
     """Returns (cfg, n_params, step_fn(step) -> loss)."""
     cfg, model = build_model(device)
     n_params = cfg.num_parameters()
-    if arm == "plain":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    if arm in ("plain", "fsdp2"):
+        autocast = arm == "plain"         # plain: fp32 params under autocast; FSDP2 casts params itself
+        if arm == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            init_single_process()
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model.layers.values():
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                                **({"fused": True} if autocast else {"foreach": True}))
 
         def step(i):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(**batch(cfg, device, i))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return cfg, n_params, step
-    if arm == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        init_single_process()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.layers.values():
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
-
-        def step(i):
-            loss = model(**batch(cfg, device, i))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
