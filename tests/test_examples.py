@@ -129,6 +129,23 @@ def test_killed_rank_without_restarts_ends_the_job_with_a_clear_error(tmp_path):
     assert elapsed < 150, f"the job took {elapsed:.0f}s to end"
 
 
+def test_pretrain_gpt_on_user_text_and_pretokenized_npy(tmp_path):
+    """--data with a user's text file (tokenized into <out-dir>/data) and with a pre-tokenized .npy."""
+    import numpy as np
+    from plait.data import load_bundled_text
+    text = tmp_path / "mine.txt"
+    text.write_text(load_bundled_text()[:200_000], encoding="utf-8")
+    out = tmp_path / "text"
+    log = torchrun("pretrain_gpt.py", 1, *TINY, "--steps", "2", "--eval-every", "2", "--data", str(text),
+                   "--out-dir", str(out), "--no-export")
+    assert "step      2/2" in log and list((out / "data").glob("tokens-*.bin"))
+    ids = np.random.default_rng(0).integers(0, 8192, size=60_000, dtype=np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    log = torchrun("pretrain_gpt.py", 1, *TINY, "--steps", "2", "--eval-every", "2", "--data",
+                   str(tmp_path / "ids.npy"), "--out-dir", str(tmp_path / "npy"), "--no-export")
+    assert "step      2/2" in log
+
+
 def test_plot_metrics_writes_a_png(full_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _, _ = full_run
