@@ -195,6 +195,27 @@ class FlatOptimizer:
     def _set_hparams(self, hp: dict) -> None:
         self.lr = float(hp["lr"])
 
+    def _moment_hparams(self) -> dict:
+        """lr, betas, weight decay and (Adam, LAMB) eps: what every moment-based optimizer here saves."""
+        out = {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "weight_decay": self.weight_decay}
+        if hasattr(self, "eps"):
+            out["eps"] = self.eps
+        return out
+
+    def _set_moment_hparams(self, hp: dict) -> None:
+        """Check and set the fields of ``_moment_hparams``.
+
+        Raises:
+            ValueError: a negative eps or weight decay, or a beta outside [0, 1).
+        """
+        if hp["weight_decay"] < 0 or hp.get("eps", 0.0) < 0:
+            raise ValueError(f"eps={hp.get('eps')} and weight_decay={hp['weight_decay']} must be >= 0")
+        self.lr = float(hp["lr"])
+        self.betas = (_check_beta("beta1", hp["beta1"]), _check_beta("beta2", hp["beta2"]))
+        self.weight_decay = float(hp["weight_decay"])
+        if "eps" in hp:
+            self.eps = float(hp["eps"])
+
     def state_dict(self) -> dict:
         """Plain tensors and numbers: ``{"step": int, "hparams": {name: float|bool}, <state name>: [numel] fp32}``.
 

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from plait.kernels.base import FlatOptimizer, _check_beta
+from plait.kernels.base import FlatOptimizer
 from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
 
 
@@ -95,17 +95,10 @@ class CPUAdam(FlatOptimizer):
                            "bias_correction": bias_correction})
 
     def _hparams(self) -> dict:
-        return {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps,
-                "weight_decay": self.weight_decay, "adamw_mode": self.adamw_mode,
-                "bias_correction": self.bias_correction}
+        return {**self._moment_hparams(), "adamw_mode": self.adamw_mode, "bias_correction": self.bias_correction}
 
     def _set_hparams(self, hp: dict) -> None:
-        if hp["eps"] < 0 or hp["weight_decay"] < 0:
-            raise ValueError(f"eps={hp['eps']} and weight_decay={hp['weight_decay']} must be >= 0")
-        self.lr = float(hp["lr"])
-        self.betas = (_check_beta("beta1", hp["beta1"]), _check_beta("beta2", hp["beta2"]))
-        self.eps = float(hp["eps"])
-        self.weight_decay = float(hp["weight_decay"])
+        self._set_moment_hparams(hp)
         self.adamw_mode = bool(hp["adamw_mode"])
         self.bias_correction = bool(hp["bias_correction"])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from plait.kernels.base import FlatOptimizer, _check_beta
+from plait.kernels.base import FlatOptimizer
 from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
 
 
@@ -84,14 +84,10 @@ class CPULion(FlatOptimizer):
         self._set_hparams({"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay})
 
     def _hparams(self) -> dict:
-        return {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "weight_decay": self.weight_decay}
+        return self._moment_hparams()
 
     def _set_hparams(self, hp: dict) -> None:
-        if hp["weight_decay"] < 0:
-            raise ValueError(f"weight_decay={hp['weight_decay']} must be >= 0")
-        self.lr = float(hp["lr"])
-        self.betas = (_check_beta("beta1", hp["beta1"]), _check_beta("beta2", hp["beta2"]))
-        self.weight_decay = float(hp["weight_decay"])
+        self._set_moment_hparams(hp)
 
     def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
         (b1, b2), f = self.betas, np.float32
