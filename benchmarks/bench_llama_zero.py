@@ -64,6 +64,16 @@ def ds_like_config(stage):
                                   "stage3_param_persistence_threshold": 100_000}}
 
 
+def engine_step(engine, cfg, device):
+    """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's)."""
+    def step(i):
+        loss = engine(**batch(cfg, device, i))
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
 def make_step(arm, device):
     """Returns (cfg, n_params, step_fn(step) -> loss)."""
     cfg, model = build_model(device)
@@ -94,13 +104,7 @@ def make_step(arm, device):
         from plait.parallel import ParallelMesh
         init_single_process()
         engine = plait.initialize(model, ds_like_config(int(arm[-1])), mesh=ParallelMesh())
-
-        def step(i):
-            loss = engine(**batch(cfg, device, i))
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return cfg, n_params, step
+        return cfg, n_params, engine_step(engine, cfg, device)
     if arm.startswith("ds"):
         import deepspeed
         init_single_process()
@@ -109,13 +113,7 @@ def make_step(arm, device):
         del conf["optimizer"]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
-
-        def step(i):
-            loss = engine(**batch(cfg, device, i))
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return cfg, n_params, step
+        return cfg, n_params, engine_step(engine, cfg, device)
     raise ValueError(f"unknown arm {arm!r}; use one of {ARMS}")
 
 
