@@ -342,11 +342,7 @@ class OffloadPipeline:
         groups = (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp)
         if opt.scaler is not None and _any_across(any(self.nonfinite.values()), groups, self.device):
             self._reset()
-            opt.reducer.zero()
-            opt.grad_norm = None
-            opt.skipped_steps += 1
-            opt.scaler.update(True)
-            return False
+            return opt.skip_step()
         scale = opt.loss_scale
         total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments)], dtype=torch.float32,
                              device=self.device)

@@ -342,11 +342,7 @@ class ZeroOptimizer:
             return self.offload.step()
         groups = (self.dp_group, self.norm_groups.tp, self.norm_groups.pp)
         if self.scaler is not None and any_nonfinite(self.grad_shards, groups):
-            self.reducer.zero()
-            self.grad_norm = None
-            self.skipped_steps += 1
-            self.scaler.update(True)
-            return False
+            return self.skip_step()
         scale = self.loss_scale
         pieces = self._norm_pieces()
         norm = float(global_grad_norm(pieces, self.dp_group if self.stage > 0 else None,
@@ -366,6 +362,15 @@ class ZeroOptimizer:
             self.scaler.update(False)
         self.global_steps += 1
         return True
+
+    def skip_step(self) -> bool:
+        """An fp16 overflow on some rank: drop this step's gradients on every rank, count the skip and
+        lower the loss scale (raises ``LossScaleError`` at the minimum). Returns False (not applied)."""
+        self.reducer.zero()
+        self.grad_norm = None
+        self.skipped_steps += 1
+        self.scaler.update(True)
+        return False
 
     def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
         """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
