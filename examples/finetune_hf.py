@@ -81,12 +81,7 @@ def build_model(args, vocab: int):
 def ds_config(args) -> dict:
     with open(args.config, encoding="utf-8") as f:
         cfg = json.load(f)
-    zero = cfg.setdefault("zero_optimization", {})
-    if args.zero_stage is not None:
-        zero["stage"] = args.zero_stage
-    if args.offload is not None:
-        zero["offload_optimizer"] = {"device": "cpu" if args.offload in ("optimizer", "all") else "none"}
-        zero["offload_param"] = {"device": "cpu" if args.offload in ("param", "all") else "none"}
+    common.apply_zero_flags(cfg, args)
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.grad_accum:

@@ -89,6 +89,16 @@ def choose_layout(args, raw: dict, world: int) -> tuple[int, int]:
     return tp, pp
 
 
+def apply_zero_flags(cfg: dict, args) -> None:
+    """``--zero-stage`` and ``--offload {none,optimizer,param,all}`` into a ds_config dict, in place."""
+    zero = cfg.setdefault("zero_optimization", {})
+    if args.zero_stage is not None:
+        zero["stage"] = args.zero_stage
+    if args.offload is not None:
+        zero["offload_optimizer"] = {"device": "cpu" if args.offload in ("optimizer", "all") else "none"}
+        zero["offload_param"] = {"device": "cpu" if args.offload in ("param", "all") else "none"}
+
+
 def build_ds_config(args, raw: dict, tp: int, pp: int) -> dict:
     """The ds_config dict after command-line overrides (the JSON file itself is not changed)."""
     cfg = json.loads(json.dumps(raw))
@@ -114,12 +124,7 @@ def build_ds_config(args, raw: dict, tp: int, pp: int) -> dict:
         cfg.pop("gradient_accumulation_steps")       # keep the global batch, derive accumulation
     elif all(k in cfg for k in triple) and given["train_batch_size"] is None:
         cfg.pop("train_batch_size")
-    zero = cfg.setdefault("zero_optimization", {})
-    if args.zero_stage is not None:
-        zero["stage"] = args.zero_stage
-    if args.offload is not None:
-        zero["offload_optimizer"] = {"device": "cpu" if args.offload in ("optimizer", "all") else "none"}
-        zero["offload_param"] = {"device": "cpu" if args.offload in ("param", "all") else "none"}
+    apply_zero_flags(cfg, args)
     if args.clip is not None:
         cfg["gradient_clipping"] = args.clip
     if args.lr is not None:
