@@ -73,8 +73,7 @@ def scheduler_from_user(lr_scheduler, optimizer):
     """
     if lr_scheduler is None:
         return None
-    if hasattr(lr_scheduler, "step") and not callable(getattr(lr_scheduler, "__call__", None)) or \
-            isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer"):   # an instance, not a factory
         raise TypeError("pass lr_scheduler as a factory, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10): "
                         "ZeRO steps its own optimizer over the master shards, so an instance bound to another "
                         "optimizer would change nothing")

@@ -256,3 +256,21 @@ def test_bf16_pipeline_through_the_engine_tracks_fp32():
     losses, eval_loss = run_distributed(bf16_pipeline_body, 2)[0]
     assert losses == pytest.approx(ref_losses[:3], rel=2e-2)       # bf16 weights: ~1% of the fp32 curve
     assert eval_loss == eval_loss and eval_loss < losses[0]
+
+
+def test_user_optimizer_class_and_scheduler_factory():
+    """Any torch optimizer (class) and any torch scheduler (as a factory over ZeRO's optimizer); a
+    scheduler *instance* bound to another optimizer is refused."""
+    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1}
+    import functools
+    engine = plait.initialize(TransformerModel(tiny(), None, seed=5), base,
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                              lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    for step in range(2):
+        engine.train_batch(iter([micro_batch(step, 0, 0)]))
+    assert isinstance(engine.optimizer.optimizer, torch.optim.SGD)
+    assert engine.get_lr() == pytest.approx([0.025, 0.025])
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(TypeError, match="pass lr_scheduler as a factory"):
+        plait.initialize(TransformerModel(tiny(), None), base, optimizer=torch.optim.SGD,
+                         lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
