@@ -2,12 +2,20 @@
 
 Compares, on one flat float32 buffer of --numel parameters (fp32 weights, grads, exp_avg, exp_avg_sq):
 
-* plait CPUAdam (AdamW mode), fused with the bf16 copy-out of the updated weights;
+* plait CPUAdam (AdamW mode), fused with the bf16 copy-out of the updated weights, with fp32
+  gradients and with bf16 gradients (what a bf16 model's backward produces; read without widening);
 * plait CPUAdam (AdamW mode) without copy-out;
 * torch.optim.AdamW(fused=True) on CPU float32, and the same followed by ``bf16.copy_(params)``
   (what an unfused offload step has to do to produce the bf16 weights);
 * torch.optim.AdamW(foreach=True);
-* DeepSpeedCPUAdam (adamw_mode=True), when ``deepspeed`` is importable and its op builds.
+* DeepSpeedCPUAdam (adamw_mode=True), when ``deepspeed`` is importable and its op builds, alone and
+  followed by ``bf16.copy_(params)`` (its ZeRO-Offload engine makes the bf16 weights in a second pass).
+
+With ``--probe``: the host's memory-traffic ceiling for this access pattern (a numba loop with
+Adam's loads and stores and no arithmetic to speak of, so Gparams/s there is the most any AdamW can
+reach at those bytes per parameter), the same at half the threads (does bandwidth scale with cores,
+i.e. is it per-core limited?), and, on a CUDA machine, the plait kernel while another thread keeps
+pinned host<->device copies running (does DMA traffic slow the host step?).
 
 Every implementation uses --threads threads (numba threads for plait, torch.set_num_threads for the
 others), runs --warmup untimed steps, then --steps timed steps. Reported: median and best seconds
@@ -24,6 +32,7 @@ import statistics
 import time
 
 import numba
+import numpy as np
 import torch
 
 from plait.kernels import CPUAdam, compile_kernels
@@ -53,8 +62,9 @@ def timed(step, warmup: int, steps: int) -> list[float]:
     return out
 
 
-def bench_plait(numel: int, threads: int, copy_out: bool, warmup: int, steps: int) -> list[float]:
-    p, g = torch.randn(numel), torch.randn(numel)
+def bench_plait(numel: int, threads: int, copy_out: bool, warmup: int, steps: int,
+                grad_dtype: torch.dtype = torch.float32) -> list[float]:
+    p, g = torch.randn(numel), torch.randn(numel).to(grad_dtype)
     out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
     opt = CPUAdam(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True, num_threads=threads)
     return timed(lambda: opt.step(p, g, out), warmup, steps)
@@ -74,7 +84,7 @@ def bench_torch(numel: int, kind: str, copy_out: bool, warmup: int, steps: int) 
     return timed(step, warmup, steps)
 
 
-def bench_deepspeed(numel: int, warmup: int, steps: int) -> list[float] | str:
+def bench_deepspeed(numel: int, warmup: int, steps: int, copy_out: bool = False) -> list[float] | str:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError:
@@ -85,7 +95,71 @@ def bench_deepspeed(numel: int, warmup: int, steps: int) -> list[float] | str:
         opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
     except Exception as e:  # noqa: BLE001 - the C++ op is built on first use; any failure means "skip"
         return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    return timed(opt.step, warmup, steps)
+    out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
+
+    def step():
+        opt.step()
+        if out is not None:
+            out.copy_(p.detach())
+
+    return timed(step, warmup, steps)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _adam_traffic(p, g, m, v, out):
+    """Adam's memory traffic (read p, g, m, v; write p, m, v and a 2-byte copy) with trivial arithmetic."""
+    for i in numba.prange(p.shape[0]):
+        a = g[i]
+        m[i] = m[i] + a
+        v[i] = v[i] + a
+        w = p[i] + a
+        p[i] = w
+        out[i] = np.uint16(np.uint32(np.float32(w).view(np.uint32)) >> np.uint32(16))
+
+
+def bench_traffic(numel: int, threads: int, warmup: int, steps: int) -> list[float]:
+    p, g, m, v = (np.random.default_rng(k).standard_normal(numel, dtype=np.float32) for k in range(4))
+    out = np.empty(numel, np.uint16)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        return timed(lambda: _adam_traffic(p, g, m, v, out), warmup, steps)
+    finally:
+        numba.set_num_threads(prev)
+
+
+def bench_plait_with_dma(numel: int, threads: int, warmup: int, steps: int) -> list[float] | str:
+    """plait AdamW + bf16 copy-out while a second thread keeps 1 GiB pinned copies running both ways."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    import threading
+    n = 2**28  # 1 GiB of float32 each way
+    host_a, host_b = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
+    dev_a, dev_b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    stop = threading.Event()
+    moved = [0]
+
+    def pump():
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        while not stop.is_set():
+            with torch.cuda.stream(s1):
+                dev_a.copy_(host_a, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host_b.copy_(dev_b, non_blocking=True)
+            s1.synchronize()
+            s2.synchronize()
+            moved[0] += 2 * n * 4
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    try:
+        res = bench_plait(numel, threads, True, warmup, steps)
+    finally:
+        stop.set()
+        t.join()
+    print(f"(DMA pump moved {moved[0] / (time.perf_counter() - t0) / 1e9:.1f} GB/s host<->device meanwhile)")
+    return res
 
 
 def main(argv=None) -> None:
@@ -95,6 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=cores, help="threads for every implementation")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--probe", action="store_true", help="also the memory-traffic ceiling and the DMA-contention run")
     args = ap.parse_args(argv)
     if args.threads > numba.config.NUMBA_NUM_THREADS:
         ap.error(f"--threads {args.threads} > NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}; "
@@ -107,12 +182,26 @@ def main(argv=None) -> None:
 
     rows: list[tuple[str, list[float] | str]] = [
         ("plait CPUAdam (AdamW) + bf16 copy-out, fused", bench_plait(args.numel, args.threads, True, args.warmup, args.steps)),
+        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", bench_plait(args.numel, args.threads, True, args.warmup,
+                                                                         args.steps, torch.bfloat16)),
         ("plait CPUAdam (AdamW), no copy-out", bench_plait(args.numel, args.threads, False, args.warmup, args.steps)),
         ("torch AdamW fused=True", bench_torch(args.numel, "fused", False, args.warmup, args.steps)),
         ("torch AdamW fused=True + bf16 copy_", bench_torch(args.numel, "fused", True, args.warmup, args.steps)),
         ("torch AdamW foreach=True", bench_torch(args.numel, "foreach", False, args.warmup, args.steps)),
         ("DeepSpeedCPUAdam (adamw_mode)", bench_deepspeed(args.numel, args.warmup, args.steps)),
+        ("DeepSpeedCPUAdam (adamw_mode) + bf16 copy_", bench_deepspeed(args.numel, args.warmup, args.steps, True)),
     ]
+    if args.probe:
+        half = max(1, args.threads // 2)
+        rows += [
+            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({args.threads} threads)",
+             bench_traffic(args.numel, args.threads, args.warmup, args.steps)),
+            (f"ceiling: same, {half} threads", bench_traffic(args.numel, half, args.warmup, args.steps)),
+            (f"plait CPUAdam + bf16 copy-out, {half} threads", bench_plait(args.numel, half, True, args.warmup,
+                                                                          args.steps)),
+            ("plait CPUAdam + bf16 copy-out, pinned copies running", bench_plait_with_dma(args.numel, args.threads,
+                                                                                         args.warmup, args.steps)),
+        ]
 
     print(f"machine: {cpu_model()}; {cores} cores available ({os.cpu_count()} online); {platform.platform()}")
     print(f"versions: torch {torch.__version__}, numba {numba.__version__} "

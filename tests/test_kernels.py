@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from plait.kernels import CPULAMB, CPUAdam, CPULion, compile_kernels, copy_to_lowp
+from plait.kernels.lowp import sum_of_squares
 
 STEPS = 10
 RTOL = 1e-6
@@ -208,6 +209,44 @@ def test_grad_scale_divides_the_gradient(k):
         c.step(pc, g * 3.7, grad_scale=3.7)  # rounding only
     assert torch.equal(pa, pb)
     assert rel_err(pc, pa) <= RTOL
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_bf16_gradients_equal_their_float32_widening(k):
+    """bf16 gradients are read as they are (2 bytes/element) and widened exactly in the kernel: bit-equal
+    to stepping with ``grad.float()``, in every copy-out mode (inf/nan gradients included)."""
+    p0, grads = data(9, steps=3)
+    grads = [g.to(torch.bfloat16) for g in grads]
+    grads[1][7], grads[1][8] = float("inf"), float("nan")
+    for out_dtype in (None, torch.bfloat16, torch.float16):
+        a, b = make_all()[k], make_all()[k]
+        pa, pb = p0.clone(), p0.clone()
+        oa, ob = ((torch.empty(N, dtype=out_dtype), torch.empty(N, dtype=out_dtype)) if out_dtype else (None, None))
+        for g in grads:
+            a.step(pa, g.float(), oa)
+            b.step(pb, g, ob)
+        assert torch.equal(pa.view(torch.int32), pb.view(torch.int32))
+        if out_dtype is not None:
+            assert torch.equal(oa.view(torch.int16), ob.view(torch.int16))
+        for name in a._state_names:
+            assert torch.equal(getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32))
+
+
+def test_sum_of_squares_float32_and_bf16():
+    g = torch.randn(100_003, generator=torch.Generator().manual_seed(3))
+    want = float((g.double() ** 2).sum())
+    assert abs(sum_of_squares(g) - want) <= 1e-12 * want
+    h = g.to(torch.bfloat16)
+    want_h = float((h.double() ** 2).sum())
+    assert abs(sum_of_squares(h) - want_h) <= 1e-12 * want_h
+    h[5] = float("inf")
+    assert sum_of_squares(h) == float("inf")
+    h[6] = float("nan")
+    assert np.isnan(sum_of_squares(h))
+    with pytest.raises(TypeError, match="float16"):
+        sum_of_squares(g.half())
+    with pytest.raises(ValueError, match="contiguous"):
+        sum_of_squares(g[::2])
 
 
 @pytest.mark.parametrize("k", range(4))

@@ -32,7 +32,7 @@ import numba
 import numpy as np
 import torch
 
-from plait.kernels.lowp import MODE_NONE, lowp_bits_view, torch_bf16_nan_bits
+from plait.kernels.lowp import MODE_NONE, grad_view, lowp_bits_view, torch_bf16_nan_bits
 
 
 def flat_f32(x, name: str) -> np.ndarray:
@@ -134,7 +134,9 @@ class FlatOptimizer:
         Args:
             params: float32 master weights, ``[numel]`` (whole buffer; the range is sliced out) or
                 ``[length]`` (just the range). Updated in place.
-            grads: float32 gradients, ``[numel]`` or ``[length]`` likewise. Read only.
+            grads: float32 or bfloat16 gradients, ``[numel]`` or ``[length]`` likewise. Read only.
+                bf16 is read as is (2 bytes/element instead of 4) and widened exactly in the kernel,
+                so the result equals passing ``grads.float()``.
             offset: first element of the range. length: its size (None: to the end).
             lowp_out: None, or a bf16/fp16 tensor (or numpy float16 array) ``[numel]`` or ``[length]``
                 that receives the updated weights rounded to nearest even, in the same pass.
@@ -155,7 +157,7 @@ class FlatOptimizer:
             raise ValueError(f"grad_scale={grad_scale} must be finite and > 0 (it divides the gradient)")
         self._check_range(offset, length)
         p = self._slice(flat_f32(params, "params"), offset, length, "params")
-        g = self._slice(flat_f32(grads, "grads"), offset, length, "grads")
+        g = self._slice(grad_view(grads, "grads"), offset, length, "grads")
         bits, mode = lowp_bits_view(lowp_out)
         if mode != MODE_NONE:
             bits = self._slice(bits, offset, length, "lowp_out")

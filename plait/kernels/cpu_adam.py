@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from plait.kernels.base import FlatOptimizer
-from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
+from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bits
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -54,17 +54,17 @@ def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, 
           bc2_sqrt, grad_scale)
     if mode == MODE_BF16:
         for i in prange(n):
-            w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
+            w, m[i], v[i] = _adam_elem(p[i], as_f32(g[i]), m[i], v[i], hp)
             p[i] = w
             out[i] = bf16_bits(w, nan_bits)
     elif mode == MODE_FP16:
         for i in prange(n):
-            w, m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
+            w, m[i], v[i] = _adam_elem(p[i], as_f32(g[i]), m[i], v[i], hp)
             p[i] = w
             out[i] = fp16_bits(w)
     else:
         for i in prange(n):
-            p[i], m[i], v[i] = _adam_elem(p[i], g[i], m[i], v[i], hp)
+            p[i], m[i], v[i] = _adam_elem(p[i], as_f32(g[i]), m[i], v[i], hp)
 
 
 class CPUAdam(FlatOptimizer):

@@ -30,7 +30,7 @@ import torch
 from numba import njit, prange
 
 from plait.kernels.base import FlatOptimizer
-from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
+from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bits
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -52,7 +52,7 @@ def lamb_moments_kernel(p, g, m, v, starts, ends, w_sq, u_sq, beta1, one_minus_b
         i = starts[c]
         e = ends[c]
         while i < e:
-            grad = g[i] / grad_scale
+            grad = as_f32(g[i]) / grad_scale
             mi = beta1 * m[i] + one_minus_beta1 * grad
             vi = beta2 * v[i] + one_minus_beta2 * (grad * grad)
             m[i] = mi

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from plait.kernels.base import FlatOptimizer
-from plait.kernels.lowp import MODE_BF16, MODE_FP16, bf16_bits, fp16_bits
+from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bits
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -47,17 +47,17 @@ def lion_kernel(p, g, m, out, mode, nan_bits, lr, beta1, one_minus_beta1, beta2,
     hp = (lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_scale)
     if mode == MODE_BF16:
         for i in prange(n):
-            w, m[i] = _lion_elem(p[i], g[i], m[i], hp)
+            w, m[i] = _lion_elem(p[i], as_f32(g[i]), m[i], hp)
             p[i] = w
             out[i] = bf16_bits(w, nan_bits)
     elif mode == MODE_FP16:
         for i in prange(n):
-            w, m[i] = _lion_elem(p[i], g[i], m[i], hp)
+            w, m[i] = _lion_elem(p[i], as_f32(g[i]), m[i], hp)
             p[i] = w
             out[i] = fp16_bits(w)
     else:
         for i in prange(n):
-            p[i], m[i] = _lion_elem(p[i], g[i], m[i], hp)
+            p[i], m[i] = _lion_elem(p[i], as_f32(g[i]), m[i], hp)
 
 
 class CPULion(FlatOptimizer):

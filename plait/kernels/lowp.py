@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 MODE_NONE = 0
 MODE_BF16 = 1
@@ -48,6 +49,21 @@ def bf16_bits(x, nan_bits):
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
         r = nan_bits
     return r
+
+
+def as_f32(x):
+    """float32 value of a gradient element: a float32 as is, or a bfloat16 given as its uint16 bit
+    pattern (widened exactly: the bits become the high half of a float32). Callable from numba only."""
+    raise NotImplementedError("as_f32 is a numba intrinsic; call it inside @njit code")
+
+
+@overload(as_f32, inline="always")
+def _as_f32_impl(x):
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and not x.signed:
+        return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+    return None
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -89,6 +105,57 @@ def _convert(src, out, mode, nan_bits):
             out[i] = bf16_bits(src[i], nan_bits)
         else:
             out[i] = fp16_bits(src[i])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _sum_squares(x):
+    total = 0.0
+    for i in prange(x.shape[0]):
+        v = np.float64(as_f32(x[i]))
+        total += v * v
+    return total
+
+
+def sum_of_squares(x: torch.Tensor) -> float:
+    """``sum(x**2)`` of a contiguous CPU float32 or bfloat16 tensor, accumulated in float64 (numba-parallel).
+
+    The host half of ZeRO-Offload needs each gradient segment's squared norm (clipping) and whether it
+    is finite (fp16 overflow); this reads bf16 gradients without widening them first. inf/nan in ``x``
+    give an inf/nan result. Summation order depends on the thread count (float64, so at most ~1e-16
+    relative apart).
+
+    Raises:
+        TypeError: another dtype. ValueError: non-contiguous or non-CPU tensor.
+    """
+    return float(_sum_squares(grad_view(x, "x")))
+
+
+def grad_view(x, name: str) -> np.ndarray:
+    """Zero-copy 1-D numpy view of gradients for the kernels: float32 as float32, bfloat16 as its uint16
+    bit patterns (the kernels widen them with :func:`as_f32`).
+
+    Args:
+        x: contiguous CPU torch tensor (float32 or bfloat16) or numpy float32 array.
+
+    Raises:
+        TypeError: another dtype or type. ValueError: non-contiguous or non-CPU tensor.
+    """
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{name} must be float32 (or a bfloat16 torch tensor), got numpy {x.dtype}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return x.reshape(-1)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name} must be torch.float32 or torch.bfloat16, got {x.dtype}")
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})")
+    flat = x.detach().reshape(-1)
+    if x.dtype == torch.float32:
+        return flat.numpy()
+    return flat.view(torch.int16).numpy().view(np.uint16)
 
 
 def torch_bf16_nan_bits() -> int:
