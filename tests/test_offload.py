@@ -34,7 +34,7 @@ def tiny():
                   ffn_hidden_size=48)
 
 
-def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False):
+def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False, bf16=False):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
@@ -47,6 +47,9 @@ def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False):
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if fp16:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    if bf16:  # bf16 reduction, so at dp 2 the host gradient shard is bf16 too (plait.zero.offload)
+        cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "bf16"
     return cfg
 
 
@@ -96,7 +99,7 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None):
     if save:
         engine.save_checkpoint(save)
     masters = {(s.name, s.start): s.master.clone() for s in engine.optimizer.shard_state().slices}
-    out = {"weights": whole(engine), "masters": masters, "losses": losses, "steps": engine.global_steps,
+    out = {"grad_dtype": engine.optimizer.grad_shards[0].dtype, "weights": whole(engine), "masters": masters, "losses": losses, "steps": engine.global_steps,
            "skipped": engine.skipped_steps, "norm": engine.grad_norm, "lr": engine.get_lr()[0]}
     if engine.optimizer.offload is not None:
         out["overlap"] = dict(engine.optimizer.offload.ready.stats)
@@ -112,6 +115,10 @@ CASES = {  # name: (reference config, offloaded config)
     "stage3 param only": (ds_config(3), ds_config(3, param=True)),
     "stage2 early (no clip, GAS 1)": (ds_config(2, clip=0.0, gas=1), ds_config(2, offload=True, clip=0.0, gas=1)),
     "stage3+param early": (ds_config(3, clip=0.0, gas=1), ds_config(3, offload=True, param=True, clip=0.0, gas=1)),
+    # bf16 at GAS 1: bf16 gradient shards on the host, read as is by the kernels and the norm
+    "bf16 stage2 (bf16 host grads)": (ds_config(2, gas=1, bf16=True), ds_config(2, offload=True, gas=1, bf16=True)),
+    "bf16 stage3+param (bf16 host grads)": (ds_config(3, gas=1, bf16=True),
+                                            ds_config(3, offload=True, param=True, gas=1, bf16=True)),
 }
 
 
@@ -162,9 +169,16 @@ def test_offload_matches_device_optimizer(results, case):
     assert got["steps"] == ref["steps"] == STEPS and got["lr"] == pytest.approx(ref["lr"])
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6), case
     assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    # bf16 weights are the fp32 masters rounded: a master 1e-7 apart may round to the neighbouring bf16
+    # value (2^-8 relative), so bf16 runs check the weights to 1e-4 and the masters to 1e-6.
+    tol = 1e-4 if case.startswith("bf16") else 1e-6
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)
-        assert err <= 1e-6, f"{case}: {name} off by {err:.2e}"
+        assert err <= tol, f"{case}: {name} off by {err:.2e}"
+    for key, m in ref["masters"].items():
+        err = _rel(got["masters"][key], m)
+        assert err <= 1e-6, f"{case}: fp32 master {key} off by {err:.2e}"
+    assert got["grad_dtype"] == (torch.bfloat16 if case.startswith("bf16") else torch.float32)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_offloaded_step(results):

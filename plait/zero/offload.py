@@ -22,8 +22,12 @@ in brackets; on a CPU-only machine every copy is a plain host copy and the strea
     step() returns; next forward: per segment, a pre-hook waits for its copy (device waits on [h2d]
     event) and all-gathers its updated shard (dp > 1) right before first use
 
+The host gradient shard is fp32, except with bf16 weights at GAS 1 (one rank, or a bf16 reduction):
+then the reduced gradient is bf16 already and stays bf16 on the host (half the device->host bytes and
+2 bytes/param less host memory); the kernels and the norm read it as is and widen it exactly.
+
 Exactness of clipping and fp16 overflow (``step_mode``): every segment's squared gradient norm and
-non-finite flag are computed on the host as it lands (overlapped with backward), so at ``step()`` the
+non-finite flag are computed on the host as it lands (numba, float64 sums; overlapped with backward), so at ``step()`` the
 global norm costs one scalar all-reduce. The CPU step of a segment needs the clip coefficient
 ``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
 
@@ -77,6 +81,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plait.kernels.lowp import sum_of_squares
 from plait.parallel.collectives import group_rank, group_size
 from plait.zero.clip import clip_coefficient
 from plait.zero.flat import Segment, gather_segments
@@ -268,8 +273,8 @@ class OffloadPipeline:
         """Worker: norm partials of a segment's final gradient (and the early step)."""
         g = self._grad(seg)
         excluded = self._excluded(seg)
-        total = float(torch.dot(g, g))
-        counted = total - sum(float(torch.dot(g[a:b], g[a:b])) for a, b in excluded) if excluded else total
+        total = sum_of_squares(g)
+        counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
         self.nonfinite[id(seg)] = not math.isfinite(total)
         self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.early:

@@ -203,7 +203,14 @@ class ZeroOptimizer:
         self.device = self.params[0].device
         self._master_device = torch.device("cpu") if host_opt else self.device
         self.masters = [self._materialize(g) for g in self.groups]
-        self.grad_shards = [host_empty(m.numel(), torch.float32, offload.pin_memory).zero_() if host_opt
+        # ZeRO-Offload with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
+        # rank: backward's own bf16 gradient; dp > 1: a bf16 reduction), so the host keeps it in bf16 --
+        # half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact.
+        compact = host_opt and gradient_accumulation_steps == 1 and \
+            all(g.key.dtype == torch.bfloat16 for g in self.groups) and \
+            (world == 1 or self.reduce_dtype == torch.bfloat16)
+        grad_dtype = torch.bfloat16 if compact else torch.float32
+        self.grad_shards = [host_empty(m.numel(), grad_dtype, offload.pin_memory).zero_() if host_opt
                             else torch.zeros_like(m) for m in self.masters]
         if host_opt:
             optimizer = host_optimizer(optimizer, offload.num_threads)
@@ -220,8 +227,8 @@ class ZeroOptimizer:
         if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
             loss_scaler = LossScaler()
         self.scaler = loss_scaler
-        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, self.reduce_dtype,
-                                   overlap_comm, eager=stage >= 2)
+        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, grad_dtype if compact
+                                   else self.reduce_dtype, overlap_comm, eager=stage >= 2)
         self.gatherer = None
         if stage == 3:
             for u in self.units:
@@ -445,7 +452,7 @@ class ZeroOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: ``params`` (model parameter storage, compute dtype;
         stage-3 shards, persistent and currently gathered params), ``grads`` (``param.grad`` tensors),
-        ``grad_shards`` (fp32 reduced gradients), ``master`` (fp32 weights), ``optimizer_state``
+        ``grad_shards`` (reduced gradients: fp32; bf16 under offload at GAS 1), ``master`` (fp32 weights), ``optimizer_state``
         (torch optimizer state tensors), and ``total``."""
         seen, params = set(), 0
         for g in self.groups:
