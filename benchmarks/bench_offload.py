@@ -18,6 +18,11 @@
     bf16 parameter shard; DeepSpeed needs the same) exceeds 90% of MemAvailable is skipped, not tried, so
     the host is never driven into swap or the OOM killer. Reported: largest size completed, tokens/s.
 
+--clip sets gradient_clipping for both arms (default 1.0; 0 = DeepSpeed's default, no clipping, which
+lets plait step each gradient segment on the host while backward runs). --profile adds, per arm, three
+extra steps timed phase by phase with device synchronization (forward, backward, step() call, and
+for plait the wait for the overlapped host step), reported as "profile".
+
 Every arm runs in its own process (fresh CUDA memory statistics) and prints one ``RESULT {json}`` line;
 the parent prints markdown tables and writes JSON lines to --out. Model code is plait's
 ``TransformerModel`` (tp=1) for both frameworks, so the arms differ only in the training wrapper. Each
@@ -35,7 +40,9 @@ import time
 import torch
 
 SEQ = 2048
-HOST_BYTES_PER_PARAM = 18.0
+# host bytes/parameter of ZeRO-3 + full offload at GAS 1 (bf16): fp32 master 4, Adam moments 8, gradient
+# partition (plait keeps backward's bf16 gradient: 2; DeepSpeed an fp32 one: 4), bf16 parameter shard 2
+HOST_BYTES_PER_PARAM = {"plait": 16.0, "ds": 18.0}
 # name: (hidden, layers, heads, kv heads, ffn) -- Llama-style shapes (TinyLlama, Llama-2/3 family, between)
 SIZES = {
     "1b": (2048, 22, 32, 4, 5632),
@@ -61,14 +68,14 @@ def model_config(size: str, device_type: str):
                   ffn_hidden_size=ffn, max_position_embeddings=SEQ)
 
 
-def ds_config(stage: int, micro: int, offload_param: bool) -> dict:
+def ds_config(stage: int, micro: int, offload_param: bool, clip: float = 1.0) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
             "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
             "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     if offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}}
 
@@ -90,13 +97,14 @@ def batch(cfg, device, micro: int, step: int) -> dict:
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
-def make_step(framework: str, size: str, stage: int, micro: int, offload_param: bool, device: torch.device):
-    """Returns (cfg, n_params, step_fn(i) -> loss) for one arm."""
+def make_step(framework: str, size: str, stage: int, micro: int, offload_param: bool, device: torch.device,
+              clip: float = 1.0):
+    """Returns (cfg, n_params, step_fn(i) -> loss, engine) for one arm."""
     from plait.layers import TransformerModel
     init_single_process(device)
     cfg = model_config(size, device.type)
     model = TransformerModel(cfg, None, seed=0, device=device)
-    conf = ds_config(stage, micro, offload_param)
+    conf = ds_config(stage, micro, offload_param, clip)
     if framework == "plait":
         import plait
         from plait.parallel import ParallelMesh
@@ -114,17 +122,41 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
         engine.backward(loss)
         engine.step()
         return loss
-    return cfg, cfg.num_parameters(), step
+    return cfg, cfg.num_parameters(), step, engine
+
+
+def profile_steps(framework, engine, cfg, device, micro: int, start: int, n: int = 3) -> dict:
+    """Mean seconds per phase over ``n`` steps, each phase ended by a device synchronization."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    acc = {"forward": 0.0, "backward": 0.0, "step_call": 0.0, "host_step_wait": 0.0}
+    sync()
+    for i in range(start, start + n):
+        t0 = time.perf_counter()
+        loss = engine(**batch(cfg, device, micro, i))
+        sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        if framework == "plait":
+            engine.optimizer.synchronize()
+        sync()
+        t4 = time.perf_counter()
+        for k, dt in zip(acc, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            acc[k] += dt / n
+    return acc
 
 
 def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bool, warmup: int, steps: int,
-            device_type: str) -> dict:
+            device_type: str, clip: float = 1.0, profile: bool = False) -> dict:
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     t_init = time.perf_counter()
-    _, n_params, step = make_step(framework, size, stage, micro, offload_param, device)
+    cfg, n_params, step, engine = make_step(framework, size, stage, micro, offload_param, device, clip)
     init_s = time.perf_counter() - t_init
     for i in range(warmup):
         step(i)
@@ -137,10 +169,13 @@ def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bo
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
-    return {"framework": framework, "size": size, "params": n_params, "tokens_per_s": micro * SEQ / dt,
-            "step_s": dt, "init_s": init_s, "loss": float(loss),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "host_rss_gib": _rss_gib()}
+    out = {"framework": framework, "size": size, "params": n_params, "tokens_per_s": micro * SEQ / dt,
+           "step_s": dt, "init_s": init_s, "loss": float(loss), "clip": clip,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+           "host_rss_gib": _rss_gib()}
+    if profile:
+        out["profile"] = profile_steps(framework, engine, cfg, device, micro, warmup + steps)
+    return out
 
 
 def _rss_gib() -> float:
@@ -164,7 +199,10 @@ def mem_available_gib() -> float:
 
 def spawn(args, framework, size, stage, micro, offload_param, steps) -> dict:
     cmd = [sys.executable, __file__, "--one", framework, "--size", size, "--stage", str(stage), "--micro",
-           str(micro), "--warmup", str(args.warmup), "--steps", str(steps), "--device", args.device]
+           str(micro), "--warmup", str(args.warmup), "--steps", str(steps), "--device", args.device,
+           "--clip", str(args.clip)]
+    if args.profile:
+        cmd.append("--profile")
     if offload_param:
         cmd.append("--offload-param")
     t0 = time.perf_counter()
@@ -182,7 +220,8 @@ def spawn(args, framework, size, stage, micro, offload_param, steps) -> dict:
 
 
 def part_a(args, rows):
-    print("\n(a) llama-886m, ZeRO-2 + offload_optimizer, seq 2048, micro-batch 4, bf16, AdamW, clip 1.0", flush=True)
+    print(f"\n(a) llama-886m, ZeRO-2 + offload_optimizer, seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip}",
+          flush=True)
     out = []
     for fw in args.arms.split(","):
         r = spawn(args, fw, "886m", 2, 4, False, args.steps)
@@ -200,7 +239,7 @@ def part_b(args, rows):
     for fw in args.arms.split(","):
         for size in sizes:
             n = model_config(size, args.device).num_parameters()
-            need, have = HOST_BYTES_PER_PARAM * n / 2**30, mem_available_gib()
+            need, have = HOST_BYTES_PER_PARAM[fw] * n / 2**30, mem_available_gib()
             if args.device == "cuda" and need > 0.9 * have:
                 r = {"framework": fw, "size": size, "params": n,
                      "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available", "oom": True}
@@ -226,6 +265,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per arm process")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="bench_offload.jsonl")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of both arms (0: off)")
+    parser.add_argument("--profile", action="store_true", help="phase-by-phase timing of 3 extra steps")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="886m", help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=2, help=argparse.SUPPRESS)
@@ -234,7 +275,7 @@ def main():
     args = parser.parse_args()
     if args.one:
         r = run_arm(args.one, args.size, args.stage, args.micro, args.offload_param, args.warmup, args.steps,
-                    args.device)
+                    args.device, args.clip, args.profile)
         print("RESULT " + json.dumps(r), flush=True)
         return
     rows = []
@@ -247,7 +288,7 @@ def main():
     threads = os.environ.get("PLAIT_OFFLOAD_THREADS", f"all ({os.cpu_count()})")
     print(f"\n{name}; torch {torch.__version__}; {os.cpu_count()} cores; plait offload threads: {threads}")
     if a:
-        print("\n(a) llama-886m ZeRO-2 + offload_optimizer (seq 2048, micro-batch 4, bf16, AdamW, clip 1.0)\n")
+        print(f"\n(a) llama-886m ZeRO-2 + offload_optimizer (seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip})\n")
         print("| framework | tokens/s | step s | peak GPU GiB | host RSS GiB |\n|---|---|---|---|---|")
         for r in a:
             if "error" in r:

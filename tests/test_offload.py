@@ -80,17 +80,18 @@ def slow_host_steps(seconds):
         HostOptimizer.step_range = orig
 
 
-def train(cfg, steps, start=0, load=None, save=None, poison=None):
-    """Engine run; ``poison(step, rank)`` multiplies that rank's loss by inf."""
+def train(cfg, steps, start=0, load=None, save=None, poison=None, device="cpu"):
+    """Engine run; ``poison(step, rank)`` multiplies that rank's loss by inf. The model is built on the
+    CPU and moved to ``device`` (tests/gpu/run_offload_gpu.py runs these cases on a GPU)."""
     mesh = ParallelMesh()
-    engine = plait.initialize(TransformerModel(tiny(), mesh, seed=5), cfg, mesh=mesh)
+    engine = plait.initialize(TransformerModel(tiny(), mesh, seed=5).to(device), cfg, mesh=mesh)
     if load:
         engine.load_checkpoint(load)
     gas, losses = cfg["gradient_accumulation_steps"], []
     for step in range(start, start + steps):
         total = 0.0
         for j in range(gas):
-            loss = engine(**micro_batch(step, j, mesh.dp_rank))
+            loss = engine(**{k: v.to(device) for k, v in micro_batch(step, j, mesh.dp_rank).items()})
             bad = poison is not None and poison(step, mesh.dp_rank)
             engine.backward(loss * math.inf if bad else loss)
             engine.step()

@@ -86,6 +86,7 @@ from plait.parallel.collectives import group_rank, group_size
 from plait.zero.clip import clip_coefficient
 from plait.zero.flat import Segment, gather_segments
 from plait.zero.offload_ready import Readiness, forward_order, module_needs
+from plait.zero.pinned import host_empty
 from plait.zero.stage3 import ParamGatherer
 
 
@@ -112,17 +113,6 @@ class OffloadOptions:
     num_threads: int | None = None
     early_step: bool = True
     overlap_step: bool = True
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """``[numel]`` host tensor, page-locked when ``pin`` and CUDA is available."""
-    return torch.empty(numel, dtype=dtype, pin_memory=bool(pin and torch.cuda.is_available()))
-
-
-def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = host_empty(t.numel(), t.dtype, pin)
-    out.copy_(t.reshape(-1))
-    return out
 
 
 class OffloadGatherer(ParamGatherer):

@@ -63,10 +63,9 @@ from plait.zero.offload import (
     OffloadGatherer,
     OffloadOptions,
     OffloadPipeline,
-    host_empty,
-    to_host,
 )
 from plait.zero.offload_optim import host_optimizer
+from plait.zero.pinned import host_empty, to_host
 from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
 from plait.zero.stage12 import GradReducer
