@@ -169,6 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=cores, help="threads for every implementation")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only rows whose name has one")
     ap.add_argument("--probe", action="store_true", help="also the memory-traffic ceiling and the DMA-contention run")
     args = ap.parse_args(argv)
     if args.threads > numba.config.NUMBA_NUM_THREADS:
@@ -180,28 +181,27 @@ def main(argv=None) -> None:
     report = compile_kernels(args.threads)
     compile_wall = time.perf_counter() - t0
 
-    rows: list[tuple[str, list[float] | str]] = [
-        ("plait CPUAdam (AdamW) + bf16 copy-out, fused", bench_plait(args.numel, args.threads, True, args.warmup, args.steps)),
-        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", bench_plait(args.numel, args.threads, True, args.warmup,
-                                                                         args.steps, torch.bfloat16)),
-        ("plait CPUAdam (AdamW), no copy-out", bench_plait(args.numel, args.threads, False, args.warmup, args.steps)),
-        ("torch AdamW fused=True", bench_torch(args.numel, "fused", False, args.warmup, args.steps)),
-        ("torch AdamW fused=True + bf16 copy_", bench_torch(args.numel, "fused", True, args.warmup, args.steps)),
-        ("torch AdamW foreach=True", bench_torch(args.numel, "foreach", False, args.warmup, args.steps)),
-        ("DeepSpeedCPUAdam (adamw_mode)", bench_deepspeed(args.numel, args.warmup, args.steps)),
-        ("DeepSpeedCPUAdam (adamw_mode) + bf16 copy_", bench_deepspeed(args.numel, args.warmup, args.steps, True)),
+    n, th, w, st = args.numel, args.threads, args.warmup, args.steps
+    half = max(1, th // 2)
+    candidates = [
+        ("plait CPUAdam (AdamW) + bf16 copy-out, fused", lambda: bench_plait(n, th, True, w, st)),
+        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", lambda: bench_plait(n, th, True, w, st, torch.bfloat16)),
+        ("plait CPUAdam (AdamW), no copy-out", lambda: bench_plait(n, th, False, w, st)),
+        ("torch AdamW fused=True", lambda: bench_torch(n, "fused", False, w, st)),
+        ("torch AdamW fused=True + bf16 copy_", lambda: bench_torch(n, "fused", True, w, st)),
+        ("torch AdamW foreach=True", lambda: bench_torch(n, "foreach", False, w, st)),
+        ("DeepSpeedCPUAdam (adamw_mode)", lambda: bench_deepspeed(n, w, st)),
+        ("DeepSpeedCPUAdam (adamw_mode) + bf16 copy_", lambda: bench_deepspeed(n, w, st, True)),
     ]
     if args.probe:
-        half = max(1, args.threads // 2)
-        rows += [
-            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({args.threads} threads)",
-             bench_traffic(args.numel, args.threads, args.warmup, args.steps)),
-            (f"ceiling: same, {half} threads", bench_traffic(args.numel, half, args.warmup, args.steps)),
-            (f"plait CPUAdam + bf16 copy-out, {half} threads", bench_plait(args.numel, half, True, args.warmup,
-                                                                          args.steps)),
-            ("plait CPUAdam + bf16 copy-out, pinned copies running", bench_plait_with_dma(args.numel, args.threads,
-                                                                                         args.warmup, args.steps)),
+        candidates += [
+            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({th} threads)", lambda: bench_traffic(n, th, w, st)),
+            (f"ceiling: same, {half} threads", lambda: bench_traffic(n, half, w, st)),
+            (f"plait CPUAdam + bf16 copy-out, {half} threads", lambda: bench_plait(n, half, True, w, st)),
+            ("plait CPUAdam + bf16 copy-out, pinned copies running", lambda: bench_plait_with_dma(n, th, w, st)),
         ]
+    wanted = [x for x in args.only.split(",") if x]
+    rows = [(name, run()) for name, run in candidates if not wanted or any(x in name for x in wanted)]
 
     print(f"machine: {cpu_model()}; {cores} cores available ({os.cpu_count()} online); {platform.platform()}")
     print(f"versions: torch {torch.__version__}, numba {numba.__version__} "

@@ -65,8 +65,8 @@ def main() -> int:
         if info.rank != 0:
             continue
         tol = 1e-4 if case.startswith("bf16") else 1e-6
-        w_err = max(_rel(got["weights"][n], w) for n, w in ref["weights"].items())
-        m_err = max(_rel(got["masters"][k], m) for k, m in ref["masters"].items())
+        w_err = max(_rel(got["weights"][n].cpu(), w.cpu()) for n, w in ref["weights"].items())
+        m_err = max(_rel(got["masters"][k].cpu(), m.cpu()) for k, m in ref["masters"].items())
         l_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
         ok = w_err <= tol and m_err <= 1e-6 and l_err <= 1e-6 and got["steps"] == STEPS
         failures += not ok
