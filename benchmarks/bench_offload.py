@@ -4,6 +4,7 @@
     python benchmarks/bench_offload.py --part a --steps 10
     python benchmarks/bench_offload.py --part b --sizes 1b,3b,7b
     PLAIT_OFFLOAD_THREADS=15 python benchmarks/bench_offload.py ...   # CPU optimizer threads (default: all)
+    PLAIT_DEVICE_STEP=0.5 python benchmarks/bench_offload.py --part a --arms plait  # device-assisted host step
     python benchmarks/bench_offload.py --device cpu --part a --arms plait   # smoke test without a GPU
 
 (a) llama-886m (ANCHORS.md), sequence 2048, micro-batch 4, bf16, AdamW (lr 1e-4, wd 0.1, betas 0.9/0.95),
@@ -69,6 +70,7 @@ def model_config(size: str, device_type: str):
 
 
 def ds_config(stage: int, micro: int, offload_param: bool, clip: float = 1.0) -> dict:
+    """The DeepSpeed config both arms read (plait reads ds_config JSON)."""
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
             "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
@@ -106,6 +108,9 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
     model = TransformerModel(cfg, None, seed=0, device=device)
     conf = ds_config(stage, micro, offload_param, clip)
     if framework == "plait":
+        fraction = float(os.environ.get("PLAIT_DEVICE_STEP", "0"))
+        if fraction:   # plait's device-assisted host step (plait.zero.offload_device)
+            conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
         import plait
         from plait.parallel import ParallelMesh
         engine = plait.initialize(model, conf, mesh=ParallelMesh())

@@ -185,10 +185,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class OffloadConfig:
     """``offload_optimizer`` / ``offload_param``: ``device`` "none" or "cpu" (ZeRO-Offload, Ren et al. 2021);
-    ``pin_memory`` allocates the host buffers page-locked for faster device copies."""
+    ``pin_memory`` allocates the host buffers page-locked for faster device copies.
+    ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
+    partition whose update the device computes from the host-resident states while the CPU steps the
+    rest (``plait.zero.offload_device``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU."""
 
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False
+    device_step_fraction: float = 0.0
 
     @property
     def enabled(self) -> bool:

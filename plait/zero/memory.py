@@ -37,8 +37,8 @@ temporary buffers, communication buckets, allocator fragmentation; stage 3's gat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from torch import nn
 

@@ -85,6 +85,7 @@ from plait.kernels.lowp import sum_of_squares
 from plait.parallel.collectives import group_rank, group_size
 from plait.zero.clip import clip_coefficient
 from plait.zero.flat import Segment, gather_segments
+from plait.zero.offload_device import DeviceStepper
 from plait.zero.offload_ready import Readiness, forward_order, module_needs
 from plait.zero.pinned import host_empty
 from plait.zero.stage3 import ParamGatherer
@@ -105,6 +106,12 @@ class OffloadOptions:
         early_step: allow the early mode (module docstring) when the clip coefficient is exactly 1.
         overlap_step: ``step()`` returns before the host step ends; the next forward waits per
             segment (module docstring). False: ``step()`` waits for every segment.
+        device_step_fraction: in [0, 1): the first this fraction of the optimizer partition (elements, in
+            forward order) is updated by the device from the host-resident states while the CPU steps
+            the rest (``plait.zero.offload_device``); 0: everything on the CPU. Adam/AdamW, GAS 1.
+
+    Raises:
+        ValueError: ``device_step_fraction`` outside [0, 1).
     """
 
     optimizer: bool = True
@@ -113,6 +120,12 @@ class OffloadOptions:
     num_threads: int | None = None
     early_step: bool = True
     overlap_step: bool = True
+    device_step_fraction: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.device_step_fraction < 1.0:
+            raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
+                             "optimizer step the device computes; 0 = all on the CPU)")
 
 
 class OffloadGatherer(ParamGatherer):
@@ -172,6 +185,7 @@ class OffloadPipeline:
             self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self._copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
         self.order = forward_order(opt.module, self.segments)   # the order the worker steps them
+        self.device_step = self._device_stepper(options.device_step_fraction)
         self.ready = Readiness(self.order, self.device, opt.dp_group, opt.dp_size, opt.allgather_bucket_size,
                                opt.overlap_comm)
         self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
@@ -183,6 +197,34 @@ class OffloadPipeline:
             opt.gatherer.gate = self.ready
         self._reset()
 
+    def _device_stepper(self, fraction: float) -> DeviceStepper | None:
+        """The ``DeviceStepper`` for the first ``fraction`` of the partition in forward order (None at 0).
+
+        Raises:
+            ValueError: a fraction > 0 with Lion, GAS > 1, or no segment whose weights live on the device.
+        """
+        if fraction <= 0.0:
+            return None
+        opt = self.opt
+        problems = []
+        if getattr(opt.optimizer, "kind", None) not in ("adam", "adamw"):
+            problems.append(f"optimizer {getattr(opt.optimizer, 'kind', type(opt.optimizer).__name__)} (needs Adam/AdamW)")
+        if opt.gradient_accumulation_steps != 1:
+            problems.append(f"gradient_accumulation_steps={opt.gradient_accumulation_steps} (needs 1)")
+        eligible = [s for s in self.order if self._device_dest(s) is not None]
+        if not eligible:
+            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
+        if problems:
+            raise ValueError("device_step_fraction > 0 cannot be used with " + "; ".join(problems) +
+                             "; set it to 0")
+        total, chosen, acc = sum(s.shard_size for s in self.order), [], 0
+        for s in eligible:
+            if acc >= fraction * total:
+                break
+            chosen.append(s)
+            acc += s.shard_size
+        return DeviceStepper(self, chosen)
+
     # ---- per-step state ---------------------------------------------------------------------------
     def _reset(self) -> None:
         self.finalized: set[int] = set()
@@ -191,6 +233,8 @@ class OffloadPipeline:
         self.nonfinite: dict[int, bool] = {}
         self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
         self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
+        if getattr(self, "device_step", None) is not None:
+            self.device_step.reset()
 
     def _submit(self, fn, *args) -> None:
         self.futures.append(self.worker.submit(fn, *args))
@@ -203,8 +247,11 @@ class OffloadPipeline:
 
     def synchronize(self) -> None:
         """Main thread: finish the overlapped step in flight (every segment stepped, copied back and,
-        at dp > 1, all-gathered, in order). Collective over dp while a step is in flight."""
+        at dp > 1, all-gathered, in order; device-stepped states back in host memory). Collective over
+        dp while a step is in flight."""
         self.ready.wait_all()
+        if self.device_step is not None:
+            self.device_step.wait()
 
     def _pre_forward(self, module, args) -> None:
         self._ran.add(id(module))
@@ -218,8 +265,13 @@ class OffloadPipeline:
         """A reduced segment gradient ``out`` (``[S]``, reduce dtype, on the device; None: already
         packed into the host shard) is ready: start its copy to the host and queue its host work."""
         opt = self.opt
-        self.ready.wait_all()  # the last step's host work reads the gradient shards this overwrites
+        self.synchronize()  # the last step's host work reads the gradient shards this overwrites
         last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps
+        if self.device_step is not None and seg in self.device_step:   # GAS 1: last and fresh
+            grad = out if out is not None else self._grad(seg)   # None: packed in place (CPU-only, dp 1)
+            self.device_step.land(seg, grad, self._excluded(seg), seg.key.tp_replicated and self.tp_skip)
+            self.finalized.add(id(seg))
+            return
         host = self._grad(seg)
         src, event = out, None
         if out is not None and self.cuda:
@@ -328,19 +380,24 @@ class OffloadPipeline:
     def step(self) -> bool:
         """Finish the optimizer step after every segment was reduced (see ``ZeroOptimizer.step``)."""
         opt = self.opt
-        self.ready.wait_all()
+        self.synchronize()
         for seg in self.segments:
             if id(seg) not in self.finalized:
                 self.finalized.add(id(seg))
                 self._submit(self._finalize, seg)
         self.drain()
         groups = (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp)
-        if opt.scaler is not None and _any_across(any(self.nonfinite.values()), groups, self.device):
-            self._reset()
-            return opt.skip_step()
+        device_sq = self.device_step.norm_partial() if self.device_step is not None else None
+        if opt.scaler is not None:
+            bad = any(self.nonfinite.values()) or (device_sq is not None and not bool(torch.isfinite(device_sq)))
+            if _any_across(bad, groups, self.device):
+                self._reset()
+                return opt.skip_step()
         scale = opt.loss_scale
-        total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments)], dtype=torch.float32,
-                             device=self.device)
+        total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments if id(s) in self.sumsq)],
+                             dtype=torch.float64, device=self.device)
+        if device_sq is not None:
+            total = total + device_sq
         for group in groups:
             if group is not None and group_size(group) > 1:
                 dist.all_reduce(total, group=group)
@@ -355,7 +412,9 @@ class OffloadPipeline:
             self.begun = True
         tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
         for seg in self.order:
-            if id(seg) in self.stepped:
+            if self.device_step is not None and seg in self.device_step:
+                tickets.append(self.device_step.step(seg, 1.0 / coef))
+            elif id(seg) in self.stepped:
                 tickets.append(self._copied.get(id(seg)))   # the worker is idle (drained)
             else:
                 tickets.append(self.worker.submit(self._step_segment, seg, 1.0 / coef, self.used.get(id(seg))))
@@ -365,7 +424,7 @@ class OffloadPipeline:
         self.ready.start(tickets)
         gathered_now = any(s.local is not None and s.full is not None for s in self.segments)
         if not self.options.overlap_step or gathered_now:  # inside gathered_parameters(): finish here
-            self.ready.wait_all()
+            self.synchronize()
         self._reset()
         opt.reducer.zero()
         if opt.scaler is not None:
@@ -375,7 +434,7 @@ class OffloadPipeline:
 
     def discard(self) -> None:
         """``zero_grad``: drop landed gradients. Early-mode steps already applied are completed."""
-        self.ready.wait_all()
+        self.synchronize()
         self.drain()
         if self.stepped:
             raise RuntimeError(f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
@@ -384,7 +443,7 @@ class OffloadPipeline:
         self._reset()
 
     def close(self) -> None:
-        self.ready.wait_all()
+        self.synchronize()
         self.drain()
         for h in self._hooks:
             h.remove()

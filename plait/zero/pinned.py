@@ -41,6 +41,25 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t
 
 
+def pin_existing(t: torch.Tensor) -> None:
+    """Page-lock the memory of the contiguous CPU tensor ``t`` in place (no copy), until ``t`` is
+    garbage-collected; a no-op without CUDA or when that memory is already page-locked.
+
+    Raises:
+        RuntimeError: the driver refused (names the size and the CUDA error).
+    """
+    if not torch.cuda.is_available() or t.is_pinned() or t.numel() == 0:
+        return
+    cudart = torch.cuda.cudart()
+    nbytes = t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host tensor failed: "
+                           f"{cudart.cudaGetErrorString(err)}; free host memory or raise the locked-memory limit "
+                           "(ulimit -l)")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+
+
 def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """A flat host copy of ``t`` (``[t.numel()]``, same dtype), page-locked as in :func:`host_empty`."""
     out = host_empty(t.numel(), t.dtype, pin)

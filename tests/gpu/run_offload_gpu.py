@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from test_offload import CASES, STEPS, _rel, train  # noqa: E402
+from test_offload import CASES, STEPS, _rel, train
 
-from plait.parallel import init_distributed  # noqa: E402
-from plait.zero.pinned import host_empty  # noqa: E402
+from plait.parallel import init_distributed
+from plait.zero.pinned import host_empty
 
 
 def rss_bytes() -> int:
