@@ -31,7 +31,8 @@ non-finite flag are computed on the host as it lands (numba, float64 sums; overl
 global norm costs one scalar all-reduce. The CPU step of a segment needs the clip coefficient
 ``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
 
-* **early** (``max_grad_norm`` off and no fp16 loss scaler, so the coefficient is exactly 1): each
+* **early** (``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is exactly 1, and no
+  device share, see ``plait.zero.offload_device``): each
   segment is stepped by the worker as soon as it lands, while backward computes earlier layers, and its
   bf16 copy-back is queued right away. This is the full overlap of the ZeRO-Offload paper.
 * **deferred** (clipping on, or fp16): the segments' CPU steps start at ``step()`` with the exact
@@ -186,6 +187,9 @@ class OffloadPipeline:
         self._copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
         self.order = forward_order(opt.module, self.segments)   # the order the worker steps them
         self.device_step = self._device_stepper(options.device_step_fraction)
+        # With a device share the deferred mode is faster: the CPU and the device step their shares at
+        # the same time (early mode would step the CPU share during backward and the device share after).
+        self.early = self.early and self.device_step is None
         self.ready = Readiness(self.order, self.device, opt.dp_group, opt.dp_size, opt.allgather_bucket_size,
                                opt.overlap_comm)
         self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
