@@ -23,7 +23,7 @@ i.e. is it per-core limited?), and, on a CUDA machine, the plait kernel while an
 pinned host<->device copies running (does DMA traffic slow the host step?).
 
 Every implementation uses --threads threads (numba threads for plait, torch.set_num_threads for the
-others), runs --warmup untimed steps, then --steps timed steps. Reported: median and best seconds
+others), runs --warmup untimed steps, then --steps timed rounds, interleaved (one step of each per round). Reported: median and best seconds
 per step and Gparams/s from the median. Memory needed: about 18 bytes x numel at a time.
 
     python benchmarks/bench_cpu_optimizers.py --numel 200_000_000 --threads 16 --steps 10
@@ -57,6 +57,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+DS = "DeepSpeedCPUAdam (adamw_mode)"
+
+
+def interleaved(steps_of: dict, warmup: int, rounds: int) -> list[tuple[str, list[float] | str]]:
+    """Seconds per step of each callable in ``steps_of`` (name -> step, or a string: not runnable), one
+    step of each in turn per round, after ``warmup`` untimed steps of each."""
+    runnable = {k: f for k, f in steps_of.items() if callable(f)}
+    for f in runnable.values():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in runnable}
+    for _ in range(rounds):
+        for k, f in runnable.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return [(k, times[k] if k in times else v) for k, v in steps_of.items()]
+
+
 def timed(step, warmup: int, steps: int) -> list[float]:
     for _ in range(warmup):
         step()
@@ -68,17 +87,16 @@ def timed(step, warmup: int, steps: int) -> list[float]:
     return out
 
 
-def bench_plait(numel: int, threads: int, copy_out: bool, warmup: int, steps: int,
-                grad_dtype: torch.dtype = torch.float32) -> list[float]:
+def make_plait(numel: int, threads: int, copy_out: bool, grad_dtype: torch.dtype = torch.float32):
     # buffers as plait's offload engine allocates them: on transparent huge pages (plait.kernels.hugepages)
     p = huge_empty(numel).copy_(torch.randn(numel))
     g = huge_empty(numel, grad_dtype).copy_(torch.randn(numel))
     out = huge_empty(numel, torch.bfloat16) if copy_out else None
     opt = CPUAdam(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True, num_threads=threads)
-    return timed(lambda: opt.step(p, g, out), warmup, steps)
+    return lambda: opt.step(p, g, out)
 
 
-def bench_torch(numel: int, kind: str, copy_out: bool, warmup: int, steps: int) -> list[float]:
+def make_torch(numel: int, kind: str, copy_out: bool):
     p = torch.nn.Parameter(torch.randn(numel))
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **{kind: True})
@@ -89,10 +107,11 @@ def bench_torch(numel: int, kind: str, copy_out: bool, warmup: int, steps: int) 
         if out is not None:
             out.copy_(p.detach())
 
-    return timed(step, warmup, steps)
+    return step
 
 
-def bench_deepspeed(numel: int, warmup: int, steps: int, copy_out: bool = False) -> list[float] | str:
+def make_deepspeed(numel: int, copy_out: bool = False):
+    """The step callable, or a string saying why DeepSpeed cannot run."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError:
@@ -110,7 +129,7 @@ def bench_deepspeed(numel: int, warmup: int, steps: int, copy_out: bool = False)
         if out is not None:
             out.copy_(p.detach())
 
-    return timed(step, warmup, steps)
+    return step
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
@@ -162,7 +181,7 @@ def bench_plait_with_dma(numel: int, threads: int, warmup: int, steps: int) -> l
     t.start()
     t0 = time.perf_counter()
     try:
-        res = bench_plait(numel, threads, True, warmup, steps)
+        res = timed(make_plait(numel, threads, True), warmup, steps)
     finally:
         stop.set()
         t.join()
@@ -191,25 +210,26 @@ def main(argv=None) -> None:
 
     n, th, w, st = args.numel, args.threads, args.warmup, args.steps
     half = max(1, th // 2)
-    candidates = [
-        ("plait CPUAdam (AdamW) + bf16 copy-out, fused", lambda: bench_plait(n, th, True, w, st)),
-        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", lambda: bench_plait(n, th, True, w, st, torch.bfloat16)),
-        ("plait CPUAdam (AdamW), no copy-out", lambda: bench_plait(n, th, False, w, st)),
-        ("torch AdamW fused=True", lambda: bench_torch(n, "fused", False, w, st)),
-        ("torch AdamW fused=True + bf16 copy_", lambda: bench_torch(n, "fused", True, w, st)),
-        ("torch AdamW foreach=True", lambda: bench_torch(n, "foreach", False, w, st)),
-        ("DeepSpeedCPUAdam (adamw_mode)", lambda: bench_deepspeed(n, w, st)),
-        ("DeepSpeedCPUAdam (adamw_mode) + bf16 copy_", lambda: bench_deepspeed(n, w, st, True)),
+    makers = [
+        ("plait CPUAdam (AdamW) + bf16 copy-out, fused", lambda: make_plait(n, th, True)),
+        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", lambda: make_plait(n, th, True, torch.bfloat16)),
+        ("plait CPUAdam (AdamW), no copy-out", lambda: make_plait(n, th, False)),
+        ("torch AdamW fused=True", lambda: make_torch(n, "fused", False)),
+        ("torch AdamW fused=True + bf16 copy_", lambda: make_torch(n, "fused", True)),
+        ("torch AdamW foreach=True", lambda: make_torch(n, "foreach", False)),
+        (DS, lambda: make_deepspeed(n)),
+        ("DeepSpeedCPUAdam (adamw_mode) + bf16 copy_", lambda: make_deepspeed(n, True)),
     ]
-    if args.probe:
-        candidates += [
-            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({th} threads)", lambda: bench_traffic(n, th, w, st)),
-            (f"ceiling: same, {half} threads", lambda: bench_traffic(n, half, w, st)),
-            (f"plait CPUAdam + bf16 copy-out, {half} threads", lambda: bench_plait(n, half, True, w, st)),
-            ("plait CPUAdam + bf16 copy-out, pinned copies running", lambda: bench_plait_with_dma(n, th, w, st)),
-        ]
     wanted = [x for x in args.only.split(",") if x]
-    rows = [(name, run()) for name, run in candidates if not wanted or any(x in name for x in wanted)]
+    steps_of = {name: make() for name, make in makers if not wanted or any(x in name for x in wanted)}
+    rows = interleaved(steps_of, w, st)
+    if args.probe:
+        rows += [
+            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({th} threads)", bench_traffic(n, th, w, st)),
+            (f"ceiling: same, {half} threads", bench_traffic(n, half, w, st)),
+            (f"plait CPUAdam + bf16 copy-out, {half} threads", timed(make_plait(n, half, True), w, st)),
+            ("plait CPUAdam + bf16 copy-out, pinned copies running", bench_plait_with_dma(n, th, w, st)),
+        ]
 
     print(f"machine: {cpu_model()}; {cores} cores available ({os.cpu_count()} online); {platform.platform()}")
     print(f"versions: torch {torch.__version__}, numba {numba.__version__} "
@@ -219,14 +239,20 @@ def main(argv=None) -> None:
            else f"{report.compiled} kernel signatures compiled, now cached")
     print(f"numba first-call time: {report.total_s:.2f} s ({how}; adam {report.seconds['adam']:.2f} s, "
           f"wall {compile_wall:.2f} s; cache: {report.cache_dir})\n")
-    print("| implementation | median s/step | best s/step | Gparams/s (median) |")
-    print("|---|---:|---:|---:|")
+    ds = dict(rows).get(DS)
+    print(f"Rows above the ceiling lines ran interleaved: each of {args.steps} rounds times one step of every "
+          "implementation in turn, so drift in the host's load hits all alike; 'vs DeepSpeed' is the median "
+          "over rounds of DeepSpeedCPUAdam's step time / this row's (same round).\n")
+    print("| implementation | median s/step | best s/step | Gparams/s (median) | vs DeepSpeedCPUAdam (paired) |")
+    print("|---|---:|---:|---:|---:|")
     for name, res in rows:
         if isinstance(res, str):
-            print(f"| {name} | {res} | | |")
+            print(f"| {name} | {res} | | | |")
             continue
         med = statistics.median(res)
-        print(f"| {name} | {med:.4f} | {min(res):.4f} | {args.numel / med / 1e9:.3f} |")
+        paired = (f"{statistics.median(d / r for d, r in zip(ds, res)):.2f}x"
+                  if isinstance(ds, list) and len(ds) == len(res) else "")
+        print(f"| {name} | {med:.4f} | {min(res):.4f} | {args.numel / med / 1e9:.3f} | {paired} |")
 
 
 if __name__ == "__main__":
