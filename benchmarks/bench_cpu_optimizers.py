@@ -73,7 +73,7 @@ def interleaved(steps_of: dict, warmup: int, rounds: int) -> list[tuple[str, lis
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
-    return [(k, times[k] if k in times else v) for k, v in steps_of.items()]
+    return [(k, times.get(k, v)) for k, v in steps_of.items()]
 
 
 def timed(step, warmup: int, steps: int) -> list[float]:
