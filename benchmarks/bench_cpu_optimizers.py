@@ -2,11 +2,6 @@
 
 Compares, on one flat float32 buffer of --numel parameters (fp32 weights, grads, exp_avg, exp_avg_sq):
 
-Buffers: plait's rows allocate weights, gradients, copy-out and moments as its offload engine does, on
-transparent huge pages (``plait.kernels.hugepages``); the torch and DeepSpeed rows use torch's
-allocator, as those libraries do (set ``THP_MEM_ALLOC_ENABLE=1`` to give every torch allocation huge
-pages too).
-
 * plait CPUAdam (AdamW mode), fused with the bf16 copy-out of the updated weights, with fp32
   gradients and with bf16 gradients (what a bf16 model's backward produces; read without widening);
 * plait CPUAdam (AdamW mode) without copy-out;
@@ -41,7 +36,6 @@ import numpy as np
 import torch
 
 from plait.kernels import CPUAdam, compile_kernels
-from plait.kernels.hugepages import huge_empty
 
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
 
@@ -88,10 +82,8 @@ def timed(step, warmup: int, steps: int) -> list[float]:
 
 
 def make_plait(numel: int, threads: int, copy_out: bool, grad_dtype: torch.dtype = torch.float32):
-    # buffers as plait's offload engine allocates them: on transparent huge pages (plait.kernels.hugepages)
-    p = huge_empty(numel).copy_(torch.randn(numel))
-    g = huge_empty(numel, grad_dtype).copy_(torch.randn(numel))
-    out = huge_empty(numel, torch.bfloat16) if copy_out else None
+    p, g = torch.randn(numel), torch.randn(numel).to(grad_dtype)
+    out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
     opt = CPUAdam(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True, num_threads=threads)
     return lambda: opt.step(p, g, out)
 

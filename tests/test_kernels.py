@@ -372,16 +372,3 @@ def test_compile_kernels_reports_seconds():
     assert first.total_s == pytest.approx(sum(first.seconds.values()))
     again = compile_kernels()  # everything is loaded now: nothing compiles
     assert again.compiled == 0 and first.compiled >= 0 and again.cache_dir
-
-
-def test_huge_page_buffers_are_aligned_plain_tensors():
-    from plait.kernels.hugepages import HUGE_PAGE, huge_empty, huge_zeros
-    t = huge_zeros(3 * HUGE_PAGE // 4 + 5)          # > one huge page of float32
-    assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == 3 * HUGE_PAGE // 4 + 5
-    assert t.data_ptr() % HUGE_PAGE == 0 and bool((t == 0).all())
-    b = huge_empty(HUGE_PAGE, torch.bfloat16)
-    assert b.data_ptr() % HUGE_PAGE == 0 and b.numel() == HUGE_PAGE
-    small = huge_empty(10)                            # below one huge page: an ordinary tensor
-    assert small.numel() == 10 and small.dtype == torch.float32
-    opt = CPUAdam(t.numel())                          # the optimizer's moments live on huge pages
-    assert opt.exp_avg.data_ptr() % HUGE_PAGE == 0 and bool((opt.exp_avg_sq == 0).all())

@@ -32,7 +32,6 @@ import numba
 import numpy as np
 import torch
 
-from plait.kernels.hugepages import huge_zeros
 from plait.kernels.lowp import MODE_NONE, grad_view, lowp_bits_view, torch_bf16_nan_bits
 
 
@@ -112,8 +111,8 @@ class FlatOptimizer:
         self.step_count = 0
         self._step_lr: float | None = None
         self._nan_bits = np.uint16(torch_bf16_nan_bits())
-        for name in self._state_names:   # huge pages: the kernels are memory-bound (plait.kernels.hugepages)
-            setattr(self, name, huge_zeros(numel, torch.float32))
+        for name in self._state_names:
+            setattr(self, name, torch.zeros(numel, dtype=torch.float32))
 
     # ---- stepping -------------------------------------------------------------------------------
     def begin_step(self, lr: float | None = None) -> int:

@@ -65,7 +65,6 @@ from plait.zero.offload import (
     OffloadPipeline,
 )
 from plait.zero.offload_optim import host_optimizer
-from plait.kernels.hugepages import huge_empty
 from plait.zero.pinned import host_empty, to_host
 from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
@@ -268,8 +267,6 @@ class ZeroOptimizer:
                 seg.free()
             else:
                 seg.set_views(full)
-        if self._master_device.type == "cpu":   # host masters: huge pages for the CPU optimizer's streams
-            return nn.Parameter(torch.cat(slices, out=huge_empty(sum(x.numel() for x in slices))))
         return nn.Parameter(torch.cat(slices))
 
     @property

@@ -8,8 +8,7 @@ improve reuse"): an 18 GB gradient shard pins 32 GB, which is what limited the l
 in host memory. Large buffers here are allocated pageable and then registered with the CUDA driver
 (``cudaHostRegister``), which pins exactly their pages; the registration is undone when the returned
 tensor is garbage-collected (views that outlive it keep valid, merely pageable, memory). Small
-buffers keep using the caching allocator, whose rounding costs little there. Large buffers are
-also backed by transparent huge pages (``plait.kernels.hugepages``): the CPU optimizer streams them.
+buffers keep using the caching allocator, whose rounding costs little there.
 """
 from __future__ import annotations
 
@@ -17,23 +16,21 @@ import weakref
 
 import torch
 
-from plait.kernels.hugepages import huge_empty
-
 REGISTER_MIN_BYTES = 64 * 2**20   # below this, torch's caching pinned allocator (power-of-two rounding)
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """``[numel]`` host tensor of ``dtype`` on huge pages, page-locked when ``pin`` and CUDA is available.
+    """``[numel]`` host tensor of ``dtype``, page-locked when ``pin`` and CUDA is available.
 
     Raises:
         RuntimeError: the driver refused to page-lock the buffer (names the size and the CUDA error).
     """
     if not (pin and torch.cuda.is_available()):
-        return huge_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < REGISTER_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    t = huge_empty(numel, dtype)
+    t = torch.empty(numel, dtype=dtype)
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
