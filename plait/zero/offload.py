@@ -187,6 +187,9 @@ class OffloadPipeline:
         self._copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
         self.order = forward_order(opt.module, self.segments)   # the order the worker steps them
         self.device_step = self._device_stepper(options.device_step_fraction)
+        # With a device share the deferred mode is faster: the CPU and the device step their shares at
+        # the same time (early mode would step the CPU share during backward and the device share after).
+        self.early = self.early and self.device_step is None
         self.ready = Readiness(self.order, self.device, opt.dp_group, opt.dp_size, opt.allgather_bucket_size,
                                opt.overlap_comm)
         self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
@@ -233,7 +236,7 @@ class OffloadPipeline:
         self.sumsq: dict[int, float] = {}
         self.nonfinite: dict[int, bool] = {}
         self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
-        self.begun = False  # begin_step() called for this step (always on the main thread)
+        self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
         if getattr(self, "device_step", None) is not None:
             self.device_step.reset()
 
@@ -268,9 +271,6 @@ class OffloadPipeline:
         opt = self.opt
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
         last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps
-        if self.early and last and not self.begun:   # before any early host step is queued
-            opt.optimizer.begin_step()               # reads the LR schedule's lr for this step
-            self.begun = True
         if self.device_step is not None and seg in self.device_step:   # GAS 1: last and fresh
             grad = out if out is not None else self._grad(seg)   # None: packed in place (CPU-only, dp 1)
             self.device_step.land(seg, grad, self._excluded(seg), seg.key.tp_replicated and self.tp_skip)
@@ -324,6 +324,9 @@ class OffloadPipeline:
         self.nonfinite[id(seg)] = not math.isfinite(total)
         self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.early:
+            if not self.begun:
+                self.opt.optimizer.begin_step()
+                self.begun = True
             self._step_segment(seg, 1.0, used)
             self.stepped.add(id(seg))
 
@@ -382,10 +385,6 @@ class OffloadPipeline:
         """Finish the optimizer step after every segment was reduced (see ``ZeroOptimizer.step``)."""
         opt = self.opt
         self.synchronize()
-        device_tickets = {}
-        if self.early and self.device_step is not None and self.begun:
-            # coefficient exactly 1: the device share starts now, while the worker finishes the CPU share
-            device_tickets = {id(s): self.device_step.step(s, 1.0) for s in self.order if s in self.device_step}
         for seg in self.segments:
             if id(seg) not in self.finalized:
                 self.finalized.add(id(seg))
@@ -417,9 +416,7 @@ class OffloadPipeline:
             self.begun = True
         tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
         for seg in self.order:
-            if id(seg) in device_tickets:
-                tickets.append(device_tickets[id(seg)])
-            elif self.device_step is not None and seg in self.device_step:
+            if self.device_step is not None and seg in self.device_step:
                 tickets.append(self.device_step.step(seg, 1.0 / coef))
             elif id(seg) in self.stepped:
                 tickets.append(self._copied.get(id(seg)))   # the worker is idle (drained)
