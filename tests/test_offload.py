@@ -135,6 +135,9 @@ CASES = {  # name: (reference config, offloaded config)
     "stage3 device step 0.6": (ds_config(3, gas=1), ds_config(3, offload=True, gas=1, device_step=0.6)),
     "bf16 stage2 device step 0.5": (ds_config(2, gas=1, bf16=True),
                                     ds_config(2, offload=True, gas=1, bf16=True, device_step=0.5)),
+    # no clipping: with a device share the deferred mode still runs (both shares at step())
+    "bf16 stage2 device step 0.3, no clip": (ds_config(2, gas=1, bf16=True, clip=0.0),
+                                             ds_config(2, offload=True, gas=1, bf16=True, clip=0.0, device_step=0.3)),
 }
 
 
