@@ -8,7 +8,7 @@ host optimizer slowed down, a forward and a checkpoint save issued right after `
 the updated weights, and the per-segment path is the one taken. bf16 at GAS 1 keeps bf16 gradient
 shards on the host (weights 1e-4: bf16 rounding of 1e-7-apart masters; masters 1e-6). The
 device-assisted step (``device_step_fraction``) is bit-identical to the CPU step per step and within
-5e-6 of the reference after 5 steps (see the comment in ``test_offload_matches_device_optimizer``)."""
+1e-5 of the reference after 5 steps (see the comment in ``test_offload_matches_device_optimizer``)."""
 import functools
 import math
 import os
@@ -194,19 +194,21 @@ def test_offload_matches_device_optimizer(results, case):
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6), case
     assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
     # bf16 weights are the fp32 masters rounded: a master 1e-7 apart may round to the neighbouring bf16
-    # value (2^-8 relative), so bf16 runs check the weights to 1e-4 and the masters to 1e-6 (5e-6 with
+    # value (2^-8 relative), so bf16 runs check the weights to 1e-4 and the masters to 1e-6 (1e-5 with
     # the device step, below).
     # Device-step cases: the device sums its segments' squared norms (float64) in another order than the
-    # host, so from step 3 the clip coefficient can differ in its last bit; in one word-embedding
-    # element at dp 2 that grows to ~2e-6 of the matrix norm by step 5 (every other weight stays
-    # <= 1e-7). The per-step update itself is bit-identical (test_device_step_is_bit_identical_to_cpu_step).
-    tol = 1e-4 if case.startswith("bf16") else 5e-6 if "device step" in case else 1e-6
+    # host, so from step 3 the clip coefficient can differ in its last bit. A few word-embedding elements
+    # at dp 2 amplify any such difference: measured on CPU after 5 steps, the all-CPU offload run is
+    # itself 8.1e-6 (absolute, max) from the reference there and the device-step run 2.0e-6, while
+    # every other weight stays within 1e-8. Norm-relative that is up to ~5e-6 on a GPU, so these cases
+    # use 1e-5; the per-step update is bit-identical (test_device_step_is_bit_identical_to_cpu_step).
+    tol = 1e-4 if case.startswith("bf16") else 1e-5 if "device step" in case else 1e-6
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)
         assert err <= tol, f"{case}: {name} off by {err:.2e}"
     for key, m in ref["masters"].items():
         err = _rel(got["masters"][key], m)
-        assert err <= (5e-6 if "device step" in case else 1e-6), f"{case}: fp32 master {key} off by {err:.2e}"
+        assert err <= (1e-5 if "device step" in case else 1e-6), f"{case}: fp32 master {key} off by {err:.2e}"
     assert got["grad_dtype"] == (torch.bfloat16 if case.startswith("bf16") else torch.float32)
     assert (got["device_stepped"] > 0) == ("device step" in case)
 

@@ -9,7 +9,8 @@ Checks, printed one line each (exit status 1 on any failure):
   power-of-two caching host allocator would take; asynchronous copies through it round-trip.
 * Every case of ``tests/test_offload.CASES`` (stages 1-3, offload_param, early and deferred host steps,
   bf16 with bf16 host gradients) on CUDA (TF32 off): after 5 steps every whole weight equals the
-  non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6), losses to 1e-6.
+  non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6; device-step cases 1e-5, see
+  tests/test_offload.py), losses to 1e-6.
 """
 import os
 import sys
@@ -64,11 +65,12 @@ def main() -> int:
         ref, got = train(ref_cfg, STEPS, device="cuda"), train(off_cfg, STEPS, device="cuda")
         if info.rank != 0:
             continue
-        tol = 1e-4 if case.startswith("bf16") else 1e-6
+        tol = 1e-4 if case.startswith("bf16") else 1e-5 if "device step" in case else 1e-6   # as test_offload
+        mtol = 1e-5 if "device step" in case else 1e-6
         w_err = max(_rel(got["weights"][n].cpu(), w.cpu()) for n, w in ref["weights"].items())
         m_err = max(_rel(got["masters"][k].cpu(), m.cpu()) for k, m in ref["masters"].items())
         l_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-        ok = w_err <= tol and m_err <= 1e-6 and l_err <= 1e-6 and got["steps"] == STEPS
+        ok = w_err <= tol and m_err <= mtol and l_err <= 1e-6 and got["steps"] == STEPS
         failures += not ok
         lines.append(f"{case} dp={info.world_size}: weights {w_err:.1e} (tol {tol:.0e}), masters {m_err:.1e}, "
                      f"losses {l_err:.1e}, host grads {got['grad_dtype']} {'ok' if ok else 'FAILED'}")
