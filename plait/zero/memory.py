@@ -29,6 +29,10 @@ not round, as DeepSpeed also does), and at stage 1 it exists beside the full com
     stage 1:  2 * Psi (weights) + 2 * Psi (grads) + 4 * Psi / N (fp32 grad partition) + K * Psi / N
     stage 2:  2 * Psi + (4 + K) * Psi / N            stage 3:  (2 + 4 + K) * Psi / N
 
+Exception not modelled here: with offload_optimizer, bf16 weights and gradient accumulation 1, the host
+gradient partition stays bf16 (2 bytes/element, exact since nothing is accumulated; ``plait.zero.offload``),
+so the host holds 2 bytes/param less than this estimate says.
+
 Partitions hold ``ceil(Psi / N)`` elements (flat buffers are padded to a multiple of N). Per-host bytes are a
 rank's host bytes times the ranks on a host, ``min(num_gpus_per_node, dp_size)``. Not counted: activations,
 temporary buffers, communication buckets, allocator fragmentation; stage 3's gathered working set only via
