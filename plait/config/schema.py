@@ -188,11 +188,14 @@ class OffloadConfig:
     ``pin_memory`` allocates the host buffers page-locked for faster device copies.
     ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
     partition whose update the device computes from the host-resident states while the CPU steps the
-    rest (``plait.zero.offload_device``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU."""
+    rest (``plait.zero.offload_device``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
+    ``device_step_adaptive`` (plait) starts there and moves the split each step towards equal CPU and
+    device times."""
 
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False
     device_step_fraction: float = 0.0
+    device_step_adaptive: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -80,6 +80,22 @@ def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dp_group=None,
     return total if norm_type == math.inf else total.pow(1.0 / norm_type)
 
 
+def sum_squares64(x: torch.Tensor, excluded=(), chunk: int = 1 << 23) -> torch.Tensor:
+    """``sum(x**2)`` over ``x`` (``[n]``, any float dtype) minus the ``excluded`` ``(start, end)`` ranges, as a
+    float64 scalar on ``x``'s device, accumulated in float64 and widening at most ``chunk`` elements at a
+    time (8 bytes each). The order of the sums depends only on ``x``'s length, not on where it runs."""
+    def part(t: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=t.device)
+        for a in range(0, t.numel(), chunk):
+            w = t[a:a + chunk].to(torch.float64)
+            total += torch.dot(w, w)
+        return total
+    total = part(x)
+    for a, b in excluded:
+        total = total - part(x[a:b])
+    return total
+
+
 def clip_coefficient(total_norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
     """Factor to multiply gradients by: ``min(1, max_norm / (total_norm + eps))`` — the formula of
     ``torch.nn.utils.clip_grad_norm_``; 1.0 when clipping is off (``max_norm`` 0 or None)."""

@@ -26,9 +26,11 @@ The host gradient shard is fp32, except with bf16 weights at GAS 1 (one rank, or
 then the reduced gradient is bf16 already and stays bf16 on the host (half the device->host bytes and
 2 bytes/param less host memory); the kernels and the norm read it as is and widen it exactly.
 
-Exactness of clipping and fp16 overflow (``step_mode``): every segment's squared gradient norm and
-non-finite flag are computed on the host as it lands (numba, float64 sums; overlapped with backward), so at ``step()`` the
-global norm costs one scalar all-reduce. The CPU step of a segment needs the clip coefficient
+Exactness of clipping and fp16 overflow (``step_mode``): every segment's squared gradient norm is
+computed as it lands, overlapped with backward: at GAS 1 on the device before its copy to the host
+(``clip.sum_squares64``: float64, an order fixed by the segment length, so the norm does not depend on
+which side steps the segment), at GAS > 1 on the host once accumulated (numba, float64). At ``step()``
+the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finite (fp16 overflow). The CPU step of a segment needs the clip coefficient
 ``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
 
 * **early** (``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is exactly 1, and no
@@ -76,6 +78,7 @@ applied; ``zero_grad()`` then cannot discard it (``step()`` completes it). Use d
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,7 +87,7 @@ import torch.distributed as dist
 
 from plait.kernels.lowp import sum_of_squares
 from plait.parallel.collectives import group_rank, group_size
-from plait.zero.clip import clip_coefficient
+from plait.zero.clip import clip_coefficient, sum_squares64
 from plait.zero.flat import Segment, gather_segments
 from plait.zero.offload_device import DeviceStepper
 from plait.zero.offload_ready import Readiness, forward_order, module_needs
@@ -110,6 +113,8 @@ class OffloadOptions:
         device_step_fraction: in [0, 1): the first this fraction of the optimizer partition (elements, in
             forward order) is updated by the device from the host-resident states while the CPU steps
             the rest (``plait.zero.offload_device``); 0: everything on the CPU. Adam/AdamW, GAS 1.
+        device_step_adaptive: start from ``device_step_fraction`` and, after every step, move the split by
+            one segment towards equal CPU and device times (exact either way).
 
     Raises:
         ValueError: ``device_step_fraction`` outside [0, 1).
@@ -122,6 +127,7 @@ class OffloadOptions:
     early_step: bool = True
     overlap_step: bool = True
     device_step_fraction: float = 0.0
+    device_step_adaptive: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.device_step_fraction < 1.0:
@@ -186,7 +192,11 @@ class OffloadPipeline:
             self.d2h, self.h2d = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self._copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
         self.order = forward_order(opt.module, self.segments)   # the order the worker steps them
-        self.device_step = self._device_stepper(options.device_step_fraction)
+        # GAS 1: every landing is a segment's whole final gradient, so its norm is taken on the device
+        # (float64, fixed order) for every segment, whichever side steps it
+        self.device_norms = opt.gradient_accumulation_steps == 1
+        self.device_step = self._device_stepper(options.device_step_fraction, options.device_step_adaptive)
+        self._cpu_start = self._cpu_end = None   # wall time of the last step's CPU share (worker)
         # With a device share the deferred mode is faster: the CPU and the device step their shares at
         # the same time. Measured on 1 x H200 (886M, no clipping, share 0.3): deferred 32.4k tokens/s;
         # early mode with the device share queued right after backward 27.7k (the CPU share stepped
@@ -203,13 +213,13 @@ class OffloadPipeline:
             opt.gatherer.gate = self.ready
         self._reset()
 
-    def _device_stepper(self, fraction: float) -> DeviceStepper | None:
+    def _device_stepper(self, fraction: float, adaptive: bool) -> DeviceStepper | None:
         """The ``DeviceStepper`` for the first ``fraction`` of the partition in forward order (None at 0).
 
         Raises:
             ValueError: a fraction > 0 with Lion, GAS > 1, or no segment whose weights live on the device.
         """
-        if fraction <= 0.0:
+        if fraction <= 0.0 and not adaptive:
             return None
         opt = self.opt
         problems = []
@@ -223,13 +233,13 @@ class OffloadPipeline:
         if problems:
             raise ValueError("device_step_fraction > 0 cannot be used with " + "; ".join(problems) +
                              "; set it to 0")
-        total, chosen, acc = sum(s.shard_size for s in self.order), [], 0
+        total, count, acc = sum(s.shard_size for s in self.order), 0, 0
         for s in eligible:
             if acc >= fraction * total:
                 break
-            chosen.append(s)
+            count += 1
             acc += s.shard_size
-        return DeviceStepper(self, chosen)
+        return DeviceStepper(self, eligible, count, adaptive)
 
     # ---- per-step state ---------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -237,6 +247,7 @@ class OffloadPipeline:
         self.stepped: set[int] = set()
         self.sumsq: dict[int, float] = {}
         self.nonfinite: dict[int, bool] = {}
+        self.device_sq: dict[int, torch.Tensor] = {}  # id(seg) -> float64 device scalar (device_norms)
         self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
         self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
         if getattr(self, "device_step", None) is not None:
@@ -273,11 +284,15 @@ class OffloadPipeline:
         opt = self.opt
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
         last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps
-        if self.device_step is not None and seg in self.device_step:   # GAS 1: last and fresh
+        if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self._grad(seg)   # None: packed in place (CPU-only, dp 1)
-            self.device_step.land(seg, grad, self._excluded(seg), seg.key.tp_replicated and self.tp_skip)
-            self.finalized.add(id(seg))
-            return
+            self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
+                                       if seg.key.tp_replicated and self.tp_skip
+                                       else sum_squares64(grad, self._excluded(seg)))
+            if self.device_step is not None and seg in self.device_step:
+                self.device_step.land(seg, grad)
+                self.finalized.add(id(seg))
+                return
         host = self._grad(seg)
         src, event = out, None
         if out is not None and self.cuda:
@@ -319,12 +334,13 @@ class OffloadPipeline:
 
     def _finalize(self, seg: Segment, used=None) -> None:
         """Worker: norm partials of a segment's final gradient (and the early step)."""
-        g = self._grad(seg)
-        excluded = self._excluded(seg)
-        total = sum_of_squares(g)
-        counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
-        self.nonfinite[id(seg)] = not math.isfinite(total)
-        self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
+        if not self.device_norms:   # GAS > 1: the final gradient exists only here, accumulated
+            g = self._grad(seg)
+            excluded = self._excluded(seg)
+            total = sum_of_squares(g)
+            counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
+            self.nonfinite[id(seg)] = not math.isfinite(total)
+            self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.early:
             if not self.begun:
                 self.opt.optimizer.begin_step()
@@ -366,6 +382,7 @@ class OffloadPipeline:
         else:
             out = lowp[lo:lo + n]
         host_opt.step_range(master, lo, n, opt.grad_shards[gi], lowp_out=out, grad_scale=grad_scale)
+        self._cpu_end = time.perf_counter()
         src = master.detach()[lo:lo + n] if out is None else out
         if dest is None:
             if out is None:
@@ -387,13 +404,17 @@ class OffloadPipeline:
         """Finish the optimizer step after every segment was reduced (see ``ZeroOptimizer.step``)."""
         opt = self.opt
         self.synchronize()
+        last_split = None   # (CPU seconds, device seconds) of the previous step, for the adaptive split
+        if self.device_step is not None and self._cpu_start is not None:
+            cpu = self._cpu_end - self._cpu_start if self._cpu_end is not None else 0.0
+            last_split = (max(cpu, 0.0), self.device_step.take_seconds())
         for seg in self.segments:
             if id(seg) not in self.finalized:
                 self.finalized.add(id(seg))
                 self._submit(self._finalize, seg)
         self.drain()
         groups = (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp)
-        device_sq = self.device_step.norm_partial() if self.device_step is not None else None
+        device_sq = torch.stack(list(self.device_sq.values())).sum() if self.device_sq else None
         if opt.scaler is not None:
             bad = any(self.nonfinite.values()) or (device_sq is not None and not bool(torch.isfinite(device_sq)))
             if _any_across(bad, groups, self.device):
@@ -417,6 +438,7 @@ class OffloadPipeline:
             opt.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
             self.begun = True
         tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
+        self._cpu_start, self._cpu_end = time.perf_counter(), None
         for seg in self.order:
             if self.device_step is not None and seg in self.device_step:
                 tickets.append(self.device_step.step(seg, 1.0 / coef))
@@ -428,6 +450,8 @@ class OffloadPipeline:
             self._needs = module_needs(opt.module, self._in_place, self.ready.pos, self._ran)
             self._needs_for = len(self._ran)
         self.ready.start(tickets)
+        if last_split is not None:
+            self.device_step.rebalance(*last_split)   # applies from the next backward on
         gathered_now = any(s.local is not None and s.full is not None for s in self.segments)
         if not self.options.overlap_step or gathered_now:  # inside gathered_parameters(): finish here
             self.synchronize()

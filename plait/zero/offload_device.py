@@ -19,12 +19,19 @@ overlap the previous one's device->host copies; a segment's temporaries (about 2
 weights, moments, fp32 gradient, denominator) are freed as soon as its copies are queued, so at most
 two segments' worth is allocated at a time.
 
+The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
+gradient norm is taken on the device for every segment (``plait.zero.offload``). So with
+``device_step_adaptive`` the split moves by one segment after each step towards equal CPU and device
+times (measured: the CPU share's wall time on the worker, the device share's from CUDA events), which
+follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
+
 Restrictions (checked when the pipeline is built): Adam/AdamW only, gradient accumulation 1, and
 segments whose compute-dtype weights live on the device (stages 1-2, stage 3 without offload_param).
 """
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 
 import torch
@@ -38,22 +45,29 @@ class DeviceStepper:
 
     Args:
         pipeline: the ``OffloadPipeline`` (its optimizer, device, streams, ``_device_dest``).
-        chosen: the segments the device updates.
+        eligible: every segment the device could step (weights on the device), in forward order.
+        count: how many of the first ``eligible`` it steps.
+        adaptive: after every step, move the boundary by one segment towards equal CPU and device
+            times (``rebalance``); results do not depend on it (the two updates are bit-identical and
+            the gradient norm is computed on the device for every segment either way).
     """
 
-    def __init__(self, pipeline, chosen: list[Segment]):
+    def __init__(self, pipeline, eligible: list[Segment], count: int, adaptive: bool = False):
         self.pipe, self.opt = pipeline, pipeline.opt
         self.device, self.cuda = pipeline.device, pipeline.cuda
-        self.ids = {id(s) for s in chosen}
+        self.eligible, self.count, self.adaptive = eligible, count, adaptive
+        self.ids = {id(s) for s in eligible[:count]}
         self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
-        self.sumsq: dict[int, torch.Tensor] = {}    # id(seg) -> device scalar: its squared norm (counted part)
         self.events: list = []                      # copies back to the host still in flight
         self.turn = 0
+        self.history: list[int] = [count]           # membership count per step (adaptive)
+        self._start = None                          # timing of the device share of the last step
+        self._seconds = 0.0
         if self.cuda:
             self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
             host = self.opt.optimizer
-            groups = {s.group for s in chosen}
-            for gi in groups:                      # page-lock the host states the device streams
+            chosen = eligible if adaptive else eligible[:count]
+            for gi in {s.group for s in chosen}:     # page-lock the host states the device streams
                 master = self.opt.masters[gi]
                 pin_existing(master)
                 k = host.kernels[master]
@@ -63,23 +77,9 @@ class DeviceStepper:
     def __contains__(self, seg: Segment) -> bool:
         return id(seg) in self.ids
 
-    def land(self, seg: Segment, grad: torch.Tensor, excluded: list[tuple[int, int]], skip_norm: bool) -> None:
-        """Main thread, backward: keep ``grad`` (``[shard_size]`` on the device) for the step and queue its
-        squared norm (minus ``excluded`` ranges; zero when ``skip_norm``) on the device."""
+    def land(self, seg: Segment, grad: torch.Tensor) -> None:
+        """Main thread, backward: keep ``grad`` (``[shard_size]`` on the device) for the step."""
         self.grads[id(seg)] = grad
-        if skip_norm:
-            self.sumsq[id(seg)] = torch.zeros((), dtype=torch.float64, device=grad.device)
-            return
-        sq = _sum_squares64(grad)
-        for a, b in excluded:
-            sq = sq - _sum_squares64(grad[a:b])
-        self.sumsq[id(seg)] = sq
-
-    def norm_partial(self) -> torch.Tensor | None:
-        """Sum of the landed segments' squared norms (float64 device scalar), or None when none landed."""
-        if not self.sumsq:
-            return None
-        return torch.stack(list(self.sumsq.values())).sum()
 
     def step(self, seg: Segment, grad_scale: float):
         """Main thread, at ``step()``: queue the update of ``seg`` (gradient divided by ``grad_scale``) and
@@ -93,10 +93,14 @@ class DeviceStepper:
         grad = self.grads.pop(id(seg))
         host_w, host_m, host_v = master.detach()[lo:lo + n], k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
         stream, event = None, None
+        t0 = time.perf_counter()
         if self.cuda:
             stream = self.streams[self.turn % 2]
             self.turn += 1
             stream.wait_stream(torch.cuda.current_stream(self.device))   # backward is done with grad, dest
+            if self._start is None:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record(stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             w = host_w.to(self.device, non_blocking=True)
             m = host_m.to(self.device, non_blocking=True)
@@ -109,11 +113,13 @@ class DeviceStepper:
                 host_w.copy_(w, non_blocking=True)
                 host_m.copy_(m, non_blocking=True)
                 host_v.copy_(v, non_blocking=True)
-                done = torch.cuda.Event(blocking=True)  # host readers of the states wait for this one
+                done = torch.cuda.Event(blocking=True, enable_timing=True)  # host readers of the states wait
                 done.record(stream)
                 self.events.append(done)
         if stream is not None:
             grad.record_stream(stream)
+        else:
+            self._seconds += time.perf_counter() - t0
         return event
 
     def wait(self) -> None:
@@ -121,21 +127,30 @@ class DeviceStepper:
         events, self.events = self.events, []
         for e in events:
             e.synchronize()
+        if events and self._start is not None:
+            self._seconds = max(self._start.elapsed_time(e) for e in events) / 1e3
+            self._start = None
+
+    def take_seconds(self) -> float:
+        """Seconds the device share of the last step took (after ``wait``), then reset."""
+        out, self._seconds = self._seconds, 0.0
+        return out
+
+    def rebalance(self, cpu_seconds: float, device_seconds: float) -> None:
+        """Adaptive: one segment more for the device when it finished well before the CPU share (< 0.85x
+        its time), one fewer when well after (> 1.15x); takes effect from the next backward."""
+        if not self.adaptive:
+            return
+        if device_seconds < 0.85 * cpu_seconds and self.count < len(self.eligible):
+            self.count += 1
+        elif device_seconds > 1.15 * cpu_seconds and self.count > 0:
+            self.count -= 1
+        self.ids = {id(s) for s in self.eligible[:self.count]}
+        self.history.append(self.count)
 
     def reset(self) -> None:
-        """Forget this step's gradients and norms (after ``step`` or ``zero_grad``)."""
+        """Forget this step's gradients (after ``step`` or ``zero_grad``)."""
         self.grads.clear()
-        self.sumsq.clear()
-
-
-def _sum_squares64(x: torch.Tensor, chunk: int = 1 << 23) -> torch.Tensor:
-    """``sum(x**2)`` as a float64 scalar on ``x``'s device, accumulated in float64 (as the host's
-    ``sum_of_squares``), widening at most ``chunk`` elements at a time (8 bytes each)."""
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for a in range(0, x.numel(), chunk):
-        part = x[a:a + chunk].to(torch.float64)
-        total += torch.dot(part, part)
-    return total
 
 
 def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k, grad_scale: float) -> None:
@@ -145,17 +160,29 @@ def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
     The operations and their rounding are those of ``plait.kernels.cpu_adam`` (Kingma & Ba 2015, Alg. 1;
     decoupled decay: Loshchilov & Hutter 2019, Alg. 2): float32 scalars, every product and sum rounded
     on its own (no fused multiply-add, which torch's ``add_(alpha=)`` and ``lerp_`` would use), IEEE
-    division and square root. So a segment stepped here is bit-identical to the CPU kernel's result.
+    division and correctly rounded square root. So a segment stepped here is bit-identical to the CPU
+    kernel's result (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``).
     """
     lr, (b1, b2), t = k._step_lr, k.betas, k.step_count
     bc1 = 1.0 - b1 ** t if k.bias_correction else 1.0
     bc2 = 1.0 - b2 ** t if k.bias_correction else 1.0
-    g = grad.to(torch.float32, copy=True).div_(grad_scale)
+    # every scalar rounded to float32 first, as the kernel's are: then a product or quotient of two
+    # float32 values rounds the same whether torch computes it in float32 or in double
+    beta1, one_minus_beta1, beta2, one_minus_beta2 = _f32(b1), _f32(1.0 - b1), _f32(b2), _f32(1.0 - b2)
+    g = grad.to(torch.float32, copy=True).div_(_f32(grad_scale))
     if k.adamw_mode:
-        w.mul_(1.0 - lr * k.weight_decay)
+        w.mul_(_f32(1.0 - lr * k.weight_decay))
     elif k.weight_decay != 0.0:
-        g.add_(w * k.weight_decay)
-    m.mul_(b1).add_(g * (1.0 - b1))
-    v.mul_(b2).add_((g * g).mul_(1.0 - b2))
-    denom = v.sqrt().div_(math.sqrt(bc2)).add_(k.eps)
-    w.sub_(m.div(denom).mul_(lr / bc1))
+        g.add_(w * _f32(k.weight_decay))
+    m.mul_(beta1).add_(g * one_minus_beta1)
+    v.mul_(beta2).add_((g * g).mul_(one_minus_beta2))
+    # CUDA's sqrtf is correctly rounded; torch's CPU float32 sqrt (SLEEF, 0.5001 ulp) is not always, so on
+    # the CPU take it in float64 and round once (exactly IEEE float32 sqrt: 53 >= 2 * 24 + 2 bits)
+    root = v.sqrt() if v.is_cuda else v.double().sqrt_().float()
+    denom = root.div_(_f32(math.sqrt(bc2))).add_(_f32(k.eps))
+    w.sub_(m.div(denom).mul_(_f32(lr / bc1)))
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (returned as a Python float)."""
+    return float(torch.tensor(x, dtype=torch.float32))
