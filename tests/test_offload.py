@@ -10,6 +10,7 @@ shards on the host (weights 1e-4: bf16 rounding of 1e-7-apart masters; masters 1
 device-assisted step (``device_step_fraction``) is bit-identical to the CPU step per step and within
 1e-5 of the reference after 5 steps (see the comment in ``test_offload_matches_device_optimizer``)."""
 import functools
+import itertools
 import math
 import os
 import tempfile
@@ -235,7 +236,7 @@ def test_device_step_is_bit_identical_to_cpu_step(results, bf16):
 def test_adaptive_split_moves_work_to_the_idle_side_and_changes_no_bit(results):
     cpu, adaptive = results["device step adaptive"]
     history = adaptive["split_history"]          # segments on the device, per step (starts at 0)
-    assert history[0] == 0 and history[-1] >= 3 and all(b == a + 1 for a, b in zip(history, history[1:]))
+    assert history[0] == 0 and history[-1] >= 3 and all(b == a + 1 for a, b in itertools.pairwise(history))
     for key, m in cpu["masters"].items():
         assert torch.equal(adaptive["masters"][key].view(torch.int32), m.view(torch.int32)), key
 
