@@ -7,6 +7,7 @@ Checks, printed one line each (exit status 1 on any failure):
 * ``plait.zero.pinned.host_empty`` pins exactly the bytes asked for: a 1.25 GiB buffer is page-locked
   (``is_pinned``) and grows the resident set by 1.25 GiB +- 5%, not by the 2 GiB that torch's
   power-of-two caching host allocator would take; asynchronous copies through it round-trip.
+* ``adam_update_`` (the device share's update) equals the numba CPU kernel bit for bit on CUDA.
 * Every case of ``tests/test_offload.CASES`` (stages 1-3, offload_param, early and deferred host steps,
   bf16 with bf16 host gradients) on CUDA (TF32 off): after 5 steps every whole weight equals the
   non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6; device-step cases 1e-5, see
@@ -49,6 +50,30 @@ def check_pinned() -> str:
     return f"pinned: {want / 2**30:.2f} GiB buffer page-locked, resident set +{grew / 2**30:.2f} GiB, round trip exact"
 
 
+def check_device_update() -> str:
+    """``adam_update_`` on CUDA is bit-identical to the numba CPU kernel (IEEE sqrt and division on CUDA)."""
+    from plait.kernels import CPUAdam
+    from plait.zero.offload_device import adam_update_
+    g0 = torch.Generator().manual_seed(0)
+    n, bad = 1 << 20, 0
+    for adamw in (True, False):
+        p = torch.randn(n, generator=g0)
+        g = (torch.randn(n, generator=g0) * 1e-2).to(torch.bfloat16)
+        k = CPUAdam(n, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adamw_mode=adamw)
+        k.exp_avg.copy_(torch.randn(n, generator=g0) * 1e-3)
+        k.exp_avg_sq.copy_(torch.rand(n, generator=g0) * 1e-5)
+        m0, v0 = k.exp_avg.clone(), k.exp_avg_sq.clone()
+        k.step_count = 2
+        k.begin_step()
+        w_cpu = p.clone()
+        k.step_range(w_cpu, g, 0, n, grad_scale=1 / 0.4813)
+        w, m, v = p.cuda(), m0.cuda(), v0.cuda()
+        adam_update_(w, g.cuda(), m, v, k, 1 / 0.4813)
+        bad += int((w.cpu() != w_cpu).sum()) + int((m.cpu() != k.exp_avg).sum()) + int((v.cpu() != k.exp_avg_sq).sum())
+    assert bad == 0, f"{bad} elements differ between the CUDA update and the CPU kernel"
+    return "device update: bit-identical to the CPU kernel on CUDA (Adam and AdamW, 2^20 elements) ok"
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -56,11 +81,12 @@ def main() -> int:
     failures = 0
     lines = []
     if info.rank == 0:
-        try:
-            lines.append(check_pinned())
-        except AssertionError as err:
-            lines.append(f"pinned FAILED: {err}")
-            failures += 1
+        for check in (check_pinned, check_device_update):
+            try:
+                lines.append(check())
+            except AssertionError as err:
+                lines.append(f"{check.__name__} FAILED: {err}")
+                failures += 1
     for case, (ref_cfg, off_cfg) in CASES.items():
         ref, got = train(ref_cfg, STEPS, device="cuda"), train(off_cfg, STEPS, device="cuda")
         if info.rank != 0:
