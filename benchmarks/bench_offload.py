@@ -5,6 +5,7 @@
     python benchmarks/bench_offload.py --part b --sizes 1b,3b,7b
     PLAIT_OFFLOAD_THREADS=15 python benchmarks/bench_offload.py ...   # CPU optimizer threads (default: all)
     PLAIT_DEVICE_STEP=0.5 python benchmarks/bench_offload.py --part a --arms plait  # device-assisted host step
+    PLAIT_DEVICE_STEP_ADAPTIVE=1 python benchmarks/bench_offload.py --part a       # ... with the adaptive split
     python benchmarks/bench_offload.py --device cpu --part a --arms plait   # smoke test without a GPU
 
 (a) llama-886m (ANCHORS.md), sequence 2048, micro-batch 4, bf16, AdamW (lr 1e-4, wd 0.1, betas 0.9/0.95),
@@ -111,6 +112,8 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
         fraction = float(os.environ.get("PLAIT_DEVICE_STEP", "0"))
         if fraction:   # plait's device-assisted host step (plait.zero.offload_device)
             conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
+        if os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") == "1":
+            conf["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True
         import plait
         from plait.parallel import ParallelMesh
         engine = plait.initialize(model, conf, mesh=ParallelMesh())
@@ -180,6 +183,9 @@ def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bo
            "host_rss_gib": _rss_gib()}
     if profile:
         out["profile"] = profile_steps(framework, engine, cfg, device, micro, warmup + steps)
+    off = getattr(getattr(engine, "optimizer", None), "offload", None)
+    if framework == "plait" and off is not None and off.device_step is not None:
+        out["device_split_history"] = off.device_step.history   # segments on the device, per step
     return out
 
 

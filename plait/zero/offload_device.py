@@ -169,7 +169,7 @@ def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
     # every scalar rounded to float32 first, as the kernel's are: then a product or quotient of two
     # float32 values rounds the same whether torch computes it in float32 or in double
     beta1, one_minus_beta1, beta2, one_minus_beta2 = _f32(b1), _f32(1.0 - b1), _f32(b2), _f32(1.0 - b2)
-    g = grad.to(torch.float32, copy=True).div_(_f32(grad_scale))
+    g = grad.to(torch.float32, copy=True).div_(_on(w, grad_scale))
     if k.adamw_mode:
         w.mul_(_f32(1.0 - lr * k.weight_decay))
     elif k.weight_decay != 0.0:
@@ -179,10 +179,17 @@ def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
     # CUDA's sqrtf is correctly rounded; torch's CPU float32 sqrt (SLEEF, 0.5001 ulp) is not always, so on
     # the CPU take it in float64 and round once (exactly IEEE float32 sqrt: 53 >= 2 * 24 + 2 bits)
     root = v.sqrt() if v.is_cuda else v.double().sqrt_().float()
-    denom = root.div_(_f32(math.sqrt(bc2))).add_(_f32(k.eps))
+    denom = root.div_(_on(w, math.sqrt(bc2))).add_(_f32(k.eps))
     w.sub_(m.div(denom).mul_(_f32(lr / bc1)))
 
 
 def _f32(x: float) -> float:
     """``x`` rounded to the nearest float32 (returned as a Python float)."""
     return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _on(like: torch.Tensor, x: float) -> torch.Tensor:
+    """``x`` as a float32 0-dim tensor on ``like``'s device: a divisor. CUDA kernels replace division by a
+    host scalar with multiplication by its reciprocal (not always the correctly rounded quotient);
+    a device tensor keeps the IEEE division the CPU kernel does."""
+    return torch.tensor(x, dtype=torch.float32, device=like.device)
