@@ -185,7 +185,7 @@ def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bo
         out["profile"] = profile_steps(framework, engine, cfg, device, micro, warmup + steps)
     off = getattr(getattr(engine, "optimizer", None), "offload", None)
     if framework == "plait" and off is not None and off.device_step is not None:
-        out["device_split_history"] = off.device_step.history   # segments on the device, per step
+        out["device_split_history"] = list(off.device_step.history)   # segments on the device, per step
     return out
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from contextlib import nullcontext
 
 import torch
@@ -60,7 +61,7 @@ class DeviceStepper:
         self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
         self.events: list = []                      # copies back to the host still in flight
         self.turn = 0
-        self.history: list[int] = [count]           # membership count per step (adaptive)
+        self.history = deque([count], maxlen=1024)  # segments on the device, last steps (adaptive)
         self._start = None                          # timing of the device share of the last step
         self._seconds = 0.0
         if self.cuda:
