@@ -1,8 +1,8 @@
 """Device-assisted host step: the device computes part of an offloaded Adam/AdamW update.
 
 With ZeRO-Offload the optimizer step runs on the host and, with exact clipping, cannot start before
-backward ends; on one GPU it is then the critical path (886M parameters: ~0.23 s of host memory
-traffic at ~30 bytes/parameter, against a 0.12 s forward+backward). Meanwhile the device and the PCIe
+backward ends; on one GPU it is then the critical path (886M parameters on the lent H200 host: ~0.23 s
+of host memory traffic at ~30 bytes/parameter, against a 0.12 s forward+backward). Meanwhile the device and the PCIe
 link idle. ``OffloadOptions(device_step_fraction=f)`` hands the first ``f`` of the partition in
 forward order to the device: their fp32 master weights and Adam moments stay in host memory (the
 memory saving of ZeRO-Offload is kept), are copied to the device, updated there from the gradient
@@ -13,8 +13,8 @@ their gradients land last in backward (no device->host copy is then waiting at t
 and the next forward needs them first.
 
 The update is the CPU kernel's formula (``plait.kernels.cpu_adam``, torch.optim.Adam/AdamW) in
-float32 torch ops, so results equal the all-host step to float32 rounding (``tests/test_offload.py``
-checks 1e-6). Two CUDA streams alternate between segments so one segment's host->device copies
+float32 torch ops with the kernel's roundings (``adam_update_``), so a segment stepped here is bit-identical
+to the all-host step (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``). Two CUDA streams alternate between segments so one segment's host->device copies
 overlap the previous one's device->host copies; a segment's temporaries (about 20 bytes/element:
 weights, moments, fp32 gradient, denominator) are freed as soon as its copies are queued, so at most
 two segments' worth is allocated at a time.
@@ -42,7 +42,7 @@ from plait.zero.pinned import pin_existing
 
 
 class DeviceStepper:
-    """Steps the segments ``chosen`` on the device (module docstring).
+    """Steps the first ``count`` segments of ``eligible`` on the device (module docstring).
 
     Args:
         pipeline: the ``OffloadPipeline`` (its optimizer, device, streams, ``_device_dest``).
