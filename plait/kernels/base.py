@@ -32,30 +32,13 @@ import numba
 import numpy as np
 import torch
 
-from plait.kernels.lowp import MODE_NONE, grad_view, lowp_bits_view, torch_bf16_nan_bits
-
-
-def flat_f32(x, name: str) -> np.ndarray:
-    """Zero-copy 1-D float32 numpy view of a contiguous CPU float32 torch tensor or numpy array.
-
-    Raises:
-        TypeError: wrong type or dtype. ValueError: non-contiguous or non-CPU tensor.
-    """
-    if isinstance(x, torch.Tensor):
-        if x.dtype != torch.float32:
-            raise TypeError(f"{name} must be torch.float32, got {x.dtype}")
-        if x.device.type != "cpu" or not x.is_contiguous():
-            raise ValueError(
-                f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})"
-            )
-        return x.detach().reshape(-1).numpy()
-    if isinstance(x, np.ndarray):
-        if x.dtype != np.float32:
-            raise TypeError(f"{name} must be float32, got {x.dtype}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-        return x.reshape(-1)
-    raise TypeError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
+from plait.kernels.lowp import (
+    MODE_NONE,
+    flat_f32,
+    grad_view,
+    lowp_bits_view,
+    torch_bf16_nan_bits,
+)
 
 
 @contextmanager

@@ -130,9 +130,32 @@ def sum_of_squares(x: torch.Tensor) -> float:
     return float(_sum_squares(grad_view(x, "x")))
 
 
+def flat_f32(x, name: str) -> np.ndarray:
+    """Zero-copy 1-D float32 numpy view of a contiguous CPU float32 torch tensor or numpy array.
+
+    Raises:
+        TypeError: wrong type or dtype. ValueError: non-contiguous or non-CPU tensor.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {x.dtype}")
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})"
+            )
+        return x.detach().reshape(-1).numpy()
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return x.reshape(-1)
+    raise TypeError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
+
+
 def grad_view(x, name: str) -> np.ndarray:
-    """Zero-copy 1-D numpy view of gradients for the kernels: float32 as float32, bfloat16 as its uint16
-    bit patterns (the kernels widen them with :func:`as_f32`).
+    """Zero-copy 1-D numpy view of gradients for the kernels: float32 as float32 (:func:`flat_f32`),
+    bfloat16 as its uint16 bit patterns (the kernels widen them with :func:`as_f32`).
 
     Args:
         x: contiguous CPU torch tensor (float32 or bfloat16) or numpy float32 array.
@@ -140,22 +163,11 @@ def grad_view(x, name: str) -> np.ndarray:
     Raises:
         TypeError: another dtype or type. ValueError: non-contiguous or non-CPU tensor.
     """
-    if isinstance(x, np.ndarray):
-        if x.dtype != np.float32:
-            raise TypeError(f"{name} must be float32 (or a bfloat16 torch tensor), got numpy {x.dtype}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-        return x.reshape(-1)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"{name} must be torch.float32 or torch.bfloat16, got {x.dtype}")
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16):
+        return flat_f32(x, name)
     if x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})")
-    flat = x.detach().reshape(-1)
-    if x.dtype == torch.float32:
-        return flat.numpy()
-    return flat.view(torch.int16).numpy().view(np.uint16)
+    return x.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 def torch_bf16_nan_bits() -> int:
