@@ -193,4 +193,4 @@ def _on(like: torch.Tensor, x: float) -> torch.Tensor:
     """``x`` as a float32 0-dim tensor on ``like``'s device: a divisor. CUDA kernels replace division by a
     host scalar with multiplication by its reciprocal (not always the correctly rounded quotient);
     a device tensor keeps the IEEE division the CPU kernel does."""
-    return torch.tensor(x, dtype=torch.float32, device=like.device)
+    return torch.full((), x, dtype=torch.float32, device=like.device)   # a fill kernel: no host copy

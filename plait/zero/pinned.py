@@ -31,13 +31,7 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     if nbytes < REGISTER_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     t = torch.empty(numel, dtype=dtype)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
-                           f"{cudart.cudaGetErrorString(err)}; free host memory, raise the locked-memory limit "
-                           "(ulimit -l), or set offload pin_memory false")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    pin_existing(t)
     return t
 
 
@@ -54,9 +48,9 @@ def pin_existing(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host tensor failed: "
-                           f"{cudart.cudaGetErrorString(err)}; free host memory or raise the locked-memory limit "
-                           "(ulimit -l)")
+        raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
+                           f"{cudart.cudaGetErrorString(err)}; free host memory, raise the locked-memory limit "
+                           "(ulimit -l), or set offload pin_memory false")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
 
 
