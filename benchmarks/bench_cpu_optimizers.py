@@ -89,11 +89,15 @@ def make_plait(numel: int, threads: int, copy_out: bool, grad_dtype: torch.dtype
     return lambda: opt.step(p, g, out)
 
 
-def make_torch(numel: int, kind: str, copy_out: bool):
+def param_with_grad(numel: int) -> torch.nn.Parameter:
     p = torch.nn.Parameter(torch.randn(numel))
     p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **{kind: True})
-    out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
+    return p
+
+
+def torch_style_step(opt, p: torch.nn.Parameter, copy_out: bool):
+    """``opt.step()``, then (``copy_out``) the bf16 copy of the updated weights an offload engine needs."""
+    out = torch.empty(p.numel(), dtype=torch.bfloat16) if copy_out else None
 
     def step():
         opt.step()
@@ -101,6 +105,12 @@ def make_torch(numel: int, kind: str, copy_out: bool):
             out.copy_(p.detach())
 
     return step
+
+
+def make_torch(numel: int, kind: str, copy_out: bool):
+    p = param_with_grad(numel)
+    opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **{kind: True})
+    return torch_style_step(opt, p, copy_out)
 
 
 def make_deepspeed(numel: int, copy_out: bool = False):
@@ -110,19 +120,11 @@ def make_deepspeed(numel: int, copy_out: bool = False):
     except ImportError:
         return "not installed"
     try:
-        p = torch.nn.Parameter(torch.randn(numel))
-        p.grad = torch.randn(numel)
+        p = param_with_grad(numel)
         opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
     except Exception as e:  # noqa: BLE001 - the C++ op is built on first use; any failure means "skip"
         return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
-
-    def step():
-        opt.step()
-        if out is not None:
-            out.copy_(p.detach())
-
-    return step
+    return torch_style_step(opt, p, copy_out)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
