@@ -150,7 +150,7 @@ def test_lamb_zero_update_norm_uses_ratio_one():
     assert p.isfinite().all() and not torch.equal(p[SEGMENTS[1]:], p0[SEGMENTS[1]:])
 
 
-# ---- stepping by bucket, threads, grad_scale, checkpoints ----------------------------------------------
+# ---- stepping by bucket, threads, grad_coef, checkpoints ----------------------------------------------
 def make_all():
     return [
         CPUAdam(N, lr=1e-3, weight_decay=0.1),
@@ -199,16 +199,19 @@ def test_thread_count_does_not_change_results_or_leak(k):
 
 
 @pytest.mark.parametrize("k", range(4))
-def test_grad_scale_divides_the_gradient(k):
+def test_grad_coef_multiplies_the_gradient(k):
     p0, grads = data(7, steps=3)
-    a, b, c = make_all()[k], make_all()[k], make_all()[k]
-    pa, pb, pc = p0.clone(), p0.clone(), p0.clone()
+    a, b, c, d, e = (make_all()[k] for _ in range(5))
+    pa, pb, pc, pd, pe = (p0.clone() for _ in range(5))
     for g in grads:
         a.step(pa, g)
-        b.step(pb, g * 1024.0, grad_scale=1024.0)  # power of two: exact
-        c.step(pc, g * 3.7, grad_scale=3.7)  # rounding only
+        b.step(pb, g * 1024.0, grad_coef=1 / 1024.0)  # power of two: exact
+        c.step(pc, g * 3.7, grad_coef=1 / 3.7)  # rounding only
+        d.step(pd, g, grad_coef=0.37)           # what ZeroOptimizer does without offload: g.mul_(coef)
+        e.step(pe, g.mul(0.37))
     assert torch.equal(pa, pb)
     assert rel_err(pc, pa) <= RTOL
+    assert torch.equal(pd, pe)
 
 
 @pytest.mark.parametrize("k", range(4))
@@ -285,8 +288,8 @@ def test_lr_override_and_errors():
         fresh.step_range(p0, grads[0], 3000, 500)
     with pytest.raises(ValueError, match="grads has 10 elements"):
         fresh.step_range(p0, grads[0][:10], 0, 20)
-    with pytest.raises(ValueError, match="grad_scale=0.0"):
-        fresh.step_range(p0, grads[0], grad_scale=0.0)
+    with pytest.raises(ValueError, match="grad_coef=0.0"):
+        fresh.step_range(p0, grads[0], grad_coef=0.0)
     with pytest.raises(TypeError, match="float64"):
         fresh.step(p0.double(), grads[0])
     lamb = CPULAMB(N, SEGMENTS)

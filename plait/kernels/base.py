@@ -111,7 +111,7 @@ class FlatOptimizer:
         return self.step_count
 
     def step_range(self, params, grads, offset: int = 0, length: int | None = None, lowp_out=None,
-                   grad_scale: float = 1.0) -> None:
+                   grad_coef: float = 1.0) -> None:
         """Update elements ``[offset, offset + length)`` of the flat buffer for the current step.
 
         Args:
@@ -123,12 +123,12 @@ class FlatOptimizer:
             offset: first element of the range. length: its size (None: to the end).
             lowp_out: None, or a bf16/fp16 tensor (or numpy float16 array) ``[numel]`` or ``[length]``
                 that receives the updated weights rounded to nearest even, in the same pass.
-            grad_scale: the gradient is divided by it (fp16 loss-scale unscaling and the
-                gradient-clipping coefficient folded in); must be finite and > 0.
+            grad_coef: the gradient is multiplied by it (in float32, as ``grad.mul_(coef)`` in torch): the
+                gradient-clipping coefficient divided by the fp16 loss scale; must be finite and > 0.
 
         Raises:
             RuntimeError: :meth:`begin_step` was not called first.
-            ValueError: range outside ``[0, numel]``, buffers of another size, bad ``grad_scale``.
+            ValueError: range outside ``[0, numel]``, buffers of another size, bad ``grad_coef``.
         """
         if self._step_lr is None:
             raise RuntimeError("call begin_step() before step_range(): it advances the step counter once per step")
@@ -136,8 +136,8 @@ class FlatOptimizer:
             length = self.numel - offset
         if offset < 0 or length < 0 or offset + length > self.numel:
             raise ValueError(f"range offset={offset}, length={length} lies outside the buffer of numel={self.numel}")
-        if not (math.isfinite(grad_scale) and grad_scale > 0):
-            raise ValueError(f"grad_scale={grad_scale} must be finite and > 0 (it divides the gradient)")
+        if not (math.isfinite(grad_coef) and grad_coef > 0):
+            raise ValueError(f"grad_coef={grad_coef} must be finite and > 0 (it multiplies the gradient)")
         self._check_range(offset, length)
         p = self._slice(flat_f32(params, "params"), offset, length, "params")
         g = self._slice(grad_view(grads, "grads"), offset, length, "grads")
@@ -148,15 +148,15 @@ class FlatOptimizer:
         if length == 0:
             return
         with numba_threads(self.num_threads):
-            self._run(p, g, states, bits, mode, offset, length, np.float32(grad_scale))
+            self._run(p, g, states, bits, mode, offset, length, np.float32(grad_coef))
 
-    def step(self, params, grads, lowp_out=None, lr: float | None = None, grad_scale: float = 1.0) -> None:
+    def step(self, params, grads, lowp_out=None, lr: float | None = None, grad_coef: float = 1.0) -> None:
         """One whole optimizer step over the buffer: ``begin_step(lr)`` then ``step_range`` of all of it.
 
         Shapes as in :meth:`step_range` with ``length == numel``.
         """
         self.begin_step(lr)
-        self.step_range(params, grads, 0, self.numel, lowp_out=lowp_out, grad_scale=grad_scale)
+        self.step_range(params, grads, 0, self.numel, lowp_out=lowp_out, grad_coef=grad_coef)
 
     def _slice(self, arr: np.ndarray, offset: int, length: int, name: str) -> np.ndarray:
         if arr.shape[0] == self.numel:
@@ -170,7 +170,7 @@ class FlatOptimizer:
     def _check_range(self, offset: int, length: int) -> None:
         """Hook: subclasses whose update couples elements (LAMB) restrict the allowed ranges."""
 
-    def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
+    def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         raise NotImplementedError
 
     # ---- checkpoints ----------------------------------------------------------------------------

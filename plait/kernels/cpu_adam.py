@@ -6,7 +6,7 @@ Weight decay either as an L2 term added to the gradient (``adamw_mode=False``, t
 decoupled (``adamw_mode=True``, Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization",
 Algorithm 2, torch.optim.AdamW: ``w *= 1 - lr * weight_decay`` before the Adam update).
 
-Per element ``i`` and step ``t`` (all float32; ``g = grad / grad_scale``)::
+Per element ``i`` and step ``t`` (all float32; ``g = grad * grad_coef``)::
 
     adamw: w = w * (1 - lr*wd)        adam: g = g + wd * w
     m = beta1 * m + (1 - beta1) * g
@@ -28,8 +28,8 @@ from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bit
 @njit(cache=True, inline="always", error_model="numpy")
 def _adam_elem(w, grad, m, v, hp):
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size, bc2_sqrt, \
-        grad_scale = hp
-    grad = grad / grad_scale
+        grad_coef = hp
+    grad = grad * grad_coef
     if decoupled:
         w = w * decay
     elif weight_decay != np.float32(0.0):
@@ -42,7 +42,7 @@ def _adam_elem(w, grad, m, v, hp):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_scale):
+                weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_coef):
     """One Adam/AdamW step over ``p, g, m, v`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).
 
     Scalars are float32 except ``mode`` (int), ``nan_bits`` (uint16) and ``decoupled`` (bool);
@@ -51,7 +51,7 @@ def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, 
     """
     n = p.shape[0]
     hp = (beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size,
-          bc2_sqrt, grad_scale)
+          bc2_sqrt, grad_coef)
     if mode == MODE_BF16:
         for i in prange(n):
             w, m[i], v[i] = _adam_elem(p[i], as_f32(g[i]), m[i], v[i], hp)
@@ -102,11 +102,11 @@ class CPUAdam(FlatOptimizer):
         self.adamw_mode = bool(hp["adamw_mode"])
         self.bias_correction = bool(hp["bias_correction"])
 
-    def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
+    def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         lr, (b1, b2), t = self._step_lr, self.betas, self.step_count
         bc1 = 1.0 - b1 ** t if self.bias_correction else 1.0
         bc2 = 1.0 - b2 ** t if self.bias_correction else 1.0
         f = np.float32
         adam_kernel(p, g, states[0], states[1], bits, mode, self._nan_bits, f(b1), f(1.0 - b1), f(b2), f(1.0 - b2),
                     f(self.eps), f(self.weight_decay), f(1.0 - lr * self.weight_decay), self.adamw_mode,
-                    f(lr / bc1), f(math.sqrt(bc2)), grad_scale)
+                    f(lr / bc1), f(math.sqrt(bc2)), grad_coef)

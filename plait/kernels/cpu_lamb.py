@@ -3,7 +3,7 @@
 You et al. 2019/2020, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
 Algorithm 2, with the trust ratio of each *parameter tensor* (a segment of the flat buffer)::
 
-    g   = grad / grad_scale
+    g   = grad * grad_coef
     m   = beta1 * m + (1 - beta1) * g
     v   = beta2 * v + (1 - beta2) * g * g
     u   = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w        bc_k = 1 - beta_k^t, or 1 when off
@@ -16,7 +16,7 @@ omits it; ``bias_correction=False`` gives that), eps is added outside the square
 is decoupled (added to the update, so it is scaled by the trust ratio), the trust ratio uses the
 identity scaling function phi with no clipping, and it is applied to every segment even when
 ``weight_decay == 0``. Global gradient-norm clipping is the caller's (pass the coefficient in
-``grad_scale``).
+``grad_coef``).
 
 Two passes, no scratch buffer of ``numel``: pass 1 updates ``m, v`` and accumulates ``||w||^2`` and
 ``||u||^2`` (float64) per chunk; pass 2 recomputes ``u`` from the stored ``m, v`` (bit-identical) and
@@ -41,7 +41,7 @@ def _lamb_update(w, m, v, hp):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def lamb_moments_kernel(p, g, m, v, starts, ends, w_sq, u_sq, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                        grad_scale, hp):
+                        grad_coef, hp):
     """Pass 1: update ``m, v`` (float32 ``[n]``) and write per-chunk ``sum w^2``, ``sum u^2`` (float64 ``[chunks]``).
 
     Chunk ``c`` covers ``[starts[c], ends[c])`` of the slice.
@@ -52,7 +52,7 @@ def lamb_moments_kernel(p, g, m, v, starts, ends, w_sq, u_sq, beta1, one_minus_b
         i = starts[c]
         e = ends[c]
         while i < e:
-            grad = as_f32(g[i]) / grad_scale
+            grad = as_f32(g[i]) * grad_coef
             mi = beta1 * m[i] + one_minus_beta1 * grad
             vi = beta2 * v[i] + one_minus_beta2 * (grad * grad)
             m[i] = mi
@@ -173,7 +173,7 @@ class CPULAMB(FlatOptimizer):
                     "trust ratio needs the whole tensor; make bucket boundaries fall on segment offsets"
                 )
 
-    def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
+    def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         c0 = int(np.searchsorted(self._starts, offset))
         c1 = int(np.searchsorted(self._starts, offset + length))
         starts, ends = self._starts[c0:c1] - offset, self._ends[c0:c1] - offset
@@ -186,7 +186,7 @@ class CPULAMB(FlatOptimizer):
         u_sq = np.empty(c1 - c0)
         m, v = states
         lamb_moments_kernel(p, g, m, v, starts, ends, w_sq, u_sq, f(b1), f(1.0 - b1), f(b2), f(1.0 - b2),
-                            grad_scale, hp)
+                            grad_coef, hp)
         seg0 = int(seg[0]) if len(seg) else 0
         scale = lamb_chunk_scales(w_sq, u_sq, seg - seg0, int(seg[-1]) - seg0 + 1 if len(seg) else 0,
                                   float(self._step_lr))

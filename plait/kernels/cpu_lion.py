@@ -1,7 +1,7 @@
 """Lion on the host over flat float32 buffers, fused with the bf16/fp16 copy-out (numba).
 
 Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2 (Lion with decoupled
-weight decay). Per element, with ``g = grad / grad_scale`` (float32)::
+weight decay). Per element, with ``g = grad * grad_coef`` (float32)::
 
     c = beta1 * m + (1 - beta1) * g
     w = w - lr * (sign(c) + wd * w)            sign(0) = 0
@@ -22,8 +22,8 @@ from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bit
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _lion_elem(w, grad, m, hp):
-    lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_scale = hp
-    grad = grad / grad_scale
+    lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_coef = hp
+    grad = grad * grad_coef
     c = beta1 * m + one_minus_beta1 * grad
     s = np.float32(0.0)
     if c > np.float32(0.0):
@@ -38,13 +38,13 @@ def _lion_elem(w, grad, m, hp):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def lion_kernel(p, g, m, out, mode, nan_bits, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
-                grad_scale):
+                grad_coef):
     """One Lion step over ``p, g, m`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).
 
     Scalars are float32 except ``mode`` (int) and ``nan_bits`` (uint16).
     """
     n = p.shape[0]
-    hp = (lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_scale)
+    hp = (lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, grad_coef)
     if mode == MODE_BF16:
         for i in prange(n):
             w, m[i] = _lion_elem(p[i], as_f32(g[i]), m[i], hp)
@@ -89,7 +89,7 @@ class CPULion(FlatOptimizer):
     def _set_hparams(self, hp: dict) -> None:
         self._set_moment_hparams(hp)
 
-    def _run(self, p, g, states, bits, mode, offset, length, grad_scale) -> None:
+    def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         (b1, b2), f = self.betas, np.float32
         lion_kernel(p, g, states[0], bits, mode, self._nan_bits, f(self._step_lr), f(b1), f(1.0 - b1), f(b2),
-                    f(1.0 - b2), f(self.weight_decay), grad_scale)
+                    f(1.0 - b2), f(self.weight_decay), grad_coef)

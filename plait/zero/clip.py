@@ -49,8 +49,11 @@ def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dp_group=None,
         norm_type: 2.0 (default), any p >= 1, or ``math.inf``.
 
     Returns:
-        0-dim float32 tensor (on the pieces' device), the same value on all ranks.
-        Computed in float32 from float32 squares (pieces of other dtypes are upcast).
+        0-dim float64 tensor (on the pieces' device), the same value on all ranks. The 2-norm sums
+        the float32 squares (each exact in float64) in float64 by ``sum_squares64``, as the offloaded
+        step does (``plait.zero.offload``): any two summation orders then agree to ~1e-16 relative,
+        so both paths derive the same float32 clip coefficient (``clip_coefficient``) wherever the
+        pieces are cut and whatever vector width the CPU kernels use.
 
     Collective: all-reduce (SUM, or MAX for inf) over each non-None group of size > 1.
 
@@ -62,15 +65,17 @@ def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dp_group=None,
     pieces = list(pieces)
     device = pieces[0][0].device if pieces else torch.device("cpu")
     skip_replicated = group_rank(tp_group) != 0
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, replicated in pieces:
         if grad.numel() == 0 or (replicated and skip_replicated):
             continue
-        g = grad.detach().float()
+        g = grad.detach().reshape(-1)
         if norm_type == math.inf:
-            total = torch.maximum(total, g.abs().max())
+            total = torch.maximum(total, g.abs().max().double())
+        elif norm_type == 2.0:
+            total = total + sum_squares64(g)
         else:
-            total = total + (g.pow(2).sum() if norm_type == 2.0 else g.abs().pow(norm_type).sum())
+            total = total + torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     total = total.reshape(1)
     for group in (dp_group, tp_group, pp_group):

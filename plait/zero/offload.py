@@ -61,9 +61,10 @@ holds it (``F.linear(x, other_module.weight)``) is not waited for: call ``ZeroOp
 first or turn ``overlap_step`` off. The worker steps segments in module registration order
 (``offload_ready.forward_order``), a proxy for forward order; a different order is still exact.
 
-Results equal the non-offloaded ``ZeroOptimizer`` to float32 rounding (the kernels match torch's
-Adam/AdamW to ~1e-7; the norm is summed in another order), which ``tests/test_offload.py`` checks to
-1e-6 relative.
+Results equal the non-offloaded ``ZeroOptimizer`` stepping with the same kernels bit for bit: both
+take the clip coefficient from a float64 norm (``clip.global_grad_norm``) and multiply the float32
+gradient by it (``tests/test_offload.py``). Against torch's Adam/AdamW the kernels agree to float32
+rounding per step (~1e-7; ``tests/test_kernels.py``).
 
 Gradient accumulation (GAS > 1): reduced gradients of earlier micro-steps are accumulated in the host
 fp32 gradient shard (first landing copies, later ones add; no fp32 gradient buffer on the device);
@@ -362,8 +363,8 @@ class OffloadPipeline:
             return None if self.options.param else seg.local
         return seg.full[seg.lo:seg.lo + seg.shard_size]
 
-    def _step_segment(self, seg: Segment, grad_scale: float, used=None):
-        """Worker: host step of ``seg`` (gradient divided by ``grad_scale``) and its copy back to the
+    def _step_segment(self, seg: Segment, grad_coef: float, used=None):
+        """Worker: host step of ``seg`` (gradient multiplied by ``grad_coef``) and its copy back to the
         device, queued on the h2d stream after ``used`` (backward's last read of the segment).
         Returns the event recorded after that copy (None without CUDA or device destination).
         Touches no per-step state of the pipeline: it may run after ``step()`` returned."""
@@ -381,7 +382,7 @@ class OffloadPipeline:
             out = seg.local            # offload_param: the host parameter shard itself
         else:
             out = lowp[lo:lo + n]
-        host_opt.step_range(master, lo, n, opt.grad_shards[gi], lowp_out=out, grad_scale=grad_scale)
+        host_opt.step_range(master, lo, n, opt.grad_shards[gi], lowp_out=out, grad_coef=grad_coef)
         self._cpu_end = time.perf_counter()
         src = master.detach()[lo:lo + n] if out is None else out
         if dest is None:
@@ -441,11 +442,11 @@ class OffloadPipeline:
         self._cpu_start, self._cpu_end = time.perf_counter(), None
         for seg in self.order:
             if self.device_step is not None and seg in self.device_step:
-                tickets.append(self.device_step.step(seg, 1.0 / coef))
+                tickets.append(self.device_step.step(seg, coef))
             elif id(seg) in self.stepped:
                 tickets.append(self._copied.get(id(seg)))   # the worker is idle (drained)
             else:
-                tickets.append(self.worker.submit(self._step_segment, seg, 1.0 / coef, self.used.get(id(seg))))
+                tickets.append(self.worker.submit(self._step_segment, seg, coef, self.used.get(id(seg))))
         if self._needs_for != len(self._ran):
             self._needs = module_needs(opt.module, self._in_place, self.ready.pos, self._ran)
             self._needs_for = len(self._ran)

@@ -82,8 +82,8 @@ class DeviceStepper:
         """Main thread, backward: keep ``grad`` (``[shard_size]`` on the device) for the step."""
         self.grads[id(seg)] = grad
 
-    def step(self, seg: Segment, grad_scale: float):
-        """Main thread, at ``step()``: queue the update of ``seg`` (gradient divided by ``grad_scale``) and
+    def step(self, seg: Segment, grad_coef: float):
+        """Main thread, at ``step()``: queue the update of ``seg`` (gradient multiplied by ``grad_coef``) and
         its copies; returns the event after its device weights are written (None without CUDA: all done
         on return). ``wait`` waits for the copies of the host states."""
         opt, host = self.opt, self.opt.optimizer
@@ -106,7 +106,7 @@ class DeviceStepper:
             w = host_w.to(self.device, non_blocking=True)
             m = host_m.to(self.device, non_blocking=True)
             v = host_v.to(self.device, non_blocking=True)
-            adam_update_(w, grad, m, v, k, grad_scale)
+            adam_update_(w, grad, m, v, k, grad_coef)
             dest.copy_(w)
             if self.cuda:
                 event = torch.cuda.Event()          # the next forward waits for this one only
@@ -154,7 +154,7 @@ class DeviceStepper:
         self.grads.clear()
 
 
-def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k, grad_scale: float) -> None:
+def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k, grad_coef: float) -> None:
     """One Adam/AdamW step in place on float32 ``w, m, v`` (``[n]``) from ``grad`` (``[n]``, any float dtype),
     with the hyper-parameters, step count and lr of the CPU kernel ``k`` (``plait.kernels.CPUAdam``).
 
@@ -170,7 +170,7 @@ def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
     # every scalar rounded to float32 first, as the kernel's are: then a product or quotient of two
     # float32 values rounds the same whether torch computes it in float32 or in double
     beta1, one_minus_beta1, beta2, one_minus_beta2 = _f32(b1), _f32(1.0 - b1), _f32(b2), _f32(1.0 - b2)
-    g = grad.to(torch.float32, copy=True).div_(_on(w, grad_scale))
+    g = grad.to(torch.float32, copy=True).mul_(_on(w, grad_coef))
     if k.adamw_mode:
         w.mul_(_f32(1.0 - lr * k.weight_decay))
     elif k.weight_decay != 0.0:

@@ -16,7 +16,7 @@ per-tensor norms summed over the dp ranks that share a tensor (see ``plait.lamb`
 Stepping (the offload pipeline drives it)::
 
     opt.begin_step()                                  # every master: step += 1, hyper-parameters read
-    opt.step_range(i, offset, length, grad, lowp_out, grad_scale)   # any order, each range once
+    opt.step_range(i, offset, length, grad, lowp_out, grad_coef)   # any order, each range once
 """
 from __future__ import annotations
 
@@ -103,11 +103,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._link_state(p)
 
     def step_range(self, p: torch.Tensor, offset: int, length: int, grad: torch.Tensor,
-                   lowp_out: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
+                   lowp_out: torch.Tensor | None = None, grad_coef: float = 1.0) -> None:
         """Update elements ``[offset, offset+length)`` of master ``p`` (``[numel]`` fp32) from ``grad``
-        (fp32, ``[numel]`` or ``[length]``), dividing the gradient by ``grad_scale``; write the
+        (fp32, ``[numel]`` or ``[length]``), multiplying the gradient by ``grad_coef``; write the
         rounded bf16/fp16 weights into ``lowp_out`` (``[length]``) in the same pass when given."""
-        self.kernels[p].step_range(p.detach(), grad, offset, length, lowp_out=lowp_out, grad_scale=grad_scale)
+        self.kernels[p].step_range(p.detach(), grad, offset, length, lowp_out=lowp_out, grad_coef=grad_coef)
 
     @torch.no_grad()
     def step(self, closure=None):

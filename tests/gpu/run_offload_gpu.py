@@ -66,7 +66,7 @@ def check_device_update() -> str:
         k.step_count = 2
         k.begin_step()
         w_cpu = p.clone()
-        k.step_range(w_cpu, g, 0, n, grad_scale=1 / 0.4813)
+        k.step_range(w_cpu, g, 0, n, grad_coef=0.4813)
         w, m, v = p.cuda(), m0.cuda(), v0.cuda()
         adam_update_(w, g.cuda(), m, v, k, 1 / 0.4813)
         bad += int((w.cpu() != w_cpu).sum()) + int((m.cpu() != k.exp_avg).sum()) + int((v.cpu() != k.exp_avg_sq).sum())
