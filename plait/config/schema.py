@@ -320,6 +320,22 @@ class PipelineConfig:
                                  "4 layers")
 
 
+@dataclass(frozen=True)
+class NonFiniteGuardConfig:
+    """``nonfinite_guard`` (plait): a step whose global gradient norm is inf or nan is skipped on every rank
+    in every precision (as Megatron's ``check_for_nan_in_loss_and_grad`` and DeepSpeed's fp16 overflow
+    check), counted in ``skipped_steps`` and logged; ``max_consecutive_skips`` such skips in a row end
+    the run (fp32/bf16; fp16 has its loss scale's ``min_loss_scale``) with ``NonFiniteError``.
+    ``enabled: false`` applies such steps as they are."""
+
+    enabled: bool = True
+    max_consecutive_skips: int = 10
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive_skips < 1:
+            raise ConfigError(f"nonfinite_guard.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+
 # ------------------------------------------------------------------------------------------------ the whole
 @dataclass(frozen=True)
 class PlaitConfig:
@@ -346,6 +362,7 @@ class PlaitConfig:
         default_factory=ActivationCheckpointingConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False
