@@ -155,3 +155,40 @@ def test_a_save_never_replaces_or_prunes_the_last_good_checkpoint():
     assert [step for step, _ in unguarded_refused] == [1, 2, 3]
     assert "holds inf/nan" in unguarded_refused[0][1] and "latest still names the last good" in unguarded_refused[0][1]
     assert dirs["unguarded"][0] == "global_step1" and "global_step1" in dirs["unguarded"][1]
+
+
+def _pipeline_body(precision):
+    """tp=2 x pp=2 (4 ranks, 1F1B, ZeRO-1): a nan in one gradient element on the last rank (pp stage 1,
+    tp rank 1) at ``BAD_STEP`` against the run that drops that step."""
+    from plait.parallel.partition import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+
+    def run(poison=(), drop=()):
+        mesh = ParallelMesh(tp=2, pp=2)
+        chunks = build_stage_modules(tiny(), mesh, seed=5)
+        cfg = ds_config(1, precision)
+        cfg["tensor_parallel"], cfg["pipeline"] = {"size": 2}, {"size": 2, "schedule": "1f1b"}
+        engine = plait.initialize(PipelineParallel(chunks, mesh, schedule="1f1b", micro_batches=GAS), cfg, mesh=mesh)
+        armed = {"on": False}
+        victim = next(p for n, p in chunks[0].named_parameters() if n.endswith("mlp.down_proj.weight"))
+        victim.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.nan) if armed["on"] else g)
+        for step in range(STEPS):
+            if step in drop:
+                if engine.optimizer.scaler is not None:
+                    engine.optimizer.scaler.update(True)
+                continue
+            armed["on"] = step in poison and dist.get_rank() == dist.get_world_size() - 1
+            engine.train_batch(iter([micro_batch(step, j, mesh.dp_rank) for j in range(GAS)]))
+        with engine.optimizer.gathered_parameters():
+            weights = {n: p.detach().float().clone() for c in chunks for n, p in c.named_parameters()}
+        return weights, engine.skipped_steps, engine.global_steps
+
+    return run(poison={BAD_STEP}), run(drop={BAD_STEP})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_nan_gradient_under_tp_and_pp_skips_the_step_on_every_rank(precision):
+    for rank, (got, ref) in enumerate(run_distributed(_pipeline_body, 4, precision, timeout_s=300)):
+        assert got[1:] == (1, STEPS - 1) and ref[1:] == (0, STEPS - 1), rank
+        for name, want in ref[0].items():
+            assert torch.equal(got[0][name], want), (rank, name)
