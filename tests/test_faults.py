@@ -192,3 +192,19 @@ def test_a_nan_gradient_under_tp_and_pp_skips_the_step_on_every_rank(precision):
         assert got[1:] == (1, STEPS - 1) and ref[1:] == (0, STEPS - 1), rank
         for name, want in ref[0].items():
             assert torch.equal(got[0][name], want), (rank, name)
+
+
+@pytest.mark.parametrize("section,key,value,allowed", [
+    ("optimizer", "lr", -1e-3, "a finite number >= 0"), ("optimizer", "lr", math.nan, "a finite number >= 0"),
+    ("optimizer", "betas", [1.5, 0.9], "two numbers in [0, 1)"), ("optimizer", "eps", -1.0, "a finite number >= 0"),
+    ("optimizer", "weight_decay", -0.1, "a finite number >= 0"), (None, "gradient_clipping", math.nan, "finite")])
+def test_config_values_are_range_checked_naming_the_key(section, key, value, allowed):
+    from plait.config import ConfigError, load_config
+    cfg = {"train_micro_batch_size_per_gpu": 1}
+    if section:
+        cfg["optimizer"] = {"type": "AdamW", "params": {key: value}}
+    else:
+        cfg[key] = value
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, world_size=1)
+    assert f"{'optimizer.params.' if section else ''}{key} = " in str(err.value) and allowed in str(err.value)
