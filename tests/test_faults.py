@@ -208,3 +208,17 @@ def test_config_values_are_range_checked_naming_the_key(section, key, value, all
     with pytest.raises(ConfigError) as err:
         load_config(cfg, world_size=1)
     assert f"{'optimizer.params.' if section else ''}{key} = " in str(err.value) and allowed in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["latest", "meta"])
+def test_damaged_json_and_latest_raise_a_checkpoint_error_naming_the_file(tmp_path, damage):
+    from plait.checkpoint.errors import read_json, read_text
+    engine = plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh())
+    engine.save_checkpoint(tmp_path)
+    path = tmp_path / "latest" if damage == "latest" else tmp_path / "global_step0" / "meta.json"
+    path.write_bytes(b"\xff\xfe not text")
+    read = read_text if damage == "latest" else read_json
+    with pytest.raises(CheckpointError, match=f"{path} is damaged: not UTF-8"):
+        read(str(path))
+    with pytest.raises(CheckpointError, match="damaged|checksum|does not match"):
+        engine.load_checkpoint(tmp_path)
