@@ -140,7 +140,8 @@ def main(argv=None) -> None:
         if rank0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
             rate = step * cfg.train_batch_size / (time.perf_counter() - t0)
             print(f"step {step:>4}/{args.steps} | loss {losses[-1]:.4f} | lr {engine.get_lr()[0]:.2e} | "
-                  f"grad norm {engine.grad_norm or 0.0:.3f} | {rate:.1f} samples/s", flush=True)
+                  f"grad norm {engine.grad_norm or 0.0:.3f} | skipped {engine.skipped_steps} | {rate:.1f} samples/s",
+                  flush=True)
     engine.save_checkpoint(str(Path(args.out_dir) / "checkpoints"), client_state={"step": args.steps})
     if rank0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps "

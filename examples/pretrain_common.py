@@ -324,10 +324,10 @@ class Progress:
         lr = engine.get_lr()[0]
         rec = {"type": "train", "step": step, "loss": loss, "lr": lr, f"{self.unit}_per_s": rate,
                "grad_norm": engine.grad_norm, "loss_scale": engine.loss_scale, "peak_mem_gib": mem,
-               "time": time.time()}
+               "skipped_steps": engine.skipped_steps, "time": time.time()}
         line = (f"step {step:>6}/{total} | loss {loss:7.4f} | lr {lr:.2e} | {rate:>10,.0f} {self.unit}/s | "
                 f"mem {mem:.2f} {mem_unit} | grad norm {engine.grad_norm or 0.0:.3f} | "
-                f"loss scale {engine.loss_scale:g}")
+                f"loss scale {engine.loss_scale:g} | skipped {engine.skipped_steps}")
         if self.peak and self.unit == "tokens":
             rec["mfu"] = rate * self.flops_token / (self.world * self.peak)
             line += f" | MFU {100 * rec['mfu']:.1f}%"

@@ -43,6 +43,7 @@ from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload_optim import HostOptimizer
+from plait.zero.precision import NonFiniteError
 
 
 class Engine:
@@ -94,7 +95,8 @@ class Engine:
             units=stage3_units(module) if z.stage == 3 else None,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
-            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload)
+            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload,
+            skip_nonfinite=config.nonfinite_guard.enabled)
         # A tied head copy (on another pipeline stage than its embedding) must count once in the norm.
         self.optimizer.norm_exclude = {id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}
         inner = self.optimizer.optimizer
@@ -104,6 +106,8 @@ class Engine:
                              else scheduler_from_config(config.scheduler, inner))
         self._step_applied = False
         self.global_samples = 0
+        self._loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
+        self._last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -114,6 +118,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS."""
+        self._loss = loss.detach()
         self.optimizer.backward(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -121,14 +126,36 @@ class Engine:
 
     def step(self) -> None:
         """Optimizer (and schedule) step at the accumulation boundary; a no-op before it.
-        fp16 overflow skips the step on every rank and does not advance the schedule."""
+        A non-finite global gradient norm (fp16 overflow, a nan/inf gradient in any precision) skips the
+        step on every rank and does not advance the schedule.
+
+        Raises:
+            NonFiniteError: ``nonfinite_guard.max_consecutive_skips`` steps in a row were skipped (fp32/bf16).
+        """
         if not self.is_gradient_accumulation_boundary():
             self._step_applied = False
             return
         self._step_applied = self.optimizer.step()
-        if self._step_applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
         self.global_samples += self.train_batch_size()
+        if not self._step_applied:
+            self._check_skips()
+            return
+        self._last_applied = (self.global_steps, self._loss)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _check_skips(self) -> None:
+        zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
+        if zero.scaler is not None or zero.consecutive_skips < limit:
+            return
+        step, loss = self._last_applied or (0, None)
+        last = (f"the last applied step was {step}" + (f" (loss {float(loss):.6g})" if loss is not None else "")
+                if step else "no step was applied yet")
+        raise NonFiniteError(
+            f"{zero.consecutive_skips} optimizer steps in a row (up to step {zero.global_steps + zero.skipped_steps})"
+            f" had an inf/nan global gradient norm and were skipped; {last}. Look for the source (the batches of "
+            f"those steps, the lr, a layer that overflows) and resume from the last checkpoint; "
+            f"nonfinite_guard.max_consecutive_skips (now {limit}) sets how many skips in a row end the run")
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
@@ -136,6 +163,7 @@ class Engine:
         if self.pipeline is not None:
             zero = self.optimizer
             loss = self.pipeline.train_batch(data_iter, loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
+            self._loss = loss.detach() if torch.is_tensor(loss) else loss
             for _ in range(self.pipeline.m):
                 zero.note_micro_step()
             if zero.stage >= 2:

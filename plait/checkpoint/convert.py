@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plait.checkpoint import hf as hfmap
-from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.errors import CheckpointError, read_json
 from plait.checkpoint.index import OPTIMIZER_PREFIX
 from plait.checkpoint.model_io import EXTRA_PREFIX, MESH_KEY, MODEL_CONFIG_KEY, config_from_meta
 from plait.checkpoint.reader import CheckpointReader
@@ -103,8 +103,7 @@ class HFWeights:
         if os.path.isfile(single):
             self.file_of = dict.fromkeys(self._open(single).keys(), single)
         elif os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json(index, "Hugging Face weight index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map' dict")
             self.file_of = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
@@ -137,8 +136,7 @@ def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(os.fspath(hf_dir), HF_CONFIG)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs its config.json")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, "Hugging Face config")
 
 
 @dataclass

@@ -14,12 +14,11 @@ leaves ``latest`` naming a complete checkpoint (see ``resolve_tag``).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 
-from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.errors import CheckpointError, read_json, read_text
 from plait.checkpoint.index import INDEX_FILE
 from plait.checkpoint.integrity import fsync_path
 
@@ -38,8 +37,7 @@ def check_tag(tag: str) -> None:
 def read_latest(root: str) -> str | None:
     """The tag ``<root>/latest`` names, or None if there is no ``latest`` file."""
     try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            return f.read().strip()
+        return read_text(os.path.join(root, LATEST), "the latest-checkpoint pointer")
     except FileNotFoundError:
         return None
 
@@ -85,9 +83,8 @@ def list_tags(root: str) -> dict[str, float]:
         if e.startswith(".") or e == LATEST:
             continue
         try:
-            with open(os.path.join(root, e, INDEX_FILE), "rb") as f:
-                out[e] = float(json.load(f).get("saved_at", 0.0))
-        except (OSError, ValueError, AttributeError, TypeError):
+            out[e] = float(read_json(os.path.join(root, e, INDEX_FILE), "checkpoint index").get("saved_at", 0.0))
+        except (OSError, ValueError, AttributeError, TypeError, CheckpointError):
             continue
     return out
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.checkpoint.boxes import flat_range_boxes
+from plait.checkpoint.errors import CheckpointError
 from plait.checkpoint.index import optimizer_key
 from plait.checkpoint.meta import tensor_from_json, tensor_to_json
 from plait.checkpoint.model_io import checkpoint_name, load_model_weights, model_meta, model_shard_items
@@ -133,10 +135,27 @@ def _engine_meta(engine, state: ShardState, client_state: dict) -> dict:
     return model_meta(_chunks(engine)[0], engine.mesh, meta)
 
 
+def _refuse_nonfinite(state: ShardState, save_dir, tag: str, device) -> None:
+    """Raise ``CheckpointError`` on every rank, before anything is written, when any rank's fp32 masters or
+    optimizer state hold inf/nan: a save must never replace (as ``latest``) or prune a good checkpoint
+    with a broken one. One pass over this rank's shard and one all-reduce of a flag. Collective."""
+    bad = next((f"{kind} of {s.name}" for s in state.slices for kind, t in (("master", s.master), *s.state.items())
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())), None)
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        where = f"this rank's {bad}" if bad else "another rank's shard"
+        raise CheckpointError(f"refusing to save checkpoint {tag!r} in {save_dir}: {where} holds inf/nan; nothing was "
+                              "written, latest still names the last good checkpoint and none was pruned. Resume from "
+                              "it (engine.load_checkpoint) and look for the step that diverged")
+
+
 def save_engine(engine, save_dir, tag, client_state: dict, async_save: bool, keep_last: int | None = None):
     """Collective; returns the checkpoint writer's handle (``.wait()`` it for async saves)."""
     tag = tag or f"global_step{engine.global_steps}"
     state = engine.optimizer.shard_state()
+    _refuse_nonfinite(state, save_dir, tag, engine.mesh.device)
     writer = getattr(engine, "_checkpoint_writer", None)
     if writer is None or str(writer.root) != str(save_dir) or writer.keep_last != keep_last:
         if writer is not None:

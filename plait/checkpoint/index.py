@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from plait.checkpoint.boxes import box_error, check_tiling
-from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.errors import CheckpointError, read_json
 from plait.checkpoint.stfile import DTYPE_BY_NAME
 
 FORMAT = "plait-checkpoint"
@@ -105,13 +105,10 @@ def load_index(path: str) -> dict:
         CheckpointError: naming ``path`` and the offending file or tensor.
     """
     try:
-        with open(path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
+        index = read_json(path, "checkpoint index")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint index {path} is missing (not a checkpoint, or a save "
                               "that did not finish)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint index {path} is not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         _fail(path, f"format is {index.get('format') if isinstance(index, dict) else None!r}, "
                     f"expected {FORMAT!r}")

@@ -7,7 +7,6 @@ overlap it, reading only those parts through ``safe_open(...).get_slice(key)[...
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from safetensors import safe_open
 
 from plait.checkpoint.boxes import box_error, flat_range_boxes, intersect, volume
 from plait.checkpoint.dirs import resolve_tag
-from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.errors import CheckpointError, read_json
 from plait.checkpoint.index import (
     INDEX_FILE,
     META_FILE,
@@ -89,11 +88,7 @@ class CheckpointReader:
         if self._lazy:
             info = self.index["files"][fname]
             verify_file(self._file(fname), info["bytes"], info["checksum"])
-        with open(self._file(fname), "rb") as f:
-            try:
-                return json.loads(f.read().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"checkpoint file {self._file(fname)} is not valid JSON ({e})") from None
+        return read_json(self._file(fname))
 
     def _slices_in(self, fname: str) -> list:
         if self._by_file is None:

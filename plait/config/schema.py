@@ -15,6 +15,7 @@ Field metadata used by the reader (``plait.config.reader``):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -64,6 +65,25 @@ class BF16Config:
 
 
 # -------------------------------------------------------------------------------- optimizer and scheduler
+def _check_hparams(params: Any) -> None:
+    """Range checks of ``optimizer.params`` (values still "auto" are checked once filled in).
+
+    Raises:
+        ConfigError: naming the key, the value and the allowed range.
+    """
+    def bad(key: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(f"optimizer.params.{key} = {value!r} is out of range: it must be {allowed}")
+
+    for key in ("lr", "eps", "weight_decay"):
+        v = getattr(params, key, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
+            raise bad(key, v, "a finite number >= 0")
+    betas = getattr(params, "betas", None)
+    if isinstance(betas, (tuple, list)) and not (len(betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise bad("betas", list(betas), "two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
 @dataclass(frozen=True)
 class AdamParams:
     """``optimizer.params`` for Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019).
@@ -79,6 +99,9 @@ class AdamParams:
     bias_correction: bool = True
     adam_w_mode: bool = True
 
+    def __post_init__(self) -> None:
+        _check_hparams(self)
+
 
 @dataclass(frozen=True)
 class LambParams:
@@ -93,6 +116,9 @@ class LambParams:
     max_coeff: float = 10.0
     min_coeff: float = 0.01
 
+    def __post_init__(self) -> None:
+        _check_hparams(self)
+
 
 @dataclass(frozen=True)
 class SGDParams:
@@ -104,6 +130,9 @@ class SGDParams:
     weight_decay: float = _auto(0.0)
     nesterov: bool = False
 
+    def __post_init__(self) -> None:
+        _check_hparams(self)
+
 
 @dataclass(frozen=True)
 class LionParams:
@@ -112,6 +141,9 @@ class LionParams:
     lr: float = _auto(1e-4)
     betas: tuple[float, float] = _auto((0.9, 0.99))
     weight_decay: float = _auto(0.0)
+
+    def __post_init__(self) -> None:
+        _check_hparams(self)
 
 
 @dataclass(frozen=True)
@@ -320,6 +352,22 @@ class PipelineConfig:
                                  "4 layers")
 
 
+@dataclass(frozen=True)
+class NonFiniteGuardConfig:
+    """``nonfinite_guard`` (plait): a step whose global gradient norm is inf or nan is skipped on every rank
+    in every precision (as Megatron's ``check_for_nan_in_loss_and_grad`` and DeepSpeed's fp16 overflow
+    check), counted in ``skipped_steps`` and logged; ``max_consecutive_skips`` such skips in a row end
+    the run (fp32/bf16; fp16 has its loss scale's ``min_loss_scale``) with ``NonFiniteError``.
+    ``enabled: false`` applies such steps as they are."""
+
+    enabled: bool = True
+    max_consecutive_skips: int = 10
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive_skips < 1:
+            raise ConfigError(f"nonfinite_guard.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+
 # ------------------------------------------------------------------------------------------------ the whole
 @dataclass(frozen=True)
 class PlaitConfig:
@@ -346,6 +394,7 @@ class PlaitConfig:
         default_factory=ActivationCheckpointingConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False
@@ -357,8 +406,9 @@ class PlaitConfig:
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
-        if self.gradient_clipping < 0:
-            raise ConfigError(f"gradient_clipping must be >= 0 (0 = off), got {self.gradient_clipping}")
+        if not (math.isfinite(self.gradient_clipping) and self.gradient_clipping >= 0):
+            raise ConfigError(f"gradient_clipping = {self.gradient_clipping!r} is out of range: it must be a finite "
+                              "number >= 0 (the max global gradient norm; 0 = off)")
         if self.gradient_predivide_factor <= 0:
             raise ConfigError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
         micro, gas, train = (self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,

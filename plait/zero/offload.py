@@ -33,15 +33,16 @@ which side steps the segment), at GAS > 1 on the host once accumulated (numba, f
 the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finite (fp16 overflow). The CPU step of a segment needs the clip coefficient
 ``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
 
-* **early** (``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is exactly 1, and no
-  device share, see ``plait.zero.offload_device``): each
+* **early** (``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is exactly 1, no
+  device share, see ``plait.zero.offload_device``, and the non-finite guard off, since a segment stepped
+  during backward cannot be skipped afterwards: ``ZeroOptimizer(skip_nonfinite=False)``): each
   segment is stepped by the worker as soon as it lands, while backward computes earlier layers, and its
   bf16 copy-back is queued right away. This is the full overlap of the ZeRO-Offload paper.
 * **deferred** (clipping on, or fp16): the segments' CPU steps start at ``step()`` with the exact
   coefficient (no speculation, no use of a stale norm), in forward order, each followed at once by
   its non-blocking host->device copy, so copies overlap the next segment's CPU step; the device->host
-  copies, the gradient accumulation and the norm partials already overlapped backward. fp16 overflow
-  skips the step before any state is touched.
+  copies, the gradient accumulation and the norm partials already overlapped backward. A non-finite
+  norm (fp16 overflow, a nan gradient in any precision) skips the step before any state is touched.
 
 Overlap with the next forward (``OffloadOptions.overlap_step``, default on): ``step()`` returns once
 the host steps are *queued*; it does not wait for them. Each segment's ticket (``plait.zero.offload_ready``)
@@ -178,7 +179,7 @@ class OffloadPipeline:
         self.cuda = self.device.type == "cuda"
         self.pin = options.pin_memory
         self.segments: list[Segment] = list(opt.reducer.segments)
-        self.early = options.early_step and not opt.max_grad_norm and opt.scaler is None
+        self.early = options.early_step and not opt.max_grad_norm and opt.scaler is None and not opt.skip_nonfinite
         self.tp_skip = group_rank(opt.norm_groups.tp) != 0
         # bf16/fp16 copy-out targets on the host, one per flat group (stage 3 with offload_param:
         # the kernel writes the host parameter shards directly, so none for those segments).
@@ -247,7 +248,6 @@ class OffloadPipeline:
         self.finalized: set[int] = set()
         self.stepped: set[int] = set()
         self.sumsq: dict[int, float] = {}
-        self.nonfinite: dict[int, bool] = {}
         self.device_sq: dict[int, torch.Tensor] = {}  # id(seg) -> float64 device scalar (device_norms)
         self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
         self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
@@ -340,7 +340,6 @@ class OffloadPipeline:
             excluded = self._excluded(seg)
             total = sum_of_squares(g)
             counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
-            self.nonfinite[id(seg)] = not math.isfinite(total)
             self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.early:
             if not self.begun:
@@ -416,11 +415,6 @@ class OffloadPipeline:
         self.drain()
         groups = (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp)
         device_sq = torch.stack(list(self.device_sq.values())).sum() if self.device_sq else None
-        if opt.scaler is not None:
-            bad = any(self.nonfinite.values()) or (device_sq is not None and not bool(torch.isfinite(device_sq)))
-            if _any_across(bad, groups, self.device):
-                self._reset()
-                return opt.skip_step()
         scale = opt.loss_scale
         total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments if id(s) in self.sumsq)],
                              dtype=torch.float64, device=self.device)
@@ -430,6 +424,9 @@ class OffloadPipeline:
             if group is not None and group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         norm = float(total.sqrt()) / scale
+        if opt.must_skip(norm):   # inf/nan anywhere (fp16 overflow): the same decision on every rank
+            self._reset()
+            return opt.skip_step(norm)
         opt.grad_norm = norm
         coef = clip_coefficient(norm, opt.max_grad_norm) / scale
         if not (coef > 0 and math.isfinite(1.0 / coef)):
@@ -480,12 +477,3 @@ class OffloadPipeline:
             h.remove()
         self._hooks.clear()
         self.worker.shutdown(wait=True)
-
-
-def _any_across(flag: bool, groups, device) -> bool:
-    """True when ``flag`` is set on any rank of ``groups`` (all-reduce MAX). Collective."""
-    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=device)
-    for group in groups:
-        if group is not None and group_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)

@@ -41,6 +41,7 @@ parameters: they need unflattened per-parameter views and are not supported here
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -66,7 +67,7 @@ from plait.zero.offload import (
 )
 from plait.zero.offload_optim import host_optimizer
 from plait.zero.pinned import host_empty, to_host
-from plait.zero.precision import LossScaler, any_nonfinite, resolve_dtype
+from plait.zero.precision import LossScaler, log_skipped_step, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
 from plait.zero.stage12 import GradReducer
 
@@ -137,6 +138,8 @@ class ZeroOptimizer:
         max_grad_norm: clip the global gradient norm to this; 0 or None: no clipping.
         loss_scaler: a ``LossScaler``; default: dynamic (``LossScaler()``) for fp16, none otherwise.
         grad_norm_groups: ``NormGroups(tp=..., pp=...)``: the norm and the overflow flag span them.
+        skip_nonfinite: skip (on every rank) a step whose global gradient norm is inf or nan, in every
+            precision; False applies it (fp16 with a loss scaler always skips and lowers the scale).
         offload: ``OffloadOptions`` for ZeRO-Offload (``plait.zero.offload``): with ``optimizer`` the
             masters, gradient shards and optimizer state live on the host and ``optimizer`` must be
             torch.optim.Adam/AdamW or a ``HostOptimizer`` factory (stages 1-3); with ``param`` the
@@ -153,7 +156,8 @@ class ZeroOptimizer:
                  prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
                  max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
-                 grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None):
+                 grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None,
+                 skip_nonfinite: bool = True):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if offload is not None and (offload.optimizer and stage == 0 or offload.param and stage != 3):
@@ -172,6 +176,7 @@ class ZeroOptimizer:
         self.norm_groups = grad_norm_groups or NormGroups()
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
         self.reduce_dtype = resolve_dtype(reduce_dtype)
         self.allgather_bucket_size, self.overlap_comm = int(allgather_bucket_size), overlap_comm
         dtype = resolve_dtype(param_dtype) if param_dtype is not None else None
@@ -244,7 +249,8 @@ class ZeroOptimizer:
         self._in_backward = False
         self.micro_steps = 0       # micro-steps since the last optimizer step
         self.global_steps = 0      # optimizer steps applied
-        self.skipped_steps = 0     # optimizer steps skipped for fp16 overflow
+        self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
+        self.consecutive_skips = 0  # of them, in a row up to the last step
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
         self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
         self.offload = OffloadPipeline(self, offload) if host_opt else None
@@ -325,13 +331,14 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Apply one optimizer step at the accumulation boundary.
 
-        Reduces gradients (stages 0-1), checks fp16 overflow on every dp/tp/pp rank, unscales,
-        clips to ``max_grad_norm`` by the global norm, steps the fp32 master shards and copies them
-        back into the model parameters (all-gathering for stages 1-2 and stage-3 persistent params).
+        Reduces gradients (stages 0-1), takes the global gradient norm over dp x tp x pp, skips the
+        step on every rank when that norm is inf or nan (``skip_nonfinite``; fp16 overflow), unscales,
+        clips to ``max_grad_norm``, steps the fp32 master shards and copies them back into the model
+        parameters (all-gathering for stages 1-2 and stage-3 persistent params).
 
         Returns:
-            True when the parameters were updated; False before the boundary or when fp16
-            gradients overflowed (the step is skipped on all ranks and the loss scale lowered).
+            True when the parameters were updated; False before the boundary or when the step was
+            skipped (the same on all ranks; fp16 also lowers the loss scale).
 
         Raises:
             LossScaleError: overflow with the loss scale already at ``min_loss_scale``.
@@ -344,15 +351,23 @@ class ZeroOptimizer:
         else:
             self.reducer.wait()
         self.micro_steps = 0
-        if self.offload is not None:
-            return self.offload.step()
-        groups = (self.dp_group, self.norm_groups.tp, self.norm_groups.pp)
-        if self.scaler is not None and any_nonfinite(self.grad_shards, groups):
-            return self.skip_step()
+        applied = self.offload.step() if self.offload is not None else self._apply_step()
+        if applied:
+            self.consecutive_skips = 0
+        return applied
+
+    def must_skip(self, norm: float) -> bool:
+        """Whether a step with this (all-reduced, so rank-independent) global norm is skipped."""
+        return not math.isfinite(norm) and (self.skip_nonfinite or self.scaler is not None)
+
+    def _apply_step(self) -> bool:
+        """``step`` without offload, after the reduction: norm, skip or clip, update, write back."""
         scale = self.loss_scale
-        pieces = self._norm_pieces()
-        norm = float(global_grad_norm(pieces, self.dp_group if self.stage > 0 else None,
+        # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
+        norm = float(global_grad_norm(self._norm_pieces(), self.dp_group if self.stage > 0 else None,
                                       self.norm_groups.tp, self.norm_groups.pp)) / scale
+        if self.must_skip(norm):
+            return self.skip_step(norm)
         self.grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm) / scale
         for master, grad in zip(self.masters, self.grad_shards):
@@ -369,13 +384,18 @@ class ZeroOptimizer:
         self.global_steps += 1
         return True
 
-    def skip_step(self) -> bool:
-        """An fp16 overflow on some rank: drop this step's gradients on every rank, count the skip and
-        lower the loss scale (raises ``LossScaleError`` at the minimum). Returns False (not applied)."""
+    def skip_step(self, norm: float = math.nan) -> bool:
+        """A non-finite gradient on some rank (``norm``: the global norm): drop this step's gradients on
+        every rank, count and log the skip, and lower the fp16 loss scale (raises ``LossScaleError`` at
+        the minimum). Returns False (not applied)."""
         self.reducer.zero()
         self.grad_norm = None
         self.skipped_steps += 1
-        self.scaler.update(True)
+        self.consecutive_skips += 1
+        if self.scaler is not None:
+            self.scaler.update(True)
+        else:
+            log_skipped_step(self.global_steps + self.skipped_steps, norm, self.consecutive_skips)
         return False
 
     def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:

@@ -8,6 +8,7 @@ loss scaled up so small values survive (ibid. Sec. 3.2); ``LossScaler`` follows 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,19 @@ def resolve_dtype(value) -> torch.dtype:
 
 class LossScaleError(FloatingPointError):
     """Gradients still overflow at the minimum loss scale: training cannot make progress."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many optimizer steps in a row had an inf/nan gradient norm and were skipped."""
+
+
+def log_skipped_step(step: int, norm: float, in_a_row: int) -> None:
+    """Log (rank 0, logger ``plait``) that optimizer step ``step`` (1-based, applied and skipped counted)
+    was skipped for the non-finite global gradient norm ``norm``, the ``in_a_row``-th skip in a row."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("plait").warning(
+            "optimizer step %d skipped on every rank: global gradient norm is %s (%d in a row); the weights are "
+            "those of the step before", step, norm, in_a_row)
 
 
 @dataclass
@@ -120,23 +134,3 @@ class LossScaler:
         self.overflows = int(state.get("overflows", 0))
         self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
         self._clean_steps = int(state.get("clean_steps", 0))
-
-
-def any_nonfinite(tensors, groups=()) -> bool:
-    """True when any tensor holds an inf or nan on this rank or on any rank of ``groups``.
-
-    Collective over every non-None group in ``groups`` (all-reduce MAX of one flag), so every rank
-    of the dp, tp and pp groups reaches the same skip decision.
-    """
-    tensors = list(tensors)
-    flag = torch.zeros(1, dtype=torch.float32)
-    for t in tensors:
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            flag.fill_(1.0)
-            break
-    device = next((t.device for t in tensors), torch.device("cpu"))
-    flag = flag.to(device)
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item() > 0)
