@@ -291,10 +291,14 @@ class Engine:
         return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, strict: bool = True):
-        """Load a checkpoint saved at any layout. Returns ``(path, client_state)``. Collective."""
+                        load_lr_scheduler_states: bool = True, strict: bool = True,
+                        allow_config_change: bool = False):
+        """Load a checkpoint saved at any layout. Returns ``(path, client_state)``. Collective.
+        A checkpoint of a model whose config computes differently (heads, activation, norm, ...) is
+        refused with ``CheckpointError`` unless ``allow_config_change``."""
         from plait.checkpoint.engine_io import load_engine
-        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict)
+        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
+                           allow_config_change)
 
 
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,

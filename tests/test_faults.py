@@ -222,3 +222,18 @@ def test_damaged_json_and_latest_raise_a_checkpoint_error_naming_the_file(tmp_pa
         read(str(path))
     with pytest.raises(CheckpointError, match="damaged|checksum|does not match"):
         engine.load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("change", [{"num_heads": 8, "num_kv_heads": 4}, {"rope_theta": 5e5}, {"norm_eps": 1e-1}])
+def test_a_checkpoint_refuses_a_model_that_computes_differently(tmp_path, change):
+    mesh = ParallelMesh()
+    saved = plait.initialize(TransformerModel(tiny(), mesh, seed=5), ds_config(2), mesh=mesh)
+    saved.save_checkpoint(tmp_path)
+    other = plait.initialize(TransformerModel(tiny().replace(**change), mesh, seed=5), ds_config(2), mesh=mesh)
+    key, value = next(iter(change.items()))
+    with pytest.raises(CheckpointError, match=f"{key}: checkpoint {getattr(tiny(), key)!r}, model {value!r}"):
+        other.load_checkpoint(tmp_path)
+    other.load_checkpoint(tmp_path, allow_config_change=True)   # on purpose: loads, same weights
+    with saved.optimizer.gathered_parameters(), other.optimizer.gathered_parameters():
+        for (n, a), (_, b) in zip(saved.module.named_parameters(), other.module.named_parameters()):
+            assert torch.equal(a, b), n

@@ -198,13 +198,13 @@ def _saved_state(meta: dict) -> ShardState:
 
 
 def load_engine(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                strict: bool):
+                strict: bool, allow_config_change: bool = False):
     """Collective; returns ``(checkpoint path, client_state)``."""
     reader = CheckpointReader(load_dir, tag)
     meta = reader.meta
     with engine.optimizer.gathered_parameters():
         for chunk in _chunks(engine):
-            load_model_weights(chunk, reader, strict=strict)
+            load_model_weights(chunk, reader, strict=strict, allow_config_change=allow_config_change)
     has_engine = "engine" in meta
     state = _saved_state(meta) if has_engine and load_optimizer_states else None
     engine.optimizer.load_shard_state(_flat_reader(reader, _param_table(engine), state is not None), state)

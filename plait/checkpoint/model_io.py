@@ -168,9 +168,34 @@ def _elsewhere(name: str, model: nn.Module) -> bool:
     return 0 <= i < config.num_layers + 2 and i not in indices
 
 
+# TransformerConfig fields that change what the same weights compute: a checkpoint whose recorded config
+# differs in one of them is refused unless the caller allows it (``allow_config_change``).
+COMPUTE_FIELDS = ("arch", "num_heads", "num_kv_heads", "activation", "norm", "norm_eps", "rope_theta",
+                  "tie_embeddings", "causal", "post_norm")
+
+
+def check_model_config(model: nn.Module, reader: CheckpointReader) -> None:
+    """Refuse a checkpoint whose recorded model config (``meta.json``, :data:`MODEL_CONFIG_KEY`) differs from
+    ``model.config`` in a field of :data:`COMPUTE_FIELDS`: same shapes, another computation.
+
+    Raises:
+        CheckpointError: naming every differing field with the checkpoint's and the model's value.
+    """
+    saved, config = reader.meta.get(MODEL_CONFIG_KEY), getattr(model, "config", None)
+    if not isinstance(saved, dict) or not isinstance(config, TransformerConfig):
+        return
+    mine = config.to_dict()
+    diff = [f"{k}: checkpoint {saved[k]!r}, model {mine[k]!r}" for k in COMPUTE_FIELDS
+            if k in saved and saved[k] != mine.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {reader.path} was saved from a model that computes differently ("
+                              + "; ".join(diff) + "): build the model with the checkpoint's config "
+                              f"(meta[{MODEL_CONFIG_KEY!r}]), or pass allow_config_change=True to load it anyway")
+
+
 @torch.no_grad()
 def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.PathLike, strict: bool = True,
-                       tag: str | None = None, device=None) -> LoadReport:
+                       tag: str | None = None, device=None, allow_config_change: bool = False) -> LoadReport:
     """Fill every parameter of ``model`` (any tp/pp layout) from a checkpoint of any layout.
 
     Each parameter reads only its own box (``read_tp_shard``), converted to the parameter's dtype;
@@ -184,16 +209,20 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
         reader: a ``CheckpointReader`` or a checkpoint root (``tag`` picks the checkpoint).
         strict: raise if parameters are missing or checkpoint weights of this model's layers are
             unexpected; with False, load what matches and return the ``LoadReport``.
+        allow_config_change: load even when the recorded config differs in a field that changes the
+            computation (``check_model_config``), e.g. to change the activation on purpose.
 
     Returns:
         ``LoadReport`` (empty lists when everything matched).
 
     Raises:
         CheckpointError: a logical shape differs (names the tensor and both shapes); with
-            ``strict``, missing or unexpected weights (listed).
+            ``strict``, missing or unexpected weights (listed); the model config differs (see above).
     """
     if not isinstance(reader, CheckpointReader):
         reader = CheckpointReader(reader, tag)
+    if not allow_config_change:
+        check_model_config(model, reader)
     stored = set(reader.names())
     plan, report, wanted = [], LoadReport(), set()
     for name, param in model.named_parameters():
