@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.batch import check_micro_batch
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_setup import (
     apply_activation_checkpointing,
@@ -106,18 +107,30 @@ class Engine:
                              else scheduler_from_config(config.scheduler, inner))
         self._step_applied = False
         self.global_samples = 0
+        self.vocab_size = getattr(getattr(module[0] if pipeline is not None else module, "config", None),
+                                  "vocab_size", None)   # plait and Hugging Face models state it
         self._loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
         self._last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        """The model's forward; ``input_ids``/``labels`` keyword tensors are checked first (``plait.batch``)."""
+        check_micro_batch(kwargs, self.vocab_size)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS."""
+        """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS.
+
+        Raises:
+            ValueError: ``loss`` is not a scalar (a model given no ``labels`` returns its logits).
+        """
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            shape = list(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+            raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
+                             "no 'labels' returns its logits: put the labels in the batch")
         self._loss = loss.detach()
         self.optimizer.backward(loss)
 
@@ -160,9 +173,10 @@ class Engine:
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
         model inputs with ``labels``). Returns the mean loss over the micro-batches (and dp ranks)."""
+        batches = self._pull(data_iter)
         if self.pipeline is not None:
             zero = self.optimizer
-            loss = self.pipeline.train_batch(data_iter, loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
+            loss = self.pipeline.train_batch(iter(batches), loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
             self._loss = loss.detach() if torch.is_tensor(loss) else loss
             for _ in range(self.pipeline.m):
                 zero.note_micro_step()
@@ -170,8 +184,8 @@ class Engine:
                 self._sum_tied_grad_shards()
         else:
             total = torch.zeros((), dtype=torch.float32)
-            for _ in range(self.config.gradient_accumulation_steps):
-                loss = loss_of(self.module(**self._to_device(next(data_iter))))
+            for batch in batches:
+                loss = loss_of(self.module(**self._to_device(batch)))
                 self.backward(loss)
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
@@ -213,11 +227,27 @@ class Engine:
     @torch.no_grad()
     def eval_batch(self, data_iter) -> torch.Tensor:
         """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1)."""
+        batches = self._pull(data_iter)
         if self.pipeline is not None:
-            return self._dp_mean(self.pipeline.eval_batch(data_iter))
-        n = self.config.gradient_accumulation_steps
-        loss = sum(loss_of(self.module(**self._to_device(next(data_iter)))).float().cpu() for _ in range(n)) / n
+            return self._dp_mean(self.pipeline.eval_batch(iter(batches)))
+        loss = sum(loss_of(self.module(**self._to_device(b))).float().cpu() for b in batches) / len(batches)
         return self._dp_mean(loss)
+
+    def _pull(self, data_iter) -> list[dict]:
+        """The step's ``gradient_accumulation_steps`` micro-batches, each checked (``plait.batch``) on the
+        host before it moves: every rank of a pipeline decides alike before any computes."""
+        it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
+        out, n = [], self.config.gradient_accumulation_steps
+        for i in range(n):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
+                                 f"{self.global_steps + self.skipped_steps + 1} (gradient_accumulation_steps={n}); "
+                                 "give train_batch an iterator with enough batches (or one that cycles)") from None
+            check_micro_batch(batch, self.vocab_size)
+            out.append(batch)
+        return out
 
     def _to_device(self, batch: dict) -> dict:
         device = self.mesh.device

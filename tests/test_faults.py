@@ -237,3 +237,56 @@ def test_a_checkpoint_refuses_a_model_that_computes_differently(tmp_path, change
     with saved.optimizer.gathered_parameters(), other.optimizer.gathered_parameters():
         for (n, a), (_, b) in zip(saved.module.named_parameters(), other.module.named_parameters()):
             assert torch.equal(a, b), n
+
+
+BAD_INPUTS = [("input_ids", 5000, "input_ids[1, 3] = 5000"), ("input_ids", -7, "input_ids[1, 3] = -7"),
+              ("input_ids", 257, "input_ids[1, 3] = 257"), ("labels", 260, "labels[1, 3] = 260"),
+              ("labels", -5, "labels[1, 3] = -5")]
+
+
+def _bad_input_body(tp, pp):
+    """Every rank of tp x pp x dp meets the same bad micro-batch (pulled whole, checked before any rank computes)."""
+    from plait.parallel.partition import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+    mesh = ParallelMesh(tp=tp, pp=pp)
+    cfg = ds_config(1)
+    cfg["tensor_parallel"] = {"size": tp}
+    if pp > 1:
+        cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
+        model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="1f1b", micro_batches=GAS)
+    else:
+        model = TransformerModel(tiny(), mesh, seed=5)
+    engine = plait.initialize(model, cfg, mesh=mesh)
+    messages = []
+    for key, value, _ in BAD_INPUTS:
+        batches = [{k: v.clone() for k, v in micro_batch(0, j, mesh.dp_rank).items()} for j in range(GAS)]
+        batches[1][key][1, 3] = value
+        try:
+            engine.train_batch(iter(batches))
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages, engine.global_steps
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_out_of_range_ids_and_labels_raise_naming_value_position_and_vocab(tp, pp):
+    for messages, steps in run_distributed(_bad_input_body, 2, tp, pp, timeout_s=300):
+        assert steps == 0                                  # nothing was applied
+        for (_, _, where), msg in zip(BAD_INPUTS, messages):
+            assert msg is not None and where in msg and "vocab_size (257)" in msg, msg
+            assert ("[0, 257) or -100 (ignored)" if where.startswith("labels") else "[0, 257). ") in msg
+
+
+def test_malformed_batches_and_short_iterators_name_what_was_expected():
+    engine = plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(1), mesh=ParallelMesh())
+    good = micro_batch(0, 0, 0)
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor of token ids .* got torch.float32"):
+        engine(input_ids=good["input_ids"].float(), labels=good["labels"])
+    with pytest.raises(ValueError, match=r"input_ids is empty \(shape \[0, 16\]\)"):
+        engine(input_ids=good["input_ids"][:0], labels=good["labels"][:0])
+    with pytest.raises(ValueError, match="scalar mean loss, got \\[2, 16, 384\\].*put the labels in the batch"):
+        engine.backward(engine(input_ids=good["input_ids"]))
+    with pytest.raises(ValueError, match="ran out after 1 of the 2 micro-batches of step 1"):
+        engine.train_batch(iter([good]))
+    assert engine.global_steps == 0

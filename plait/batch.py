@@ -1,0 +1,64 @@
+"""Checks of a micro-batch at the engine's edge, before any rank computes with it.
+
+A token id outside the vocabulary does not fail where it is used: the vocabulary-parallel embedding and
+cross entropy (tp > 1) mask it and train on silently, torch's embedding at tp = 1 raises a bare
+``IndexError`` on the CPU and a device-side assert on CUDA, and a label past the vocabulary gives an
+``inf`` loss. So the engine checks every micro-batch here first. Cost: one min/max reduction per tensor;
+a tensor still on the host costs no device synchronization, one on a device costs one per micro-batch
+(``benchmarks/results/`` has the measured cost).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from plait.data.masking import IGNORE_INDEX
+
+
+def check_token_ids(ids: torch.Tensor, name: str, vocab_size: int, ignore_index: int | None = None) -> None:
+    """Raise unless ``ids`` (integer token ids, any shape, e.g. ``[b, s]``) lie in ``[0, vocab_size)``.
+
+    Args:
+        ids: the tensor to check. name: its key in the batch, for the message.
+        vocab_size: the model's vocabulary size V. ignore_index: a value also allowed (labels: -100).
+
+    Raises:
+        TypeError: ``ids`` is not an integer tensor (float ids, say), naming its dtype.
+        ValueError: an empty tensor, or an id outside the range, naming the id, its position
+            (``name[row, column]``) and V.
+    """
+    if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.is_complex() or ids.dtype == torch.bool:
+        got = ids.dtype if torch.is_tensor(ids) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer tensor of token ids (torch.long), got {got}; "
+                        f"tokenize to integers, or .long() a float tensor that holds whole numbers")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {list(ids.shape)}): a micro-batch needs at least one token")
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
+    if 0 <= lo and hi < vocab_size:
+        return
+    where = ((valid < 0) | (valid >= vocab_size)).nonzero()[0].tolist()
+    value = int(ids[tuple(where)])
+    allowed = f"[0, {vocab_size})" + (f" or {ignore_index} (ignored)" if ignore_index is not None else "")
+    raise ValueError(f"{name}[{', '.join(map(str, where))}] = {value} is outside the model's vocabulary: token ids "
+                     f"must be in {allowed}. Check that the tokenizer's vocabulary fits the model's vocab_size "
+                     f"({vocab_size}) and that padding uses a valid id")
+
+
+def check_micro_batch(batch, vocab_size: int | None) -> None:
+    """Check one micro-batch dict: ``input_ids`` in ``[0, V)``, ``labels`` in ``[0, V)`` or -100.
+
+    Args:
+        batch: the micro-batch (``input_ids [b, s]``, ``labels [b, s]``, other model inputs).
+        vocab_size: V, or None when the model does not state it (then only the types are checked).
+
+    Raises:
+        TypeError / ValueError: as ``check_token_ids``; a batch that is not a dict.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"a micro-batch is a dict of model inputs (input_ids [b, s], labels [b, s], ...), got "
+                        f"{type(batch).__name__}")
+    for key, ignore in (("input_ids", None), ("labels", IGNORE_INDEX)):
+        if key in batch and batch[key] is not None:
+            check_token_ids(batch[key], key, vocab_size if vocab_size is not None else 2 ** 62, ignore)
