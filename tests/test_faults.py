@@ -290,3 +290,14 @@ def test_malformed_batches_and_short_iterators_name_what_was_expected():
     with pytest.raises(ValueError, match="ran out after 1 of the 2 micro-batches of step 1"):
         engine.train_batch(iter([good]))
     assert engine.global_steps == 0
+
+
+def test_the_index_carries_its_own_checksum(tmp_path):
+    engine = plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh())
+    engine.save_checkpoint(tmp_path)
+    index = tmp_path / "global_step0" / "index.json"
+    text = index.read_text()
+    assert '"index_checksum": "sha256:' in text
+    index.write_text(text.replace('"writers": 1', '"writers": 2'))     # a valid edit the old checks pass
+    with pytest.raises(CheckpointError, match="its own checksum .* does not match its contents"):
+        engine.load_checkpoint(tmp_path)

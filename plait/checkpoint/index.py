@@ -81,9 +81,17 @@ def build_index(tag: str, slices: list[dict], files: dict[str, dict], writers: i
         check_tiling(name, entry["shape"], [(sl["offsets"], sl["lengths"]) for sl in entry["slices"]],
                      describe=lambda i, ranks=ranks: f"the slice from rank {ranks[i]}")
     shapes = {n: e["shape"] for n, e in tensors.items()}
-    return {"format": FORMAT, "version": VERSION, "tag": tag, "saved_at": saved_at, "writers": writers,
-            "checksum": "crc32", "model_fingerprint": model_fingerprint(shapes), "files": files,
-            "tensors": dict(sorted(tensors.items()))}
+    index = {"format": FORMAT, "version": VERSION, "tag": tag, "saved_at": saved_at, "writers": writers,
+             "checksum": "crc32", "model_fingerprint": model_fingerprint(shapes), "files": files,
+             "tensors": dict(sorted(tensors.items()))}
+    return {**index, "index_checksum": index_checksum(index)}
+
+
+def index_checksum(index: dict) -> str:
+    """``"sha256:<hex>"`` of the index's canonical JSON (sorted keys, no spaces) without this field: the
+    index's own checksum, so a damaged or hand-edited ``index.json`` is refused like a damaged file."""
+    body = {k: v for k, v in index.items() if k != "index_checksum"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _fail(path: str, msg: str):
@@ -141,6 +149,10 @@ def load_index(path: str) -> dict:
                          describe=lambda i, sl=entry["slices"]: f"slice {i} ({sl[i]['file']}:{sl[i]['key']})")
         except CheckpointError as e:
             _fail(path, str(e))
+    own = index.get("index_checksum")   # absent in checkpoints written before it was added
+    if own is not None and own != index_checksum(index):
+        _fail(path, f"its own checksum {own!r} does not match its contents ({index_checksum(index)}): the file was "
+                    "damaged or edited; restore it or load another checkpoint")
     expected = model_fingerprint({n: e["shape"] for n, e in tensors.items()})
     if index.get("model_fingerprint") != expected:
         _fail(path, f"model fingerprint {index.get('model_fingerprint')!r} does not match its tensors "
