@@ -43,6 +43,9 @@ def _worker(rank, world_size, store_path, results, fn, args, threads):
         # Plain pickle copies tensor data into bytes; the queue's own pickler would pass shared-memory
         # file descriptors that die with this process before the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
+        # No rank tears its group down while another is still joining it (gloo's connectFullMesh then
+        # fails on the late rank with "Connection closed by peer", seen on a loaded 2-core machine).
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
