@@ -1,0 +1,118 @@
+"""Cost of the engine's micro-batch checks (``plait.batch``: token ids and labels in ``[0, vocab)``) on one GPU.
+
+    python benchmarks/bench_input_checks.py [--rounds 5] [--steps 8] [--out results.jsonl]
+
+llama-886m (ANCHORS.md), plait ZeRO-2, bf16, AdamW, clip 1.0, sequence 2048, micro-batch 4, one process.
+Arms, interleaved round by round in one process on one engine (so machine drift hits every arm alike):
+
+* ``no check``: ``engine(**batch)`` with the batch already on the GPU and the check replaced by a no-op;
+* ``device check``: the same with the check (one min/max per tensor and one host synchronization);
+* ``host check``: ``engine.train_batch`` on batches still on the host: checked there, then moved.
+
+Reported: median tokens/s over the rounds and the ratio to ``no check``; and the check alone
+(median microseconds per micro-batch, device and host tensors).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+SEQ, MICRO = 2048, 4
+
+
+def make_engine():
+    import plait
+    from plait.layers import TransformerModel, preset
+    from plait.parallel import ParallelMesh
+    cfg = preset("llama-886m")
+    model = TransformerModel(cfg, None, seed=0, device="cuda")
+    conf = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}}
+    return cfg, plait.initialize(model, conf, mesh=ParallelMesh())
+
+
+def batch(cfg, step, device):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, cfg.vocab_size, (MICRO, SEQ + 1), generator=g)
+    return {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
+
+
+def time_arm(arm, engine, cfg, steps, start):
+    import plait.engine as engine_mod
+    from plait.batch import check_micro_batch
+    engine_mod.check_micro_batch = (lambda b, v: None) if arm == "no check" else check_micro_batch
+    device = "cpu" if arm == "host check" else "cuda"
+    batches = [batch(cfg, start + i, device) for i in range(steps)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for b in batches:
+        if arm == "host check":
+            engine.train_batch(iter([b]))
+        else:
+            engine.backward(engine(**b))
+            engine.step()
+    torch.cuda.synchronize()
+    return steps * MICRO * SEQ / (time.perf_counter() - t0)
+
+
+def check_alone(cfg, reps=200):
+    from plait.batch import check_micro_batch
+    out = {}
+    for device in ("cuda", "cpu"):
+        b = batch(cfg, 0, device)
+        for _ in range(10):
+            check_micro_batch(b, cfg.vocab_size)
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            check_micro_batch(b, cfg.vocab_size)
+            times.append(time.perf_counter() - t0)
+        out[device] = statistics.median(times) * 1e6
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "input_checks.jsonl"))
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29611")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl")
+    cfg, engine = make_engine()
+    arms = ("no check", "device check", "host check")
+    for arm in arms:                                   # warm-up: allocator, cuBLAS handles, every path
+        time_arm(arm, engine, cfg, 3, 0)
+    rates = {arm: [] for arm in arms}
+    step = 100
+    for r in range(args.rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            rates[arm].append(time_arm(arm, engine, cfg, args.steps, step))
+            step += args.steps
+    alone = check_alone(cfg)
+    base = statistics.median(rates["no check"])
+    print(f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
+          f"{args.rounds} rounds x {args.steps} steps per arm, interleaved")
+    print("| arm | tokens/s (median) | vs no check | per-round tokens/s |")
+    print("|---|---|---|---|")
+    with open(args.out, "w") as f:
+        for arm in arms:
+            med = statistics.median(rates[arm])
+            print(f"| {arm} | {med:,.0f} | {med / base:.4f} | {', '.join(f'{x:,.0f}' for x in rates[arm])} |")
+            f.write(json.dumps({"arm": arm, "tokens_per_s": rates[arm], "median": med}) + "\n")
+        f.write(json.dumps({"check_alone_us": alone}) + "\n")
+    print(f"check alone, per micro-batch: {alone['cuda']:.0f} us on GPU tensors, {alone['cpu']:.0f} us on host tensors")
+
+
+if __name__ == "__main__":
+    main()
