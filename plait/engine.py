@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.batch import check_micro_batch
+from plait.batch import check_micro_batch, screen_micro_batch
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_setup import (
     apply_activation_checkpointing,
@@ -109,6 +109,7 @@ class Engine:
         self.global_samples = 0
         self.vocab_size = getattr(getattr(module[0] if pipeline is not None else module, "config", None),
                                   "vocab_size", None)   # plait and Hugging Face models state it
+        self._pending: list = []   # plait.batch.PendingCheck of this step's device micro-batches
         self._loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
         self._last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
 
@@ -117,8 +118,11 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """The model's forward; ``input_ids``/``labels`` keyword tensors are checked first (``plait.batch``)."""
-        check_micro_batch(kwargs, self.vocab_size)
+        """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
+        (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync)."""
+        kwargs, pending = screen_micro_batch(kwargs, self.vocab_size)
+        if pending is not None:
+            self._pending.append(pending)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -148,6 +152,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self._step_applied = False
             return
+        self._resolve_pending()
         self._step_applied = self.optimizer.step()
         self.global_samples += self.train_batch_size()
         if not self._step_applied:
@@ -156,6 +161,17 @@ class Engine:
         self._last_applied = (self.global_steps, self._loss)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _resolve_pending(self) -> None:
+        """Read the range checks of this step's device micro-batches; on a bad one, drop the step's
+        gradients (nothing is applied) and raise its ``ValueError``."""
+        pending, self._pending = self._pending, []
+        try:
+            for check in pending:
+                check.resolve()
+        except ValueError:
+            self.optimizer.zero_grad()
+            raise
 
     def _check_skips(self) -> None:
         zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
