@@ -120,7 +120,11 @@ class Engine:
     def forward(self, *args, **kwargs):
         """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
         (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync)."""
-        kwargs, pending = screen_micro_batch(kwargs, self.vocab_size)
+        try:
+            kwargs, pending = screen_micro_batch(kwargs, self.vocab_size)
+        except (TypeError, ValueError):
+            self._drop_step()   # a bad micro-batch drops the whole step's accumulation, as at the boundary
+            raise
         if pending is not None:
             self._pending.append(pending)
         return self.module(*args, **kwargs)
@@ -170,8 +174,13 @@ class Engine:
             for check in pending:
                 check.resolve()
         except ValueError:
-            self.optimizer.zero_grad()
+            self._drop_step()
             raise
+
+    def _drop_step(self) -> None:
+        """Discard the accumulation in progress: gradients, micro-step count, pending checks."""
+        self._pending = []
+        self.optimizer.zero_grad()
 
     def _check_skips(self) -> None:
         zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
@@ -201,7 +210,7 @@ class Engine:
         else:
             total = torch.zeros((), dtype=torch.float32)
             for batch in batches:
-                loss = loss_of(self.module(**self._to_device(batch)))
+                loss = loss_of(self.forward(**self._to_device(batch)))
                 self.backward(loss)
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
@@ -246,12 +255,12 @@ class Engine:
         batches = self._pull(data_iter)
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.eval_batch(iter(batches)))
-        loss = sum(loss_of(self.module(**self._to_device(b))).float().cpu() for b in batches) / len(batches)
+        loss = sum(loss_of(self.forward(**self._to_device(b))).float().cpu() for b in batches) / len(batches)
         return self._dp_mean(loss)
 
     def _pull(self, data_iter) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches, each checked (``plait.batch``) on the
-        host before it moves: every rank of a pipeline decides alike before any computes."""
+        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline each is checked here
+        (``plait.batch``), so every rank decides alike before any computes; otherwise ``forward`` screens it."""
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
         out, n = [], self.config.gradient_accumulation_steps
         for i in range(n):
@@ -261,7 +270,8 @@ class Engine:
                 raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
                                  f"{self.global_steps + self.skipped_steps + 1} (gradient_accumulation_steps={n}); "
                                  "give train_batch an iterator with enough batches (or one that cycles)") from None
-            check_micro_batch(batch, self.vocab_size)
+            if self.pipeline is not None:
+                check_micro_batch(batch, self.vocab_size)
             out.append(batch)
         return out
 

@@ -266,13 +266,43 @@ def _bad_input_body(tp, pp):
             messages.append(None)
         except ValueError as err:
             messages.append(str(err))
-    return messages, engine.global_steps
+        zero = engine.optimizer   # the failed step's accumulation was dropped
+        leftovers = zero.micro_steps + sum(p.grad is not None for p in zero.params) + \
+            sum(int(g.count_nonzero()) for g in zero.grad_shards)
+        assert leftovers == 0, (key, value, leftovers)
+    # the bad steps left nothing behind: a good step now equals a fresh engine's first step
+    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))
+    with engine.optimizer.gathered_parameters():
+        after = {n: p.detach().clone() for c in (engine.pipeline.stage_modules if pp > 1 else [engine.module])
+                 for n, p in c.named_parameters()}
+    return messages, engine.global_steps, after
+
+
+def _good_step_body(tp, pp):
+    from plait.parallel.partition import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+    mesh = ParallelMesh(tp=tp, pp=pp)
+    cfg = ds_config(1)
+    cfg["tensor_parallel"] = {"size": tp}
+    if pp > 1:
+        cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
+        model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="1f1b", micro_batches=GAS)
+    else:
+        model = TransformerModel(tiny(), mesh, seed=5)
+    engine = plait.initialize(model, cfg, mesh=mesh)
+    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))
+    with engine.optimizer.gathered_parameters():
+        return {n: p.detach().clone() for c in (engine.pipeline.stage_modules if pp > 1 else [engine.module])
+                for n, p in c.named_parameters()}
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_out_of_range_ids_and_labels_raise_naming_value_position_and_vocab(tp, pp):
-    for messages, steps in run_distributed(_bad_input_body, 2, tp, pp, timeout_s=300):
-        assert steps == 0                                  # nothing was applied
+    runs = run_distributed(_bad_input_body, 2, tp, pp, timeout_s=300)
+    fresh = run_distributed(_good_step_body, 2, tp, pp, timeout_s=300)
+    for (messages, steps, after), want in zip(runs, fresh):
+        assert steps == 1                                  # only the good step was applied
+        assert after.keys() == want.keys() and all(torch.equal(after[n], want[n]) for n in want)
         for (_, _, where), msg in zip(BAD_INPUTS, messages):
             assert msg is not None and where in msg and "vocab_size (257)" in msg, msg
             assert ("[0, 257) or -100 (ignored)" if where.startswith("labels") else "[0, 257). ") in msg
