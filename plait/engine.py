@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from plait.optim_factory import (
     scheduler_from_config,
     scheduler_from_user,
 )
+from plait.parallel.launch import set_collective_timeout
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
@@ -162,6 +164,8 @@ class Engine:
         if not self._step_applied:
             self._check_skips()
             return
+        if self._last_applied is None:   # start-up is over: from now on a hung rank is caught sooner
+            self._set_timeout(self.config.comm.timeout_s)
         self._last_applied = (self.global_steps, self._loss)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -181,6 +185,21 @@ class Engine:
         """Discard the accumulation in progress: gradients, micro-step count, pending checks."""
         self._pending = []
         self.optimizer.zero_grad()
+
+    def _set_timeout(self, seconds: float) -> None:
+        groups = (self.mesh.tp_group, self.mesh.dp_group, self.mesh.pp_group,
+                  getattr(self.pipeline, "_tied_group", None))
+        set_collective_timeout(seconds, groups)
+
+    @contextmanager
+    def _startup_timeout(self):
+        """Checkpoint I/O runs under ``comm.startup_timeout_s`` (a rank may write for minutes)."""
+        self._set_timeout(self.config.comm.startup_timeout_s)
+        try:
+            yield
+        finally:
+            if self._last_applied is not None:
+                self._set_timeout(self.config.comm.timeout_s)
 
     def _check_skips(self) -> None:
         zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
@@ -344,7 +363,8 @@ class Engine:
         ``keep_last`` checkpoints. With ``async_save`` the tensors are copied to host and written in a
         background thread (the returned handle's ``wait()`` finishes it). Collective."""
         from plait.checkpoint.engine_io import save_engine
-        return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
+        with self._startup_timeout():
+            return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, strict: bool = True,
@@ -353,8 +373,9 @@ class Engine:
         A checkpoint of a model whose config computes differently (heads, activation, norm, ...) is
         refused with ``CheckpointError`` unless ``allow_config_change``."""
         from plait.checkpoint.engine_io import load_engine
-        return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
-                           allow_config_change)
+        with self._startup_timeout():
+            return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
+                               allow_config_change)
 
 
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,

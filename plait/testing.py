@@ -43,14 +43,22 @@ def _worker(rank, world_size, store_path, results, fn, args, threads):
         # Plain pickle copies tensor data into bytes; the queue's own pickler would pass shared-memory
         # file descriptors that die with this process before the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
-        # No rank tears its group down while another is still joining it (gloo's connectFullMesh then
-        # fails on the late rank with "Connection closed by peer", seen on a loaded 2-core machine).
-        dist.barrier()
+        _leave_together(dist)
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(dist) -> None:
+    """After a rank reported success: no rank tears its group down while another is still joining it
+    (gloo's connectFullMesh then fails on the late rank with "Connection closed by peer", seen on a
+    loaded 2-core machine). A peer that failed or froze makes this fail; its result is already sent."""
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, threads: int = 1):

@@ -9,6 +9,7 @@ of non-finite weights is refused before anything is written, so ``latest`` and `
 good checkpoint."""
 import math
 import os
+import re
 import tempfile
 
 import pytest
@@ -331,3 +332,34 @@ def test_the_index_carries_its_own_checksum(tmp_path):
     index.write_text(text.replace('"writers": 1', '"writers": 2'))     # a valid edit the old checks pass
     with pytest.raises(CheckpointError, match="its own checksum .* does not match its contents"):
         engine.load_checkpoint(tmp_path)
+
+
+def _frozen_rank_body(root):
+    import signal
+    import time
+    cfg = ds_config(2)
+    cfg["comm"] = {"timeout_s": 3, "startup_timeout_s": 60}
+    mesh = ParallelMesh()
+    engine = plait.initialize(TransformerModel(tiny(), mesh, seed=5), cfg, mesh=mesh)
+    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))   # start-up ends here
+    engine.save_checkpoint(root)   # saves run under the start-up timeout, then the short one comes back
+    if mesh.dp_rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)       # frozen, as by a debugger or a swapped-out host
+    start = time.monotonic()
+    try:
+        engine.train_batch(iter([micro_batch(1, j, mesh.dp_rank) for j in range(GAS)]))
+    except RuntimeError as err:   # reported through the harness's error channel, with the time it took
+        raise RuntimeError(f"rank 0 caught the frozen peer after {time.monotonic() - start:.1f}s: {err}") from None
+    return "not caught"
+
+
+def test_a_frozen_rank_is_caught_within_the_configured_timeout(tmp_path):
+    import time
+    from plait.testing import DistributedTestError
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as err:   # rank 1 never answers; rank 0 reports the timeout
+        run_distributed(_frozen_rank_body, 2, str(tmp_path), timeout_s=120)
+    msg = str(err.value)
+    assert "ranks [1] did not finish" in msg and "rank 0 caught the frozen peer after" in msg
+    waited = float(re.search(r"caught the frozen peer after (\d+\.\d)s", msg).group(1))
+    assert 2.5 <= waited <= 15 and time.monotonic() - start < 60, waited   # comm.timeout_s = 3, not 60 or 600

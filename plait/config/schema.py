@@ -368,6 +368,24 @@ class NonFiniteGuardConfig:
             raise ConfigError(f"nonfinite_guard.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 
 
+@dataclass(frozen=True)
+class CommConfig:
+    """``comm`` (plait): collective timeouts, in seconds. ``timeout_s`` holds from the first applied
+    optimizer step on, so a frozen or hung rank ends its peers' waits with an error after that long;
+    ``startup_timeout_s`` holds before it and during checkpoint saves and loads (compilation, a first
+    load, a large save on a slow disk). ``init_distributed(timeout_s=...)`` sets the one before the
+    engine exists."""
+
+    timeout_s: float = 180.0
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "startup_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"comm.{key} = {value!r} is out of range: it must be a number of seconds > 0")
+
+
 # ------------------------------------------------------------------------------------------------ the whole
 @dataclass(frozen=True)
 class PlaitConfig:
@@ -395,6 +413,7 @@ class PlaitConfig:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False

@@ -74,7 +74,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
 
     Args:
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
-        timeout_s: collective timeout in seconds; a dead peer raises after this instead of hanging.
+        timeout_s: collective timeout in seconds during start-up; a dead peer raises after this instead of
+            hanging. An engine lowers it to its config's ``comm.timeout_s`` after the first applied step
+            (``set_collective_timeout``), so a rank frozen later is caught within minutes.
 
     Returns the ``LaunchInfo``. Calling it when a group already exists returns the facts unchanged.
     """
@@ -102,3 +104,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     dist.init_process_group(backend, init_method=init_method, rank=info.rank,
                             world_size=info.world_size, timeout=timeout)
     return info
+
+
+def set_collective_timeout(seconds: float, groups=()) -> None:
+    """Set the timeout of every later collective on the default process group and on ``groups`` (None
+    entries skipped) to ``seconds``: a rank that stops answering (frozen, swapped out, a hung data loader)
+    then ends its peers' waits with an error after that long (gloo raises; NCCL's watchdog aborts the
+    communicator and ends the process), instead of after the start-up timeout. Uses torch's
+    ``distributed_c10d._set_pg_timeout`` (as torchtitan does); a no-op without a process group.
+    """
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    timeout = timedelta(seconds=seconds)
+    for group in {None, *(g for g in groups if g is not None)}:
+        _set_pg_timeout(timeout, group)
+
