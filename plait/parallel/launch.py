@@ -87,6 +87,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
+        # NCCL's watchdog aborts a collective that outlives the timeout and ends the process (3: without
+        # cleanup, torch's default), so a launcher sees the failure and --max-restarts resumes the job
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     source = os.environ if env is None else env
     timeout = timedelta(seconds=timeout_s)
     attempt = int(source.get("TORCHELASTIC_RESTART_COUNT", "0"))
