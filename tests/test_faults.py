@@ -245,8 +245,8 @@ BAD_INPUTS = [("input_ids", 5000, "input_ids[1, 3] = 5000"), ("input_ids", -7, "
               ("labels", -5, "labels[1, 3] = -5")]
 
 
-def _bad_input_body(tp, pp):
-    """Every rank of tp x pp x dp meets the same bad micro-batch (pulled whole, checked before any rank computes)."""
+def _tp_pp_engine(tp, pp):
+    """ZeRO-1 engine over tp x pp (1F1B) x dp, and its mesh."""
     from plait.parallel.partition import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     mesh = ParallelMesh(tp=tp, pp=pp)
@@ -257,7 +257,20 @@ def _bad_input_body(tp, pp):
         model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="1f1b", micro_batches=GAS)
     else:
         model = TransformerModel(tiny(), mesh, seed=5)
-    engine = plait.initialize(model, cfg, mesh=mesh)
+    return plait.initialize(model, cfg, mesh=mesh), mesh
+
+
+def _good_step(engine, mesh):
+    """One good step; returns this rank's whole weights."""
+    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))
+    with engine.optimizer.gathered_parameters():
+        return {n: p.detach().clone() for c in (engine.pipeline.stage_modules if engine.pipeline else [engine.module])
+                for n, p in c.named_parameters()}
+
+
+def _bad_input_body(tp, pp):
+    """Every rank of tp x pp x dp meets the same bad micro-batch (pulled whole, checked before any rank computes)."""
+    engine, mesh = _tp_pp_engine(tp, pp)
     messages = []
     for key, value, _ in BAD_INPUTS:
         batches = [{k: v.clone() for k, v in micro_batch(0, j, mesh.dp_rank).items()} for j in range(GAS)]
@@ -271,30 +284,12 @@ def _bad_input_body(tp, pp):
         leftovers = zero.micro_steps + sum(p.grad is not None for p in zero.params) + \
             sum(int(g.count_nonzero()) for g in zero.grad_shards)
         assert leftovers == 0, (key, value, leftovers)
-    # the bad steps left nothing behind: a good step now equals a fresh engine's first step
-    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))
-    with engine.optimizer.gathered_parameters():
-        after = {n: p.detach().clone() for c in (engine.pipeline.stage_modules if pp > 1 else [engine.module])
-                 for n, p in c.named_parameters()}
+    after = _good_step(engine, mesh)   # the bad steps left nothing: equals a fresh engine's first step
     return messages, engine.global_steps, after
 
 
 def _good_step_body(tp, pp):
-    from plait.parallel.partition import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
-    mesh = ParallelMesh(tp=tp, pp=pp)
-    cfg = ds_config(1)
-    cfg["tensor_parallel"] = {"size": tp}
-    if pp > 1:
-        cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
-        model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="1f1b", micro_batches=GAS)
-    else:
-        model = TransformerModel(tiny(), mesh, seed=5)
-    engine = plait.initialize(model, cfg, mesh=mesh)
-    engine.train_batch(iter([micro_batch(0, j, mesh.dp_rank) for j in range(GAS)]))
-    with engine.optimizer.gathered_parameters():
-        return {n: p.detach().clone() for c in (engine.pipeline.stage_modules if pp > 1 else [engine.module])
-                for n, p in c.named_parameters()}
+    return _good_step(*_tp_pp_engine(tp, pp))
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
