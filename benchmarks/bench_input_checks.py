@@ -45,9 +45,9 @@ def batch(cfg, step, device):
 
 
 def time_arm(arm, engine, cfg, steps, start):
-    import plait.engine as engine_mod
-    from plait.batch import check_micro_batch
-    engine_mod.check_micro_batch = (lambda b, v: None) if arm.endswith("no check") else check_micro_batch
+    import plait.engine_guard as guard_mod
+    from plait.batch import screen_micro_batch
+    guard_mod.screen_micro_batch = (lambda b, v: (dict(b), None)) if arm.endswith("no check") else screen_micro_batch
     host = arm.startswith("host")
     device = "cpu" if host else "cuda"
     batches = [batch(cfg, start + i, device) for i in range(steps)]

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.batch import check_micro_batch, screen_micro_batch
+from plait.batch import check_micro_batch
 from plait.config import ConfigError, PlaitConfig, load_config
+from plait.engine_guard import RunGuard
 from plait.engine_setup import (
     apply_activation_checkpointing,
     attach_lamb_segments,
@@ -40,13 +40,11 @@ from plait.optim_factory import (
     scheduler_from_config,
     scheduler_from_user,
 )
-from plait.parallel.launch import set_collective_timeout
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload_optim import HostOptimizer
-from plait.zero.precision import NonFiniteError
 
 
 class Engine:
@@ -109,11 +107,9 @@ class Engine:
                              else scheduler_from_config(config.scheduler, inner))
         self._step_applied = False
         self.global_samples = 0
-        self.vocab_size = getattr(getattr(module[0] if pipeline is not None else module, "config", None),
-                                  "vocab_size", None)   # plait and Hugging Face models state it
-        self._pending: list = []   # plait.batch.PendingCheck of this step's device micro-batches
-        self._loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
-        self._last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
+        vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
+        self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.dp_group, mesh.pp_group,
+                                                       getattr(pipeline, "_tied_group", None)), vocab)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -122,14 +118,7 @@ class Engine:
     def forward(self, *args, **kwargs):
         """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
         (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync)."""
-        try:
-            kwargs, pending = screen_micro_batch(kwargs, self.vocab_size)
-        except (TypeError, ValueError):
-            self._drop_step()   # a bad micro-batch drops the whole step's accumulation, as at the boundary
-            raise
-        if pending is not None:
-            self._pending.append(pending)
-        return self.module(*args, **kwargs)
+        return self.module(*args, **self.guard.screen(kwargs))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS.
@@ -141,7 +130,7 @@ class Engine:
             shape = list(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
             raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
                              "no 'labels' returns its logits: put the labels in the batch")
-        self._loss = loss.detach()
+        self.guard.loss = loss.detach()
         self.optimizer.backward(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -158,61 +147,12 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self._step_applied = False
             return
-        self._resolve_pending()
+        self.guard.before_step()
         self._step_applied = self.optimizer.step()
         self.global_samples += self.train_batch_size()
-        if not self._step_applied:
-            self._check_skips()
-            return
-        if self._last_applied is None:   # start-up is over: from now on a hung rank is caught sooner
-            self._set_timeout(self.config.comm.timeout_s)
-        self._last_applied = (self.global_steps, self._loss)
-        if self.lr_scheduler is not None:
+        self.guard.after_step(self._step_applied, self.global_steps)
+        if self._step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-
-    def _resolve_pending(self) -> None:
-        """Read the range checks of this step's device micro-batches; on a bad one, drop the step's
-        gradients (nothing is applied) and raise its ``ValueError``."""
-        pending, self._pending = self._pending, []
-        try:
-            for check in pending:
-                check.resolve()
-        except ValueError:
-            self._drop_step()
-            raise
-
-    def _drop_step(self) -> None:
-        """Discard the accumulation in progress: gradients, micro-step count, pending checks."""
-        self._pending = []
-        self.optimizer.zero_grad()
-
-    def _set_timeout(self, seconds: float) -> None:
-        groups = (self.mesh.tp_group, self.mesh.dp_group, self.mesh.pp_group,
-                  getattr(self.pipeline, "_tied_group", None))
-        set_collective_timeout(seconds, groups)
-
-    @contextmanager
-    def _startup_timeout(self):
-        """Checkpoint I/O runs under ``comm.startup_timeout_s`` (a rank may write for minutes)."""
-        self._set_timeout(self.config.comm.startup_timeout_s)
-        try:
-            yield
-        finally:
-            if self._last_applied is not None:
-                self._set_timeout(self.config.comm.timeout_s)
-
-    def _check_skips(self) -> None:
-        zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
-        if zero.scaler is not None or zero.consecutive_skips < limit:
-            return
-        step, loss = self._last_applied or (0, None)
-        last = (f"the last applied step was {step}" + (f" (loss {float(loss):.6g})" if loss is not None else "")
-                if step else "no step was applied yet")
-        raise NonFiniteError(
-            f"{zero.consecutive_skips} optimizer steps in a row (up to step {zero.global_steps + zero.skipped_steps})"
-            f" had an inf/nan global gradient norm and were skipped; {last}. Look for the source (the batches of "
-            f"those steps, the lr, a layer that overflows) and resume from the last checkpoint; "
-            f"nonfinite_guard.max_consecutive_skips (now {limit}) sets how many skips in a row end the run")
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
@@ -221,7 +161,7 @@ class Engine:
         if self.pipeline is not None:
             zero = self.optimizer
             loss = self.pipeline.train_batch(iter(batches), loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
-            self._loss = loss.detach() if torch.is_tensor(loss) else loss
+            self.guard.loss = loss.detach() if torch.is_tensor(loss) else loss
             for _ in range(self.pipeline.m):
                 zero.note_micro_step()
             if zero.stage >= 2:
@@ -290,7 +230,7 @@ class Engine:
                                  f"{self.global_steps + self.skipped_steps + 1} (gradient_accumulation_steps={n}); "
                                  "give train_batch an iterator with enough batches (or one that cycles)") from None
             if self.pipeline is not None:
-                check_micro_batch(batch, self.vocab_size)
+                check_micro_batch(batch, self.guard.vocab_size)
             out.append(batch)
         return out
 
@@ -363,7 +303,7 @@ class Engine:
         ``keep_last`` checkpoints. With ``async_save`` the tensors are copied to host and written in a
         background thread (the returned handle's ``wait()`` finishes it). Collective."""
         from plait.checkpoint.engine_io import save_engine
-        with self._startup_timeout():
+        with self.guard.startup_timeout():
             return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
@@ -373,7 +313,7 @@ class Engine:
         A checkpoint of a model whose config computes differently (heads, activation, norm, ...) is
         refused with ``CheckpointError`` unless ``allow_config_change``."""
         from plait.checkpoint.engine_io import load_engine
-        with self._startup_timeout():
+        with self.guard.startup_timeout():
             return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
                                allow_config_change)
 

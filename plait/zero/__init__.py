@@ -3,11 +3,12 @@ fp16 loss scaling, global gradient-norm clipping over dp/tp/pp, and logical chec
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
 from plait.zero.flat import ParamSlice, ShardState, slices_reader
 from plait.zero.optimizer import ZeroOptimizer, weight_decay_groups
-from plait.zero.precision import LossScaleError, LossScaler, resolve_dtype
+from plait.zero.precision import LossScaleError, LossScaler, NonFiniteError, resolve_dtype
 
 __all__ = [
            "LossScaleError",
            "LossScaler",
+           "NonFiniteError",
            "NormGroups",
            "ParamSlice",
            "ShardState",

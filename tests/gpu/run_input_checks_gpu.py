@@ -14,7 +14,7 @@ import sys
 import torch
 
 import plait
-import plait.engine as engine_mod
+import plait.engine_guard as guard_mod
 from plait.batch import screen_micro_batch
 from plait.layers import TransformerModel, preset
 from plait.parallel import ParallelMesh
@@ -50,9 +50,9 @@ def main():
     torch.distributed.init_process_group("nccl")
     lines, failures = [], 0
     on, screened = train(*engine_and_batches()), screen_micro_batch
-    engine_mod.screen_micro_batch = lambda b, v: (dict(b), None)
+    guard_mod.screen_micro_batch = lambda b, v: (dict(b), None)
     off = train(*engine_and_batches())
-    engine_mod.screen_micro_batch = screened
+    guard_mod.screen_micro_batch = screened
     same = all(torch.equal(a, b) for a, b in zip(on, off))
     failures += not same
     lines.append(f"valid batches, check on vs off: {'bit-identical' if same else 'DIFFER'}")
