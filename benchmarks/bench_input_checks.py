@@ -47,7 +47,13 @@ def batch(cfg, step, device):
 def time_arm(arm, engine, cfg, steps, start):
     import plait.engine_guard as guard_mod
     from plait.batch import screen_micro_batch
-    guard_mod.screen_micro_batch = (lambda b, v: (dict(b), None)) if arm.endswith("no check") else screen_micro_batch
+    calls = []
+
+    def counted(b, v):   # proves the arm's screen is the one the engine calls
+        calls.append(1)
+        return (dict(b), None) if arm.endswith("no check") else screen_micro_batch(b, v)
+
+    guard_mod.screen_micro_batch = counted
     host = arm.startswith("host")
     device = "cpu" if host else "cuda"
     batches = [batch(cfg, start + i, device) for i in range(steps)]
@@ -60,7 +66,9 @@ def time_arm(arm, engine, cfg, steps, start):
             engine.backward(engine(**b))
             engine.step()
     torch.cuda.synchronize()
-    return steps * MICRO * SEQ / (time.perf_counter() - t0)
+    rate = steps * MICRO * SEQ / (time.perf_counter() - t0)
+    assert len(calls) == steps, f"{arm}: the engine screened {len(calls)} of {steps} micro-batches"
+    return rate
 
 
 def check_alone(cfg, reps=200):
