@@ -1,16 +1,16 @@
 """Cost of the engine's micro-batch checks (``plait.batch``: token ids and labels in ``[0, vocab)``) on one GPU.
 
-    python benchmarks/bench_input_checks.py [--rounds 5] [--steps 8] [--out results.jsonl]
+    python benchmarks/bench_input_checks.py [--rounds 96] [--out results.jsonl]
 
 llama-886m (ANCHORS.md), plait ZeRO-2, bf16, AdamW, clip 1.0, sequence 2048, micro-batch 4, one process.
-Arms, interleaved round by round in one process on one engine (so machine drift hits every arm alike):
+Arms, taking turns step by step in one process on one engine (so machine drift hits every arm alike):
 
 * ``device``: ``engine(**batch)``, ``backward``, ``step`` with the batch already on the GPU (the check
   costs one min/max per tensor and one host synchronization);
 * ``host``: ``engine.train_batch`` on batches still on the host (checked there, then moved);
 
-each with the check (``check``) and with it replaced by a no-op (``no check``). Reported: median tokens/s
-over the rounds and the ratio of each ``check`` arm to its ``no check`` arm; and the check alone (median
+each with the check (``check``) and with it replaced by a no-op (``no check``). Reported: the median step
+time and the ratio of each ``check`` arm's speed to its ``no check`` arm's; and the check alone (median
 microseconds per micro-batch, device and host tensors).
 """
 from __future__ import annotations
@@ -90,8 +90,7 @@ def check_alone(cfg, reps=200):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=96, help="steps per arm; the arms take turns step by step")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "input_checks.jsonl"))
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -103,24 +102,26 @@ def main():
     arms = ("device, no check", "device, check", "host, no check", "host, check")
     for arm in arms:                                   # warm-up: allocator, cuBLAS handles, every path
         time_arm(arm, engine, cfg, 3, 0)
-    rates = {arm: [] for arm in arms}
-    step = 100
+    # one step per arm in turn (order rotated each round), so drift of the machine hits every arm alike;
+    # each step is timed to its end (a sync after it), the median step time per arm is compared
+    seconds = {arm: [] for arm in arms}
     for r in range(args.rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
-            rates[arm].append(time_arm(arm, engine, cfg, args.steps, step))
-            step += args.steps
+        for k in range(len(arms)):
+            arm = arms[(r + k) % len(arms)]
+            seconds[arm].append(MICRO * SEQ / time_arm(arm, engine, cfg, 1, 100 + r))
     alone = check_alone(cfg)
-
     print(f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
-          f"{args.rounds} rounds x {args.steps} steps per arm, interleaved")
-    print("| arm | tokens/s (median) | vs the same path without the check | per-round tokens/s |")
-    print("|---|---|---|---|")
+          f"{args.rounds} steps per arm, the arms taking turns step by step")
+    print("| arm | median step ms | tokens/s | vs the same path without the check | p10-p90 step ms |")
+    print("|---|---|---|---|---|")
     with open(args.out, "w") as f:
         for arm in arms:
-            med = statistics.median(rates[arm])
-            base = statistics.median(rates[arm.split(",")[0] + ", no check"])
-            print(f"| {arm} | {med:,.0f} | {med / base:.4f} | {', '.join(f'{x:,.0f}' for x in rates[arm])} |")
-            f.write(json.dumps({"arm": arm, "tokens_per_s": rates[arm], "median": med}) + "\n")
+            med = statistics.median(seconds[arm])
+            base = statistics.median(seconds[arm.split(",")[0] + ", no check"])
+            dec = statistics.quantiles(seconds[arm], n=10)
+            print(f"| {arm} | {med * 1e3:.2f} | {MICRO * SEQ / med:,.0f} | {base / med:.4f} | "
+                  f"{dec[0] * 1e3:.1f}-{dec[-1] * 1e3:.1f} |")
+            f.write(json.dumps({"arm": arm, "step_seconds": seconds[arm], "median": med}) + "\n")
         f.write(json.dumps({"check_alone_us": alone}) + "\n")
     print(f"check alone, per micro-batch: {alone['cuda']:.0f} us on GPU tensors, {alone['cpu']:.0f} us on host tensors")
 
