@@ -40,6 +40,7 @@ from plait.optim_factory import (
     scheduler_from_config,
     scheduler_from_user,
 )
+from plait.parallel.launch import init_distributed, launcher_world_size
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
@@ -318,6 +319,17 @@ class Engine:
                                allow_config_change)
 
 
+def _on_device(model, device: torch.device):
+    """``model`` moved to ``device`` (the rank's GPU) when its parameters live elsewhere, as DeepSpeed does; a
+    ``PipelineParallel``'s chunks are built on their device, and a model on the meta device is left alone."""
+    if isinstance(model, PipelineParallel):
+        return model
+    where = {p.device for p in model.parameters()}
+    if where and torch.device("meta") not in where and where != {device}:
+        model = model.to(device)
+    return model
+
+
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
                model_parameters=None, **config_facts) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
@@ -325,7 +337,9 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     Args:
         model: any ``nn.Module`` (an unmodified Hugging Face model works), a plait model, or a
             ``PipelineParallel`` over this rank's stage chunks (``train_batch`` then runs its schedule;
-            its ``micro_batches`` must equal ``gradient_accumulation_steps``). Move it to its device first.
+            its ``micro_batches`` must equal ``gradient_accumulation_steps``). A model elsewhere is moved to
+            the rank's device (its GPU when there is one). Under torchrun or SLURM with no process group
+            yet, the job's group is started first (``init_distributed``).
         config: a ds_config path or dict (DeepSpeed key names), or a resolved ``PlaitConfig``.
         mesh: the ``ParallelMesh``; default: ``tensor_parallel.size`` x ``pipeline.size`` from the config
             over the initialized process group (or one process).
@@ -338,6 +352,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     Raises:
         ConfigError: unknown or inconsistent config keys (named, with the fix).
     """
+    if not dist.is_initialized() and launcher_world_size() > 1:
+        init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
     if mesh is None:
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
@@ -352,6 +368,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
     torch.manual_seed(config.seed)
     pipeline = None
+    model = _on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
         if pipeline.schedule == "zb-h1" and config.zero_optimization.stage == 3:

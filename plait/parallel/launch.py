@@ -68,6 +68,15 @@ def launch_info(env: dict | None = None) -> LaunchInfo:
     return LaunchInfo(rank, world, local, addr, port)
 
 
+def launcher_world_size(env: dict | None = None) -> int:
+    """The number of processes a launcher started (torchrun's ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS``), 1
+    without one: more than 1 means this process must join a process group before it trains."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    return int(env.get("SLURM_NTASKS", 1)) if "SLURM_PROCID" in env else 1
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      env: dict | None = None) -> LaunchInfo:
     """Initialize the default process group from the launcher's environment.

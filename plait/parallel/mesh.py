@@ -63,7 +63,9 @@ class ParallelMesh:
             raise ValueError(
                 f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = {self.tp * self.pp * self.dp} "
                 f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
-        if not dist.is_initialized():
+        if not dist.is_initialized():   # one process, no group: compute where a GPU is, as DeepSpeed does
+            if self.device_type is None:
+                self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
             return
         if self.device_type is None:
             self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
