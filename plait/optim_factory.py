@@ -15,6 +15,8 @@ over the master shards, so the instance's own state is not used).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from plait.config import ConfigError
@@ -45,11 +47,20 @@ def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
                       "or LAMB, or pass a torch optimizer class to plait.initialize(optimizer=...)")
 
 
+def _constructor_kwargs(cls, defaults: dict) -> dict:
+    """The entries of an optimizer's ``defaults`` its constructor takes: torch's AdamW records
+    ``decoupled_weight_decay`` in its defaults but does not accept it back."""
+    takes = inspect.signature(cls.__init__).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in takes.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in takes}
+
+
 def optimizer_from_user(optimizer):
     """``(factory, kwargs, param_groups_or_None)`` from what a user passed as ``optimizer``."""
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
-        return type(optimizer), dict(optimizer.defaults), groups
+        return type(optimizer), _constructor_kwargs(type(optimizer), optimizer.defaults), groups
     if callable(optimizer):
         return optimizer, {}, None
     raise TypeError(f"optimizer must be a torch optimizer, its class or a factory, got {type(optimizer).__name__}")

@@ -68,3 +68,18 @@ def test_hf_model_resumes_exactly(kind, stage, world):
     assert got.keys() == want.keys()
     for name, w in want.items():
         assert torch.equal(got[name], w), name
+
+
+def test_an_optimizer_instance_is_rebuilt_over_the_shards_with_its_settings():
+    """A DeepSpeed script passes ``optimizer=torch.optim.AdamW(model.parameters(), ...)``; torch records
+    ``decoupled_weight_decay`` in AdamW's defaults but its constructor refuses it back (a TypeError once)."""
+    model = hf_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9))
+    engine = plait.initialize(model, {"train_micro_batch_size_per_gpu": 2}, mesh=ParallelMesh(), optimizer=opt)
+    inner = engine.optimizer.optimizer
+    assert type(inner) is torch.optim.AdamW
+    assert {(g["lr"], g["weight_decay"], g["betas"]) for g in inner.param_groups} == {(2e-3, 0.05, (0.8, 0.9))}
+    loss = engine(**batch(0, 0)).loss
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
