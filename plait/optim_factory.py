@@ -25,10 +25,11 @@ from plait.schedulers import SCHEDULERS
 
 
 def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
-    """``(factory, kwargs)`` for ``ZeroOptimizer`` from a resolved ``OptimizerConfig`` (None: AdamW
-    with torch's defaults). Raises ConfigError for a type plait cannot build."""
+    """``(factory, kwargs)`` for ``ZeroOptimizer`` from a resolved ``OptimizerConfig``. Raises ConfigError
+    for a type plait cannot build, and for no optimizer at all (a learning rate is never guessed)."""
     if opt_cfg is None:
-        return torch.optim.AdamW, {}
+        raise ConfigError("the config has no 'optimizer' section and no optimizer was passed: add "
+                          '"optimizer": {"type": "AdamW", "params": {"lr": ...}} or pass optimizer= to initialize')
     params = dict(opt_cfg.params)
     kind = opt_cfg.type.lower()
     fused = {"fused": True} if device_type == "cuda" else {}

@@ -55,18 +55,21 @@ def test_seed_config_example_file_matches_and_source_is_not_modified():
     original = copy.deepcopy(SEED)
     assert json.loads((EXAMPLES / "zero2_offload_hf.json").read_text()) == SEED
     path_cfg = load_config(EXAMPLES / "zero2_offload_hf.json", dp_size=8, micro_batch_size=4,
-                           gradient_accumulation_steps=2, warmup_num_steps=10)
+                           gradient_accumulation_steps=2, warmup_num_steps=10, lr=1e-4)
     assert path_cfg == load_config(SEED, dp_size=8, micro_batch_size=4, gradient_accumulation_steps=2,
-                                   warmup_num_steps=10)
+                                   warmup_num_steps=10, lr=1e-4)
     assert SEED == original
 
 
 def test_auto_without_facts_uses_documented_defaults():
-    cfg = _seed_config(lr=None, betas=None, eps=None, weight_decay=None)
+    cfg = _seed_config(lr=2e-5, betas=None, eps=None, weight_decay=None)
     assert not cfg.fp16.enabled and not cfg.bf16.enabled and cfg.precision == "fp32"
-    assert cfg.optimizer.params["lr"] == 1e-3 and cfg.optimizer.params["betas"] == (0.9, 0.999)
+    assert cfg.optimizer.params["lr"] == 2e-5 and cfg.optimizer.params["betas"] == (0.9, 0.999)
     assert cfg.optimizer.params["eps"] == 1e-8 and cfg.optimizer.params["weight_decay"] == 0.0
-    assert cfg.scheduler.params["warmup_max_lr"] == 1e-3  # follows the optimizer's lr
+    assert cfg.scheduler.params["warmup_max_lr"] == 2e-5  # follows the optimizer's lr
+    # a learning rate has no default (the Trainer's is 5e-5, torch AdamW's 1e-3): "auto" needs the fact
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr.*pass lr="):
+        _seed_config(lr=None)
     with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps.*warmup_num_steps="):
         _seed_config(warmup_num_steps=None)
 
@@ -236,7 +239,7 @@ def test_fp16_auto_and_bf16_auto_pick_at_most_one():
                                   "fp32_small.json"])
 def test_round_trip_through_to_dict_and_json(name, tmp_path):
     cfg = load_config(EXAMPLES / name, world_size=16, model_hidden_size=1024, micro_batch_size=1,
-                      gradient_accumulation_steps=1, warmup_num_steps=10) if name != "fp32_small.json" \
+                      gradient_accumulation_steps=1, warmup_num_steps=10, lr=1e-4) if name != "fp32_small.json" \
         else load_config(EXAMPLES / name, dp_size=4)
     d = cfg.to_dict()
     path = tmp_path / "meta.json"

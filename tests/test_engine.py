@@ -216,7 +216,8 @@ def test_global_grad_norm_under_tp_pp_dp_equals_single_process():
 
 def test_activation_checkpointing_config_recomputes_blocks_and_refuses_unimplemented_variants():
     model = TransformerModel(tiny(), None, seed=5)
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1}
+    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine = plait.initialize(model, {**base, "activation_checkpointing": {"number_checkpoints": 1}})
     assert [model.layers[str(i)].recompute for i in (1, 2)] == ["full", None]
     loss = engine(**micro_batch(0, 0, 0))
@@ -230,7 +231,8 @@ def test_activation_checkpointing_config_recomputes_blocks_and_refuses_unimpleme
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from plait.checkpoint import list_tags
     engine = plait.initialize(TransformerModel(tiny(), None, seed=5),
-                              {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1})
+                              {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     for step in range(3):
         engine.train_batch(iter([micro_batch(step, 0, 0)]))
         engine.save_checkpoint(tmp_path, keep_last=2)
@@ -261,7 +263,8 @@ def test_bf16_pipeline_through_the_engine_tracks_fp32():
 def test_user_optimizer_class_and_scheduler_factory():
     """Any torch optimizer (class) and any torch scheduler (as a factory over ZeRO's optimizer); a
     scheduler *instance* bound to another optimizer is refused."""
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1}
+    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     import functools
     engine = plait.initialize(TransformerModel(tiny(), None, seed=5), base,
                               optimizer=functools.partial(torch.optim.SGD, lr=0.1),

@@ -358,3 +358,15 @@ def test_a_frozen_rank_is_caught_within_the_configured_timeout(tmp_path):
     assert "ranks [1] did not finish" in msg and "rank 0 caught the frozen peer after" in msg
     waited = float(re.search(r"caught the frozen peer after (\d+\.\d)s", msg).group(1))
     assert 2.5 <= waited <= 15 and time.monotonic() - start < 60, waited   # comm.timeout_s = 3, not 60 or 600
+
+
+def test_a_learning_rate_is_never_guessed():
+    from plait.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="'optimizer.params.lr' is \"auto\" but nothing resolves it; pass lr="):
+        load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                    world_size=1)
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                       world_size=1, lr=2e-5).optimizer.params["lr"] == 2e-5
+    with pytest.raises(ConfigError, match="no 'optimizer' section and no optimizer was passed"):
+        plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), {"train_micro_batch_size_per_gpu": 1},
+                         mesh=ParallelMesh())

@@ -12,8 +12,9 @@ _gpu, gradient_accumulation_steps              ``gradient_accumulation_steps`` i
 fp16.enabled / bf16.enabled                    ``mixed_precision == "fp16"`` / ``== "bf16"``; False when
                                                ``mixed_precision`` is not given
 gradient_clipping                              the fact ``gradient_clipping``, else 1.0
-optimizer.params lr, betas, eps, weight_decay  the fact of the same name, else the optimizer's default
-                                               (e.g. AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0)
+optimizer.params.lr                            the fact ``lr`` (required: a learning rate is never guessed)
+optimizer.params betas, eps, weight_decay      the fact of the same name, else the optimizer's default
+                                               (e.g. AdamW betas (0.9, 0.999), eps 1e-8, wd 0)
 scheduler.params.warmup_min_lr                 the fact ``warmup_min_lr``, else 0.0
 scheduler.params.warmup_max_lr                 the fact ``lr``, else the optimizer's resolved lr
 scheduler.params.warmup_num_steps              the fact ``warmup_num_steps`` (required)
@@ -84,6 +85,8 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
         cls = OPTIMIZER_PARAMS[opt["type"]]
         facts = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
                  "weight_decay": weight_decay}
+        if opt["params"].get("lr") == AUTO:   # no default: the Trainer's is 5e-5, torch's AdamW's 1e-3
+            opt["params"]["lr"] = _need(lr, "optimizer.params.lr", "lr")
         for key, fact in facts.items():
             if opt["params"].get(key) == AUTO:
                 opt["params"][key] = fact if fact is not None else field_default(cls, key)
