@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from plait.parallel.collectives import group_rank, group_size
+from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
 from plait.zero.flat import (
@@ -184,7 +185,8 @@ class ZeroOptimizer:
         if not named:
             raise ValueError("the module has no trainable parameters")
         for _, p in named:   # the shape must outlive ZeRO-3's release of the data (checkpoints read it)
-            mark(p, shard_of(p))
+            if getattr(p, SHARD_ATTR, None) is None:
+                mark(p, shard_of(p))
         group_opts, group_of = _resolve_groups(named, param_groups)
 
         def key(p, persistent=False):
