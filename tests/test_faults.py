@@ -370,3 +370,26 @@ def test_a_learning_rate_is_never_guessed():
     with pytest.raises(ConfigError, match="no 'optimizer' section and no optimizer was passed"):
         plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), {"train_micro_batch_size_per_gpu": 1},
                          mesh=ParallelMesh())
+
+
+def test_a_gpt2_checkpoint_refuses_another_activation(tmp_path):
+    gpt2 = preset("gpt2-tiny", vocab_size=257, hidden_size=32, num_layers=2, num_heads=4)
+    mesh = ParallelMesh()
+    cfg = {**ds_config(2), "gradient_clipping": 0.0}
+    plait.initialize(TransformerModel(gpt2, mesh, seed=5), cfg, mesh=mesh).save_checkpoint(tmp_path)
+    other = plait.initialize(TransformerModel(gpt2.replace(activation="gelu"), mesh, seed=5), cfg, mesh=mesh)
+    with pytest.raises(CheckpointError, match="activation: checkpoint 'gelu_tanh', model 'gelu'"):
+        other.load_checkpoint(tmp_path)
+
+
+def test_a_skipped_step_is_logged_with_its_number_and_norm(caplog):
+    mesh = ParallelMesh()
+    model = TransformerModel(tiny(), mesh, seed=5)
+    engine = plait.initialize(model, ds_config(2), mesh=mesh)
+    dict(model.named_parameters())["layers.1.attn.q_proj.weight"].register_hook(lambda g: g * math.nan)
+    with caplog.at_level("WARNING", logger="plait"):
+        for j in range(GAS):
+            engine.backward(engine(**micro_batch(0, j, 0)))
+            engine.step()
+    assert engine.skipped_steps == 1 and engine.global_steps == 0
+    assert "optimizer step 1 skipped on every rank: global gradient norm is nan (1 in a row)" in caplog.text
