@@ -15,6 +15,7 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 
@@ -354,6 +355,9 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     """
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
+        # and leave it at exit: a gloo group still alive at interpreter exit can abort the process
+        # ("terminate called without an active exception") after the script's work is done
+        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
     if mesh is None:
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
