@@ -19,21 +19,6 @@ import torch
 from plait.data.masking import IGNORE_INDEX
 
 
-def check_token_ids(ids: torch.Tensor, name: str, vocab_size: int, ignore_index: int | None = None) -> None:
-    """Raise unless ``ids`` (integer token ids, any shape, e.g. ``[b, s]``) lie in ``[0, vocab_size)``.
-
-    Args:
-        ids: the tensor to check. name: its key in the batch, for the message.
-        vocab_size: the model's vocabulary size V. ignore_index: a value also allowed (labels: -100).
-
-    Raises:
-        TypeError: ``ids`` is not an integer tensor (float ids, say), naming its dtype.
-        ValueError: an empty tensor, or an id outside the range, naming the id, its position
-            (``name[row, column]``) and V.
-    """
-    _check_all([(name, ids, ignore_index)], vocab_size)
-
-
 def check_micro_batch(batch, vocab_size: int | None) -> None:
     """Check one micro-batch dict: ``input_ids`` in ``[0, V)``, ``labels`` in ``[0, V)`` or -100, with one
     host synchronization for both when they are on a device.
@@ -43,7 +28,9 @@ def check_micro_batch(batch, vocab_size: int | None) -> None:
         vocab_size: V, or None when the model does not state it (then only the types are checked).
 
     Raises:
-        TypeError / ValueError: as ``check_token_ids``; a batch that is not a dict.
+        TypeError: a batch that is not a dict, or ids that are not an integer tensor (naming the dtype).
+        ValueError: an empty tensor, or an id outside the range, naming the id, its position
+            (``name[row, column]``) and V.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"a micro-batch is a dict of model inputs (input_ids [b, s], labels [b, s], ...), got "
@@ -103,7 +90,7 @@ class PendingCheck:
         self.ready.record()
 
     def resolve(self) -> None:
-        """Wait for the bounds (long computed by now) and raise as ``check_token_ids`` for a bad id."""
+        """Wait for the bounds (long computed by now) and raise as ``check_micro_batch`` for a bad id."""
         self.ready.synchronize()
         _raise_if_out_of_range(self.todo, self.bounds.tolist(), self.vocab_size)
 
