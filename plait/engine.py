@@ -15,7 +15,6 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import math
 
@@ -41,7 +40,7 @@ from plait.optim_factory import (
     scheduler_from_config,
     scheduler_from_user,
 )
-from plait.parallel.launch import init_distributed, launcher_world_size
+from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
@@ -355,9 +354,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     """
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
-        # and leave it at exit: a gloo group still alive at interpreter exit can abort the process
-        # ("terminate called without an active exception") after the script's work is done
-        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+        leave_at_exit()
     if mesh is None:
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,

@@ -21,7 +21,7 @@ for step in range(2):
     engine.step()
 engine.save_checkpoint(sys.argv[1])
 with engine.optimizer.gathered_parameters():
-    total = float(sum(p.double().sum() for p in engine.module.parameters()))
+    total = float(sum(p.detach().double().sum() for p in engine.module.parameters()))
 with open(f"{sys.argv[1]}.rank{rank}.json", "w") as f:   # not stdout: the ranks' lines may interleave
     json.dump({"rank": rank, "dp": engine.mesh.dp, "world": dist.get_world_size(), "sum": total}, f)
 '''
