@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.batch import check_micro_batch
 from plait.config import ConfigError, PlaitConfig, load_config
+from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_setup import (
     apply_activation_checkpointing,
@@ -48,7 +49,7 @@ from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_group
 from plait.zero.offload_optim import HostOptimizer
 
 
-class Engine:
+class Engine(EngineFacts):
     """Training engine; build it with ``plait.initialize``. See the module docstring.
 
     Attributes:
@@ -81,8 +82,7 @@ class Engine:
         else:
             factory, kwargs, groups = optimizer_from_user(optimizer)
         if groups is None and model_parameters is not None:
-            groups = model_parameters if isinstance(model_parameters, list) and model_parameters and \
-                isinstance(model_parameters[0], dict) else None
+            groups = _as_groups(model_parameters)
         if groups is None:
             groups = weight_decay_groups(module, kwargs.get("weight_decay", 0.0))
             groups = [g for g in groups if g["params"]]
@@ -247,54 +247,11 @@ class Engine:
         dist.all_reduce(out, group=group)
         return (out / self.mesh.dp).reshape(()).cpu()
 
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    # ---- facts ------------------------------------------------------------------------------------
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps applied (skipped fp16 steps not counted)."""
-        return self.optimizer.global_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-batches since the last optimizer step."""
-        return self.optimizer.micro_steps
-
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scale
-
-    @property
-    def grad_norm(self) -> float | None:
-        """Global gradient norm (before clipping) of the last applied step."""
-        return self.optimizer.grad_norm
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.grad_norm
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+    def gathered_parameters(self, modifier_rank: int | None = None):
+        """Context in which every parameter is whole; with ``modifier_rank`` (a dp rank) that rank's
+        edits become every rank's parameters, master weights included. Collective. See
+        ``ZeroOptimizer.gathered_parameters``."""
+        return self.optimizer.gathered_parameters(modifier_rank)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False,
@@ -317,6 +274,31 @@ class Engine:
         with self.guard.startup_timeout():
             return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
                                allow_config_change)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's weights in the compute dtype as one file from rank 0 (DeepSpeed's method; see
+        ``plait.checkpoint.export16``). Returns False under ZeRO-3 unless
+        ``stage3_gather_16bit_weights_on_model_save``. Collective."""
+        from plait.checkpoint.export16 import save_16bit
+        return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
+
+
+def _as_groups(model_parameters) -> list[dict]:
+    """``model_parameters`` as torch param groups, exactly as given: a list of dicts is used as is; an
+    iterable of tensors (``model.parameters()``, a filter of it) is one group that takes the optimizer's
+    options, weight decay included, as DeepSpeed and torch do."""
+    items = list(model_parameters)
+    if not items:
+        raise ValueError("model_parameters is empty; pass model.parameters() or param-group dicts")
+    if all(isinstance(g, dict) for g in items):
+        return items
+    if all(isinstance(p, torch.Tensor) for p in items):
+        return [{"params": items}]
+    raise TypeError("model_parameters must be an iterable of parameters or of param-group dicts, not a mix of "
+                    + ", ".join(sorted({type(x).__name__ for x in items})))
 
 
 def _on_device(model, device: torch.device):
@@ -345,8 +327,9 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
             over the initialized process group (or one process).
         optimizer: None (use the config's ``optimizer``), a torch optimizer class/factory, or an instance.
         lr_scheduler: None (use the config's ``scheduler``) or a factory ``f(optimizer) -> scheduler``.
-        model_parameters: torch-style param groups (list of dicts) to use instead of the default
-            weight-decay grouping (matrices decay, biases and norm weights do not).
+        model_parameters: the parameters to train, exactly as given: an iterable of parameters (one group
+            with the optimizer's options, weight decay on every one of them, as DeepSpeed) or torch param
+            groups (dicts). None: plait's grouping (matrices decay; biases and norm weights do not).
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:

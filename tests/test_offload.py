@@ -260,7 +260,7 @@ def test_adaptive_split_moves_work_to_the_idle_side_and_changes_no_bit(results):
 
 def test_fp16_overflow_on_one_rank_skips_the_offloaded_step(results):
     ref, got = results["fp16 overflow"]
-    assert got["skipped"] == ref["skipped"] == 1 and got["steps"] == ref["steps"] == 3
+    assert got["skipped"] == ref["skipped"] == 1 and got["steps"] == ref["steps"] == 4   # DeepSpeed counts the skip
     finite = [x for x in ref["losses"] if math.isfinite(x)]
     assert [x for x in got["losses"] if math.isfinite(x)] == finite
     _assert_identical(ref, got)

@@ -284,7 +284,7 @@ class OffloadPipeline:
         packed into the host shard) is ready: start its copy to the host and queue its host work."""
         opt = self.opt
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
-        last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps
+        last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps or bool(opt.boundary_override)
         if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self._grad(seg)   # None: packed in place (CPU-only, dp 1)
             self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)

@@ -51,6 +51,7 @@ from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
+from plait.zero.edits import mark_owner
 from plait.zero.flat import (
     Entry,
     GroupKey,
@@ -252,12 +253,14 @@ class ZeroOptimizer:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._in_backward = False
         self.micro_steps = 0       # micro-steps since the last optimizer step
+        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary (DeepSpeed API)
         self.global_steps = 0      # optimizer steps applied
         self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
         self.consecutive_skips = 0  # of them, in a row up to the last step
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
         self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
         self.offload = OffloadPipeline(self, offload) if host_opt else None
+        mark_owner(self.params, self)
         if self.offload is not None:
             self.reducer.land = self.offload.land
 
@@ -310,7 +313,10 @@ class ZeroOptimizer:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True once ``gradient_accumulation_steps`` micro-steps were counted since the last step
-        (always with GAS 1, so engines that do not count micro-steps can call ``step()`` directly)."""
+        (always with GAS 1, so engines that do not count micro-steps can call ``step()`` directly), unless
+        ``boundary_override`` says otherwise (DeepSpeed's ``set_gradient_accumulation_boundary``)."""
+        if self.boundary_override is not None:
+            return self.boundary_override
         return self.gradient_accumulation_steps == 1 or self.micro_steps >= self.gradient_accumulation_steps
 
     def _note_backward(self) -> None:
@@ -460,17 +466,25 @@ class ZeroOptimizer:
 
     # ---- stage 3 whole-parameter access, memory, checkpoints ------------------------------------
     @contextmanager
-    def gathered_parameters(self):
-        """Context in which every parameter is whole (stage 3; a no-op otherwise). Collective."""
+    def gathered_parameters(self, modifier_rank: int | None = None):
+        """Context in which every parameter is whole (stage 3 gathers; stages 0-2 already are). Collective.
+
+        With ``modifier_rank`` (a dp rank) the values that rank holds at exit become the parameters on
+        every rank, fp32 master weights included (``plait.zero.edits``), as DeepSpeed's
+        ``GatheredParameters(..., modifier_rank=r)``; without it edits are not kept (stage 3 drops the
+        gathered copies and every stage's next step starts from the master weights).
+        """
         self.synchronize()
-        if self.gatherer is None:
-            yield
-            return
-        self.gatherer.gather_all()
+        if self.gatherer is not None:
+            self.gatherer.gather_all()
         try:
             yield
+            if modifier_rank is not None:
+                from plait.zero.edits import adopt_edits
+                adopt_edits(self, modifier_rank)
         finally:
-            self.gatherer.release_all()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: ``params`` (model parameter storage, compute dtype;

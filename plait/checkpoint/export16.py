@@ -1,0 +1,65 @@
+"""``engine.save_16bit_model``: the whole model's weights in its compute dtype as one file, written by
+global rank 0 (DeepSpeed's ``save_16bit_model``): ``pytorch_model.bin`` (``torch.save`` of the state dict)
+by default, or safetensors when the file name ends in ``.safetensors``. Loadable with
+``model.load_state_dict`` and by Hugging Face ``from_pretrained`` from a directory that also holds the
+model's ``config.json``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("plait")
+
+
+def save_16bit(engine, save_dir, save_filename: str = "pytorch_model.bin",
+               exclude_frozen_parameters: bool = False) -> bool:
+    """Write the consolidated weights of ``engine.module`` to ``save_dir/save_filename``. Collective.
+
+    Returns False without writing (as DeepSpeed does) under ZeRO-3 when
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is false; True otherwise.
+
+    Raises:
+        ValueError: tensor or pipeline parallelism (each rank holds part of every layer or only some
+            layers): save with ``save_checkpoint`` and consolidate with ``plait convert``.
+    """
+    if engine.mesh.tp > 1 or engine.mesh.pp > 1:
+        raise ValueError(f"save_16bit_model writes one file from whole layers, but tp={engine.mesh.tp}, "
+                         f"pp={engine.mesh.pp}; use engine.save_checkpoint and `plait convert` to consolidate")
+    z = engine.config.zero_optimization
+    path = os.path.join(os.fspath(save_dir), save_filename)
+    if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:
+        log.warning("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false "
+                    "(set it true to gather the ZeRO-3 shards at save)", path)
+        return False
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with engine.optimizer.gathered_parameters():
+        if rank == 0:
+            frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+            state = {k: v.detach() for k, v in engine.module.state_dict().items()
+                     if not (exclude_frozen_parameters and k in frozen)}
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            _write(state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def _write(state: dict, path: str) -> None:
+    """Write atomically: a crash mid-write leaves any earlier file at ``path`` whole."""
+    tmp = path + ".tmp"
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        seen, unique = set(), {}
+        for k, v in state.items():          # tied weights: safetensors refuses shared storage; keep the first
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            if key not in seen:
+                seen.add(key)
+                unique[k] = v.to("cpu", copy=True).contiguous()
+        save_file(unique, tmp, metadata={"format": "pt"})
+    else:
+        torch.save({k: v.to("cpu", copy=True) for k, v in state.items()}, tmp)
+    os.replace(tmp, path)

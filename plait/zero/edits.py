@@ -1,0 +1,58 @@
+"""Keep edits made to whole parameters: DeepSpeed's ``GatheredParameters(..., modifier_rank=r)``.
+
+Inside ``ZeroOptimizer.gathered_parameters`` every parameter is whole on every dp rank (stage 3 gathers
+it; stages 0-2 hold it whole anyway), so a script may write to it (resize an embedding, re-initialise a
+head). The values live in the compute-dtype buffers (``Segment.full``); the optimizer steps the fp32
+master shards and copies them back after every step, so an edit that does not reach the masters is lost
+at the next step, and under stage 3 it is lost at once when the gathered copy is released. ``adopt_edits``
+makes dp rank ``r``'s values everyone's: a broadcast of each segment over dp, then each rank copies its own
+slice into its master shard and, under stage 3, into its local shard.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+
+OWNER_ATTR = "_plait_zero_owner"   # on each trained parameter: a weak reference to its ZeroOptimizer
+
+
+def mark_owner(params, opt) -> None:
+    """Record ``opt`` as the ZeroOptimizer of ``params`` (DeepSpeed finds a parameter's partitioning the
+    same way, from attributes on the parameter), so ``GatheredParameters(params)`` can find it."""
+    ref = weakref.ref(opt)
+    for p in params:
+        setattr(p, OWNER_ATTR, ref)
+
+
+def owner_of(param):
+    """The live ZeroOptimizer that trains ``param``, or None."""
+    ref = getattr(param, OWNER_ATTR, None)
+    return ref() if ref is not None else None
+
+
+def adopt_edits(opt, modifier_rank: int) -> None:
+    """Make dp rank ``modifier_rank``'s whole parameter values the model's on every dp rank, master
+    weights included. Call while ``opt``'s parameters are whole (inside ``gathered_parameters``).
+    Collective over the dp group.
+
+    Raises:
+        ValueError: ``modifier_rank`` is not a dp rank (0 <= r < dp size).
+    """
+    if not 0 <= modifier_rank < opt.dp_size:
+        raise ValueError(f"modifier_rank {modifier_rank} is not a data-parallel rank (dp size {opt.dp_size}); "
+                         f"pass 0 to {opt.dp_size - 1}")
+    opt.synchronize()
+    src = None
+    if opt.dp_size > 1:
+        src = dist.get_global_rank(opt.dp_group, modifier_rank) if opt.dp_group is not None else modifier_rank
+    for group, master in zip(opt.groups, opt.masters):
+        for seg in group.segments:
+            if seg.full is None:
+                raise RuntimeError("adopt_edits needs whole parameters: call it inside gathered_parameters()")
+            if src is not None:
+                dist.broadcast(seg.full, src=src, group=opt.dp_group)
+            own = seg.full[seg.lo:seg.lo + seg.shard_size]
+            master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size].copy_(own)
+            if seg.local is not None:
+                seg.local.copy_(own)
