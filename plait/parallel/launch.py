@@ -101,6 +101,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     source = os.environ if env is None else env
     timeout = timedelta(seconds=timeout_s)
+    if info.world_size == 1 and "MASTER_PORT" not in source:
+        # one process and no launcher (DeepSpeed's init_distributed in a plain script): an in-memory store,
+        # so no port is taken and a later group in the same process can start again
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return info
     attempt = int(source.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if env is None and attempt > 0 and source.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A worker group restarted by ``torchrun --max-restarts`` meets in the elastic agent's store,
