@@ -3,6 +3,8 @@ segments over ZeRO shards, activation checkpointing from the config, ZeRO-3 unit
 and the loss of a model's output."""
 from __future__ import annotations
 
+import logging
+
 import os
 
 import torch
@@ -73,17 +75,16 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
 def apply_activation_checkpointing(module: nn.Module, ac) -> None:
     """Honour ds_config's ``activation_checkpointing`` on plait models: ``number_checkpoints`` = n
     recomputes the first n transformer blocks in backward (all of them when n is at least the block
-    count). Megatron's partitioned / CPU / contiguous variants are refused rather than ignored; other
-    models keep their own setting (e.g. ``model.gradient_checkpointing_enable()`` for transformers).
-
-    Raises:
-        ConfigError: a variant plait does not implement is switched on.
+    count); other models keep their own setting (e.g. ``model.gradient_checkpointing_enable()`` for
+    transformers). Megatron's partitioned / CPU / contiguous variants only change where checkpointed
+    activations are kept (the same results; DeepSpeed applies them only inside its own
+    ``deepspeed.checkpointing.checkpoint``): plait keeps them whole on the device and says so once.
     """
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile"):
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(ac, key):
-            raise ConfigError(f"activation_checkpointing.{key} is not implemented by plait; remove it (plait "
-                              "recomputes whole blocks or only the attention core: TransformerModel(recompute=...))")
+            logging.getLogger("plait").warning(
+                "config: activation_checkpointing.%s is accepted: checkpointed activations are kept whole on the "
+                "compute device (the same results, more memory than DeepSpeed's variant)", key)
     if ac.number_checkpoints is None:
         return
     from plait.layers.block import TransformerBlock

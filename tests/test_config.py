@@ -170,15 +170,15 @@ def test_misspelt_keys_suggest_the_closest_valid_key(raw, message):
 
 
 @pytest.mark.parametrize("raw, names", [
-    ({"flops_profiler": {"enabled": True, "profile_step": 1}}, "'flops_profiler'"),
-    ({"tensorboard": {"enabled": True, "output_path": "logs/"}}, "'tensorboard'"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "'progressive_layer_drop'"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "'bf16_master_weights_and_grads'"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "'autotp_size'"),
+    ({"comet": {"enabled": True}}, "'comet'"),
     ({"amp": {"enabled": True}}, "'amp'"),
     ({"sparse_attention": {"mode": "fixed"}}, "'sparse_attention'"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, "nvme"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "'zero_quantized_weights'"),
-    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "'zero_hpz_partition_size'"),
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "'mics_shard_size'"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "offload_optimizer"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "'zenflow'"),
     ({"optimizer": {"type": "OneBitAdam", "params": {}}}, "'OneBitAdam'"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "'OneCycle'"),
 ])
@@ -194,6 +194,55 @@ def test_unimplemented_sections_written_as_off_are_accepted():
            "tensorboard": {"enabled": False}, "zero_optimization": {"stage": 3, "zero_quantized_weights": False,
                                                                    "mics_shard_size": -1}}
     assert load_config(raw, dp_size=1).zero_optimization.stage == 3
+
+
+@pytest.mark.parametrize("raw, notice", [
+    ({"flops_profiler": {"enabled": True, "profile_step": 1}}, "no FLOPs profile is printed"),
+    ({"compile": {"disable": False, "backend": "inductor"}}, "call torch.compile"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "plait accumulates gradients in fp32, not bf16"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offloaded at stage 3 only"),
+    ({"cuda_visible_devices": "0,1"}, "'cuda_visible_devices' is not read by plait or DeepSpeed"),
+])
+def test_keys_that_do_not_change_training_are_accepted_with_a_notice(raw, notice, caplog):
+    cfg = load_config({"train_batch_size": 8, **raw}, dp_size=1)
+    assert notice in caplog.text
+    assert not cfg.zero_optimization.offload_param.enabled   # DeepSpeed offloads parameters at stage 3 only
+
+
+@pytest.mark.parametrize("raw", [
+    {"compile": {"deepcompile": False}}, {"data_types": {"grad_accum_dtype": None}},
+    {"data_types": {"grad_accum_dtype": "fp32"}}, {"checkpoint": {"load_universal": False}},
+    {"aio": {"block_size": 1048576, "queue_depth": 8}}, {"_comment": "any text"},
+    {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "fused": True}}},
+    {"zero_optimization": {"stage": 2, "round_robin_gradients": True}},
+    {"flops_profiler": {"enabled": False}}, {"comms_logger": {"enabled": False}},
+])
+def test_keys_in_their_off_or_internal_form_are_accepted_silently(raw, caplog):
+    load_config({"train_batch_size": 8, **raw}, dp_size=1)
+    assert caplog.text == ""
+
+
+def test_deepspeed_spellings_read_as_plaits_keys():
+    cfg = load_config({"train_batch_size": 8, "communication_data_type": "bfp16",
+                       "zero_optimization": {"stage": 3, "cpu_offload": True, "max_live_parameters": 5,
+                                             "prefetch_bucket_size": 7, "param_persistence_threshold": 9,
+                                             "gather_16bit_weights_on_model_save": True}}, dp_size=1)
+    z = cfg.zero_optimization
+    assert cfg.communication_data_type == "bf16" and z.offload_optimizer.device == "cpu"
+    assert (z.stage3_max_live_parameters, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold,
+            z.stage3_gather_16bit_weights_on_model_save) == (5, 7, 9, True)
+    with pytest.raises(ConfigError, match="cpu_offload and offload_optimizer.device differently"):
+        load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}}, dp_size=1)
+
+
+def test_a_config_without_batch_sizes_takes_the_callers():
+    """The Hugging Face test configs give no batch key at all: the Trainer's batch size is the one."""
+    cfg = load_config({"zero_optimization": {"stage": 3}}, dp_size=2, micro_batch_size=4,
+                      gradient_accumulation_steps=3)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (24, 4, 3)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -216,8 +265,6 @@ def test_values_are_type_checked(raw, message):
 @pytest.mark.parametrize("raw, message", [
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "offload_param needs stage 3 (parameter partitioning), got stage 2"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "offload_optimizer needs stage 1, 2 or 3"),
     ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "sets 'bf16' twice"),

@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Union
 from collections.abc import Mapping
 
+from plait.config.accepted import check_accepted, log
 from plait.config.resolve import build_config, resolve_auto
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
                                  PlaitConfig, SchedulerConfig)
@@ -112,18 +113,64 @@ def _read_section(data: Any, cls: type, section: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{_name(section)} must be a JSON object, got {type(data).__name__} {data!r}")
     by_key, hints = _keys(cls)
+    if section == "zero_optimization":
+        data = _legacy_offload(data)
     out: dict = {}
     for key, value in data.items():
         key = str(key)
         f = by_key.get(key)
         if f is None:
-            if check_unsupported(section, key, value):
+            if check_accepted(section, key, value) or check_unsupported(section, key, value):
+                continue
+            if section == "" and _ignored_top_level(key, [f.name for f in fields(cls)]):
                 continue
             raise _unknown_key(key, section, [f.name for f in fields(cls)])
         if f.name in out:
             raise ConfigError(f"{_name(section)} sets '{f.name}' twice (as '{f.name}' and an alias); keep one")
+        if f.name == "communication_data_type" and isinstance(value, str):
+            value = {"bfp16": "bf16"}.get(value.lower(), value.lower())   # DeepSpeed < 0.10 spelled it bfp16
         out[f.name] = _read_value(value, hints[f.name], f, section, key)
     return out
+
+
+#: DeepSpeed's older zero_optimization spellings -> (section, key) they set (DeepSpeed translates them too)
+_LEGACY_OFFLOAD = {"cpu_offload": ("offload_optimizer", "device"), "cpu_offload_params": ("offload_param", "device"),
+                   "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")}
+
+
+def _legacy_offload(data: dict) -> dict:
+    """``cpu_offload: true`` and friends rewritten as ``offload_optimizer``/``offload_param`` settings.
+
+    Raises:
+        ConfigError: both spellings of one setting are given.
+    """
+    data = dict(data)
+    for old, (sub, key) in _LEGACY_OFFLOAD.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if not isinstance(value, bool):
+            raise ConfigError(f"'zero_optimization.{old}' must be a boolean (true/false), got {value!r}")
+        if key == "device":
+            value = "cpu" if value else "none"
+        section = dict(data.get(sub) or {})
+        if key in section and section[key] != value:
+            raise ConfigError(f"zero_optimization sets {old} and {sub}.{key} differently; keep {sub}.{key}")
+        section[key] = value
+        data[sub] = section
+    return data
+
+
+def _ignored_top_level(key: str, valid: list) -> bool:
+    """A top-level key DeepSpeed does not read either: ``_comment``-style keys silently, any other key that
+    is not a near-miss of a valid one with a notice (DeepSpeed ignores unknown top-level keys). A near-miss
+    (``gradient_acumulation_steps``) is not ignored: it is an error naming the valid key."""
+    if key.startswith("_"):
+        return True
+    if difflib.get_close_matches(key, valid, n=1, cutoff=0.6) or _sections_with_key(key):
+        return False
+    log.warning("config: top-level key '%s' is not read by plait or DeepSpeed; ignored", key)
+    return True
 
 
 def _unknown_key(key: str, section: str, valid: list) -> ConfigError:
@@ -170,7 +217,8 @@ def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozens
     if not isinstance(data, dict):
         raise ConfigError(f"'{section}' must be a JSON object with \"type\" and \"params\", got {data!r}")
     for key in data:
-        if key not in ("type", "params") and not check_unsupported(section, key, data[key]):
+        if key not in ("type", "params") and not (check_accepted(section, key, data[key])
+                                                   or check_unsupported(section, key, data[key])):
             raise _unknown_key(key, section, ["type", "params"])
     name = data.get("type")
     if not isinstance(name, str):

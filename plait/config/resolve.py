@@ -42,7 +42,7 @@ from dataclasses import MISSING, asdict, fields, is_dataclass
 from typing import Any
 
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
-                                 OptimizerConfig, PlaitConfig, SchedulerConfig)
+                                 OptimizerConfig, PlaitConfig, SchedulerConfig, ZeroConfig)
 
 _TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -57,8 +57,8 @@ def field_default(cls: type, name: str) -> Any:
 
 def _need(value: Any, key: str, fact: str) -> Any:
     if value is None:
-        raise ConfigError(f"'{key}' is \"auto\" but nothing resolves it; pass {fact}=... to load_config or "
-                          "write a number in the config")
+        raise ConfigError(f"'{key}' is \"auto\" but nothing resolves it; pass {fact}=... to plait.initialize "
+                          "(or load_config), or write a number in the config")
     return value
 
 
@@ -109,6 +109,9 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
     for key, rule in rules.items():
         if zero.get(key) == AUTO:
             zero[key] = rule(_need(hidden, f"zero_optimization.{key}", "model_hidden_size"))
+    for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):   # memory knobs: DeepSpeed's default
+        if zero.get(key) == AUTO:
+            zero[key] = field_default(ZeroConfig, key)
     if zero.get("stage3_gather_16bit_weights_on_model_save") == AUTO:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
 
@@ -140,10 +143,12 @@ def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, fa
     mb = cfg.get("pipeline", {}).get("micro_batches")
     if mb is not None and cfg.get("gradient_accumulation_steps") in (None, AUTO):
         cfg["gradient_accumulation_steps"] = mb
+    # no batch size at all (the Hugging Face test configs): the caller's facts, as for "auto"
+    none_given = all(cfg.get(key) is None for key in _TRIPLE[:2])
     vals = {}
     for key, fact in zip(_TRIPLE, facts):
         v = cfg.get(key)
-        vals[key] = fact if v == AUTO else v
+        vals[key] = fact if v == AUTO or (v is None and none_given) else v
     for key, v in vals.items():
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")

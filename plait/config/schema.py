@@ -15,10 +15,13 @@ Field metadata used by the reader (``plait.config.reader``):
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any, Literal
+
+from plait.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 
 AUTO = "auto"
 
@@ -251,12 +254,12 @@ class ZeroConfig:
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     sub_group_size: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = _auto(50_000_000)
-    stage3_param_persistence_threshold: int = _auto(100_000)
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = _auto(50_000_000, aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: int = _auto(100_000, aliases=("param_persistence_threshold",))
+    stage3_max_live_parameters: int = _auto(1_000_000_000, aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = _auto(1_000_000_000, aliases=("max_reuse_distance",))
     stage3_gather_16bit_weights_on_model_save: bool = _auto(
-        False, aliases=("stage3_gather_fp16_weights_on_model_save",))
+        False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     ignore_unused_parameters: bool = True
 
     def __post_init__(self) -> None:
@@ -264,9 +267,11 @@ class ZeroConfig:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
-        if self.offload_param.enabled and self.stage != 3:
-            raise ConfigError(f"zero_optimization.offload_param needs stage 3 (parameter partitioning), got "
-                             f"stage {self.stage}; set \"stage\": 3 or remove offload_param")
+        if self.offload_param.enabled and self.stage != 3:   # DeepSpeed reads offload_param at stage 3 only
+            logging.getLogger("plait").warning(
+                "config: zero_optimization.offload_param is accepted and not used: parameters are offloaded "
+                "at stage 3 only (stage %d here), as in DeepSpeed", self.stage)
+            object.__setattr__(self, "offload_param", OffloadConfig())
         if self.offload_optimizer.enabled and self.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
                              "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")
@@ -416,6 +421,9 @@ class PlaitConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
+    csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
