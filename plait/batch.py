@@ -121,3 +121,15 @@ def screen_micro_batch(batch, vocab_size: int | None) -> tuple[dict, PendingChec
         clamped = ids.clamp(0, vocab_size - 1)
         safe[name] = clamped if ignore is None else torch.where(ids == ignore, ids, clamped)
     return safe, PendingCheck(todo, vocab_size)
+
+
+def to_half(inputs):
+    """``inputs`` with every floating-point tensor cast to fp16, through tuples, lists and dicts (DeepSpeed's
+    ``fp16.auto_cast`` of a forward's inputs); integer tensors (token ids, masks) and other values as given."""
+    if torch.is_tensor(inputs):
+        return inputs.half() if inputs.is_floating_point() else inputs
+    if isinstance(inputs, Mapping):
+        return {k: to_half(v) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(to_half(v) for v in inputs)
+    return inputs

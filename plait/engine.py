@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.batch import check_micro_batch
+from plait.batch import check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
+from plait.engine_report import StepReport
 from plait.engine_setup import (
     apply_activation_checkpointing,
     attach_lamb_segments,
@@ -34,6 +35,7 @@ from plait.engine_setup import (
     stage3_units,
 )
 from plait.lamb import Lamb
+from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
 from plait.optim_factory import (
     optimizer_from_config,
@@ -91,7 +93,8 @@ class Engine(EngineFacts):
         self.optimizer = ZeroOptimizer(
             module, mesh.dp_group, stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
             param_groups=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            reduce_bucket_size=z.reduce_bucket_size, allgather_bucket_size=z.allgather_bucket_size,
+            # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
+            reduce_bucket_size=max(1, z.reduce_bucket_size), allgather_bucket_size=max(1, z.allgather_bucket_size),
             overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
             param_persistence_threshold=z.stage3_param_persistence_threshold,
             units=stage3_units(module) if z.stage == 3 else None,
@@ -111,6 +114,9 @@ class Engine(EngineFacts):
         vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
         self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.dp_group, mesh.pp_group,
                                                        getattr(pipeline, "_tied_group", None)), vocab)
+        self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
+                                 mesh.device, config.gradient_accumulation_steps,
+                                 build_monitors(config, self.global_rank))
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -118,8 +124,14 @@ class Engine(EngineFacts):
 
     def forward(self, *args, **kwargs):
         """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
-        (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync)."""
-        return self.module(*args, **self.guard.screen(kwargs))
+        (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync);
+        with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
+        kwargs = self.guard.screen(kwargs)
+        self.optimizer.rebind_views()
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = to_half(args), to_half(kwargs)
+        with self.report.timed("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS.
@@ -132,7 +144,9 @@ class Engine(EngineFacts):
             raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
                              "no 'labels' returns its logits: put the labels in the batch")
         self.guard.loss = loss.detach()
-        self.optimizer.backward(loss)
+        self.report.add_micro_loss(loss)
+        with self.report.timed("backward"):
+            self.optimizer.backward(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.optimizer.is_gradient_accumulation_boundary()
@@ -149,11 +163,15 @@ class Engine(EngineFacts):
             self._step_applied = False
             return
         self.guard.before_step()
-        self._step_applied = self.optimizer.step()
+        with self.report.timed("step"):
+            self._step_applied = self.optimizer.step()
         self.global_samples += self.train_batch_size()
         self.guard.after_step(self._step_applied, self.global_steps)
         if self._step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self.report.after_step(global_steps=self.global_steps, global_samples=self.global_samples,
+                               skipped_steps=self.skipped_steps, lrs=self.get_lr(), moms=self.get_mom(),
+                               loss_scale=self.loss_scale if self.config.fp16.enabled else None)
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
@@ -163,6 +181,7 @@ class Engine(EngineFacts):
             zero = self.optimizer
             loss = self.pipeline.train_batch(iter(batches), loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
             self.guard.loss = loss.detach() if torch.is_tensor(loss) else loss
+            self.report.set_step_loss(loss)
             for _ in range(self.pipeline.m):
                 zero.note_micro_step()
             if zero.stage >= 2:
@@ -338,14 +357,14 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
         leave_at_exit()
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # a Hugging Face model's, or plait's
+    config_facts.setdefault("model_hidden_size", hidden)
     if mesh is None:
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
             **config_facts)
         mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size)
     if not isinstance(config, PlaitConfig):
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config_facts.setdefault("model_hidden_size", hidden)
         config = load_config(config, dp_size=mesh.dp, **config_facts)
     if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
