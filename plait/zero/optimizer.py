@@ -454,6 +454,23 @@ class ZeroOptimizer:
         for pending, _ in launched:
             pending.wait()
 
+    def rebind_views(self) -> None:
+        """Point parameters back at their flat buffers where something replaced their ``.data``.
+
+        A ``module.to(device)`` on an already-placed model (accelerate's ``prepare_model``, run by the
+        Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values; later steps then
+        update the flat buffers the model no longer reads. A copy replaces every parameter of a module, so
+        checking the first parameter of each segment finds it; DeepSpeed's stage 1/2 re-points its
+        parameters after every step for the same reason.
+        """
+        for group in self.groups:
+            for seg in group.segments:
+                if seg.full is None or seg.local is not None or not seg.slots:
+                    continue
+                first = seg.slots[0]
+                if first.param.data_ptr() != seg.full.data_ptr() + first.offset * seg.full.element_size():
+                    seg.set_views(seg.full)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (model ``.grad`` and the fp32 grad shards) and restart the
         accumulation count. ``step()`` already leaves them zero; call this only to discard work."""
