@@ -1,0 +1,96 @@
+"""Fill a ds_config's "auto" values from Hugging Face ``TrainingArguments`` and the model, as transformers'
+DeepSpeed integration does (``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``_finalize``), and refuse
+a value that is not "auto" and disagrees with the arguments, naming both.
+
+The pairs (ds_config key <- TrainingArguments):
+
+    train_micro_batch_size_per_gpu   per_device_train_batch_size
+    gradient_accumulation_steps      gradient_accumulation_steps
+    train_batch_size                 per_device_train_batch_size x gradient_accumulation_steps x dp
+    gradient_clipping                max_grad_norm
+    optimizer.params.lr              learning_rate
+    optimizer.params.betas           [adam_beta1, adam_beta2]
+    optimizer.params.eps             adam_epsilon
+    optimizer.params.weight_decay    weight_decay
+    scheduler.params.warmup_min_lr   0 (filled only)
+    scheduler.params.warmup_max_lr   learning_rate
+    scheduler.params.warmup_num_steps  get_warmup_steps(max_steps)
+    scheduler.params.total_num_steps   max_steps
+    fp16.enabled                     fp16 or fp16_full_eval
+    bf16.enabled                     bf16 or bf16_full_eval
+
+A batch key the config does not give takes the argument's value (the Hugging Face test configs give none).
+The ZeRO bucket sizes left "auto" are filled by plait from the model's hidden size (``plait.config.resolve``).
+"""
+from __future__ import annotations
+
+import copy
+
+from plait.config import ConfigError
+
+
+def _node(config: dict, path: str):
+    """(the dict holding the last key of ``path``, that key), or (None, key) when a parent is absent."""
+    *parents, key = path.split(".")
+    node = config
+    for p in parents:
+        node = node.get(p)
+        if not isinstance(node, dict):
+            return None, key
+    return node, key
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def fill_from_args(ds_config: dict, args, dp: int, max_steps: int) -> dict:
+    """A copy of ``ds_config`` with the "auto" values above filled from ``args`` (a ``TrainingArguments``).
+
+    Raises:
+        ConfigError: values that are not "auto" disagree with the arguments (all of them named, each with
+            its argument and both values).
+    """
+    config = copy.deepcopy(ds_config)
+    micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    pairs = [
+        ("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", True),
+        ("gradient_accumulation_steps", gas, "gradient_accumulation_steps", True),
+        ("train_batch_size", micro * gas * dp, "train_batch_size (per_device_train_batch_size x "
+                                               "gradient_accumulation_steps x dp)", True),
+        ("gradient_clipping", args.max_grad_norm, "max_grad_norm", True),
+        ("optimizer.params.lr", args.learning_rate, "learning_rate", True),
+        ("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2", True),
+        ("optimizer.params.eps", args.adam_epsilon, "adam_epsilon", True),
+        ("optimizer.params.weight_decay", args.weight_decay, "weight_decay", True),
+        ("scheduler.params.warmup_min_lr", 0, None, False),
+        ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate", True),
+        ("scheduler.params.warmup_num_steps", args.get_warmup_steps(max_steps), "warmup_steps", True),
+        ("scheduler.params.total_num_steps", max_steps, "max_steps (computed)", True),
+        ("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval", True),
+        ("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval", True),
+    ]
+    if "bfloat16" in config and "bf16" not in config:
+        config["bf16"] = config.pop("bfloat16")
+    none_given = all(config.get(k) is None for k in ("train_batch_size", "train_micro_batch_size_per_gpu"))
+    mismatches = []
+    for path, value, arg, must_match in pairs:
+        node, key = _node(config, path)
+        if node is None:
+            continue
+        if node.get(key) == "auto" or (node is config and key in ("train_micro_batch_size_per_gpu",
+                                                                   "gradient_accumulation_steps") and
+                                        none_given and key not in node):
+            node[key] = value
+        elif must_match and key in node and not _same(node[key], value):
+            mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")
+    if mismatches:
+        raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
+                          "or make them equal:\n" + "\n".join(mismatches))
+    return config

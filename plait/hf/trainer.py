@@ -1,0 +1,263 @@
+"""``plait.hf.Trainer``: the Hugging Face ``Trainer`` with plait's engine in DeepSpeed's place.
+
+A Trainer script moves from DeepSpeed to plait by its import line::
+
+    from plait.hf import Trainer, TrainingArguments      # was: from transformers import ...
+    args = TrainingArguments(output_dir="out", deepspeed="ds_config.json", ...)
+    Trainer(model=model, args=args, train_dataset=ds, data_collator=collate).train()
+
+What stays transformers': the arguments, callbacks, logging, evaluation (``evaluate`` runs the model
+under the engine, ZeRO-3 parameters gathered by its hooks), ``TrainerState``. What is plait's: the
+training loop below (one engine step per ``gradient_accumulation_steps`` micro-batches), the data order
+(a ``DistributedSampler`` over the data-parallel ranks, seeded with ``args.seed``), checkpoints and
+``save_model``.
+
+* The optimizer and schedule: the ds_config's sections when present ("auto" values from the arguments,
+  ``plait.hf.config_fill``); otherwise the Trainer's own (``create_optimizer``: AdamW, no decay on biases
+  and norms; ``args.lr_scheduler_type`` with its warm-up), as with DeepSpeed.
+* The loss: each micro-batch's loss as the model computes it (its mean over the micro-batch's tokens);
+  the step's gradient is their mean over micro-batches and data-parallel ranks (DeepSpeed engine's
+  semantics; transformers' token-count normalisation across micro-batches is not applied).
+* Checkpoints: ``output_dir/checkpoint-N/`` holds plait's sharded engine checkpoint (any dp/ZeRO layout can
+  resume from it), ``trainer_state.json``, the ranks' RNG states and, when the weights can be gathered,
+  the 16-bit model (``save_model``). ``train(resume_from_checkpoint=...)`` loads the engine checkpoint and
+  skips the micro-batches already trained.
+* ``save_model(dir)``: the whole model in its training dtype, written by rank 0 with the model's
+  ``save_pretrained`` (``from_pretrained`` loads it), the processing class beside it. Under ZeRO-3 it
+  needs ``stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed); otherwise it logs and writes none.
+* Tensor and pipeline parallelism need plait's own layers (``plait.layers``); this Trainer trains
+  Hugging Face models with ZeRO data parallelism (stages 0-3, offload), which is what ds_configs
+  written for the Trainer ask for.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+
+import plait
+from plait.config import ConfigError
+from plait.hf.config_fill import fill_from_args
+
+log = logging.getLogger("plait")
+
+STATE_NAME = "trainer_state.json"
+CHECKPOINT_PREFIX = "checkpoint"
+
+
+class Trainer(transformers.Trainer):
+    """transformers' ``Trainer`` on plait's engine (see the module docstring). Takes the same arguments;
+    ``args`` must be ``plait.hf.TrainingArguments`` (with the ds_config in ``deepspeed=`` or ``plait=``).
+
+    Attributes:
+        engine: the ``plait.engine.Engine`` once ``train()`` has built it (None before).
+    """
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        if not hasattr(self.args, "ds_config"):
+            raise ConfigError("plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
+                              "TrainingArguments) with deepspeed= or plait= set to the ds_config")
+        self.engine = None
+
+    # ---- the engine ---------------------------------------------------------------------------------------
+    def _build_engine(self, max_steps: int):
+        args = self.args
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        raw = self.args.ds_config()
+        tp = raw.get("tensor_parallel", {}).get("size", 1) * raw.get("pipeline", {}).get("size", 1)
+        config = fill_from_args(raw, args, dp=world // tp, max_steps=max_steps)
+        optimizer = scheduler = None
+        if not config.get("optimizer"):
+            optimizer = self.create_optimizer()
+        if not config.get("scheduler"):
+            def scheduler(opt):
+                return transformers.get_scheduler(args.lr_scheduler_type, opt,
+                                                  num_warmup_steps=args.get_warmup_steps(max_steps),
+                                                  num_training_steps=max_steps,
+                                                  scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+        self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler)
+        self.model_wrapped = self.engine
+        self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
+        return self.engine
+
+    def _train_loader(self, engine) -> tuple[DataLoader, object]:
+        args, data = self.args, self.train_dataset
+        mesh = engine.mesh
+        if mesh.dp > 1:
+            sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
+        else:
+            sampler = RandomSampler(data, generator=torch.Generator().manual_seed(args.seed))
+        loader = DataLoader(data, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                            collate_fn=self.data_collator, drop_last=args.dataloader_drop_last,
+                            num_workers=args.dataloader_num_workers)
+        return loader, sampler
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
+                             ignore_keys_for_eval=None):
+        args = args or self.args
+        gas = args.gradient_accumulation_steps
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        micro_batches = math.ceil(len(self.train_dataset) / world / args.per_device_train_batch_size)
+        updates_per_epoch = max(math.ceil(micro_batches / gas), 1)
+        if args.max_steps > 0:
+            max_steps, epochs = args.max_steps, math.ceil(args.max_steps / updates_per_epoch)
+        else:
+            max_steps = math.ceil(args.num_train_epochs * updates_per_epoch)
+            epochs = math.ceil(args.num_train_epochs)
+        engine = self.engine or self._build_engine(max_steps)
+        loader, sampler = self._train_loader(engine)
+        self.state = _new_state(args, max_steps, epochs)
+        first_epoch, skip = 0, 0
+        if resume_from_checkpoint is not None:
+            first_epoch, skip = self._resume(engine, resume_from_checkpoint, updates_per_epoch, gas)
+            fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
+            for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
+                        "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
+                setattr(self.state, key, getattr(fresh, key))
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        window = torch.zeros((), dtype=torch.float64)
+        logged_at, total_loss = self.state.global_step, 0.0
+        for epoch in range(first_epoch, epochs):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            count = len(loader)
+            for i, inputs in enumerate(loader):
+                if epoch == first_epoch and i < skip:
+                    continue
+                last_of_step = (i + 1) % gas == 0 or i + 1 == count
+                if i % gas == 0:
+                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    engine.train()   # evaluate() leaves the model in eval mode
+                engine.set_gradient_accumulation_boundary(True if last_of_step else None)
+                loss = self.compute_loss(engine, self._prepare_inputs(inputs))
+                engine.backward(loss)
+                engine.step()
+                window += float(engine._dp_mean(loss.detach())) / gas
+                if not last_of_step:
+                    continue
+                self.state.global_step += 1
+                self.state.epoch = epoch + (i + 1) / count
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                if self.control.should_log:
+                    steps = self.state.global_step - logged_at
+                    total_loss += float(window)
+                    self.log({"loss": float(window) / steps, "grad_norm": engine.grad_norm,
+                              "learning_rate": engine.get_lr()[0]})
+                    window.zero_()
+                    logged_at = self.state.global_step
+                self._evaluate_and_save(trial, ignore_keys_for_eval)
+                if self.control.should_training_stop or self.state.global_step >= max_steps:
+                    break
+            engine.set_gradient_accumulation_boundary(None)
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._evaluate_and_save(trial, ignore_keys_for_eval)
+            if self.control.should_training_stop or self.state.global_step >= max_steps:
+                break
+        total_loss += float(window)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        done = max(self.state.global_step, 1)
+        return TrainOutput(self.state.global_step, total_loss / done, {"train_loss": total_loss / done})
+
+    def _evaluate_and_save(self, trial, ignore_keys_for_eval) -> None:
+        if self.control.should_evaluate:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
+            self.control.should_evaluate = False
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            self.control.should_save = False
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        out = os.path.join(self.args.output_dir, f"{CHECKPOINT_PREFIX}-{self.state.global_step}")
+        self.engine.save_checkpoint(out)
+        self.save_model(out, _internal_call=True)
+        self._save_rng_state(out)
+        if self._is_rank0():
+            self.state.save_to_json(os.path.join(out, STATE_NAME))
+            _rotate(self.args.output_dir, self.args.save_total_limit)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """No-op: the engine loads the checkpoint inside ``train()`` (transformers calls this before)."""
+
+    def _resume(self, engine, path: str, updates_per_epoch: int, gas: int) -> tuple[int, int]:
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)
+        state_file = os.path.join(path, STATE_NAME)
+        if not os.path.isfile(state_file):
+            raise ValueError(f"{path} has no {STATE_NAME}: not a checkpoint written by plait.hf.Trainer")
+        engine.load_checkpoint(path)
+        self.state = TrainerState.load_from_json(state_file)
+        self._load_rng_state(path)
+        step = self.state.global_step
+        return step // updates_per_epoch, (step % updates_per_epoch) * gas
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The whole model in its training dtype, by rank 0, with ``save_pretrained`` (see the module
+        docstring). Collective once ``train()`` has built the engine."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        z = self.engine.config.zero_optimization
+        if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:
+            log.warning("save_model: no weights written under ZeRO-3 without "
+                        "zero_optimization.stage3_gather_16bit_weights_on_model_save (as DeepSpeed); the engine "
+                        "checkpoint holds them (plait convert consolidates it)")
+            return
+        with self.engine.gathered_parameters():
+            state = {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()} \
+                if self._is_rank0() else None
+        if self._is_rank0():
+            os.makedirs(output_dir, exist_ok=True)
+            self.engine.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _is_rank0(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _steps(value: float, max_steps: int) -> int:
+    """transformers' rule: a value below 1 is a fraction of ``max_steps``."""
+    return math.ceil(max_steps * value) if value is not None and value < 1 else int(value or 0)
+
+
+def _new_state(args, max_steps: int, epochs: int) -> TrainerState:
+    state = TrainerState()
+    state.max_steps, state.num_train_epochs = max_steps, epochs
+    state.logging_steps = _steps(args.logging_steps, max_steps)
+    state.eval_steps = _steps(args.eval_steps, max_steps) if args.eval_steps is not None else state.logging_steps
+    state.save_steps = _steps(args.save_steps, max_steps)
+    state.train_batch_size = args.per_device_train_batch_size
+    state.is_local_process_zero = state.is_world_process_zero = not dist.is_initialized() or dist.get_rank() == 0
+    return state
+
+
+def _rotate(output_dir: str, limit: int | None) -> None:
+    """Keep the newest ``limit`` ``checkpoint-N`` folders (``save_total_limit``)."""
+    if not limit:
+        return
+    found = []
+    for name in os.listdir(output_dir):
+        tail = name[len(CHECKPOINT_PREFIX) + 1:]
+        if name.startswith(CHECKPOINT_PREFIX + "-") and tail.isdigit():
+            found.append((int(tail), name))
+    for _, name in sorted(found)[:-limit]:
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
