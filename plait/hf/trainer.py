@@ -46,6 +46,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 import plait
 from plait.config import ConfigError
 from plait.hf.config_fill import fill_from_args
+from plait.parallel import launch
 
 log = logging.getLogger("plait")
 
@@ -84,6 +85,8 @@ class Trainer(transformers.Trainer):
                                                   num_warmup_steps=args.get_warmup_steps(max_steps),
                                                   num_training_steps=max_steps,
                                                   scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+        if dist.is_initialized():
+            launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler)
         self.model_wrapped = self.engine
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
