@@ -19,7 +19,9 @@ The pairs (ds_config key <- TrainingArguments):
     fp16.enabled                     fp16 or fp16_full_eval
     bf16.enabled                     bf16 or bf16_full_eval
 
-A batch key the config does not give takes the argument's value (the Hugging Face test configs give none).
+A batch key the config does not give takes the argument's value (the Hugging Face test configs give none);
+``bf16=True`` (``fp16=True``) adds a ``bf16`` (``fp16``, with ``auto_cast``) section the config lacks, as
+accelerate's DeepSpeed plugin does.
 The ZeRO bucket sizes left "auto" are filled by plait from the model's hidden size (``plait.config.resolve``).
 """
 from __future__ import annotations
@@ -78,6 +80,11 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int) -> dict:
     ]
     if "bfloat16" in config and "bf16" not in config:
         config["bf16"] = config.pop("bfloat16")
+    # the Trainer's mixed precision enables a section the config does not have (accelerate's DeepSpeed plugin)
+    if args.bf16 and "bf16" not in config:
+        config["bf16"] = {"enabled": True}
+    if args.fp16 and "fp16" not in config:
+        config["fp16"] = {"enabled": True, "auto_cast": True}
     none_given = all(config.get(k) is None for k in ("train_batch_size", "train_micro_batch_size_per_gpu"))
     mismatches = []
     for path, value, arg, must_match in pairs:

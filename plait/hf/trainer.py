@@ -130,7 +130,7 @@ class Trainer(transformers.Trainer):
                         "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
                 setattr(self.state, key, getattr(fresh, key))
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        window = torch.zeros((), dtype=torch.float64)
+        window = torch.zeros((), dtype=torch.float32, device=engine.device)   # summed on the device: no sync
         logged_at, total_loss = self.state.global_step, 0.0
         for epoch in range(first_epoch, epochs):
             if hasattr(sampler, "set_epoch"):
@@ -148,7 +148,7 @@ class Trainer(transformers.Trainer):
                 loss = self.compute_loss(engine, self._prepare_inputs(inputs))
                 engine.backward(loss)
                 engine.step()
-                window += float(engine._dp_mean(loss.detach())) / gas
+                window += loss.detach().float() / gas
                 if not last_of_step:
                     continue
                 self.state.global_step += 1
@@ -156,8 +156,9 @@ class Trainer(transformers.Trainer):
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if self.control.should_log:
                     steps = self.state.global_step - logged_at
-                    total_loss += float(window)
-                    self.log({"loss": float(window) / steps, "grad_norm": engine.grad_norm,
+                    mean = float(engine._dp_mean(window))   # the one host sync of a logging window
+                    total_loss += mean
+                    self.log({"loss": mean / steps, "grad_norm": engine.grad_norm,
                               "learning_rate": engine.get_lr()[0]})
                     window.zero_()
                     logged_at = self.state.global_step
@@ -169,7 +170,7 @@ class Trainer(transformers.Trainer):
             self._evaluate_and_save(trial, ignore_keys_for_eval)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
-        total_loss += float(window)
+        total_loss += float(engine._dp_mean(window))
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         done = max(self.state.global_step, 1)
         return TrainOutput(self.state.global_step, total_loss / done, {"train_loss": total_loss / done})
