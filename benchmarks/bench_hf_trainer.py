@@ -96,7 +96,7 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=1,
                              learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
                              max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
-                             lr_scheduler_type="constant", warmup_steps=0, dataloader_num_workers=2,
+                             lr_scheduler_type="constant", warmup_steps=1, dataloader_num_workers=2,
                              use_cpu=SMOKE, bf16=not SMOKE, **extra)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
     t0 = time.perf_counter()

@@ -31,8 +31,8 @@ def _per_group(optimizer, value, what: str) -> list[float]:
 
 class _WarmupBase:
     def __init__(self, optimizer, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int):
-        if not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:   # 0: the Trainer's warmup_steps=0
-            raise ValueError(f"warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}")
+        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
         if warmup_type not in WARMUP_TYPES:
             raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
         self.optimizer, self.warmup_type = optimizer, warmup_type
