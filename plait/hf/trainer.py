@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -108,60 +109,25 @@ class Trainer(transformers.Trainer):
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
                              ignore_keys_for_eval=None):
         args = args or self.args
-        gas = args.gradient_accumulation_steps
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        micro_batches = math.ceil(len(self.train_dataset) / world / args.per_device_train_batch_size)
-        updates_per_epoch = max(math.ceil(micro_batches / gas), 1)
-        if args.max_steps > 0:
-            max_steps, epochs = args.max_steps, math.ceil(args.max_steps / updates_per_epoch)
-        else:
-            max_steps = math.ceil(args.num_train_epochs * updates_per_epoch)
-            epochs = math.ceil(args.num_train_epochs)
+        max_steps, epochs, updates_per_epoch = self._plan(args)
         engine = self.engine or self._build_engine(max_steps)
         loader, sampler = self._train_loader(engine)
-        self.state = _new_state(args, max_steps, epochs)
-        first_epoch, skip = 0, 0
-        if resume_from_checkpoint is not None:
-            first_epoch, skip = self._resume(engine, resume_from_checkpoint, updates_per_epoch, gas)
-            fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
-            for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                        "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
-                setattr(self.state, key, getattr(fresh, key))
+        first_epoch, skip = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
+                                              resume_from_checkpoint)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        window = torch.zeros((), dtype=torch.float32, device=engine.device)   # summed on the device: no sync
-        logged_at, total_loss = self.state.global_step, 0.0
+        window = _LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
         for epoch in range(first_epoch, epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            count = len(loader)
             for i, inputs in enumerate(loader):
                 if epoch == first_epoch and i < skip:
                     continue
-                last_of_step = (i + 1) % gas == 0 or i + 1 == count
-                if i % gas == 0:
-                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                    engine.train()   # evaluate() leaves the model in eval mode
-                engine.set_gradient_accumulation_boundary(True if last_of_step else None)
-                loss = self.compute_loss(engine, self._prepare_inputs(inputs))
-                engine.backward(loss)
-                engine.step()
-                window += loss.detach().float() / gas
-                if not last_of_step:
+                if not self._micro_step(engine, inputs, i, len(loader), epoch, window):
                     continue
-                self.state.global_step += 1
-                self.state.epoch = epoch + (i + 1) / count
-                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if self.control.should_log:
-                    steps = self.state.global_step - logged_at
-                    mean = float(engine._dp_mean(window))   # the one host sync of a logging window
-                    total_loss += mean
-                    self.log({"loss": mean / steps, "grad_norm": engine.grad_norm,
+                    self.log({"loss": window.drain(engine, self.state.global_step), "grad_norm": engine.grad_norm,
                               "learning_rate": engine.get_lr()[0]})
-                    window.zero_()
-                    logged_at = self.state.global_step
                 self._evaluate_and_save(trial, ignore_keys_for_eval)
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
                     break
@@ -170,10 +136,53 @@ class Trainer(transformers.Trainer):
             self._evaluate_and_save(trial, ignore_keys_for_eval)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
-        total_loss += float(engine._dp_mean(window))
+        window.drain(engine, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        done = max(self.state.global_step, 1)
-        return TrainOutput(self.state.global_step, total_loss / done, {"train_loss": total_loss / done})
+        mean = window.total / max(self.state.global_step - window.started_at, 1)
+        return TrainOutput(self.state.global_step, mean, {"train_loss": mean})
+
+    def _plan(self, args) -> tuple[int, int, int]:
+        """(max_steps, epochs, optimizer steps per epoch) as transformers counts them."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        micro_batches = math.ceil(len(self.train_dataset) / world / args.per_device_train_batch_size)
+        updates_per_epoch = max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
+        if args.max_steps > 0:
+            return args.max_steps, math.ceil(args.max_steps / updates_per_epoch), updates_per_epoch
+        return math.ceil(args.num_train_epochs * updates_per_epoch), math.ceil(args.num_train_epochs), updates_per_epoch
+
+    def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int]:
+        """A fresh ``TrainerState``, or the checkpoint's (with this run's limits); (first epoch, micro-batches
+        of it already trained)."""
+        self.state = _new_state(args, max_steps, epochs)
+        if resume is None:
+            return 0, 0
+        first_epoch, skip = self._resume(engine, resume, updates_per_epoch, args.gradient_accumulation_steps)
+        fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
+        for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
+                    "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
+            setattr(self.state, key, getattr(fresh, key))
+        return first_epoch, skip
+
+    def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: _LossWindow) -> bool:
+        """Forward, backward and ``engine.step()`` of micro-batch ``i`` of ``count``; True when it ended an
+        optimizer step (the state and callbacks then moved on)."""
+        args, gas = self.args, self.args.gradient_accumulation_steps
+        last_of_step = (i + 1) % gas == 0 or i + 1 == count   # an epoch's short last accumulation steps too
+        if i % gas == 0:
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            engine.train()   # evaluate() leaves the model in eval mode
+        engine.set_gradient_accumulation_boundary(True if last_of_step else None)
+        loss = self.compute_loss(engine, self._prepare_inputs(inputs))
+        engine.backward(loss)
+        engine.step()
+        window.sum += loss.detach().float() / gas
+        if last_of_step:
+            self.state.global_step += 1
+            self.state.epoch = epoch + (i + 1) / count
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        return last_of_step
 
     def _evaluate_and_save(self, trial, ignore_keys_for_eval) -> None:
         if self.control.should_evaluate:
@@ -236,6 +245,29 @@ class Trainer(transformers.Trainer):
 
     def _is_rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@dataclass
+class _LossWindow:
+    """The step losses since the last logged step, summed on the device: one host synchronization (and one
+    all-reduce over dp) per logged window, none per micro-batch."""
+
+    sum: torch.Tensor
+    logged_at: int
+    total: float = 0.0
+    started_at: int = -1
+
+    def __post_init__(self):
+        self.started_at = self.logged_at
+
+    def drain(self, engine, step: int) -> float:
+        """The mean step loss of the window ending at ``step`` (over dp ranks); the window restarts."""
+        summed = float(engine._dp_mean(self.sum))
+        self.total += summed
+        mean = summed / max(step - self.logged_at, 1)
+        self.sum.zero_()
+        self.logged_at = step
+        return mean
 
 
 def _steps(value: float, max_steps: int) -> int:
