@@ -296,3 +296,30 @@ def test_parameters_given_copies_of_their_data_are_rebound_to_the_flat_buffers()
     """Before the fix the model kept reading the copies (frozen at step 1) and trained on stale weights."""
     kept, replaced = (run_distributed(_replaced_data_body, 2, flag)[0] for flag in (False, True))
     assert max((kept[n] - replaced[n]).abs().max().item() for n in kept) == 0.0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_script_runs_under_torchrun_with_only_its_import_changed(stage, tmp_path):
+    """tests/data/deepspeed_engine_script.py, written for DeepSpeed's engine (add_config_arguments,
+    init_distributed, initialize with training_data, backward/step, save/load_checkpoint with client_state),
+    on two processes: each rank trains on its part of the loader (dp 2), and a run resumed from the
+    step-3 checkpoint repeats steps 4-5 exactly (the checkpoint holds the fp32 masters and Adam's moments)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(ds_config(stage)))
+    script = os.path.join(os.path.dirname(__file__), "data", "deepspeed_engine_script.py")
+    for extra in ([], ["--resume"]):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               script, "--deepspeed", "--deepspeed_config", str(config), "--out", str(tmp_path),
+                               *extra], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+    full = json.loads((tmp_path / "result.json").read_text())
+    resumed = json.loads((tmp_path / "result-resumed.json").read_text())
+    assert full["dp"] == 2 and full["global_steps"] == resumed["global_steps"] == 5
+    assert resumed["client_state"] == {"epoch": 1, "seen": 3}
+    assert resumed["losses"] == full["losses"][3:] and resumed["checksum"] == full["checksum"]
+    assert len(set(full["losses"])) == 5                      # the steps saw different batches
