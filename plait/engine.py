@@ -49,6 +49,7 @@ from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload_optim import HostOptimizer
+from plait.zero.weights import prepare_weights
 
 
 class Engine(EngineFacts):
@@ -62,7 +63,7 @@ class Engine(EngineFacts):
     """
 
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
-                 model_parameters, pipeline=None):
+                 model_parameters, pipeline=None, weights=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
         apply_activation_checkpointing(module, config.activation_checkpointing)
         z = config.zero_optimization
@@ -101,7 +102,7 @@ class Engine(EngineFacts):
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
             grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload,
-            skip_nonfinite=config.nonfinite_guard.enabled)
+            skip_nonfinite=config.nonfinite_guard.enabled, weights=weights)
         # A tied head copy (on another pipeline stage than its embedding) must count once in the norm.
         self.optimizer.norm_exclude = {id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}
         inner = self.optimizer.optimizer
@@ -332,7 +333,7 @@ def _on_device(model, device: torch.device):
 
 
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
-               model_parameters=None, **config_facts) -> Engine:
+               model_parameters=None, weights=None, **config_facts) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
 
     Args:
@@ -349,10 +350,15 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         model_parameters: the parameters to train, exactly as given: an iterable of parameters (one group
             with the optimizer's options, weight decay on every one of them, as DeepSpeed) or torch param
             groups (dicts). None: plait's grouping (matrices decay; biases and norm weights do not).
+        weights: for a model built under ``plait.zero.meta_parameters()`` (parameters on the meta device):
+            a Hugging Face checkpoint folder (safetensors) or a ``plait.zero.weights.WeightSource``; under
+            ZeRO-3 each rank reads only its shard of the parameters (``plait.zero.weights``).
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:
         ConfigError: unknown or inconsistent config keys (named, with the fix).
+        ValueError: parameters on the meta device without ``weights``, or ``weights`` for a model whose
+            parameters are not on the meta device, or with a pipeline.
     """
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
@@ -371,6 +377,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
     torch.manual_seed(config.seed)
     pipeline = None
+    weights = prepare_weights(model, weights, mesh.device)
     model = _on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
@@ -381,4 +388,4 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         if pipeline.m != config.gradient_accumulation_steps:
             raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
                               f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
-    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline)
+    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights)

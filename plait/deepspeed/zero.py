@@ -57,17 +57,18 @@ def _dp_rank(opt, modifier_rank: int | None) -> int | None:
 
 class Init:
     """``deepspeed.zero.Init`` on plait: accepted, with a one-line notice. DeepSpeed partitions each
-    parameter as it is created; plait builds the model whole in the process's memory and partitions it
-    in ``initialize`` (ZeRO-3), so training is the same and only the peak host memory during
-    construction differs (the whole model once per process)."""
+    parameter as it is created; here the model built inside is whole and ``initialize`` partitions it
+    (ZeRO-3), so training is the same and only the peak host memory during construction differs. To build a
+    model without its weights, use ``plait.zero.meta_parameters()`` and pass the checkpoint folder to
+    ``plait.initialize(..., weights=...)``: each rank then reads only its shard (``plait.zero.weights``)."""
 
     def __init__(self, *args, enabled: bool = True, **kwargs):
         self.enabled = enabled
 
     def __enter__(self):
         if self.enabled:
-            log.warning("zero.Init: plait builds the model whole and partitions it in initialize(); the "
-                        "construction needs the whole model's memory once per process")
+            log.warning("zero.Init: the model is built whole and partitioned in initialize(); to build it "
+                        "without weights use plait.zero.meta_parameters() and plait.initialize(..., weights=path)")
         return self
 
     def __exit__(self, *exc):

@@ -4,6 +4,7 @@ from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
 from plait.zero.flat import ParamSlice, ShardState, slices_reader
 from plait.zero.optimizer import ZeroOptimizer, weight_decay_groups
 from plait.zero.precision import LossScaleError, LossScaler, NonFiniteError, resolve_dtype
+from plait.zero.weights import SafetensorsWeights, meta_parameters
 
 __all__ = [
            "LossScaleError",
@@ -11,10 +12,12 @@ __all__ = [
            "NonFiniteError",
            "NormGroups",
            "ParamSlice",
+           "SafetensorsWeights",
            "ShardState",
            "ZeroOptimizer",
            "clip_coefficient",
            "global_grad_norm",
+           "meta_parameters",
            "resolve_dtype",
            "slices_reader",
            "weight_decay_groups",

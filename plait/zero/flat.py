@@ -105,11 +105,11 @@ class Segment:
         return out
 
     def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
         """A ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot, zero elsewhere
-        (``None``: zero). Written into ``out`` when given; only the gaps are zero-filled, so each
-        element is written once."""
-        device = self.slots[0].param.device
+        (``None``: zero), on ``device`` (default: the first parameter's). Written into ``out`` when given;
+        only the gaps are zero-filled, so each element is written once."""
+        device = device if device is not None else self.slots[0].param.device
         if out is None:
             out = torch.empty(self.padded, dtype=dtype, device=device)
         pos = 0

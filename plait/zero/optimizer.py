@@ -146,6 +146,9 @@ class ZeroOptimizer:
             masters, gradient shards and optimizer state live on the host and ``optimizer`` must be
             torch.optim.Adam/AdamW or a ``HostOptimizer`` factory (stages 1-3); with ``param`` the
             stage-3 parameter shards live on the host. None: everything on the module's device.
+        weights: a ``plait.zero.weights.WeightSource`` to fill the flat buffers from instead of the
+            parameters' values (placeholders from ``place_meta_parameters``): under stage 3 each rank
+            reads only its shard of each segment.
 
     Raises:
         ValueError: bad stage, sizes or param groups (message names the values and the fix).
@@ -159,7 +162,7 @@ class ZeroOptimizer:
                  units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
                  max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
                  grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None,
-                 skip_nonfinite: bool = True):
+                 skip_nonfinite: bool = True, weights=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if offload is not None and (offload.optimizer and stage == 0 or offload.param and stage != 3):
@@ -211,7 +214,7 @@ class ZeroOptimizer:
         self.params = [p for _, p in named]
         self.device = self.params[0].device
         self._master_device = torch.device("cpu") if host_opt else self.device
-        self.masters = [self._materialize(g) for g in self.groups]
+        self.masters = [self._materialize(g, weights) for g in self.groups]
         # ZeRO-Offload with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
         # rank: backward's own bf16 gradient; dp > 1: a bf16 reduction), so the host keeps it in bf16 --
         # half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact.
@@ -264,17 +267,28 @@ class ZeroOptimizer:
         if self.offload is not None:
             self.reducer.land = self.offload.land
 
-    def _materialize(self, group) -> nn.Parameter:
-        """Build the fp32 master shard of ``group`` and point its parameters at flat storage."""
+    def _materialize(self, group, weights=None) -> nn.Parameter:
+        """Build the fp32 master shard of ``group`` and point its parameters at flat storage; values from
+        the parameters, or from ``weights`` (a ``WeightSource``: only this rank's shard under stage 3)."""
         slices = []
         for seg in group.segments:
-            full32 = seg.pack(lambda s: s.param.detach(), torch.float32)
-            slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(self._master_device, copy=True))
-            full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
-            for slot in seg.slots:
-                slot.param.grad = None
-            if self.stage == 3 and not group.key.persistent:
+            sharded = self.stage == 3 and not group.key.persistent
+            if weights is not None and sharded:
+                shard32 = _read_shard(seg, weights, self.device)
+                slices.append(shard32.to(self._master_device, copy=True))
+                own = shard32.to(group.key.dtype)
+                for slot in seg.slots:
+                    slot.param.grad = None
+            else:
+                get = (lambda s: s.param.detach()) if weights is None else \
+                    (lambda s: weights.read(s.name, 0, s.numel).to(self.device))
+                full32 = seg.pack(get, torch.float32, device=self.device)
+                slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(self._master_device, copy=True))
+                full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
+                for slot in seg.slots:
+                    slot.param.grad = None
                 own = full[seg.lo:seg.lo + seg.shard_size]
+            if sharded:
                 off = self.offload_options
                 seg.local = to_host(own, off.pin_memory) if off is not None and off.param else own.clone()
                 seg.free()
@@ -550,3 +564,12 @@ class ZeroOptimizer:
             self.gatherer.remove_hooks()
         if self.offload is not None:
             self.offload.close()
+
+
+def _read_shard(seg, weights, device: torch.device) -> torch.Tensor:
+    """This rank's ``[S]`` slice of ``seg`` in float32, read piece by piece from ``weights`` (zero padding)."""
+    out = torch.zeros(seg.shard_size, dtype=torch.float32, device=device)
+    for piece in seg.pieces():
+        at = piece.shard_offset - seg.shard_offset
+        out[at:at + piece.length] = weights.read(piece.slot.name, piece.start, piece.length).to(device)
+    return out

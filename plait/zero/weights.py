@@ -1,0 +1,138 @@
+"""Build a model without its weights and let each rank read only its own part of them (DeepSpeed's
+``zero.Init`` role, for ZeRO-3).
+
+    with plait.zero.meta_parameters():                  # parameters on the meta device, buffers real
+        model = transformers.LlamaForCausalLM(config)
+    engine = plait.initialize(model, ds_config, weights="path/to/hf_checkpoint")
+
+``meta_parameters`` creates every parameter of the modules built inside it on the meta device (no
+memory; buffers such as rotary tables stay real, as accelerate's ``init_empty_weights(include_buffers=False)``).
+``plait.initialize(..., weights=...)`` then gives each meta parameter a placeholder on the compute device
+(the right shape, one element of storage: ``ZeroOptimizer`` lays parameters out by shape and identity) and
+``ZeroOptimizer`` fills its flat buffers from a ``WeightSource``: under ZeRO-3 a rank reads only the
+elements of its own shard of each segment (and the whole of the small persistent parameters); under
+stages 0-2 every rank holds whole parameters and reads them whole.
+
+``SafetensorsWeights`` reads a Hugging Face checkpoint folder (``model.safetensors`` or the shards named by
+``model.safetensors.index.json``) through safetensors' lazy slices: a flattened element range of a tensor
+costs the rows that hold it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class WeightSource(Protocol):
+    def read(self, name: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of parameter ``name`` flattened, as a float32 ``[length]``."""
+        ...
+
+
+class SafetensorsWeights:
+    """A Hugging Face checkpoint folder as a ``WeightSource``; ``elements_read`` counts what was read.
+
+    Raises:
+        FileNotFoundError: the folder holds neither ``model.safetensors`` nor its index.
+        KeyError (from ``read``): a parameter the checkpoint does not hold, named with the folder.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        single = os.path.join(self.path, "model.safetensors")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as fh:
+                self.files = {k: os.path.join(self.path, v) for k, v in json.load(fh)["weight_map"].items()}
+        elif os.path.exists(single):
+            from safetensors import safe_open
+            with safe_open(single, "pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        else:
+            raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
+        self.elements_read = 0
+
+    def read(self, name: str, start: int, length: int) -> torch.Tensor:
+        from safetensors import safe_open
+        if name not in self.files:
+            raise KeyError(f"parameter {name!r} is not in the checkpoint {self.path} ({len(self.files)} tensors)")
+        with safe_open(self.files[name], "pt") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if len(shape) <= 1:
+                flat = part[start:start + length]
+            else:
+                row = math.prod(shape[1:])
+                first, last = start // row, -(-(start + length) // row)
+                flat = part[first:last].reshape(-1)[start - first * row:start - first * row + length]
+        self.elements_read += length
+        return flat.to(torch.float32).reshape(-1)
+
+
+@contextmanager
+def meta_parameters():
+    """Inside, every parameter a module registers is moved to the meta device as it is registered (its
+    initialisation then runs on meta, at no cost); buffers are left as built. Not thread-safe: it swaps
+    ``nn.Module.register_parameter`` for the duration."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def place_meta_parameters(module: nn.Module, device: torch.device) -> int:
+    """Replace each meta parameter of ``module`` by a placeholder on ``device``: same shape, dtype,
+    ``requires_grad`` and attributes, one element of storage (all strides 0), shared where the meta one
+    was shared (tied weights). Buffers move to ``device``. Returns how many parameters were placed."""
+    placed: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in placed:
+                data = torch.empty_strided(p.shape, [0] * p.dim(), dtype=p.dtype, device=device)
+                new = nn.Parameter(data, requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                placed[id(p)] = new
+            sub._parameters[name] = placed[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is not None and b.device != device:
+                sub._buffers[name] = b.to(device)
+    return len(placed)
+
+
+def prepare_weights(model: nn.Module, weights, device: torch.device):
+    """``plait.initialize``'s ``weights=``: None for a model whose parameters hold values; for a model built
+    under ``meta_parameters`` its placeholders are placed on ``device`` and the ``WeightSource`` returned
+    (a checkpoint folder path becomes ``SafetensorsWeights``).
+
+    Raises:
+        ValueError: meta parameters without ``weights``, or ``weights`` for a model without meta parameters.
+    """
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    if weights is None:
+        if meta:
+            raise ValueError("the model's parameters are on the meta device (built under meta_parameters() or "
+                             "torch.device('meta')): pass weights= (a Hugging Face checkpoint folder) to initialize")
+        return None
+    if not meta:
+        raise ValueError("weights= fills a model built under plait.zero.meta_parameters() (parameters on the meta "
+                         "device); this model's parameters hold values already: drop weights=")
+    place_meta_parameters(model, device)
+    return SafetensorsWeights(weights) if isinstance(weights, (str, os.PathLike)) else weights
