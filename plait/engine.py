@@ -195,7 +195,7 @@ class Engine(EngineFacts):
                 total += loss.detach().float().cpu()
             loss = total / self.config.gradient_accumulation_steps
         self.step()
-        return self._dp_mean(loss)
+        return self.dp_mean(loss)
 
     @torch.no_grad()
     def _sum_tied_grad_shards(self) -> None:
@@ -234,9 +234,9 @@ class Engine(EngineFacts):
         """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1)."""
         batches = self._pull(data_iter)
         if self.pipeline is not None:
-            return self._dp_mean(self.pipeline.eval_batch(iter(batches)))
+            return self.dp_mean(self.pipeline.eval_batch(iter(batches)))
         loss = sum(loss_of(self.forward(**self._to_device(b))).float().cpu() for b in batches) / len(batches)
-        return self._dp_mean(loss)
+        return self.dp_mean(loss)
 
     def _pull(self, data_iter) -> list[dict]:
         """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline each is checked here
@@ -248,7 +248,7 @@ class Engine(EngineFacts):
                 batch = next(it)
             except StopIteration:
                 raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
-                                 f"{self.global_steps + self.skipped_steps + 1} (gradient_accumulation_steps={n}); "
+                                 f"{self.global_steps + 1} (gradient_accumulation_steps={n}); "
                                  "give train_batch an iterator with enough batches (or one that cycles)") from None
             if self.pipeline is not None:
                 check_micro_batch(batch, self.guard.vocab_size)
@@ -259,7 +259,8 @@ class Engine(EngineFacts):
         device = self.mesh.device
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
+    def dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over the data-parallel ranks (collective; the value itself at dp 1)."""
         group = self.mesh.dp_group
         if group is None or self.mesh.dp == 1:
             return loss
@@ -357,8 +358,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
 
     Raises:
         ConfigError: unknown or inconsistent config keys (named, with the fix).
-        ValueError: parameters on the meta device without ``weights``, or ``weights`` for a model whose
-            parameters are not on the meta device, or with a pipeline.
+        ValueError: parameters on the meta device without ``weights``, ``weights`` for a model whose
+            parameters are not on the meta device, or a checkpoint tensor of another shape.
     """
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)

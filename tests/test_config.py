@@ -319,3 +319,27 @@ def test_bad_json_file_names_the_path(tmp_path):
     path.write_text("{\"train_batch_size\": 8,}")
     with pytest.raises(ConfigError, match="ds.json is not valid JSON"):
         load_config(path)
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, "'amsgrad'"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}, "'max_grad_norm'"),
+    ({"sequence_parallel_size": 4}, "'sequence_parallel_size'"),
+    ({"zero_optimization": {"stage": 1, "legacy_stage1": True}}, "'legacy_stage1'"),
+])
+def test_keys_that_change_training_are_refused_when_on_and_accepted_off(raw, key):
+    with pytest.raises(UnsupportedConfigError, match=key):
+        load_config({"train_batch_size": 8, **raw}, dp_size=1)
+    off = {"amsgrad": False, "max_grad_norm": 0.0, "sequence_parallel_size": 1, "legacy_stage1": False}
+    name = key.strip("'")
+    load_config(_with(raw, name, off[name]), dp_size=1)
+
+
+def _with(raw, key, value):
+    import copy
+    out = copy.deepcopy(raw)
+    for node in (out.get("optimizer", {}).get("params"), out.get("zero_optimization"), out):
+        if isinstance(node, dict) and key in node:
+            node[key] = value
+            break
+    return {"train_batch_size": 8, **out}

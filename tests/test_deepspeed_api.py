@@ -323,3 +323,19 @@ def test_a_deepspeed_script_runs_under_torchrun_with_only_its_import_changed(sta
     assert resumed["client_state"] == {"epoch": 1, "seen": 3}
     assert resumed["losses"] == full["losses"][3:] and resumed["checksum"] == full["checksum"]
     assert len(set(full["losses"])) == 5                      # the steps saw different batches
+
+
+def test_keeping_an_edit_leaves_the_other_fp32_master_weights_bit_for_bit():
+    """bf16 compute: the gathered parameters are the masters rounded to bf16; writing them back whole would
+    round every master weight (a 1e-3 relative change), so only the edited elements are taken."""
+    engine, *_ = deepspeed.initialize(model=bert(), config=ds_config(3, bf16={"enabled": True}))
+    train(engine, 2)
+    before = [m.detach().clone() for m in engine.optimizer.masters]
+    emb = engine.module.bert.embeddings.word_embeddings.weight
+    with deepspeed.zero.GatheredParameters([emb], modifier_rank=0):
+        emb.data[3].fill_(0.5)
+    after = [m.detach() for m in engine.optimizer.masters]
+    changed = sum(int((a != b).sum()) for a, b in zip(after, before))
+    assert changed == emb.shape[1]                       # the edited row, nothing else
+    with engine.gathered_parameters():
+        assert torch.equal(emb.detach()[3].float(), torch.full((emb.shape[1],), 0.5))

@@ -85,3 +85,37 @@ def test_arguments_take_the_config_once_and_the_trainer_needs_them(tmp_path):
     with pytest.raises(ConfigError, match="needs plait.hf.TrainingArguments"):
         Trainer(model=tiny_llama(), args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[],
                                                                         use_cpu=True))
+
+
+def test_a_config_that_leaves_the_accumulation_out_takes_the_arguments(tmp_path):
+    """{"train_batch_size": "auto"} and no accumulation key: the Trainer's 4 micro-batches per step hold (an
+    engine stepping after every micro-batch would take 4x the optimizer and schedule steps)."""
+    config = {"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+              "zero_optimization": {"stage": 2}}
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, learning_rate=1e-3, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_steps=1)
+    data = [{"input_ids": [i % 64, 2, 3, 4], "labels": [i % 64, 2, 3, 4]} for i in range(32)]
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.engine.gradient_accumulation_steps() == 4 and trainer.engine.global_steps == 2
+
+
+def test_an_epoch_logged_at_its_end_and_a_resumed_epoch_keeps_its_order(tmp_path):
+    """logging_strategy='epoch' logs each epoch's mean loss at its end; the data order of epoch k depends
+    only on (seed, k), so a resume into epoch 2 sees what the uninterrupted run saw there."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 1}}
+    data = [{"input_ids": [i % 64, (3 * i) % 64, 5], "labels": [i % 64, (3 * i) % 64, 5]} for i in range(8)]
+
+    def run(out, epochs, resume=None):
+        args = TrainingArguments(output_dir=str(out), deepspeed=config, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, num_train_epochs=epochs, report_to=[], use_cpu=True,
+                                 logging_strategy="epoch", save_strategy="epoch", seed=3)
+        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    full = run(tmp_path / "a", 3)
+    assert len(full) == 3
+    resumed = run(tmp_path / "b", 3, resume=str(tmp_path / "a" / "checkpoint-8"))
+    assert resumed[-1] == pytest.approx(full[-1], abs=1e-6)

@@ -81,3 +81,19 @@ def test_a_parameter_missing_from_the_checkpoint_is_named(tmp_path):
         deeper = transformers.LlamaForCausalLM(other)
     with pytest.raises(KeyError, match="model.layers.2"):
         plait.initialize(deeper, ds_config(2), weights=str(tmp_path))
+
+
+def test_a_frozen_parameter_is_read_and_a_shape_mismatch_named(tmp_path):
+    save_checkpoint(tmp_path)
+    with meta_parameters():
+        model = transformers.LlamaForCausalLM(CONFIG)
+    model.model.embed_tokens.weight.requires_grad_(False)   # frozen: no optimizer lays it out
+    engine = plait.initialize(model, ds_config(3), weights=str(tmp_path))
+    want = transformers.LlamaForCausalLM.from_pretrained(tmp_path).model.embed_tokens.weight
+    assert torch.equal(engine.module.model.embed_tokens.weight, want)
+    wider = transformers.LlamaConfig(**{**CONFIG.to_dict(), "intermediate_size": 96})
+    with meta_parameters():
+        other = transformers.LlamaForCausalLM(wider)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' is \(96, 32\) in the model but "
+                                         r"\(64, 32\) in the checkpoint"):
+        plait.initialize(other, ds_config(3), weights=str(tmp_path))

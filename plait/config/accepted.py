@@ -48,7 +48,6 @@ ACCEPTED_KEYS = MappingProxyType({
         "graph_harvesting": (ANY, None),       # CUDA-graph replay of DeepSpeed's kernels: speed only
         "zero_force_ds_cpu_optimizer": (ANY, None),
         "seq_parallel_communication_data_type": (ANY, None),   # read only with sequence_parallel_size > 1
-        "sequence_parallel_size": ((1,), None),
         "data_types": (ANY, None),             # checked in full by check_accepted
         "timers": (ANY, None),                 # DeepSpeed's throughput timer switches: reporting only
         "eigenvalue": (SECTION, "Hessian eigenvalues are not computed (they only feed quantize_training, "
@@ -62,13 +61,10 @@ ACCEPTED_KEYS = MappingProxyType({
     "optimizer": _table({"legacy_fusion": (ANY, None)}),
     "optimizer.params": _table({
         "torch_adam": (ANY, None), "fused": (ANY, None), "foreach": (ANY, None),   # kernel choice, same update
-        "amsgrad": ((False,), None), "eps_inside_sqrt": ((False,), None),
-        "max_grad_norm": ((0, 0.0), None),
     }),
     "zero_optimization": _table({
         "round_robin_gradients": (ANY, None),  # order of gradient partitions in offload copies
         "elastic_checkpoint": (ANY, None), "load_from_fp32_weights": (ANY, None),
-        "legacy_stage1": ((False,), None),
         "use_multi_rank_bucket_allreduce": (ANY, None), "memory_efficient_linear": (ANY, None),
         "log_trace_cache_warnings": (ANY, None), "pipeline_loading_checkpoint": (ANY, None),
         "override_module_apply": (ANY, None), "model_persistence_threshold": (ANY, None),
@@ -116,6 +112,8 @@ def check_accepted(section: str, key: str, value: object) -> bool:
     if entry is None:
         return False
     off, notice = entry
+    if isinstance(off, tuple) and notice is None and not _is_off(off, value):
+        return False   # on, and no notice says it is harmless: plait.config.unsupported decides
     if section == "" and key == "data_types":
         notice = _data_types_notice(value)
     if notice is not None and not _is_off(off, value):

@@ -134,8 +134,9 @@ def _read_section(data: Any, cls: type, section: str) -> dict:
 
 
 #: DeepSpeed's older zero_optimization spellings -> (section, key) they set (DeepSpeed translates them too)
-_LEGACY_OFFLOAD = {"cpu_offload": ("offload_optimizer", "device"), "cpu_offload_params": ("offload_param", "device"),
-                   "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")}
+_LEGACY_OFFLOAD = types.MappingProxyType({
+    "cpu_offload": ("offload_optimizer", "device"), "cpu_offload_param": ("offload_param", "device"),
+    "cpu_offload_params": ("offload_param", "device"), "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")})
 
 
 def _legacy_offload(data: dict) -> dict:

@@ -47,6 +47,7 @@ UNSUPPORTED_KEYS = MappingProxyType({
         "fp32_allreduce": ((False,), "use \"communication_data_type\": \"fp32\""),
         "dataloader_drop_last": ((False,), "build the DataLoader yourself"),
         "use_data_before_expert_parallelism": ((False,), "remove it (no mixture-of-experts support)"),
+        "sequence_parallel_size": ((1,), "Ulysses sequence parallelism is not implemented; remove it (or 1)"),
     }),
     "fp16": _table({
         "fp16_master_weights_and_grads": ((False,), "plait keeps fp32 master weights; remove it"),
@@ -55,7 +56,13 @@ UNSUPPORTED_KEYS = MappingProxyType({
         "bf16_master_weights_and_grads": ((False,), "plait keeps fp32 master weights and gradients; remove it"),
         "bf16_optimizer_states": ((False,), "plait keeps the optimizer states in fp32; remove it"),
     }),
+    "optimizer.params": _table({
+        "amsgrad": ((False,), "remove it (AMSGrad is not implemented)"),
+        "eps_inside_sqrt": ((False,), "remove it (eps is added outside the square root, as torch's Adam)"),
+        "max_grad_norm": ((0, 0.0), "use the top-level gradient_clipping"),
+    }),
     "zero_optimization": _table({
+        "legacy_stage1": ((False,), "remove it (plait has one stage-1 implementation)"),
         "zero_quantized_weights": ((False,), "remove it (ZeRO++ quantized weights are not implemented)"),
         "zero_quantized_nontrainable_weights": ((False,), "remove it"),
         "zero_quantized_gradients": ((False,), "remove it (ZeRO++ quantized gradients are not implemented)"),

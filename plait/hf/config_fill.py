@@ -19,7 +19,8 @@ The pairs (ds_config key <- TrainingArguments):
     fp16.enabled                     fp16 or fp16_full_eval
     bf16.enabled                     bf16 or bf16_full_eval
 
-A batch key the config does not give takes the argument's value (the Hugging Face test configs give none);
+A micro-batch or accumulation key the config does not give takes the argument's value, as accelerate
+does (the Hugging Face test configs give no batch key; the engine's are checked against the arguments);
 ``bf16=True`` (``fp16=True``) adds a ``bf16`` (``fp16``, with ``auto_cast``) section the config lacks, as
 accelerate's DeepSpeed plugin does.
 The ZeRO bucket sizes left "auto" are filled by plait from the model's hidden size (``plait.config.resolve``).
@@ -85,15 +86,14 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int) -> dict:
         config["bf16"] = {"enabled": True}
     if args.fp16 and "fp16" not in config:
         config["fp16"] = {"enabled": True, "auto_cast": True}
-    none_given = all(config.get(k) is None for k in ("train_batch_size", "train_micro_batch_size_per_gpu"))
     mismatches = []
     for path, value, arg, must_match in pairs:
         node, key = _node(config, path)
         if node is None:
             continue
-        if node.get(key) == "auto" or (node is config and key in ("train_micro_batch_size_per_gpu",
-                                                                   "gradient_accumulation_steps") and
-                                        none_given and key not in node):
+        # "auto", or a micro-batch / accumulation key the config leaves out (accelerate fills those too)
+        if node.get(key) == "auto" or (node is config and key not in node and
+                                       key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
             node[key] = value
         elif must_match and key in node and not _same(node[key], value):
             mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")

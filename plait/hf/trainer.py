@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import transformers
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
@@ -71,12 +71,16 @@ class Trainer(transformers.Trainer):
         self.engine = None
 
     # ---- the engine ---------------------------------------------------------------------------------------
-    def _build_engine(self, max_steps: int):
-        args = self.args
-        world = dist.get_world_size() if dist.is_initialized() else 1
+    def _dp(self) -> int:
+        """Data-parallel ranks: the processes over the config's tensor x pipeline size."""
         raw = self.args.ds_config()
-        tp = raw.get("tensor_parallel", {}).get("size", 1) * raw.get("pipeline", {}).get("size", 1)
-        config = fill_from_args(raw, args, dp=world // tp, max_steps=max_steps)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return world // (raw.get("tensor_parallel", {}).get("size", 1) * raw.get("pipeline", {}).get("size", 1))
+
+    def _build_engine(self, max_steps: int):
+        """Raises ConfigError: the engine's micro-batch or accumulation differs from the arguments'."""
+        args = self.args
+        config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps)
         optimizer = scheduler = None
         if not config.get("optimizer"):
             optimizer = self.create_optimizer()
@@ -89,20 +93,31 @@ class Trainer(transformers.Trainer):
         if dist.is_initialized():
             launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler)
+        got = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
+        if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
+            raise ConfigError(f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "
+                              f"TrainingArguments ask {args.per_device_train_batch_size} x "
+                              f"{args.gradient_accumulation_steps}; set the batch keys to \"auto\" or make them agree")
         self.model_wrapped = self.engine
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         return self.engine
 
-    def _train_loader(self, engine) -> tuple[DataLoader, object]:
+    def _train_loader(self, engine) -> tuple[DataLoader, DistributedSampler]:
+        """Micro-batches of this dp rank: a ``DistributedSampler`` (seeded with ``args.seed``, reshuffled by
+        ``set_epoch``, at any dp) over the dataset with transformers' unused columns removed."""
         args, data = self.args, self.train_dataset
-        mesh = engine.mesh
-        if mesh.dp > 1:
-            sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
+        collate = self.data_collator
+        if _is_datasets_dataset(data) and args.remove_unused_columns:
+            data = self._remove_unused_columns(data, description="training")
         else:
-            sampler = RandomSampler(data, generator=torch.Generator().manual_seed(args.seed))
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        mesh = engine.mesh
+        sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
+        workers = args.dataloader_num_workers
         loader = DataLoader(data, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                            collate_fn=self.data_collator, drop_last=args.dataloader_drop_last,
-                            num_workers=args.dataloader_num_workers)
+                            collate_fn=collate, drop_last=args.dataloader_drop_last, num_workers=workers,
+                            pin_memory=args.dataloader_pin_memory,
+                            persistent_workers=bool(args.dataloader_persistent_workers and workers))
         return loader, sampler
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -125,15 +140,12 @@ class Trainer(transformers.Trainer):
                     continue
                 if not self._micro_step(engine, inputs, i, len(loader), epoch, window):
                     continue
-                if self.control.should_log:
-                    self.log({"loss": window.drain(engine, self.state.global_step), "grad_norm": engine.grad_norm,
-                              "learning_rate": engine.get_lr()[0]})
-                self._evaluate_and_save(trial, ignore_keys_for_eval)
+                self._log_evaluate_save(engine, window, trial, ignore_keys_for_eval)
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
                     break
             engine.set_gradient_accumulation_boundary(None)
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-            self._evaluate_and_save(trial, ignore_keys_for_eval)
+            self._log_evaluate_save(engine, window, trial, ignore_keys_for_eval)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
         window.drain(engine, self.state.global_step)
@@ -142,11 +154,13 @@ class Trainer(transformers.Trainer):
         return TrainOutput(self.state.global_step, mean, {"train_loss": mean})
 
     def _plan(self, args) -> tuple[int, int, int]:
-        """(max_steps, epochs, optimizer steps per epoch) as transformers counts them."""
+        """(max_steps, epochs, optimizer steps per epoch) as transformers counts them, from the micro-batches
+        each dp rank's loader yields."""
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        micro_batches = math.ceil(len(self.train_dataset) / world / args.per_device_train_batch_size)
+        per_rank = math.ceil(len(self.train_dataset) / self._dp())   # DistributedSampler pads to equal parts
+        b = args.per_device_train_batch_size
+        micro_batches = per_rank // b if args.dataloader_drop_last else math.ceil(per_rank / b)
         updates_per_epoch = max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
         if args.max_steps > 0:
             return args.max_steps, math.ceil(args.max_steps / updates_per_epoch), updates_per_epoch
@@ -184,7 +198,12 @@ class Trainer(transformers.Trainer):
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         return last_of_step
 
-    def _evaluate_and_save(self, trial, ignore_keys_for_eval) -> None:
+    def _log_evaluate_save(self, engine, window: _LossWindow, trial, ignore_keys_for_eval) -> None:
+        """What the callbacks asked for at a step's or an epoch's end: log, evaluate, save."""
+        if self.control.should_log and self.state.global_step > window.logged_at:
+            self.log({"loss": window.drain(engine, self.state.global_step), "grad_norm": engine.grad_norm,
+                      "learning_rate": engine.get_lr()[0]})
+            self.control.should_log = False
         if self.control.should_evaluate:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
             self.control.should_evaluate = False
@@ -262,12 +281,20 @@ class _LossWindow:
 
     def drain(self, engine, step: int) -> float:
         """The mean step loss of the window ending at ``step`` (over dp ranks); the window restarts."""
-        summed = float(engine._dp_mean(self.sum))
+        summed = float(engine.dp_mean(self.sum))
         self.total += summed
         mean = summed / max(step - self.logged_at, 1)
         self.sum.zero_()
         self.logged_at = step
         return mean
+
+
+def _is_datasets_dataset(data) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(data, datasets.Dataset)
 
 
 def _steps(value: float, max_steps: int) -> int:

@@ -5,8 +5,10 @@ it; stages 0-2 hold it whole anyway), so a script may write to it (resize an emb
 head). The values live in the compute-dtype buffers (``Segment.full``); the optimizer steps the fp32
 master shards and copies them back after every step, so an edit that does not reach the masters is lost
 at the next step, and under stage 3 it is lost at once when the gathered copy is released. ``adopt_edits``
-makes dp rank ``r``'s values everyone's: a broadcast of each segment over dp, then each rank copies its own
-slice into its master shard and, under stage 3, into its local shard.
+makes dp rank ``r``'s values everyone's: a broadcast of each segment over dp, then each rank writes the
+elements of its own slice that differ from its master weights (rounded to the compute dtype) into the
+master shard, so unedited fp32 master weights keep their bits, and, under stage 3, the slice into its
+local shard.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def adopt_edits(opt, modifier_rank: int) -> None:
             if src is not None:
                 dist.broadcast(seg.full, src=src, group=opt.dp_group)
             own = seg.full[seg.lo:seg.lo + seg.shard_size]
-            master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size].copy_(own)
+            mine = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
+            edited = own != mine.to(own.dtype)   # elements the edit changed: the rest keep their fp32 bits
+            mine[edited] = own[edited].to(mine.dtype)
             if seg.local is not None:
                 seg.local.copy_(own)

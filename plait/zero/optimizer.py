@@ -473,16 +473,16 @@ class ZeroOptimizer:
 
         A ``module.to(device)`` on an already-placed model (accelerate's ``prepare_model``, run by the
         Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values; later steps then
-        update the flat buffers the model no longer reads. A copy replaces every parameter of a module, so
-        checking the first parameter of each segment finds it; DeepSpeed's stage 1/2 re-points its
-        parameters after every step for the same reason.
+        update the flat buffers the model no longer reads. Every parameter is checked (a pointer
+        comparison each); DeepSpeed's stage 1/2 re-points its parameters after every step for the same
+        reason.
         """
         for group in self.groups:
             for seg in group.segments:
-                if seg.full is None or seg.local is not None or not seg.slots:
+                if seg.full is None or seg.local is not None:
                     continue
-                first = seg.slots[0]
-                if first.param.data_ptr() != seg.full.data_ptr() + first.offset * seg.full.element_size():
+                base, size = seg.full.data_ptr(), seg.full.element_size()
+                if any(s.param.data_ptr() != base + s.offset * size for s in seg.slots):
                     seg.set_views(seg.full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -30,6 +30,9 @@ from torch import nn
 
 
 class WeightSource(Protocol):
+    """Where ``ZeroOptimizer`` reads parameter values from (a source may also offer ``shape(name)``, which
+    ``place_meta_parameters`` then checks against the model)."""
+
     def read(self, name: str, start: int, length: int) -> torch.Tensor:
         """Elements ``[start, start + length)`` of parameter ``name`` flattened, as a float32 ``[length]``."""
         ...
@@ -58,14 +61,25 @@ class SafetensorsWeights:
             raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
         self.elements_read = 0
 
-    def read(self, name: str, start: int, length: int) -> torch.Tensor:
-        from safetensors import safe_open
+    def _file(self, name: str) -> str:
         if name not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint {self.path} ({len(self.files)} tensors)")
-        with safe_open(self.files[name], "pt") as f:
+        return self.files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The checkpoint's shape of ``name``. Raises KeyError for a tensor it does not hold."""
+        from safetensors import safe_open
+        with safe_open(self._file(name), "pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str, start: int, length: int) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(self._file(name), "pt") as f:
             part = f.get_slice(name)
             shape = part.get_shape()
-            if len(shape) <= 1:
+            if len(shape) == 0:
+                flat = f.get_tensor(name).reshape(-1)[start:start + length]
+            elif len(shape) == 1:
                 flat = part[start:start + length]
             else:
                 row = math.prod(shape[1:])
@@ -96,17 +110,27 @@ def meta_parameters():
         nn.Module.register_parameter = original
 
 
-def place_meta_parameters(module: nn.Module, device: torch.device) -> int:
-    """Replace each meta parameter of ``module`` by a placeholder on ``device``: same shape, dtype,
-    ``requires_grad`` and attributes, one element of storage (all strides 0), shared where the meta one
-    was shared (tied weights). Buffers move to ``device``. Returns how many parameters were placed."""
+def place_meta_parameters(module: nn.Module, device: torch.device, source: WeightSource) -> int:
+    """Replace each meta parameter of ``module`` on ``device``: a trainable one by a placeholder (same shape,
+    dtype, ``requires_grad`` and attributes, one element of storage, all strides 0) that ``ZeroOptimizer``
+    fills from ``source``; a frozen one (which no optimizer lays out) by its values read whole from
+    ``source``. Sharing is kept (tied weights); buffers move to ``device``. Returns how many were placed.
+
+    Raises:
+        ValueError: the checkpoint holds a parameter in another shape (both named).
+    """
     placed: dict[int, nn.Parameter] = {}
-    for sub in module.modules():
+    for prefix, sub in module.named_modules():
         for name, p in list(sub._parameters.items()):
             if p is None or p.device.type != "meta":
                 continue
             if id(p) not in placed:
-                data = torch.empty_strided(p.shape, [0] * p.dim(), dtype=p.dtype, device=device)
+                full = f"{prefix}.{name}" if prefix else name
+                _check_shape(source, full, p.shape)
+                if p.requires_grad:
+                    data = torch.empty_strided(p.shape, [0] * p.dim(), dtype=p.dtype, device=device)
+                else:
+                    data = source.read(full, 0, p.numel()).to(device, p.dtype).reshape(p.shape)
                 new = nn.Parameter(data, requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)
                 placed[id(p)] = new
@@ -117,13 +141,22 @@ def place_meta_parameters(module: nn.Module, device: torch.device) -> int:
     return len(placed)
 
 
+def _check_shape(source, name: str, shape: torch.Size) -> None:
+    want = getattr(source, "shape", None)
+    if want is not None and tuple(want(name)) != tuple(shape):
+        raise ValueError(f"parameter {name!r} is {tuple(shape)} in the model but {tuple(want(name))} in the "
+                         f"checkpoint; build the model with the checkpoint's config")
+
+
 def prepare_weights(model: nn.Module, weights, device: torch.device):
     """``plait.initialize``'s ``weights=``: None for a model whose parameters hold values; for a model built
     under ``meta_parameters`` its placeholders are placed on ``device`` and the ``WeightSource`` returned
     (a checkpoint folder path becomes ``SafetensorsWeights``).
 
     Raises:
-        ValueError: meta parameters without ``weights``, or ``weights`` for a model without meta parameters.
+        ValueError: meta parameters without ``weights``, ``weights`` for a model without meta parameters,
+            or a checkpoint tensor of another shape.
+        KeyError: a parameter the checkpoint does not hold.
     """
     meta = any(p.device.type == "meta" for p in model.parameters())
     if weights is None:
@@ -134,5 +167,6 @@ def prepare_weights(model: nn.Module, weights, device: torch.device):
     if not meta:
         raise ValueError("weights= fills a model built under plait.zero.meta_parameters() (parameters on the meta "
                          "device); this model's parameters hold values already: drop weights=")
-    place_meta_parameters(model, device)
-    return SafetensorsWeights(weights) if isinstance(weights, (str, os.PathLike)) else weights
+    source = SafetensorsWeights(weights) if isinstance(weights, (str, os.PathLike)) else weights
+    place_meta_parameters(model, device, source)
+    return source
