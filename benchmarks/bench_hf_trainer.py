@@ -17,6 +17,11 @@ torchrun, one process):
 * ``fsdp2``: transformers' Trainer with ``fsdp="full_shard auto_wrap"``, FSDP2 (``fsdp_config: version 2``)
   wrapping each ``LlamaDecoderLayer``, micro-batch 4.
 
+``--largest 3b,5b,7b``: instead, the largest Llama each framework's Trainer fine-tunes with ZeRO-3 +
+offload_param + offload_optimizer (the Hugging Face test suite's ZeRO-3 config), micro-batch 1: sizes in
+order, a framework stopping at its first failure; a size whose host footprint would pass 90% of
+MemAvailable is skipped, not tried.
+
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
 step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
 last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table.
@@ -41,7 +46,20 @@ if SMOKE:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: --largest sizes: (hidden, layers, heads, kv heads, ffn), Llama-style (benchmarks/bench_offload.py's)
+SIZES = {"1b": (2048, 22, 32, 4, 5632), "3b": (3200, 26, 32, 8, 8640), "5b": (4096, 24, 32, 8, 11008),
+         "7b": (4096, 32, 32, 32, 11008)}
+#: host bytes per parameter under ZeRO-3 + full offload (fp32 master 4, Adam moments 8, gradient partition
+#: 2 (plait, bf16) or 4 (DeepSpeed), bf16 shard 2) plus the fp32 model the script builds on the host first
+HOST_BYTES = {"plait": 16.0 + 4.0, "ds": 18.0 + 4.0}
+if SMOKE:
+    SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
+
+
 def ds_config(arm: str) -> dict:
+    if "z3-offload" in arm:
+        with open(os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")) as f:
+            return json.load(f)
     if arm.endswith("z2-offload"):
         with open(os.path.join(ROOT, "examples", "configs", "zero2_offload_hf.json")) as f:
             return json.load(f)
@@ -63,12 +81,18 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
         from transformers import Trainer, TrainingArguments
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+    shape, micro = dict(SHAPE), MICRO
+    if "z3-offload-" in arm:   # --largest: micro-batch 1 at a named size
+        h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
+        shape.update(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
+                     intermediate_size=ffn)
+        micro = 1
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
     n_params = sum(p.numel() for p in model.parameters())
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
-            return MICRO * (steps + warmup) * 4
+            return micro * (steps + warmup) * 4
 
         def __getitem__(self, i):
             ids = torch.randint(0, SHAPE["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(i))
@@ -93,7 +117,7 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
                      fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                   "reshard_after_forward": True})
     out_dir = tempfile.mkdtemp(prefix=f"bench_{arm}_")
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=1,
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
                              learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
                              max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
                              lr_scheduler_type="constant", warmup_steps=1, dataloader_num_workers=2,
@@ -104,7 +128,7 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
     total = time.perf_counter() - t0
     dt = marks[warmup + steps] - marks[warmup]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"arm": arm, "params": n_params, "tokens_per_s": MICRO * SEQ * steps / dt, "step_s": dt / steps,
+    return {"arm": arm, "params": n_params, "tokens_per_s": micro * SEQ * steps / dt, "step_s": dt / steps,
             "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
             "loss": losses[-1] if losses else None, "train_s": total,
             "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -117,13 +141,31 @@ def main() -> None:
     cli.add_argument("--steps", type=int, default=8)
     cli.add_argument("--warmup", type=int, default=3)
     cli.add_argument("--out", default=None)
+    cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
     opt = cli.parse_args()
     if opt.arm:
         print("RESULT " + json.dumps(run_arm(opt.arm, opt.steps, opt.warmup)), flush=True)
         return
     rows = []
-    for arm in opt.arms.split(","):
+    arms = opt.arms.split(",")
+    if opt.largest:
+        arms = [f"{fw}-z3-offload-{size}" for fw in ("plait", "ds") for size in opt.largest.split(",")]
+    failed = set()
+    for arm in arms:
+        fw = arm.split("-")[0]
+        if opt.largest and fw in failed:
+            continue
+        if opt.largest:
+            h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
+            params = n * (2 * h * h * (1 + kv / heads) + 3 * h * ffn) + 2 * 32000 * h
+            need, have = params * HOST_BYTES[fw] / 2**30, _mem_available_gib()
+            if need > 0.9 * have:
+                row = {"arm": arm, "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available"}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                failed.add(fw)
+                continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
                "--arm", arm, "--steps", str(opt.steps), "--warmup", str(opt.warmup)]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -131,15 +173,26 @@ def main() -> None:
         row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": (done.stderr or done.stdout)[-1500:]}
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if "error" in row:
+            failed.add(fw)
         if opt.out:
             with open(opt.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    print("\n| arm | tokens/s | step s | peak GPU GiB | last loss |\n|---|---|---|---|---|")
+    print("\n| arm | parameters | tokens/s | step s | peak GPU GiB | last loss |\n|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['arm']} | failed | | | |")
+            print(f"| {r['arm']} | | failed: {r['error'][-160:]!r} | | | |")
         else:
-            print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
+            print(f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
+                  f"{r['peak_gib']:.2f} | {r['loss']:.4f} |")
+
+
+def _mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 if __name__ == "__main__":
