@@ -170,7 +170,9 @@ def main() -> None:
                "--arm", arm, "--steps", str(opt.steps), "--warmup", str(opt.warmup)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-        row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": (done.stderr or done.stdout)[-1500:]}
+        causes = [x for x in (done.stderr or "").splitlines() if "Error" in x and "ChildFailedError" not in x]
+        why = "\n".join(causes[-3:]) or (done.stderr or done.stdout)[-1500:]   # the child's own error, not torchrun's
+        row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": why, "returncode": done.returncode}
         print(json.dumps(row), flush=True)
         rows.append(row)
         if "error" in row:
