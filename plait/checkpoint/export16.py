@@ -23,29 +23,45 @@ def save_16bit(engine, save_dir, save_filename: str = "pytorch_model.bin",
     ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is false; True otherwise.
 
     Raises:
+        ValueError: tensor or pipeline parallelism (see ``gathered_state_dict``).
+    """
+    path = os.path.join(os.fspath(save_dir), save_filename)
+    state = gathered_state_dict(engine, path, exclude_frozen_parameters)
+    if state is False:
+        return False
+    if state is not None:
+        os.makedirs(os.fspath(save_dir), exist_ok=True)
+        _write(state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def gathered_state_dict(engine, target: str, exclude_frozen_parameters: bool = False):
+    """The whole model's state dict in its compute dtype (CPU copies) on global rank 0, None on the other
+    ranks, or False on every rank when ZeRO-3 may not gather at save (``stage3_gather_16bit_weights_on_
+    model_save`` false; logged, naming ``target``). Collective. Used by ``save_16bit_model`` and
+    ``plait.hf.Trainer.save_model``.
+
+    Raises:
         ValueError: tensor or pipeline parallelism (each rank holds part of every layer or only some
             layers): save with ``save_checkpoint`` and consolidate with ``plait convert``.
     """
     if engine.mesh.tp > 1 or engine.mesh.pp > 1:
-        raise ValueError(f"save_16bit_model writes one file from whole layers, but tp={engine.mesh.tp}, "
-                         f"pp={engine.mesh.pp}; use engine.save_checkpoint and `plait convert` to consolidate")
+        raise ValueError(f"a consolidated model needs whole layers, but tp={engine.mesh.tp}, pp={engine.mesh.pp}; "
+                         "use engine.save_checkpoint and `plait convert` to consolidate")
     z = engine.config.zero_optimization
-    path = os.path.join(os.fspath(save_dir), save_filename)
     if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:
         log.warning("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false "
-                    "(set it true to gather the ZeRO-3 shards at save)", path)
+                    "(set it true to gather the ZeRO-3 shards at save)", target)
         return False
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = None
     with engine.optimizer.gathered_parameters():
-        if rank == 0:
+        if engine.global_rank == 0:
             frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-            state = {k: v.detach() for k, v in engine.module.state_dict().items()
+            state = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()
                      if not (exclude_frozen_parameters and k in frozen)}
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            _write(state, path)
-    if dist.is_initialized():
-        dist.barrier()
-    return True
+    return state
 
 
 def _write(state: dict, path: str) -> None:
@@ -58,8 +74,8 @@ def _write(state: dict, path: str) -> None:
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
             if key not in seen:
                 seen.add(key)
-                unique[k] = v.to("cpu", copy=True).contiguous()
+                unique[k] = v.contiguous()
         save_file(unique, tmp, metadata={"format": "pt"})
     else:
-        torch.save({k: v.to("cpu", copy=True) for k, v in state.items()}, tmp)
+        torch.save(state, tmp)
     os.replace(tmp, path)

@@ -45,6 +45,7 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 import plait
+from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
 from plait.hf.config_fill import fill_from_args
 from plait.parallel import launch
@@ -245,16 +246,10 @@ class Trainer(transformers.Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        z = self.engine.config.zero_optimization
-        if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:
-            log.warning("save_model: no weights written under ZeRO-3 without "
-                        "zero_optimization.stage3_gather_16bit_weights_on_model_save (as DeepSpeed); the engine "
-                        "checkpoint holds them (plait convert consolidates it)")
+        state = gathered_state_dict(self.engine, output_dir)
+        if state is False:
             return
-        with self.engine.gathered_parameters():
-            state = {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()} \
-                if self._is_rank0() else None
-        if self._is_rank0():
+        if state is not None:
             os.makedirs(output_dir, exist_ok=True)
             self.engine.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
             if self.processing_class is not None:
