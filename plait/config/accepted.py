@@ -25,12 +25,20 @@ _COMPILE = "plait does not compile the model for you: call torch.compile on mode
 _NVME = "an NVMe-offload setting; plait offloads to CPU memory only"
 
 
+def _data_types_notice(value) -> str | None:
+    accum = value.get("grad_accum_dtype") if isinstance(value, dict) else None
+    if accum is None or str(accum).lower() in ("fp32", "float32", "torch.float32"):
+        return None
+    return (f"plait accumulates gradients in fp32, not {accum} (each micro-batch's gradient is added without "
+            "rounding; DeepSpeed's 16-bit accumulator rounds the sum, so losses differ at that rounding)")
+
+
 def _table(entries: dict) -> MappingProxyType:
     return MappingProxyType(dict(entries))
 
 
 #: section path ("" = top level) -> key -> (off values, SECTION, ANY or a predicate of the value; the
-#: notice when on, or None)
+#: notice when on: a text, a function of the value giving a text or None, or None)
 ACCEPTED_KEYS = MappingProxyType({
     "": _table({
         "flops_profiler": (SECTION, "no FLOPs profile is printed; profile with torch.profiler"),
@@ -48,7 +56,7 @@ ACCEPTED_KEYS = MappingProxyType({
         "graph_harvesting": (ANY, None),       # CUDA-graph replay of DeepSpeed's kernels: speed only
         "zero_force_ds_cpu_optimizer": (ANY, None),
         "seq_parallel_communication_data_type": (ANY, None),   # read only with sequence_parallel_size > 1
-        "data_types": (ANY, None),             # checked in full by check_accepted
+        "data_types": (ANY, _data_types_notice),
         "timers": (ANY, None),                 # DeepSpeed's throughput timer switches: reporting only
         "eigenvalue": (SECTION, "Hessian eigenvalues are not computed (they only feed quantize_training, "
                                 "which is refused)"),
@@ -106,28 +114,20 @@ def _is_off(off, value) -> bool:
 
 def check_accepted(section: str, key: str, value: object) -> bool:
     """True when ``key`` in ``section`` is read and dropped (logging its notice once when it is on and has
-    one); False when the key is not in the table. ``data_types`` is checked here in full: a gradient
-    accumulator other than fp32 is accepted with a notice (plait accumulates in fp32)."""
+    one); False when the key is not in the table, or is on with no notice (``plait.config.unsupported``
+    then refuses it)."""
     entry = ACCEPTED_KEYS.get(section, {}).get(key)
     if entry is None:
         return False
     off, notice = entry
     if isinstance(off, tuple) and notice is None and not _is_off(off, value):
         return False   # on, and no notice says it is harmless: plait.config.unsupported decides
-    if section == "" and key == "data_types":
-        notice = _data_types_notice(value)
+    if callable(notice):
+        notice = notice(value)
     if notice is not None and not _is_off(off, value):
         where = f"{section}.{key}" if section else key
         log.warning("config: %s = %s is accepted: %s", where, _short(value), notice)
     return True
-
-
-def _data_types_notice(value) -> str | None:
-    accum = value.get("grad_accum_dtype") if isinstance(value, dict) else None
-    if accum is None or str(accum).lower() in ("fp32", "float32", "torch.float32"):
-        return None
-    return (f"plait accumulates gradients in fp32, not {accum} (each micro-batch's gradient is added without "
-            "rounding; DeepSpeed's 16-bit accumulator rounds the sum, so losses differ at that rounding)")
 
 
 def _short(value) -> str:
