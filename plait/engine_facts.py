@@ -7,10 +7,10 @@ skipped ones; the learning-rate schedule advances only on applied steps.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+
+from plait.parallel.launch import launch_info
 
 
 class EngineFacts:
@@ -42,8 +42,8 @@ class EngineFacts:
 
     @property
     def local_rank(self) -> int:
-        """This process's index on its node (``LOCAL_RANK`` from the launcher; 0 without one)."""
-        return int(os.environ.get("LOCAL_RANK", 0))
+        """This process's index on its node (torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``; 0 without)."""
+        return launch_info().local_rank
 
     @property
     def global_rank(self) -> int:

@@ -7,12 +7,12 @@ from torch.distributed import (ReduceOp, all_gather, all_reduce, barrier, broadc
                                get_world_size, is_initialized, new_group, reduce_scatter)
 
 from plait.deepspeed.entry import init_distributed  # noqa: F401
+from plait.parallel.launch import launch_info
 
 
 def get_local_rank() -> int:
-    """This process's index on its node (the launcher's ``LOCAL_RANK``; 0 without one)."""
-    import os
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """This process's index on its node (torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``; 0 without)."""
+    return launch_info().local_rank
 
 
 def is_available() -> bool:
