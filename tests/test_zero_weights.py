@@ -60,7 +60,8 @@ def test_a_model_built_without_weights_trains_as_the_loaded_one(stage, tmp_path)
             assert read < 0.55 * total
         else:
             assert read == total
-    assert sum(r[2] for r in results) < 1.1 * total if stage == 3 else True
+    if stage == 3:       # together the two ranks read each sharded element once
+        assert sum(r[2] for r in results) < 1.1 * total
 
 
 def test_meta_parameters_need_weights_and_weights_need_meta_parameters(tmp_path):
