@@ -44,14 +44,13 @@ if SMOKE:
     SHAPE.update(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offload import HOST_BYTES_PER_PARAM, SIZES, mem_available_gib  # noqa: E402
 
 
-#: --largest sizes: (hidden, layers, heads, kv heads, ffn), Llama-style (benchmarks/bench_offload.py's)
-SIZES = {"1b": (2048, 22, 32, 4, 5632), "3b": (3200, 26, 32, 8, 8640), "5b": (4096, 24, 32, 8, 11008),
-         "7b": (4096, 32, 32, 32, 11008)}
-#: host bytes per parameter under ZeRO-3 + full offload (fp32 master 4, Adam moments 8, gradient partition
-#: 2 (plait, bf16) or 4 (DeepSpeed), bf16 shard 2) plus the fp32 model the script builds on the host first
-HOST_BYTES = {"plait": 16.0 + 4.0, "ds": 18.0 + 4.0}
+# --largest: bench_offload's Llama sizes and host bytes per parameter under ZeRO-3 + full offload, plus the
+# fp32 model this script builds on the host first (4 bytes/parameter)
+HOST_BYTES = {fw: b + 4.0 for fw, b in HOST_BYTES_PER_PARAM.items()}
 if SMOKE:
     SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
 
@@ -159,7 +158,7 @@ def main() -> None:
         if opt.largest:
             h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
             params = n * (2 * h * h * (1 + kv / heads) + 3 * h * ffn) + 2 * 32000 * h
-            need, have = params * HOST_BYTES[fw] / 2**30, _mem_available_gib()
+            need, have = params * HOST_BYTES[fw] / 2**30, mem_available_gib()
             if need > 0.9 * have:
                 row = {"arm": arm, "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available"}
                 print(json.dumps(row), flush=True)
@@ -187,14 +186,6 @@ def main() -> None:
         else:
             print(f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
                   f"{r['peak_gib']:.2f} | {r['loss']:.4f} |")
-
-
-def _mem_available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
 
 
 if __name__ == "__main__":
