@@ -273,20 +273,18 @@ class ZeroOptimizer:
         slices = []
         for seg in group.segments:
             sharded = self.stage == 3 and not group.key.persistent
+            for slot in seg.slots:
+                slot.param.grad = None
             if weights is not None and sharded:
                 shard32 = _read_shard(seg, weights, self.device)
                 slices.append(shard32.to(self._master_device, copy=True))
                 own = shard32.to(group.key.dtype)
-                for slot in seg.slots:
-                    slot.param.grad = None
             else:
                 get = (lambda s: s.param.detach()) if weights is None else \
                     (lambda s: weights.read(s.name, 0, s.numel).to(self.device))
                 full32 = seg.pack(get, torch.float32, device=self.device)
                 slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(self._master_device, copy=True))
                 full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
-                for slot in seg.slots:
-                    slot.param.grad = None
                 own = full[seg.lo:seg.lo + seg.shard_size]
             if sharded:
                 off = self.offload_options
