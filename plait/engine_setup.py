@@ -111,13 +111,39 @@ def loss_of(output) -> torch.Tensor:
 
 
 def stage3_units(module: nn.Module):
-    """plait models (and pipeline chunks) gather ZeRO-3 parameters per layer (embedding, each block,
-    head); other modules use ZeRO's default units."""
+    """The modules ZeRO-3 gathers as one unit each, or None for ZeRO's default (every module with
+    parameters of its own).
+
+    * plait models (and pipeline chunks): the embedding, each block and the head (their ``layers``);
+    * Hugging Face models: every module whose class is named in the model's ``_no_split_modules`` (the
+      decoder layers, as FSDP's default ``transformer_layer_cls_to_wrap``), and outside them each module with
+      parameters of its own (embeddings, final norm, output head);
+    * anything else: None.
+    """
     chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
     units = []
     for chunk in chunks:
         layers = getattr(chunk, "layers", None)
         if not (isinstance(layers, nn.ModuleDict) and hasattr(chunk, "config")):
-            return None
+            return _hf_units(module)
         units.extend(layers.values())
     return units
+
+
+def _hf_units(module: nn.Module):
+    blocks = set(getattr(module, "_no_split_modules", None) or ())
+    if not blocks:
+        return None
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if type(m).__name__ in blocks:
+            units.append(m)
+            return
+        if any(True for _ in m.parameters(recurse=False)):
+            units.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return units if any(type(m).__name__ in blocks for m in units) else None

@@ -21,8 +21,10 @@ updated slices all-gathered after the step (the traffic of one all-reduce, with 
 state still sharded).
 
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
-all-gather the next units asynchronously, up to ``prefetch_bucket_size`` elements ahead. A pass
-that departs from the recorded order simply stops prefetching.
+all-gather the next units' segments asynchronously while fewer than ``prefetch_bucket_size`` elements are
+taken (as DeepSpeed's ``stage3_prefetch_bucket_size``: the segment that crosses the bound is still taken, so
+a segment larger than the bucket is prefetched alone). A pass that departs from the recorded order simply
+stops prefetching.
 
 Limits (documented, not detected): a parameter used by code outside the forward of every unit
 holding it (``F.linear(x, self.embed.weight)`` in the root's forward when ``embed`` is its own
@@ -226,17 +228,15 @@ class ParamGatherer:
         budget, take, seen = self.prefetch_bucket_size, [], set()
         for index in upcoming:
             for seg in self.units[index].segments:
+                if budget <= 0:
+                    break
                 if id(seg) in seen:
                     continue
                 seen.add(id(seg))
                 budget -= seg.padded
-                if budget < 0:
-                    break
                 if seg.full is None and id(seg) not in self.in_flight and \
                         (self.gate is None or self.gate.consumed(seg)):
                     take.append(seg)
-            if budget < 0:
-                break
         self._fetch(take, async_op=True)
 
     def _free_unheld(self) -> None:
