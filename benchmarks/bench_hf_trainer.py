@@ -20,7 +20,11 @@ torchrun, one process):
 ``--largest 3b,5b,7b``: instead, the largest Llama each framework's Trainer fine-tunes with ZeRO-3 +
 offload_param + offload_optimizer (the Hugging Face test suite's ZeRO-3 config), micro-batch 1: sizes in
 order, a framework stopping at its first failure; a size whose host footprint would pass 90% of
-MemAvailable is skipped, not tried.
+MemAvailable is skipped, not tried. Fine-tuning starts from a checkpoint: the parent writes one per size
+(random bf16 weights, safetensors shards of at most 2 GB, written tensor by tensor) and each framework
+loads it its own way under ZeRO-3: DeepSpeed through ``LlamaForCausalLM.from_pretrained`` after the
+``TrainingArguments`` (``zero.Init``), plait through ``plait.hf.from_pretrained`` (meta construction, each
+rank reading its shards).
 
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
 step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
@@ -48,9 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offload import HOST_BYTES_PER_PARAM, SIZES, mem_available_gib  # noqa: E402
 
 
-# --largest: bench_offload's Llama sizes and host bytes per parameter under ZeRO-3 + full offload, plus the
-# fp32 model this script builds on the host first (4 bytes/parameter)
-HOST_BYTES = {fw: b + 4.0 for fw, b in HOST_BYTES_PER_PARAM.items()}
+# --largest: bench_offload's Llama sizes and host bytes per parameter under ZeRO-3 + full offload
+HOST_BYTES = HOST_BYTES_PER_PARAM
 if SMOKE:
     SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
 
@@ -71,7 +74,51 @@ def ds_config(arm: str) -> dict:
                                   "stage3_param_persistence_threshold": "auto"}}
 
 
-def run_arm(arm: str, steps: int, warmup: int) -> dict:
+def llama_shape(size: str) -> dict:
+    """The LlamaConfig fields of bench_offload's size ``size``."""
+    h, n, heads, kv, ffn = SIZES[size]
+    shape = dict(SHAPE)
+    shape.update(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
+                 intermediate_size=ffn)
+    return shape
+
+
+def write_checkpoint(folder: str, size: str) -> None:
+    """A Hugging Face Llama checkpoint of ``size`` with random bf16 weights (std 0.02, norms 1), written
+    tensor by tensor into safetensors shards of at most 2 GB with their index: the host never holds more
+    than one shard."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from plait.zero import meta_parameters
+    config = transformers.LlamaConfig(**llama_shape(size), torch_dtype="bfloat16")
+    with meta_parameters():
+        names = [(n, p.shape) for n, p in transformers.LlamaForCausalLM(config).named_parameters()]
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(0)
+    shard, shard_bytes, weight_map, files = {}, 0, {}, []
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+
+    for n, shape in names:
+        t = torch.ones(shape) if "norm" in n else torch.randn(shape, generator=gen, device=dev).mul_(0.02)
+        if shard and shard_bytes + t.numel() * 2 > 2 * 2**30:
+            flush()
+            shard, shard_bytes = {}, 0
+        shard[n] = t.to(torch.bfloat16).cpu()
+        shard_bytes += t.numel() * 2
+    flush()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) -> dict:
     import torch
     import transformers
     if arm.startswith("plait"):
@@ -82,12 +129,12 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     shape, micro = dict(SHAPE), MICRO
     if "z3-offload-" in arm:   # --largest: micro-batch 1 at a named size
-        h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
-        shape.update(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
-                     intermediate_size=ffn)
         micro = 1
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-    n_params = sum(p.numel() for p in model.parameters())
+    if "z3-offload-" in arm and arm.startswith("plait"):
+        from plait.hf import from_pretrained
+        model = from_pretrained(transformers.LlamaForCausalLM, checkpoint)
+    elif "z3-offload-" not in arm:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
@@ -121,6 +168,9 @@ def run_arm(arm: str, steps: int, warmup: int) -> dict:
                              max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
                              lr_scheduler_type="constant", warmup_steps=1, dataloader_num_workers=2,
                              use_cpu=SMOKE, bf16=not SMOKE, **extra)
+    if "z3-offload-" in arm and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ds_numel: under zero.Init
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
     t0 = time.perf_counter()
     trainer.train()
@@ -142,9 +192,10 @@ def main() -> None:
     cli.add_argument("--out", default=None)
     cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
+    cli.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opt = cli.parse_args()
     if opt.arm:
-        print("RESULT " + json.dumps(run_arm(opt.arm, opt.steps, opt.warmup)), flush=True)
+        print("RESULT " + json.dumps(run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint)), flush=True)
         return
     rows = []
     arms = opt.arms.split(",")
@@ -167,6 +218,12 @@ def main() -> None:
                 continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
                "--arm", arm, "--steps", str(opt.steps), "--warmup", str(opt.warmup)]
+        if opt.largest:
+            size = arm.rsplit("-", 1)[1]
+            folder = os.path.join(tempfile.gettempdir(), f"bench_llama_{size}")
+            if not os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
+                write_checkpoint(folder, size)
+            cmd += ["--checkpoint", folder]
         done = subprocess.run(cmd, capture_output=True, text=True)
         found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         causes = [x for x in (done.stderr or "").splitlines() if "Error" in x and "ChildFailedError" not in x]

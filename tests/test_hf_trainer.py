@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from plait.config import ConfigError
@@ -119,3 +120,40 @@ def test_an_epoch_logged_at_its_end_and_a_resumed_epoch_keeps_its_order(tmp_path
     assert len(full) == 3
     resumed = run(tmp_path / "b", 3, resume=str(tmp_path / "a" / "checkpoint-8"))
     assert resumed[-1] == pytest.approx(full[-1], abs=1e-6)
+
+
+@pytest.mark.parametrize("optimizer_section", [True, False], ids=["config-optimizer", "trainer-optimizer"])
+def test_a_model_from_plait_from_pretrained_trains_as_the_loaded_one(optimizer_section, tmp_path):
+    """``plait.hf.from_pretrained`` builds the model on the meta device and the engine reads its weights from
+    the checkpoint (ZeRO-3): the losses equal those of ``LlamaForCausalLM.from_pretrained`` to float32's last
+    bit (the same values reach the same flat buffers). Without an optimizer section the Trainer's own AdamW
+    is built on the meta parameters, which must stay the parameters the engine trains."""
+    from plait.hf import from_pretrained
+    tiny_llama().save_pretrained(tmp_path / "ckpt")
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if optimizer_section:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    data = [{"input_ids": [i % 64, (5 * i) % 64, 7, 9], "labels": [i % 64, (5 * i) % 64, 7, 9]} for i in range(16)]
+
+    def run(model, out):
+        args = TrainingArguments(output_dir=str(tmp_path / out), deepspeed=config, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, weight_decay=0.1, max_steps=4, report_to=[], use_cpu=True,
+                                 save_strategy="no", logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    empty = from_pretrained(transformers.LlamaForCausalLM, tmp_path / "ckpt")
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    loaded = run(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt"), "loaded")
+    assert run(empty, "empty") == pytest.approx(loaded, abs=1e-6, rel=0)
+    assert loaded[0] != pytest.approx(loaded[-1], abs=1e-3)   # the steps train
+
+
+def test_from_pretrained_needs_safetensors(tmp_path):
+    from plait.hf import from_pretrained
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="no .safetensors weights"):
+        from_pretrained(transformers.LlamaForCausalLM, tmp_path / "bin")

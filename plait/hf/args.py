@@ -34,6 +34,12 @@ class TrainingArguments(transformers.TrainingArguments):
             self.plait, self.deepspeed = self.deepspeed, None
         super().__post_init__()
 
+    @property
+    def place_model_on_device(self) -> bool:
+        """False: plait's engine places the model itself (a ZeRO-3 model built on the meta device by
+        ``plait.hf.from_pretrained`` cannot be moved), as transformers does under DeepSpeed."""
+        return False
+
     def ds_config(self) -> dict:
         """The ds_config as a dict (read from its file when given as a path).
 

@@ -25,6 +25,8 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
 * ``save_model(dir)``: the whole model in its training dtype, written by rank 0 with the model's
   ``save_pretrained`` (``from_pretrained`` loads it), the processing class beside it. Under ZeRO-3 it
   needs ``stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed); otherwise it logs and writes none.
+* A model from ``plait.hf.from_pretrained`` (parameters on the meta device) gets its weights from its
+  checkpoint folder, each rank reading only its ZeRO-3 shards.
 * Tensor and pipeline parallelism need plait's own layers (``plait.layers``); this Trainer trains
   Hugging Face models with ZeRO data parallelism (stages 0-3, offload), which is what ds_configs
   written for the Trainer ask for.
@@ -48,6 +50,7 @@ import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
 from plait.hf.config_fill import fill_from_args
+from plait.hf.loading import is_meta
 from plait.parallel import launch
 
 log = logging.getLogger("plait")
@@ -93,7 +96,9 @@ class Trainer(transformers.Trainer):
                                                   scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
         if dist.is_initialized():
             launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
-        self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler)
+        weights = self.model.config.name_or_path if is_meta(self.model) else None   # plait.hf.from_pretrained
+        self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
+                                       weights=weights)
         got = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
         if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
             raise ConfigError(f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "

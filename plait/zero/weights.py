@@ -111,34 +111,34 @@ def meta_parameters():
 
 
 def place_meta_parameters(module: nn.Module, device: torch.device, source: WeightSource) -> int:
-    """Replace each meta parameter of ``module`` on ``device``: a trainable one by a placeholder (same shape,
-    dtype, ``requires_grad`` and attributes, one element of storage, all strides 0) that ``ZeroOptimizer``
-    fills from ``source``; a frozen one (which no optimizer lays out) by its values read whole from
-    ``source``. Sharing is kept (tied weights); buffers move to ``device``. Returns how many were placed.
+    """Place each meta parameter of ``module`` on ``device``, in place (``torch.utils.swap_tensors``: the same
+    ``Parameter`` object, so an optimizer or a tie built on the meta model still holds it): a trainable one
+    as a placeholder (same shape, dtype, ``requires_grad`` and attributes, one element of storage, all
+    strides 0) that ``ZeroOptimizer`` fills from ``source``; a frozen one (which no optimizer lays out) with
+    its values read whole from ``source``. Buffers move to ``device``. Returns how many were placed.
 
     Raises:
         ValueError: the checkpoint holds a parameter in another shape (both named).
     """
-    placed: dict[int, nn.Parameter] = {}
+    placed = 0
     for prefix, sub in module.named_modules():
         for name, p in list(sub._parameters.items()):
             if p is None or p.device.type != "meta":
                 continue
-            if id(p) not in placed:
-                full = f"{prefix}.{name}" if prefix else name
-                _check_shape(source, full, p.shape)
-                if p.requires_grad:
-                    data = torch.empty_strided(p.shape, [0] * p.dim(), dtype=p.dtype, device=device)
-                else:
-                    data = source.read(full, 0, p.numel()).to(device, p.dtype).reshape(p.shape)
-                new = nn.Parameter(data, requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)
-                placed[id(p)] = new
-            sub._parameters[name] = placed[id(p)]
+            full = f"{prefix}.{name}" if prefix else name
+            _check_shape(source, full, p.shape)
+            if p.requires_grad:
+                data = torch.empty_strided(p.shape, [0] * p.dim(), dtype=p.dtype, device=device)
+            else:
+                data = source.read(full, 0, p.numel()).to(device, p.dtype).reshape(p.shape)
+            new = nn.Parameter(data, requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            torch.utils.swap_tensors(p, new)   # the same Parameter object: optimizers and ties built on it hold
+            placed += 1
         for name, b in list(sub._buffers.items()):
             if b is not None and b.device != device:
                 sub._buffers[name] = b.to(device)
-    return len(placed)
+    return placed
 
 
 def _check_shape(source, name: str, shape: torch.Size) -> None:
