@@ -32,6 +32,7 @@ import numba
 import numpy as np
 import torch
 
+from plait.kernels.host_memory import keep_from_children
 from plait.kernels.lowp import (
     MODE_NONE,
     flat_f32,
@@ -95,7 +96,7 @@ class FlatOptimizer:
         self._step_lr: float | None = None
         self._nan_bits = np.uint16(torch_bf16_nan_bits())
         for name in self._state_names:
-            setattr(self, name, torch.zeros(numel, dtype=torch.float32))
+            setattr(self, name, keep_from_children(torch.zeros(numel, dtype=torch.float32)))
 
     # ---- stepping -------------------------------------------------------------------------------
     def begin_step(self, lr: float | None = None) -> int:

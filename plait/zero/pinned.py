@@ -8,13 +8,16 @@ improve reuse"): an 18 GB gradient shard pins 32 GB, which is what limited the l
 in host memory. Large buffers here are allocated pageable and then registered with the CUDA driver
 (``cudaHostRegister``), which pins exactly their pages; the registration is undone when the returned
 tensor is garbage-collected (views that outlive it keep valid, merely pageable, memory). Small
-buffers keep using the caching allocator, whose rounding costs little there.
+buffers keep using the caching allocator, whose rounding costs little there. Large buffers are not
+inherited by forked processes (``plait.kernels.host_memory``).
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
+
+from plait.kernels.host_memory import keep_from_children
 
 REGISTER_MIN_BYTES = 64 * 2**20   # below this, torch's caching pinned allocator (power-of-two rounding)
 
@@ -26,11 +29,11 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         RuntimeError: the driver refused to page-lock the buffer (names the size and the CUDA error).
     """
     if not (pin and torch.cuda.is_available()):
-        return torch.empty(numel, dtype=dtype)
+        return keep_from_children(torch.empty(numel, dtype=dtype))
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < REGISTER_MIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    t = torch.empty(numel, dtype=dtype)
+    t = keep_from_children(torch.empty(numel, dtype=dtype))
     pin_existing(t)
     return t
 

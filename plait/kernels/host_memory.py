@@ -1,0 +1,37 @@
+"""Host buffers that forked processes do not inherit.
+
+A process forked while the optimizer's host state exists (a ``DataLoader`` worker, started at every epoch
+unless ``persistent_workers``) shares those pages copy-on-write: while the child lives, the first write of
+each page by the parent copies it, which turns the next host optimizer step over tens of GB into seconds
+of page faults. ``madvise(MADV_DONTFORK)`` (Linux) leaves such a buffer out of every child's address
+space instead; the children never touch plait's optimizer state.
+
+Only buffers of at least ``MIN_BYTES`` are marked: glibc serves those with a mapping of their own (its
+largest mmap threshold is 32 MiB), which is unmapped when the buffer is freed, so the mark never reaches
+memory reused by another allocation. The partial pages at the two ends are left as they are.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import torch
+
+MIN_BYTES = 64 * 2**20
+MADV_DONTFORK = 10
+
+
+def keep_from_children(t: torch.Tensor) -> torch.Tensor:
+    """Mark the whole pages of the contiguous CPU tensor ``t`` ``MADV_DONTFORK`` and return ``t``; a no-op
+    for smaller tensors, elsewhere than Linux, or when the kernel refuses (the buffer then stays inheritable,
+    which costs time after a fork, never correctness in this process)."""
+    nbytes = t.numel() * t.element_size()
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or nbytes < MIN_BYTES:
+        return t
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + nbytes) // page * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTFORK)
+    return t
