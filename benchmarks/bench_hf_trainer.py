@@ -61,7 +61,10 @@ if SMOKE:
 def ds_config(arm: str) -> dict:
     if "z3-offload" in arm:
         with open(os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")) as f:
-            return json.load(f)
+            config = json.load(f)
+        # transformers' DeepSpeed integration fills "auto" under "bf16" only, not the legacy "bfloat16" spelling
+        config["bf16"] = config.pop("bfloat16")
+        return config
     if arm.endswith("z2-offload"):
         with open(os.path.join(ROOT, "examples", "configs", "zero2_offload_hf.json")) as f:
             return json.load(f)
@@ -166,7 +169,8 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
                              learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
                              max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
-                             lr_scheduler_type="constant", warmup_steps=1, dataloader_num_workers=2,
+                             lr_scheduler_type="constant", warmup_steps=1,
+                             dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")),
                              use_cpu=SMOKE, bf16=not SMOKE, **extra)
     if "z3-offload-" in arm and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
@@ -181,7 +185,20 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
             "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
             "loss": losses[-1] if losses else None, "train_s": total,
             "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "transformers": transformers.__version__}
+            "transformers": transformers.__version__, "host": _host_threads()}
+
+
+def _host_threads() -> dict:
+    """What decides the CPU optimizers' speed: cores this process may use, numba's pool and layer, torch's."""
+    import torch
+    info = {"affinity": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "omp_env": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        import numba
+        info.update(numba_threads=numba.config.NUMBA_NUM_THREADS, numba_layer=numba.threading_layer())
+    except (ImportError, ValueError):   # ValueError: no parallel kernel ran yet
+        pass
+    return info
 
 
 def main() -> None:
