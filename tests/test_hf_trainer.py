@@ -150,6 +150,22 @@ def test_a_model_from_plait_from_pretrained_trains_as_the_loaded_one(optimizer_s
     assert loaded[0] != pytest.approx(loaded[-1], abs=1e-3)   # the steps train
 
 
+def test_evaluate_before_train_reads_the_weights_of_a_meta_model(tmp_path):
+    """``evaluate()`` first on a ``from_pretrained`` (meta) model builds the engine, which reads the weights:
+    the eval loss equals the loaded model's to float32's last bit."""
+    from plait.hf import from_pretrained
+    tiny_llama().save_pretrained(tmp_path / "ckpt")
+    data = [{"input_ids": [i % 64, (5 * i) % 64, 7, 9], "labels": [i % 64, (5 * i) % 64, 7, 9]} for i in range(8)]
+    losses = []
+    for model in (transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt"),
+                  from_pretrained(transformers.LlamaForCausalLM, tmp_path / "ckpt")):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed={"zero_optimization": {"stage": 3},
+                                 "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                                 per_device_eval_batch_size=2, report_to=[], use_cpu=True)
+        losses.append(Trainer(model=model, args=args, eval_dataset=data).evaluate()["eval_loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6, rel=0) and losses[0] > 1.0
+
+
 def test_from_pretrained_needs_safetensors(tmp_path):
     from plait.hf import from_pretrained
     model = tiny_llama()

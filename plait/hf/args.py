@@ -36,8 +36,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     @property
     def place_model_on_device(self) -> bool:
-        """False: plait's engine places the model itself (a ZeRO-3 model built on the meta device by
-        ``plait.hf.from_pretrained`` cannot be moved), as transformers does under DeepSpeed."""
+        """False: ``plait.hf.Trainer`` places the model itself (a model built on the meta device by
+        ``plait.hf.from_pretrained`` is placed by the engine, which reads its weights)."""
         return False
 
     def ds_config(self) -> dict:

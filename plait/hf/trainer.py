@@ -73,6 +73,16 @@ class Trainer(transformers.Trainer):
             raise ConfigError("plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
                               "TrainingArguments) with deepspeed= or plait= set to the ds_config")
         self.engine = None
+        if not is_meta(self.model):   # as transformers places it; a meta model is placed by the engine
+            self._move_model_to_device(self.model, self.args.device)
+
+    def evaluate(self, *a, **kw):
+        """transformers' ``evaluate``; a model from ``plait.hf.from_pretrained`` called before ``train()``
+        first gets its engine (which reads its weights), as DeepSpeed builds one for evaluation."""
+        if self.engine is None and is_meta(self.model):
+            self._build_engine(self._plan(self.args)[0] if self.train_dataset is not None else
+                               max(self.args.max_steps, 1))
+        return super().evaluate(*a, **kw)
 
     # ---- the engine ---------------------------------------------------------------------------------------
     def _dp(self) -> int:
