@@ -1,0 +1,47 @@
+"""ZeRO-3 units of Hugging Face models and DeepSpeed's prefetch bound.
+
+* An unmodified transformers Llama is gathered per decoder layer (the classes in its ``_no_split_modules``,
+  FSDP's default wrapping), plus one unit per module with parameters outside them; before, every Linear was
+  a unit of its own.
+* ``prefetch_bucket_size`` bounds what is taken *before* each segment (DeepSpeed's rule): a segment larger
+  than the whole bucket is still prefetched alone. With "auto" sizes (0.9 h^2) every Llama matrix is larger
+  than the bucket, so the old rule (stop when the segment would pass the bound) never prefetched anything.
+  Prefetching moves no number: the single-process run still matches the reference (``test_zero``'s 1e-6).
+"""
+from __future__ import annotations
+
+import transformers
+
+from plait.engine_setup import stage3_units
+from plait.zero import ZeroOptimizer, weight_decay_groups
+from test_zero import MICRO_BS, STEPS, _full_weights, assert_weights, build, make_model, reference, train
+
+
+def tiny_llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2))
+
+
+def test_a_hugging_face_llama_is_gathered_per_decoder_layer():
+    model = tiny_llama()
+    opt = ZeroOptimizer(model, None, stage=3, optimizer_kwargs={"lr": 1e-3},
+                        param_groups=weight_decay_groups(model, 0.0), units=stage3_units(model),
+                        param_persistence_threshold=0)
+    assert [u.name for u in opt.units] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                                           "lm_head"]
+    assert len(opt.units[1].params) == 9   # q, k, v, o, gate, up, down, two norms
+
+
+def test_a_model_without_blocks_keeps_the_default_units():
+    model = make_model()
+    assert stage3_units(model) is None
+
+
+def test_a_segment_larger_than_the_prefetch_bucket_is_prefetched_alone():
+    cfg = dict(stage=3, gas=3, units="blocks", prefetch=1)   # every segment is larger than 1 element
+    model = make_model()
+    opt = build(model, cfg, None)
+    train(model, opt, cfg, STEPS)
+    assert opt.gatherer.stats["prefetched"] > 0
+    assert_weights(_full_weights(model, opt), reference(3 * MICRO_BS)[0], "stage 3, prefetch bucket 1")
