@@ -8,19 +8,20 @@ import torch.distributed as dist
 
 import plait
 from plait.config import ConfigError
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
 from plait.schedulers import WarmupLR
 from plait.testing import run_distributed
 from plait.zero import weight_decay_groups
+import helpers
 
 STEPS, MICRO, GAS, SEQ = 5, 2, 2, 16
 
 
 def tiny():
-    return preset("llama-tiny", vocab_size=1001, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=96)
+    """This file's Llama: ``helpers.tiny`` with vocabulary 1001, hidden 64 and an MLP of 96."""
+    return helpers.tiny(vocab_size=1001, hidden_size=64, ffn_hidden_size=96)
 
 
 def ds_config(stage, tp):
@@ -34,9 +35,8 @@ def ds_config(stage, tp):
 
 
 def micro_batch(step, gas, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + 10 * gas + dp_rank)
-    ids = torch.randint(0, 1001, (MICRO, SEQ + 1), generator=g)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    """``helpers.micro_batch`` over this file's vocabulary (1001)."""
+    return helpers.micro_batch(step, gas, dp_rank, vocab_size=1001, micro=MICRO, seq=SEQ)
 
 
 def reference(dp, arch_config=None):
