@@ -34,12 +34,9 @@ from plait.layers import TransformerModel
 from plait.layers.model import check_tensor_parallel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
+from helpers import rel_err
 
 RTOL = 1e-4
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def st_tensors(hf_dir) -> dict:

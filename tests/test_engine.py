@@ -8,19 +8,20 @@ import torch.distributed as dist
 
 import plait
 from plait.config import ConfigError
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
 from plait.schedulers import WarmupLR
 from plait.testing import run_distributed
 from plait.zero import weight_decay_groups
+import helpers
 
 STEPS, MICRO, GAS, SEQ = 5, 2, 2, 16
 
 
 def tiny():
-    return preset("llama-tiny", vocab_size=1001, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=96)
+    """This file's Llama: ``helpers.tiny`` with vocabulary 1001, hidden 64 and an MLP of 96."""
+    return helpers.tiny(vocab_size=1001, hidden_size=64, ffn_hidden_size=96)
 
 
 def ds_config(stage, tp):
@@ -34,9 +35,8 @@ def ds_config(stage, tp):
 
 
 def micro_batch(step, gas, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + 10 * gas + dp_rank)
-    ids = torch.randint(0, 1001, (MICRO, SEQ + 1), generator=g)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    """``helpers.micro_batch`` over this file's vocabulary (1001)."""
+    return helpers.micro_batch(step, gas, dp_rank, vocab_size=1001, micro=MICRO, seq=SEQ)
 
 
 def reference(dp, arch_config=None):
@@ -86,7 +86,7 @@ def check_engine_results(results, ref_weights, ref_losses, tp, dp):
         assert steps == STEPS and lr == pytest.approx(3e-3)
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} loss curve"
         for name, ref in ref_weights.items():
-            err = ((whole[name].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+            err = helpers.rel_err(whole[name], ref, floor=1e-12)
             assert err <= 1e-6, f"stage {stage} tp={tp} dp={dp}: {name} off by {err:.2e}"
 
 
@@ -142,7 +142,7 @@ def test_engine_with_pipeline_and_zero_matches_single_process(arch, schedule):
         assert per_rank[0][stage][1] == pytest.approx(ref_losses, rel=1e-5)
         assert set(whole) >= set(ref_weights)
         for name, ref in ref_weights.items():
-            err = ((whole[name].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+            err = helpers.rel_err(whole[name], ref, floor=1e-12)
             assert err <= 1e-6, f"pp=2 stage {stage} {arch}: {name} off by {err:.2e}"
 
 
@@ -184,7 +184,7 @@ def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
     ref = {n: shard_of(p).unpad(p.detach()) for n, p in model.named_parameters()}
     for stage, whole in run_distributed(lamb_body, 4, 2)[0].items():
         for name, w in ref.items():
-            err = ((whole[name].double() - w.double()).norm() / w.double().norm()).item()
+            err = helpers.rel_err(whole[name], w)
             assert err <= 1e-6, f"LAMB stage {stage}: {name} off by {err:.2e}"
 
 

@@ -5,16 +5,13 @@ import torch
 import torch.distributed as dist
 
 import plait
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
+from helpers import tiny
 
 N, MICRO, GAS, SEQ = 3, 2, 2, 16
 GLOBAL = 4          # samples per micro-step over all dp ranks (constant across layouts)
-
-
-def tiny():
-    return preset("gpt2-tiny", vocab_size=1001, num_layers=2, hidden_size=64, num_heads=4)
 
 
 def config(stage, tp, dp):
@@ -45,9 +42,9 @@ def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1):
         from plait.parallel.partition import build_stage_modules
         from plait.parallel.pipeline import PipelineParallel
         cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
-        model = PipelineParallel(build_stage_modules(tiny(), mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
+        model = PipelineParallel(build_stage_modules(tiny("gpt2", vocab_size=1001, hidden_size=64), mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
     else:
-        model = TransformerModel(tiny(), mesh, seed=2)
+        model = TransformerModel(tiny("gpt2", vocab_size=1001, hidden_size=64), mesh, seed=2)
     engine = plait.initialize(model, cfg, mesh=mesh)
     if load:
         _, client = engine.load_checkpoint(root)

@@ -11,21 +11,20 @@ from torch import nn
 
 import plait
 from plait.config import ConfigError
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from helpers import tiny
 
 GAS, MICRO = 2, 2
 
 
-def tiny():
-    cfg = preset("llama-tiny", vocab_size=97, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=48)
-    return TransformerModel(cfg, None, seed=3)
+def tiny_model():
+    return TransformerModel(tiny(vocab_size=97), None, seed=3)
 
 
 def engine_with(**extra):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
-    return plait.initialize(tiny(), cfg)
+    return plait.initialize(tiny_model(), cfg)
 
 
 def train(engine, steps):

@@ -22,13 +22,9 @@ from plait.layers import TransformerModel, preset
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 from plait.zero.precision import NonFiniteError
+from helpers import micro_batch, tiny
 
 STEPS, MICRO, GAS, SEQ, BAD_STEP = 4, 2, 2, 16, 1
-
-
-def tiny():
-    return preset("llama-tiny", vocab_size=257, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=48)
 
 
 def ds_config(stage, precision="fp32", guard=True, max_skips=10):
@@ -44,12 +40,6 @@ def ds_config(stage, precision="fp32", guard=True, max_skips=10):
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
-
-
-def micro_batch(step, j, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + 10 * j + dp_rank)
-    ids = torch.randint(0, 257, (MICRO, SEQ + 1), generator=g)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
 def train(cfg, poison=(), drop=(), save_dir=None):

@@ -20,20 +20,14 @@ from plait.checkpoint.model_io import (
     load_model_weights,
     save_model_weights,
 )
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
 from plait.testing import run_distributed
+from helpers import make_config
 
 SEED, OTHER = 11, 99
 ARCHES = ("gpt2", "llama")
-
-
-def make_config(arch: str, **kw):
-    base = {"vocab_size": 1001, "num_layers": 3, "hidden_size": 64, "num_heads": 4, "max_position_embeddings": 64}
-    if arch == "llama":
-        base.update(num_heads=8, num_kv_heads=4, ffn_hidden_size=160)
-    return preset(f"{arch}-tiny", **{**base, **kw})
 
 
 def whole(model, group=None) -> dict:

@@ -23,19 +23,15 @@ import torch.distributed as dist
 
 import plait
 from plait.config import ConfigError
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 from plait.zero import ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import OffloadOptions
 from plait.zero.offload_optim import HostOptimizer
+from helpers import micro_batch, rel_err, tiny
 
 STEPS, MICRO, SEQ = 5, 2, 16
-
-
-def tiny():
-    return preset("llama-tiny", vocab_size=257, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=48)
 
 
 def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False, bf16=False, device_step=0.0):
@@ -59,12 +55,6 @@ def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False, bf
         cfg["bf16"] = {"enabled": True}
         cfg["communication_data_type"] = "bf16"
     return cfg
-
-
-def micro_batch(step, gas, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + 10 * gas + dp_rank)
-    ids = torch.randint(0, 257, (MICRO, SEQ + 1), generator=g)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
 
 def whole(engine):
@@ -210,10 +200,6 @@ def _poison(bad_rank, step, rank):
     return step == 1 and rank == bad_rank
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
 def results(request):
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +211,8 @@ def _assert_identical(ref, got, what=("weights", "masters")):
     for part in what:
         assert got[part].keys() == ref[part].keys(), part
         for key, want in ref[part].items():
-            assert torch.equal(got[part][key], want), f"{part} {key} off by {_rel(got[part][key], want):.2e}"
+            assert torch.equal(got[part][key], want), (
+                f"{part} {key} off by {rel_err(got[part][key], want, floor=1e-12):.2e}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -334,7 +321,7 @@ def test_step_returns_mid_flight_and_the_next_forward_waits_per_segment(stage, c
     want = _masters(ref)
     assert got.keys() == want.keys()
     for k, m in want.items():
-        assert torch.equal(got[k], m), (k, _rel(got[k], m))
+        assert torch.equal(got[k], m), (k, rel_err(got[k], m, floor=1e-12))
     opt.zero_grad()
     opt.close()
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from reference_models import reference_loss
+from helpers import rel_err
 
 from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
@@ -58,10 +59,6 @@ def make_microbatches(count: int, seed: int) -> list[dict]:
     ids = out[0]["input_ids"]
     ids[0, 0] = 1000  # the last real vocabulary row (padding follows it on the last tp rank)
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-3)).item()
 
 
 def reference(arch: str, batches: list[dict]):
@@ -121,7 +118,7 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
         full = gather_full(p.grad, shard_of(p), mesh.tp_group)
         tied = getattr(p, TIED_ATTR, None)
         ref = ref_grads[tied if tied is not None else name]
-        err = rel_err(full, ref)
+        err = rel_err(full, ref, floor=1e-3)
         worst = max(worst, (err, name))
         assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
     if cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
@@ -188,7 +185,7 @@ def test_single_process_pipeline_matches_accumulation(schedule):
         assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
         for name, p in pipe.named_parameters():
             ref = want[getattr(p, TIED_ATTR, None) or name]
-            assert rel_err(p.grad, ref) <= RTOL, (schedule, arch, name, rel_err(p.grad, ref))
+            assert rel_err(p.grad, ref, floor=1e-3) <= RTOL, (schedule, arch, name, rel_err(p.grad, ref, floor=1e-3))
         with pytest.raises(ValueError, match="ran out after 2 of 3 micro-batches"):
             pipe.eval_batch(iter(batches[:2]))
 
@@ -211,10 +208,10 @@ def test_zero_bubble_split_defers_weight_gradients():
         x = x0.clone().requires_grad_()
         gx, pending = backward_input(stage(hidden=x, **batch), None, x)
         assert pending.split and all(p.grad is None for p in stage.parameters())
-        assert rel_err(gx, want_x) <= 1e-6 and x.grad is None
+        assert rel_err(gx, want_x, floor=1e-3) <= 1e-6 and x.grad is None
         backward_weight(pending)
         for n, p in stage.named_parameters():
-            assert rel_err(p.grad, want[n]) <= 1e-6, n
+            assert rel_err(p.grad, want[n], floor=1e-3) <= 1e-6, n
 
 
 def test_zero_bubble_split_falls_back_on_shared_weight_nodes():

@@ -24,14 +24,15 @@ from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, repli
 from plait.layers.norm import make_norm
 from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
 from plait.parallel.random import RNGTracker
+from plait.parallel.sharding import shard_of
 
 EMBEDDING_WEIGHT = "layers.0.word_embeddings.weight"
 
 
 class EmbeddingLayer(nn.Module):
     """Layer 0: ``batch["input_ids"] [b, s]`` -> hidden ``[b, s, h]`` (``[b, s/tp, h]`` with
-    sequence parallelism): vocab-parallel token embedding, plus learned positions (GPT-2, BERT) and
-    token types and LayerNorm (BERT), then dropout."""
+    sequence parallelism): vocab-parallel token embedding, plus learned positions (no ``rope_theta``),
+    token types (``type_vocab_size``) and a norm (``Wiring.embedding_norm``), then dropout."""
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False, rng=None,
                  device=None, dtype=None):
@@ -48,7 +49,7 @@ class EmbeddingLayer(nn.Module):
                                                        device, dtype) if c.type_vocab_size else None)
         self.norm = (make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, group=group,
                                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-                     if c.arch == "bert" else None)
+                     if c.family.wiring.embedding_norm else None)
 
     def _table(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Lookup in a replicated table; under sequence parallelism only this rank's seq shard."""
@@ -78,11 +79,12 @@ class EmbeddingLayer(nn.Module):
 class LMHead(nn.Module):
     """Layer L+1: hidden -> vocab-parallel logits ``[b, s, V_pad/tp]`` -> mean cross entropy.
 
-    Decoders apply the final norm first; BERT applies its MLM transform (dense, GELU, LayerNorm)
-    and adds an output bias. ``forward`` returns the scalar mean loss over tokens whose label is
-    not -100 when ``batch`` has ``labels``, else this rank's logits (``gather_logits`` makes them
-    whole). The output weight is the embedding's when tied and both are on this rank; a tied head
-    on a different pipeline stage owns a copy marked ``plait_tied_to``, initialized identically.
+    Decoders apply the final norm first; a family wired with ``head_transform`` (BERT) applies a
+    dense layer and GELU before the norm, one with ``head_bias`` adds an output bias ``[V]``.
+    ``forward`` returns the scalar mean loss over tokens whose label is not -100 when ``batch`` has
+    ``labels``, else this rank's logits (``gather_logits`` makes them whole). The output weight is
+    the embedding's when tied and both are on this rank; a tied head on a different pipeline stage
+    owns a copy marked ``plait_tied_to``, initialized identically.
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False,
@@ -91,8 +93,9 @@ class LMHead(nn.Module):
         c = config
         self.config, self.group, self.sequence_parallel = c, group, sequence_parallel
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        wiring = c.family.wiring
         self.dense = (ReplicatedLinear(c.hidden_size, c.hidden_size, True, init_std=c.init_std, **kw)
-                      if c.arch == "bert" else None)
+                      if wiring.head_transform else None)
         self.norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.vocab = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group, alignment=c.vocab_alignment,
                                             device="meta")  # geometry only: padded size, this rank's block
@@ -104,7 +107,7 @@ class LMHead(nn.Module):
             if c.tie_embeddings:
                 setattr(self.weight, TIED_ATTR, EMBEDDING_WEIGHT)
         self.bias = (sharded_param((c.vocab_size,), 0, group, "zeros", padded=self.vocab.padded_vocab,
-                                   device=device, dtype=dtype) if c.arch == "bert" else None)
+                                   device=device, dtype=dtype) if wiring.head_bias else None)
         del self.vocab.weight  # the geometry helper owns no parameter
 
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -200,3 +203,11 @@ class TransformerModel(nn.Module):
         for layer in self.layers.values():
             hidden = layer(hidden, batch)
         return hidden
+
+
+def logical_shapes(config: TransformerConfig, layers: Iterable[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> logical (whole, unpadded) shape of ``config``'s model, or of only the
+    global layer indices ``layers``; built on the meta device, so nothing is allocated. A tied
+    output weight built with its embedding appears once (under the embedding's name)."""
+    model = TransformerModel(config, layers=layers, device="meta")
+    return {n: tuple(shard_of(p).logical_shape) for n, p in model.named_parameters()}

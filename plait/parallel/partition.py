@@ -113,14 +113,12 @@ def layer_parameter_counts(config) -> list[int]:
     materialized. The head counts its own output weight when tied embeddings put it on another
     stage than the embedding (that copy occupies memory there); all blocks are identical.
     """
-    from plait.layers.model import TransformerModel  # layers -> parallel; import at call time
-    from plait.parallel.sharding import shard_of
+    from plait.layers.model import logical_shapes  # layers -> parallel; import at call time
 
     last = config.num_layers + 1
 
     def count(index: int) -> int:
-        model = TransformerModel(config, None, layers=[index], device="meta")
-        return sum(math.prod(shard_of(p).logical_shape) for p in model.parameters())
+        return sum(math.prod(shape) for shape in logical_shapes(config, layers=[index]).values())
 
     block = count(1) if config.num_layers else 0
     return [count(0)] + [block] * config.num_layers + [count(last)]

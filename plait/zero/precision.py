@@ -14,15 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
+from plait.dtypes import dtype_from_name
 
 
 def resolve_dtype(value) -> torch.dtype:
-    """A torch floating dtype from a dtype or a name ("fp32", "bf16", "fp16", "float16", ...).
+    """A torch floating dtype from a dtype or a name ("fp32", "bf16", "fp16", "float16", ...;
+    the names are :data:`plait.dtypes.DTYPE_NAMES`).
 
     Raises:
         ValueError: unknown name or a non-floating dtype; the message lists the accepted names.
@@ -32,10 +29,7 @@ def resolve_dtype(value) -> torch.dtype:
             raise ValueError(f"dtype {value} is not a floating dtype plait trains in; "
                              "use torch.float32, torch.bfloat16 or torch.float16")
         return value
-    name = str(value).lower()
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    return dtype_from_name(value)
 
 
 class LossScaleError(FloatingPointError):

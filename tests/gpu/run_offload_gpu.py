@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from test_offload import CASES, STEPS, _rel, train
+from helpers import rel_err
+from test_offload import CASES, STEPS, train
 
 from plait.parallel import init_distributed
 from plait.zero.pinned import host_empty
@@ -93,8 +94,8 @@ def main() -> int:
             continue
         tol = 1e-4 if case.startswith("bf16") else 1e-5 if "device step" in case else 1e-6   # as test_offload
         mtol = 1e-5 if "device step" in case else 1e-6
-        w_err = max(_rel(got["weights"][n].cpu(), w.cpu()) for n, w in ref["weights"].items())
-        m_err = max(_rel(got["masters"][k].cpu(), m.cpu()) for k, m in ref["masters"].items())
+        w_err = max(rel_err(got["weights"][n].cpu(), w.cpu(), floor=1e-12) for n, w in ref["weights"].items())
+        m_err = max(rel_err(got["masters"][k].cpu(), m.cpu(), floor=1e-12) for k, m in ref["masters"].items())
         l_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
         ok = w_err <= tol and m_err <= mtol and l_err <= 1e-6 and got["steps"] == STEPS
         failures += not ok

@@ -1,0 +1,189 @@
+"""Export: a plait checkpoint of any layout -> a Hugging Face model directory (``to_hf``).
+
+Writes ``config.json`` plus ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` with
+``model.safetensors.index.json`` when ``max_shard_bytes`` is set), loadable by
+``transformers.AutoModelFor*.from_pretrained``. Vocabulary padding never reaches the files: plait
+checkpoints hold logical shapes only. Runs in one process; memory peaks at one output shard plus
+its inputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save_file
+
+from plait.checkpoint import hf as hfmap
+from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.hf_import import HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS
+from plait.checkpoint.index import OPTIMIZER_PREFIX
+from plait.checkpoint.model_io import EXTRA_PREFIX, config_from_meta
+from plait.checkpoint.reader import CheckpointReader
+from plait.dtypes import cast_floating, parse_dtype
+from plait.layers.config import TransformerConfig
+from plait.layers.model import logical_shapes
+
+#: Files ``to_hf(tokenizer_from=...)`` copies when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """Byte counts: ``"500MB"`` (10**6), ``"2GiB"`` (2**30), ``"1e9"``, ``123`` -> int; None stays None."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 500MB, 2GiB, 1e9)")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+@dataclass
+class ExportReport:
+    """Outcome of ``to_hf``: files written and what could not be exported."""
+
+    out_dir: str
+    architecture: str
+    files: list[str]
+    missing: list[str] = field(default_factory=list)   # plait parameters absent from the checkpoint
+    dropped: list[str] = field(default_factory=list)   # checkpoint tensors with no place in this HF class
+
+
+def _plan_shards(jobs: list, sizes: list[int], max_bytes: int | None) -> list[list]:
+    groups, size = [[]], 0
+    for job, n in zip(jobs, sizes):
+        if max_bytes and groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(job)
+        size += n
+    return [g for g in groups if g]
+
+
+def _nbytes(reader: CheckpointReader, name: str, dtype: torch.dtype | None) -> int:
+    n = 1
+    for s in reader.shape(name):
+        n *= s
+    stored = reader.dtype(name)
+    return n * cast_floating(torch.empty(0, dtype=stored), dtype).element_size()
+
+
+def _rule_jobs(reader: CheckpointReader, config: TransformerConfig, layout, names: list[str], dtype):
+    """(rules to write, their byte sizes, plait names they use, plait names missing) for ``layout``.
+
+    Raises:
+        CheckpointError: a fused group only partly present, or a shape that disagrees with ``config``.
+    """
+    shapes = logical_shapes(config)
+    have, jobs, sizes, missing, used = set(names), [], [], [], set()
+    for rule in hfmap.rules(config, layout):
+        present = [p for p in rule.plait if p in have]
+        if not present:
+            missing.extend(rule.plait)
+            continue
+        if len(present) != len(rule.plait):
+            raise CheckpointError(f"checkpoint {reader.path} has {present} but not "
+                                  f"{sorted(set(rule.plait) - set(present))}, which {rule.hf} needs too")
+        for p in rule.plait:
+            if reader.shape(p) != shapes.get(p):
+                raise CheckpointError(f"checkpoint {reader.path}: tensor {p!r} has shape {list(reader.shape(p))}, "
+                                      f"its model_config implies {list(shapes.get(p, ()))}")
+        used.update(rule.plait)
+        jobs.append(rule)
+        sizes.append(sum(_nbytes(reader, p, dtype) for p in rule.plait))
+    return jobs, sizes, used, missing
+
+
+def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None,
+          max_shard_bytes: int | str | None = None, *, config: TransformerConfig | None = None,
+          overwrite: bool = False, tokenizer_from: str | None = None) -> ExportReport:
+    """Write the plait checkpoint ``<plait_root>/<tag>`` (default: latest) as a Hugging Face model.
+
+    Args:
+        out_dir: created if needed; receives ``config.json`` and the safetensors weights.
+        dtype: cast floating tensors (default: as stored).
+        max_shard_bytes: split the weights into hub-style shards of at most this size (a tensor
+            larger than it gets a shard of its own); None: one ``model.safetensors``.
+        config: the architecture, when the checkpoint's meta has no ``model_config``.
+        overwrite: replace weights files already in ``out_dir`` (otherwise FileExistsError).
+        tokenizer_from: a directory to copy the tokenizer and generation files from (e.g. the
+            ``hf_dir`` of ``from_hf``; see :data:`TOKENIZER_FILES`).
+
+    Returns:
+        ``ExportReport`` naming the HF class (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+        ``BertForMaskedLM`` with an MLM head, else ``BertModel``), files, missing and dropped tensors.
+
+    Raises:
+        CheckpointError: no usable config, a tensor's shape disagrees with it, or a fused group is
+            only partly present.
+        ValueError: the config cannot be expressed as the HF class.
+    """
+    dtype, max_shard_bytes = parse_dtype(dtype), parse_size(max_shard_bytes)
+    reader = CheckpointReader(plait_root, tag)
+    config = config or config_from_meta(reader.meta, f"checkpoint {reader.path}")
+    hf_meta = reader.meta.get(HF_KEY) or {}
+    names = [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX)]
+    layout = hfmap.export_layout(config, names)
+    jobs, sizes, used, missing = _rule_jobs(reader, config, layout, names, dtype)
+    extras = [n for n in names if n.startswith(EXTRA_PREFIX)]
+    keep_extras = hf_meta.get("architecture") == layout.architecture and hf_meta.get("prefix") == layout.prefix
+    for n in extras if keep_extras else []:
+        jobs.append(n)
+        sizes.append(_nbytes(reader, n, dtype))
+        used.add(n)
+    dropped = sorted(set(names) - used)
+    files = _write_hf_weights(reader, out_dir, _plan_shards(jobs, sizes, max_shard_bytes), dtype, overwrite)
+    hf_config = hfmap.config_to_hf(config, hf_meta.get("config"))
+    hf_config.architectures = [layout.architecture]
+    stored = Counter(reader.dtype(n) for n in names if reader.dtype(n).is_floating_point)
+    out_dtype = dtype or (stored.most_common(1)[0][0] if stored else torch.float32)
+    setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", out_dtype)
+    hf_config.to_json_file(os.path.join(out_dir, HF_CONFIG), use_diff=True)
+    for fname in TOKENIZER_FILES if tokenizer_from else ():
+        if os.path.isfile(os.path.join(tokenizer_from, fname)):
+            shutil.copyfile(os.path.join(tokenizer_from, fname), os.path.join(out_dir, fname))
+            files.append(fname)
+    return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
+
+
+def _shard_tensors(reader: CheckpointReader, shard: list, dtype) -> dict[str, torch.Tensor]:
+    """HF name -> tensor of one output shard (rules through their transform, ``hf_extra`` tensors as stored)."""
+    tensors = {}
+    for job in shard:
+        if isinstance(job, str):      # an hf_extra tensor, written back under its HF name
+            tensors[job[len(EXTRA_PREFIX):]] = cast_floating(reader.read(job), dtype)
+            continue
+        outs = hfmap.to_hf(job.kind, [reader.read(p) for p in job.plait])
+        tensors.update({h: cast_floating(t, dtype).contiguous() for h, t in zip(job.hf, outs)})
+    return {k: v.clone() if v.untyped_storage().nbytes() != v.numel() * v.element_size() else v
+            for k, v in tensors.items()}
+
+
+def _write_hf_weights(reader: CheckpointReader, out_dir: str, shards: list[list], dtype, overwrite: bool) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    old = [f for f in os.listdir(out_dir) if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", f)]
+    if old and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {sorted(old)}; pass overwrite=True (--overwrite) "
+                              f"or choose an empty directory")
+    for f in old:
+        os.remove(os.path.join(out_dir, f))
+    n = len(shards)
+    fnames = [HF_WEIGHTS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map, total = {}, 0
+    for fname, shard in zip(fnames, shards):
+        tensors = _shard_tensors(reader, shard, dtype)
+        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+    if n > 1:
+        with open(os.path.join(out_dir, HF_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        fnames.append(HF_INDEX)
+    return fnames
