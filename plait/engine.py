@@ -48,7 +48,7 @@ from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.sharding import shard_of
 from plait.zero import LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
-from plait.zero.offload_optim import HostOptimizer
+from plait.zero.offload import HostOptimizer
 from plait.zero.weights import prepare_weights
 
 
@@ -102,9 +102,9 @@ class Engine(EngineFacts):
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
             grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload,
-            skip_nonfinite=config.nonfinite_guard.enabled, weights=weights)
-        # A tied head copy (on another pipeline stage than its embedding) must count once in the norm.
-        self.optimizer.norm_exclude = {id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}
+            skip_nonfinite=config.nonfinite_guard.enabled, weights=weights,
+            # a tied head copy (on another pipeline stage than its embedding) must count once in the norm
+            norm_exclude={id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)})
         inner = self.optimizer.optimizer
         if isinstance(inner, Lamb):
             attach_lamb_segments(inner, self.optimizer, module, mesh)

@@ -50,7 +50,7 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
+from plait.zero.clip import NormGroups, clip_coefficient
 from plait.zero.edits import mark_owner
 from plait.zero.flat import (
     Entry,
@@ -58,20 +58,15 @@ from plait.zero.flat import (
     ParamSlice,
     ShardState,
     build_layout,
-    gather_segments,
     load_shard_state,
     shard_state,
 )
-from plait.zero.offload import (
-    OffloadGatherer,
-    OffloadOptions,
-    OffloadPipeline,
-)
-from plait.zero.offload_optim import host_optimizer
+from plait.zero.offload import HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer
 from plait.zero.pinned import host_empty, to_host
 from plait.zero.precision import LossScaler, log_skipped_step, resolve_dtype
 from plait.zero.stage3 import ParamGatherer, build_units
 from plait.zero.stage12 import GradReducer
+from plait.zero.stepper import DeviceStepper, Stepper, write_back
 
 
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
@@ -149,6 +144,8 @@ class ZeroOptimizer:
         weights: a ``plait.zero.weights.WeightSource`` to fill the flat buffers from instead of the
             parameters' values (placeholders from ``place_meta_parameters``): under stage 3 each rank
             reads only its shard of each segment.
+        norm_exclude: ids of parameters left out of the gradient norm (a tied copy whose twin on another
+            pipeline stage is already counted).
 
     Raises:
         ValueError: bad stage, sizes or param groups (message names the values and the fix).
@@ -162,7 +159,7 @@ class ZeroOptimizer:
                  units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
                  max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
                  grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None,
-                 skip_nonfinite: bool = True, weights=None):
+                 skip_nonfinite: bool = True, weights=None, norm_exclude: set[int] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if offload is not None and (offload.optimizer and stage == 0 or offload.param and stage != 3):
@@ -239,8 +236,8 @@ class ZeroOptimizer:
         if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
             loss_scaler = LossScaler()
         self.scaler = loss_scaler
-        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, grad_dtype if compact
-                                   else self.reduce_dtype, overlap_comm, eager=stage >= 2)
+        ready = Readiness(forward_order(module, [s for g in self.groups for s in g.segments]), self.device,
+                          dp_group, self.dp_size, self.allgather_bucket_size, overlap_comm) if host_opt else None
         self.gatherer = None
         if stage == 3:
             for u in self.units:
@@ -250,7 +247,7 @@ class ZeroOptimizer:
             extra = {"device": self.device} if offload is not None and offload.param else {}
             self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
                 module, self.units, dp_group, self.dp_size, self.allgather_bucket_size, int(prefetch_bucket_size),
-                self._note_backward, **extra)
+                self._note_backward, gate=ready, **extra)
         self._hooks = []
         if stage >= 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -261,11 +258,13 @@ class ZeroOptimizer:
         self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
         self.consecutive_skips = 0  # of them, in a row up to the last step
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
-        self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
-        self.offload = OffloadPipeline(self, offload) if host_opt else None
+        self.norm_exclude: set[int] = set(norm_exclude or ())  # parameters left out of the norm (tied copies)
+        self.stepper: Stepper = HostStepper(self, offload, ready) if host_opt else \
+            DeviceStepper(self, dp_group if stage > 0 else None)
+        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, grad_dtype if compact
+                                   else self.reduce_dtype, overlap_comm, eager=stage >= 2,
+                                   land=self.stepper.land if host_opt else None)
         mark_owner(self.params, self)
-        if self.offload is not None:
-            self.reducer.land = self.offload.land
 
     def _materialize(self, group, weights=None) -> nn.Parameter:
         """Build the fp32 master shard of ``group`` and point its parameters at flat storage; values from
@@ -367,49 +366,34 @@ class ZeroOptimizer:
         """
         if not self.is_gradient_accumulation_boundary():
             return False
-        self.synchronize()  # a previous overlapped offload step (plait.zero.offload) is finished
+        self.synchronize()  # a previous overlapped host step (plait.zero.offload) is finished
         if self.stage < 2:
-            self.reducer.reduce_all()
+            self.reducer.reduce_all()    # stages 0-1 reduce at the boundary
         else:
-            self.reducer.wait()
+            self.reducer.wait()          # stages 2-3 reduced during backward
         self.micro_steps = 0
-        applied = self.offload.step() if self.offload is not None else self._apply_step()
-        if applied:
-            self.consecutive_skips = 0
-        return applied
+        scale = self.loss_scale
+        norm = self.stepper.grad_norm() / scale
+        if self.must_skip(norm):         # inf/nan anywhere (fp16 overflow): the same on every rank
+            return self.skip_step(norm)
+        self.grad_norm = norm
+        self.stepper.apply(clip_coefficient(norm, self.max_grad_norm) / scale)
+        self.reducer.zero()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self.global_steps += 1
+        self.consecutive_skips = 0
+        return True
 
     def must_skip(self, norm: float) -> bool:
         """Whether a step with this (all-reduced, so rank-independent) global norm is skipped."""
         return not math.isfinite(norm) and (self.skip_nonfinite or self.scaler is not None)
 
-    def _apply_step(self) -> bool:
-        """``step`` without offload, after the reduction: norm, skip or clip, update, write back."""
-        scale = self.loss_scale
-        # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
-        norm = float(global_grad_norm(self._norm_pieces(), self.dp_group if self.stage > 0 else None,
-                                      self.norm_groups.tp, self.norm_groups.pp)) / scale
-        if self.must_skip(norm):
-            return self.skip_step(norm)
-        self.grad_norm = norm
-        coef = clip_coefficient(norm, self.max_grad_norm) / scale
-        for master, grad in zip(self.masters, self.grad_shards):
-            if coef != 1.0:
-                grad.mul_(coef)
-            master.grad = grad
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self.reducer.zero()
-        self.write_back()
-        if self.scaler is not None:
-            self.scaler.update(False)
-        self.global_steps += 1
-        return True
-
     def skip_step(self, norm: float = math.nan) -> bool:
         """A non-finite gradient on some rank (``norm``: the global norm): drop this step's gradients on
         every rank, count and log the skip, and lower the fp16 loss scale (raises ``LossScaleError`` at
         the minimum). Returns False (not applied)."""
+        self.stepper.discard()
         self.reducer.zero()
         self.grad_norm = None
         self.skipped_steps += 1
@@ -420,51 +404,19 @@ class ZeroOptimizer:
             log_skipped_step(self.global_steps + self.skipped_steps, norm, self.consecutive_skips)
         return False
 
-    def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
-        """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
-        ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
-        out = []
-        for g, grp in zip(self.grad_shards, self.groups):
-            skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
-                          if id(pc.slot.param) in self.norm_exclude) if self.norm_exclude else []
-            pos = 0
-            for a, b in skip + [(g.numel(), g.numel())]:
-                if a > pos:
-                    out.append((g[pos:a], grp.key.tp_replicated))
-                pos = max(pos, b)
-        return out
-
     def synchronize(self) -> None:
         """Finish an offloaded optimizer step still running after ``step()`` returned (ZeRO-Offload
         ``overlap_step``, see ``plait.zero.offload``); a no-op otherwise. The next forward waits per
         segment by itself, and every method here that reads parameters or state calls this; call it
         before reading parameters any other way. Collective over dp while a step is in flight."""
-        if self.offload is not None:
-            self.offload.synchronize()
+        self.stepper.synchronize()
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
         where every rank holds whole parameters. Collective."""
         self.synchronize()
-        outs, ins = [], []
-        for group, master in zip(self.groups, self.masters):
-            for seg in group.segments:
-                src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
-                if seg.local is not None:
-                    seg.local.copy_(src)
-                    if seg.full is not None:  # gathered right now (gathered_parameters())
-                        outs.append(seg.full)
-                        ins.append(seg.local.to(seg.full.device))
-                    continue
-                own = seg.full[seg.lo:seg.lo + seg.shard_size]
-                own.copy_(src)
-                if seg.world > 1:
-                    outs.append(seg.full)
-                    ins.append(own.clone())
-        launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
-                                   async_op=self.overlap_comm)
-        for pending, _ in launched:
-            pending.wait()
+        write_back(self.groups, self.masters, self.dp_group, self.dp_size, self.allgather_bucket_size,
+                   self.overlap_comm)
 
     def rebind_views(self) -> None:
         """Point parameters back at their flat buffers where something replaced their ``.data``.
@@ -488,8 +440,7 @@ class ZeroOptimizer:
         accumulation count. ``step()`` already leaves them zero; call this only to discard work."""
         for p in self.params:
             p.grad = None
-        if self.offload is not None:
-            self.offload.discard()
+        self.stepper.discard()
         self.reducer.zero()
         self.micro_steps = 0
 
@@ -560,8 +511,7 @@ class ZeroOptimizer:
         self._hooks.clear()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
-        if self.offload is not None:
-            self.offload.close()
+        self.stepper.close()
 
 
 def _read_shard(seg, weights, device: torch.device) -> torch.Tensor:
