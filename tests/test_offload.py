@@ -26,7 +26,7 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel, preset
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
-from plait.zero import ZeroOptimizer, weight_decay_groups
+from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import HostOptimizer, HostStepper, OffloadOptions
 
 STEPS, MICRO, SEQ = 5, 2, 16
@@ -286,10 +286,11 @@ def test_forward_and_checkpoint_right_after_an_overlapped_step(results, tag):
 def _zero(stage, offload, clip=1.0, gas=1, overlap=True, optimizer=torch.optim.AdamW):
     torch.manual_seed(0)
     model = TransformerModel(tiny(), None, seed=5)
-    off = OffloadOptions(overlap_step=overlap, early_step=True) if offload else None
+    off = OffloadOptions(overlap_step=overlap) if offload else None
     return model, ZeroOptimizer(model, None, stage=stage, optimizer=optimizer,
-                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, reduce_bucket_size=2000,
-                                allgather_bucket_size=3000, param_persistence_threshold=100,
+                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+                                comm=CommOptions(reduce_bucket_size=2000, allgather_bucket_size=3000,
+                                                 param_persistence_threshold=100),
                                 gradient_accumulation_steps=gas, max_grad_norm=clip, offload=off,
                                 skip_nonfinite=clip > 0,   # early host steps (clip 0) need the guard off
                                 units=list(model.layers.values()) if stage == 3 else None)
@@ -403,7 +404,8 @@ def test_device_step_fraction_errors_name_the_numbers_and_the_fix():
         ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, gradient_accumulation_steps=2,
                       offload=OffloadOptions(device_step_fraction=0.5))
     with pytest.raises(ValueError, match="stage 3 with offload_param keeps them on the host"):
-        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3, param_persistence_threshold=10,
+        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3,
+                      comm=CommOptions(param_persistence_threshold=10),
                       offload=OffloadOptions(param=True, device_step_fraction=0.5))
     # through ds_config: the key sits in offload_optimizer
     cfg = ds_config(2, offload=True, gas=1, device_step=0.4)

@@ -194,6 +194,24 @@ def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int)
     return groups
 
 
+def rebind_views(groups: list[FlatGroup]) -> None:
+    """Point parameters back at their flat buffers where something replaced their ``.data``.
+
+    A ``module.to(device)`` on an already-placed model (accelerate's ``prepare_model``, run by the
+    Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values; later steps then
+    update the flat buffers the model no longer reads. Every parameter is checked (a pointer
+    comparison each); DeepSpeed's stage 1/2 re-points its parameters after every step for the same
+    reason. Stage-3 shards (``seg.local``) are left alone.
+    """
+    for group in groups:
+        for seg in group.segments:
+            if seg.full is None or seg.local is not None:
+                continue
+            base, size = seg.full.data_ptr(), seg.full.element_size()
+            if any(s.param.data_ptr() != base + s.offset * size for s in seg.slots):
+                seg.set_views(seg.full)
+
+
 # ---- logical view of the shards: what a checkpoint stores ------------------------------------
 @dataclass
 class ParamSlice:

@@ -33,9 +33,10 @@ which side steps the segment), at GAS > 1 on the host once accumulated (numba, f
 the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finite (fp16 overflow). The CPU step of a segment needs the clip coefficient
 ``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
 
-* **early** (``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is exactly 1, no
-  device share, see ``plait.zero.offload.device_share``, and the non-finite guard off, since a segment stepped
-  during backward cannot be skipped afterwards: ``ZeroOptimizer(skip_nonfinite=False)``): each
+* **early** (``overlap_step`` on, ``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is
+  exactly 1, no device share, see ``plait.zero.offload.device_share``, and the non-finite guard off,
+  since a segment stepped during backward cannot be skipped afterwards:
+  ``ZeroOptimizer(skip_nonfinite=False)``): each
   segment is stepped by the worker as soon as it lands, while backward computes earlier layers, and its
   bf16 copy-back is queued right away. This is the full overlap of the ZeRO-Offload paper.
 * **deferred** (clipping on, or fp16): the segments' CPU steps start at ``step()`` with the exact
@@ -75,7 +76,7 @@ counting micro-steps after its schedule) are finalized there.
 
 Early mode caveat: once the last micro-step's backward ran, the host step of each segment is already
 applied; ``zero_grad()`` then cannot discard it (``step()`` completes it). Use deferred mode
-(``OffloadOptions(early_step=False)``) if a step may be abandoned after backward.
+(``OffloadOptions(overlap_step=False)``) if a step may be abandoned after backward.
 """
 from plait.zero.offload.gatherer import OffloadGatherer
 from plait.zero.offload.host import HostStepper

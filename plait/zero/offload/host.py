@@ -45,10 +45,10 @@ class HostStepper:
         init = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.device.type == "cuda" else {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
         self.futures: list[Future] = []
-        self.share = self._device_share(options.device_step_fraction, options.device_step_adaptive)
+        self.share = self._device_share(0.0 if options.adaptive else options.device_step_fraction, options.adaptive)
         # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
         # the CPU and the device step their shares at the same time)
-        self.early = options.early_step and not opt.max_grad_norm and opt.scaler is None and \
+        self.early = options.overlap_step and not opt.max_grad_norm and opt.scaler is None and \
             not opt.skip_nonfinite and self.share is None
         self.landing = Landing(opt, self.device, options.pin_memory, self.segments, self.share, self._submit,
                                self.synchronize, self._early_step if self.early else None)
@@ -187,7 +187,7 @@ class HostStepper:
         if self.stepped:
             raise RuntimeError(f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
                                "stepped on the host (offload early mode, no clipping): call step() to finish "
-                               "this step, or build the optimizer with OffloadOptions(early_step=False)")
+                               "this step, or build the optimizer with OffloadOptions(overlap_step=False)")
         self._reset()
 
     def close(self) -> None:
