@@ -110,7 +110,7 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
     conf = ds_config(stage, micro, offload_param, clip)
     if framework == "plait":
         fraction = float(os.environ.get("PLAIT_DEVICE_STEP", "0"))
-        if fraction:   # plait's device-assisted host step (plait.zero.offload_device)
+        if fraction:   # plait's device-assisted host step (plait.zero.offload.device_share)
             conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
         if os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") == "1":
             conf["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True
@@ -183,9 +183,9 @@ def run_arm(framework: str, size: str, stage: int, micro: int, offload_param: bo
            "host_rss_gib": _rss_gib()}
     if profile:
         out["profile"] = profile_steps(framework, engine, cfg, device, micro, warmup + steps)
-    off = getattr(getattr(engine, "optimizer", None), "offload", None)
-    if framework == "plait" and off is not None and off.device_step is not None:
-        out["device_split_history"] = list(off.device_step.history)   # segments on the device, per step
+    share = getattr(getattr(getattr(engine, "optimizer", None), "stepper", None), "share", None)
+    if framework == "plait" and share is not None:
+        out["device_split_history"] = list(share.history)   # segments on the device, per step
     return out
 
 

@@ -68,8 +68,8 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
                           pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
                           num_threads=int(threads) if threads else None,
-                          device_step_fraction=z.offload_optimizer.device_step_fraction,
-                          device_step_adaptive=z.offload_optimizer.device_step_adaptive)
+                          device_step_fraction="auto" if z.offload_optimizer.device_step_adaptive
+                          else z.offload_optimizer.device_step_fraction)
 
 
 def apply_activation_checkpointing(module: nn.Module, ac) -> None:

@@ -26,9 +26,8 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
-from plait.zero import ZeroOptimizer, weight_decay_groups
-from plait.zero.offload import OffloadOptions
-from plait.zero.offload_optim import HostOptimizer
+from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
+from plait.zero.offload import HostOptimizer, HostStepper, OffloadOptions
 from helpers import micro_batch, rel_err, tiny
 
 STEPS, MICRO, SEQ = 5, 2, 16
@@ -117,15 +116,15 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None, device="cpu", 
     if save:
         engine.save_checkpoint(save)
     masters = {(s.name, s.start): s.master.clone() for s in engine.optimizer.shard_state().slices}
-    off = engine.optimizer.offload
-    stepper = off.device_step if off is not None else None
+    host = engine.optimizer.stepper if isinstance(engine.optimizer.stepper, HostStepper) else None
+    stepper = host.share if host is not None else None
     out = {"grad_dtype": engine.optimizer.grad_shards[0].dtype,
            "device_stepped": len(stepper.ids) if stepper is not None else 0,
            "split_history": list(stepper.history) if stepper is not None else [],
            "weights": whole(engine), "masters": masters, "losses": losses, "steps": engine.global_steps,
            "skipped": engine.skipped_steps, "norm": engine.grad_norm, "lr": engine.get_lr()[0]}
-    if engine.optimizer.offload is not None:
-        out["overlap"] = dict(engine.optimizer.offload.ready.stats)
+    if host is not None:
+        out["overlap"] = dict(host.ready.stats)
     engine.optimizer.close()
     return out
 
@@ -142,7 +141,7 @@ CASES = {  # name: (reference config, offloaded config)
     "bf16 stage2 (bf16 host grads)": (ds_config(2, gas=1, bf16=True), ds_config(2, offload=True, gas=1, bf16=True)),
     "bf16 stage3+param (bf16 host grads)": (ds_config(3, gas=1, bf16=True),
                                             ds_config(3, offload=True, param=True, gas=1, bf16=True)),
-    # device-assisted host step (plait.zero.offload_device): the first half of the partition in forward
+    # device-assisted host step (plait.zero.offload.device_share): the first half of the partition in forward
     # order is updated by the device from the host states, the rest by the CPU kernels
     "stage2 device step 0.5": (ds_config(2, gas=1), ds_config(2, offload=True, gas=1, device_step=0.5)),
     "stage1 device step 0.3, no clip": (ds_config(1, gas=1, clip=0.0),
@@ -228,7 +227,7 @@ def test_offload_matches_device_optimizer(results, case):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_device_step_is_bit_identical_to_cpu_step(results, bf16):
-    """plait.zero.offload_device computes the CPU kernel's formula with the same roundings."""
+    """plait.zero.offload.device_share computes the CPU kernel's formula with the same roundings."""
     cpu, dev = results[f"device step bitwise bf16={bf16}"]
     assert dev["device_stepped"] > 0 and cpu["device_stepped"] == 0
     for key, m in cpu["masters"].items():
@@ -274,10 +273,11 @@ def test_forward_and_checkpoint_right_after_an_overlapped_step(results, tag):
 def _zero(stage, offload, clip=1.0, gas=1, overlap=True, optimizer=torch.optim.AdamW):
     torch.manual_seed(0)
     model = TransformerModel(tiny(), None, seed=5)
-    off = OffloadOptions(overlap_step=overlap, early_step=True) if offload else None
+    off = OffloadOptions(overlap_step=overlap) if offload else None
     return model, ZeroOptimizer(model, None, stage=stage, optimizer=optimizer,
-                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, reduce_bucket_size=2000,
-                                allgather_bucket_size=3000, param_persistence_threshold=100,
+                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+                                comm=CommOptions(reduce_bucket_size=2000, allgather_bucket_size=3000,
+                                                 param_persistence_threshold=100),
                                 gradient_accumulation_steps=gas, max_grad_norm=clip, offload=off,
                                 skip_nonfinite=clip > 0,   # early host steps (clip 0) need the guard off
                                 units=list(model.layers.values()) if stage == 3 else None)
@@ -305,19 +305,19 @@ def test_step_returns_mid_flight_and_the_next_forward_waits_per_segment(stage, c
             ref.step()
             opt.backward(model(**b))
             if opt.step():
-                assert opt.offload.ready.active  # step() returned before the host step ended
+                assert opt.stepper.ready.active  # step() returned before the host step ended
                 if i == len(batches) - 1:       # last step: a checkpoint read right away waits first
                     got = _masters(opt)
-                    assert not opt.offload.ready.active
+                    assert not opt.stepper.ready.active
                     break
-                waits = opt.offload.ready.stats["waits"]
+                waits = opt.stepper.ready.stats["waits"]
                 with torch.no_grad():
                     probe, want = model(**batches[0]), ref_model(**batches[0])
                 assert torch.equal(probe, want)   # read mid-flight: every weight already updated
-                assert not opt.offload.ready.active and opt.offload.ready.stats["waits"] > waits + 1
+                assert not opt.stepper.ready.active and opt.stepper.ready.stats["waits"] > waits + 1
         # deferred (clip): host steps still running after step(); early: done during backward
-        assert (opt.offload.ready.stats["segments_in_flight"] > 0) == (clip > 0)
-        assert opt.offload.ready.stats["steps"] == 3
+        assert (opt.stepper.ready.stats["segments_in_flight"] > 0) == (clip > 0)
+        assert opt.stepper.ready.stats["steps"] == 3
     want = _masters(ref)
     assert got.keys() == want.keys()
     for k, m in want.items():
@@ -329,7 +329,7 @@ def test_step_returns_mid_flight_and_the_next_forward_waits_per_segment(stage, c
 def test_overlap_off_finishes_inside_step():
     model, opt = _zero(2, True, overlap=False)
     opt.backward(model(**micro_batch(0, 0, 0)))
-    assert opt.step() and not opt.offload.ready.active
+    assert opt.step() and not opt.stepper.ready.active
     opt.close()
 
 
@@ -391,10 +391,11 @@ def test_device_step_fraction_errors_name_the_numbers_and_the_fix():
         ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, gradient_accumulation_steps=2,
                       offload=OffloadOptions(device_step_fraction=0.5))
     with pytest.raises(ValueError, match="stage 3 with offload_param keeps them on the host"):
-        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3, param_persistence_threshold=10,
+        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3,
+                      comm=CommOptions(param_persistence_threshold=10),
                       offload=OffloadOptions(param=True, device_step_fraction=0.5))
     # through ds_config: the key sits in offload_optimizer
     cfg = ds_config(2, offload=True, gas=1, device_step=0.4)
     engine = plait.initialize(TransformerModel(tiny(), None, seed=5), cfg, mesh=ParallelMesh())
-    assert engine.optimizer.offload.device_step is not None and engine.optimizer.offload_options.device_step_fraction == 0.4
+    assert engine.optimizer.stepper.share is not None and engine.optimizer.offload_options.device_step_fraction == 0.4
     engine.optimizer.close()

@@ -25,6 +25,7 @@ from torch import nn
 
 from plait.testing import run_distributed
 from plait.zero import (
+    CommOptions,
     LossScaler,
     NormGroups,
     ZeroOptimizer,
@@ -119,11 +120,12 @@ def build(model, cfg: dict, group) -> ZeroOptimizer:
     return ZeroOptimizer(
         model, group, stage=cfg["stage"], optimizer=cls, optimizer_kwargs=kwargs,
         param_groups=weight_decay_groups(model, 0.1), gradient_accumulation_steps=cfg.get("gas", 1),
-        overlap_comm=cfg.get("overlap", False), reduce_bucket_size=cfg.get("bucket", 10_000_000),
-        allgather_bucket_size=cfg.get("gather_bucket", 10_000_000), units=units,
-        prefetch_bucket_size=cfg.get("prefetch", 0), param_persistence_threshold=cfg.get("persist", 0),
-        max_grad_norm=cfg.get("max_norm", 0.0), param_dtype=cfg.get("dtype"), loss_scaler=cfg.get("scaler"),
-        reduce_dtype=cfg.get("reduce", "fp32"))
+        comm=CommOptions(overlap_comm=cfg.get("overlap", False), reduce_bucket_size=cfg.get("bucket", 10_000_000),
+                         allgather_bucket_size=cfg.get("gather_bucket", 10_000_000),
+                         prefetch_bucket_size=cfg.get("prefetch", 0), param_persistence_threshold=cfg.get("persist", 0),
+                         reduce_dtype=cfg.get("reduce", "fp32")),
+        units=units, max_grad_norm=cfg.get("max_norm", 0.0), param_dtype=cfg.get("dtype"),
+        loss_scaler=cfg.get("scaler"))
 
 
 def train(model, opt, cfg: dict, steps: int, poison=None):

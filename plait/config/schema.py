@@ -223,7 +223,7 @@ class OffloadConfig:
     ``pin_memory`` allocates the host buffers page-locked for faster device copies.
     ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
     partition whose update the device computes from the host-resident states while the CPU steps the
-    rest (``plait.zero.offload_device``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
+    rest (``plait.zero.offload.device_share``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
     ``device_step_adaptive`` (plait) starts there and moves the split each step towards equal CPU and
     device times."""
 

@@ -2,11 +2,12 @@
 fp16 loss scaling, global gradient-norm clipping over dp/tp/pp, and logical checkpoint slices."""
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
 from plait.zero.flat import ParamSlice, ShardState, slices_reader
-from plait.zero.optimizer import ZeroOptimizer, weight_decay_groups
+from plait.zero.optimizer import CommOptions, StagePolicy, ZeroOptimizer, weight_decay_groups
 from plait.zero.precision import LossScaleError, LossScaler, NonFiniteError, resolve_dtype
 from plait.zero.weights import SafetensorsWeights, meta_parameters
 
 __all__ = [
+           "CommOptions",
            "LossScaleError",
            "LossScaler",
            "NonFiniteError",
@@ -14,6 +15,7 @@ __all__ = [
            "ParamSlice",
            "SafetensorsWeights",
            "ShardState",
+           "StagePolicy",
            "ZeroOptimizer",
            "clip_coefficient",
            "global_grad_norm",

@@ -13,6 +13,7 @@ local shard.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -31,6 +32,23 @@ def owner_of(param):
     """The live ZeroOptimizer that trains ``param``, or None."""
     ref = getattr(param, OWNER_ATTR, None)
     return ref() if ref is not None else None
+
+
+@contextmanager
+def gathered(opt, modifier_rank: int | None = None):
+    """Body of ``ZeroOptimizer.gathered_parameters``: every parameter whole (stage 3 gathers) for the
+    ``with`` block; at exit ``adopt_edits`` from ``modifier_rank`` (if given), then stage 3 releases.
+    Collective over dp."""
+    opt.synchronize()
+    if opt.gatherer is not None:
+        opt.gatherer.gather_all()
+    try:
+        yield
+        if modifier_rank is not None:
+            adopt_edits(opt, modifier_rank)
+    finally:
+        if opt.gatherer is not None:
+            opt.gatherer.release_all()
 
 
 def adopt_edits(opt, modifier_rank: int) -> None:

@@ -16,7 +16,7 @@ Models", SC'20, Sec. 5: each of the N_d data-parallel ranks owns 1/N_d of every 
   state live, so any elementwise torch optimizer steps it unchanged.
 
 With ``world = 1`` (stage 0) a segment is unpadded and its one "slice" is all of it.
-Nothing here talks to process groups except ``gather_segments``, which takes one explicitly.
+Nothing here talks to process groups (``plait.zero.comm`` does).
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
-
-from plait.parallel.collectives import all_gather_flat, reduce_scatter_flat
 
 
 class GroupKey(NamedTuple):
@@ -197,105 +194,22 @@ def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int)
     return groups
 
 
-class Pending:
-    """Handle on launched collectives: ``wait()`` waits for them, then runs the finishers (copies
-    out of staging buffers) once. Collectives launched synchronously are already done."""
+def rebind_views(groups: list[FlatGroup]) -> None:
+    """Point parameters back at their flat buffers where something replaced their ``.data``.
 
-    def __init__(self, works=(), finish: Callable[[], None] | None = None, keep=()):
-        self.works = [w for w in works if w is not None]
-        self.finish = finish
-        self.keep = list(keep)  # tensors an async collective reads or writes: alive until wait()
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for w in self.works:
-            w.wait()
-        if self.finish is not None:
-            self.finish()
-        self.keep.clear()
-        self.done = True
-
-
-def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, world: int,
-                    bucket_numel: int, async_op: bool = False) -> list[tuple[Pending, list[int]]]:
-    """All-gather ``inputs[k]`` (``[S_k]``, this rank's slice) into ``outputs[k]`` (``[world*S_k]``).
-
-    Consecutive segments are coalesced into one collective while their total padded size stays
-    within ``bucket_numel`` elements (a staging buffer is then copied out on ``wait``).
-    ``world == 1`` copies locally. Collective over ``group``: every rank must call it with segments
-    of the same sizes in the same order. Returns ``(pending, indices of the segments it covers)``
-    per collective; with ``async_op=False`` they are already complete.
+    A ``module.to(device)`` on an already-placed model (accelerate's ``prepare_model``, run by the
+    Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values; later steps then
+    update the flat buffers the model no longer reads. Every parameter is checked (a pointer
+    comparison each); DeepSpeed's stage 1/2 re-points its parameters after every step for the same
+    reason. Stage-3 shards (``seg.local``) are left alone.
     """
-    if world == 1:
-        for out, inp in zip(outputs, inputs):
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-        return []
-    runs: list[list[int]] = []
-    total = 0
-    for k, out in enumerate(outputs):
-        if runs and total + out.numel() <= bucket_numel:
-            runs[-1].append(k)
-            total += out.numel()
-        else:
-            runs.append([k])
-            total = out.numel()
-    pendings = []
-    for run in runs:
-        if len(run) == 1:
-            k = run[0]
-            src = inputs[k].contiguous()
-            work = all_gather_flat(outputs[k], src, group=group, async_op=async_op)
-            pendings.append((Pending([work] if async_op else [], keep=[src]), run))
-            continue
-        sizes = [inputs[k].numel() for k in run]
-        staged = torch.cat([inputs[k].reshape(-1) for k in run])
-        buf = torch.empty(world * staged.numel(), dtype=staged.dtype, device=staged.device)
-        work = all_gather_flat(buf, staged, group=group, async_op=async_op)
-
-        def finish(run=run, sizes=sizes, buf=buf):
-            per_rank = buf.view(world, -1)
-            col = 0
-            for k, s in zip(run, sizes):
-                outputs[k].view(world, s).copy_(per_rank[:, col:col + s])
-                col += s
-
-        p = Pending([work] if async_op else [], finish, keep=[staged])
-        if not async_op:
-            p.wait()
-        pendings.append((p, run))
-    return pendings
-
-
-def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
-                         release: bool, async_op: bool, out: torch.Tensor | None = None
-                         ) -> tuple[Pending, torch.Tensor]:
-    """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
-
-    Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
-    divides by ``world`` (before the sum, so fp16/bf16 reductions do not overflow) and
-    reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
-    ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
-    ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
-    collective and the tensor that holds the result after ``wait()``. With ``world == 1`` and an
-    ``out`` of ``[padded]`` elements (a grad-shard slice), the gradients are packed straight into it.
-    """
-    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None)
-    if release:
-        for slot in seg.slots:
-            slot.param.grad = None
-    if world > 1:
-        buf.div_(world)
-    if world == 1:
-        return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
-    if seg.world == 1:
-        work = dist.all_reduce(buf, group=group, async_op=async_op)
-        return Pending([work] if async_op else [], keep=[buf]), buf
-    out = torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
-    work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
-    return Pending([work] if async_op else [], keep=[buf]), out
+    for group in groups:
+        for seg in group.segments:
+            if seg.full is None or seg.local is not None:
+                continue
+            base, size = seg.full.data_ptr(), seg.full.element_size()
+            if any(s.param.data_ptr() != base + s.offset * size for s in seg.slots):
+                seg.set_views(seg.full)
 
 
 # ---- logical view of the shards: what a checkpoint stores ------------------------------------

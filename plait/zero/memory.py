@@ -44,6 +44,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 GB = 10**9
@@ -202,3 +203,25 @@ def format_memory_table(estimates: Iterable[MemoryEstimate], unit: str = "GiB") 
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + f"\n(model states only, in {unit}; GPU columns are per GPU, host per node)"
+
+
+def held_bytes(opt) -> dict[str, int]:
+    """Bytes a ``ZeroOptimizer`` rank holds now, by kind (see ``ZeroOptimizer.memory_bytes``): ``params``,
+    ``grads``, ``grad_shards``, ``master``, ``optimizer_state`` and ``total``."""
+    seen, params = set(), 0
+    for g in opt.groups:
+        for seg in g.segments:
+            for t in (seg.full, seg.local):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    params += t.numel() * t.element_size()
+    out = {
+        "params": params,
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None),
+        "grad_shards": sum(g.numel() * g.element_size() for g in opt.grad_shards),
+        "master": sum(m.numel() * m.element_size() for m in opt.masters),
+        "optimizer_state": sum(v.numel() * v.element_size() for st in opt.optimizer.state.values()
+                               for v in st.values() if torch.is_tensor(v)),
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -32,12 +32,8 @@ Lifecycle (the engine drives it)::
 ``backward`` owns the 1/GAS scaling; an engine that runs autograd itself (pipeline schedules)
 multiplies its loss by ``opt.loss_scale / GAS`` (``scale_loss``), calls ``note_micro_step()`` once
 per micro-batch and ``step()`` at the end. Stage 2/3 reduction also runs on plain ``loss.backward()``
-(it is driven by parameter hooks and an end-of-backward callback).
-
-The torch optimizer sees one flat fp32 tensor per flat group, so it must treat parameters
-elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, Lion...). Optimizers that need per-tensor
-norms (LAMB, LARS, Adafactor's factored moments) would see a flat shard that mixes and splits
-parameters: they need unflattened per-parameter views and are not supported here.
+(it is driven by parameter hooks and an end-of-backward callback). The torch optimizer must be
+elementwise (``plait.zero.build``). One step: ``step`` over a ``plait.zero.stepper.Stepper``.
 """
 from __future__ import annotations
 
@@ -50,64 +46,21 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
-from plait.zero.edits import mark_owner
-from plait.zero.flat import (
-    Entry,
-    GroupKey,
-    ParamSlice,
-    ShardState,
-    build_layout,
-    gather_segments,
-    load_shard_state,
-    shard_state,
-)
-from plait.zero.offload import (
-    OffloadGatherer,
-    OffloadOptions,
-    OffloadPipeline,
-)
-from plait.zero.offload_optim import host_optimizer
-from plait.zero.pinned import host_empty, to_host
+from plait.zero.build import layout_entries, materialize, optimizer_groups, resolve_groups, unit_segments
+from plait.zero.build import weight_decay_groups
+from plait.zero.clip import NormGroups, clip_coefficient
+from plait.zero.edits import gathered, mark_owner
+from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
+from plait.zero.memory import held_bytes
+from plait.zero.offload import HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer
+from plait.zero.pinned import host_empty
+from plait.zero.policy import CommOptions, StagePolicy
 from plait.zero.precision import LossScaler, log_skipped_step, resolve_dtype
-from plait.zero.stage3 import ParamGatherer, build_units
+from plait.zero.stage3 import ParamGatherer
 from plait.zero.stage12 import GradReducer
+from plait.zero.stepper import DeviceStepper, Stepper, write_back
 
-
-def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """Torch-style param groups: ``weight_decay`` for matrices, 0 for biases and norm weights
-    (parameters with fewer than 2 dims). Frozen parameters are left out."""
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
-    if param_groups is None:
-        return [{}], {id(p): 0 for _, p in named}
-    names = {id(p): n for n, p in named}
-    group_of: dict[int, int] = {}
-    opts = []
-    for i, g in enumerate(param_groups):
-        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        for p in params:
-            if not p.requires_grad:
-                continue
-            if id(p) not in names:
-                raise ValueError(f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                 "trainable parameter of the module; build groups from module.parameters()")
-            if id(p) in group_of:
-                raise ValueError(f"parameter {names[id(p)]} is in param groups {group_of[id(p)]} and {i}; "
-                                 "list each parameter once")
-            group_of[id(p)] = i
-        opts.append({k: v for k, v in g.items() if k != "params"})
-    missing = [n for n, p in named if id(p) not in group_of]
-    if missing:
-        raise ValueError(f"{len(missing)} trainable parameters are in no param group (first: {missing[:4]}); "
-                         "add them to a group or set requires_grad=False")
-    return opts, group_of
+__all__ = ["CommOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
 
 
 class ZeroOptimizer:
@@ -127,13 +80,8 @@ class ZeroOptimizer:
             ``weight_decay_groups``); None: one group.
         param_dtype: compute dtype of the model parameters ("fp32", "bf16", "fp16" or a dtype);
             None keeps each parameter's dtype. Master weights are fp32 from the original values.
-        reduce_dtype: dtype gradients are reduced in (default float32).
-        reduce_bucket_size: elements per segment, i.e. per gradient reduce-scatter/all-reduce.
-        allgather_bucket_size: elements per coalesced parameter all-gather.
-        overlap_comm: asynchronous collectives (reduction overlaps backward; all-gathers overlap
-            each other).
-        prefetch_bucket_size: stage 3: elements all-gathered ahead of use (0: no prefetch).
-        param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every rank.
+        comm: ``CommOptions`` (reduce dtype, bucket sizes, overlap, stage-3 prefetch and persistence);
+            None: the defaults.
         units: stage 3: modules gathered as one unit (e.g. transformer blocks); None: every module
             with parameters of its own (see ``stage3``).
         gradient_accumulation_steps: micro-steps per optimizer step (GAS).
@@ -149,6 +97,8 @@ class ZeroOptimizer:
         weights: a ``plait.zero.weights.WeightSource`` to fill the flat buffers from instead of the
             parameters' values (placeholders from ``place_meta_parameters``): under stage 3 each rank
             reads only its shard of each segment.
+        norm_exclude: ids of parameters left out of the gradient norm (a tied copy whose twin on another
+            pipeline stage is already counted).
 
     Raises:
         ValueError: bad stage, sizes or param groups (message names the values and the fix).
@@ -156,104 +106,79 @@ class ZeroOptimizer:
 
     def __init__(self, module: nn.Module, dp_group=None, *, stage: int = 1, optimizer=torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, param_groups: list[dict] | None = None,
-                 param_dtype=None, reduce_dtype=torch.float32, reduce_bucket_size: int = 500_000_000,
-                 allgather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
-                 prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
-                 units: list[nn.Module] | None = None, gradient_accumulation_steps: int = 1,
-                 max_grad_norm: float | None = 0.0, loss_scaler: LossScaler | None = None,
-                 grad_norm_groups: NormGroups | None = None, offload: OffloadOptions | None = None,
-                 skip_nonfinite: bool = True, weights=None):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-        if offload is not None and (offload.optimizer and stage == 0 or offload.param and stage != 3):
+                 param_dtype=None, comm: CommOptions | None = None, units: list[nn.Module] | None = None,
+                 gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 0.0,
+                 loss_scaler: LossScaler | None = None, grad_norm_groups: NormGroups | None = None,
+                 offload: OffloadOptions | None = None, skip_nonfinite: bool = True, weights=None,
+                 norm_exclude: set[int] | None = None):
+        self.policy = StagePolicy.of(stage)
+        if offload is not None and (offload.optimizer and not self.policy.optimizer_states or
+                                    offload.param and not self.policy.parameters):
             raise ValueError(f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {stage} "
                              f"with optimizer={offload.optimizer}, param={offload.param}; change the stage")
-        self.offload_options = offload
-        host_opt = offload is not None and offload.optimizer
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
-        for name, value in (("reduce_bucket_size", reduce_bucket_size),
-                            ("allgather_bucket_size", allgather_bucket_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be at least 1 element, got {value}")
-        self.module, self.stage, self.dp_group = module, stage, dp_group
+        self.module, self.stage, self.dp_group, self.comm = module, stage, dp_group, comm or CommOptions()
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.offload_options, self._host = offload, offload is not None and offload.optimizer
         self.norm_groups = grad_norm_groups or NormGroups()
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.max_grad_norm = max_grad_norm
+        self.gradient_accumulation_steps, self.max_grad_norm = gradient_accumulation_steps, max_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        self.reduce_dtype = resolve_dtype(reduce_dtype)
-        self.allgather_bucket_size, self.overlap_comm = int(allgather_bucket_size), overlap_comm
+        group_opts = self._build_layout(param_groups, param_dtype, units)
+        self._build_masters(weights)
+        self._build_optimizer(optimizer, optimizer_kwargs, group_opts)
+        if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
+            loss_scaler = LossScaler()
+        self.scaler = loss_scaler
+        self._reset_counters(norm_exclude)
+        self._build_communication()
+
+    def _build_layout(self, param_groups, param_dtype, units) -> list[dict]:
+        """Trainable parameters -> flat groups (``groups``, ZeRO Sec. 5) and stage-3 ``units``; returns the
+        per-group optimizer options. Raises ValueError: no trainable parameters, bad param groups."""
         dtype = resolve_dtype(param_dtype) if param_dtype is not None else None
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no trainable parameters")
         for _, p in named:   # the shape must outlive ZeRO-3's release of the data (checkpoints read it)
             if getattr(p, SHARD_ATTR, None) is None:
                 mark(p, shard_of(p))
-        group_opts, group_of = _resolve_groups(named, param_groups)
-
-        def key(p, persistent=False):
-            return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent)
-
-        if stage < 3:  # reverse registration order ~ the order backward produces gradients
-            entries = [Entry(n, p, key(p)) for n, p in reversed(named)]
-            self.units = []
-        else:
-            persistent = {id(p) for _, p in named if p.numel() < param_persistence_threshold}
-            self.units = build_units(module, {id(p) for _, p in named if id(p) not in persistent}, units)
-            owner = {}
-            for u in self.units:
-                for p in u.params:
-                    owner.setdefault(id(p), u.index)
-            entries = sorted((Entry(n, p, key(p), owner[id(p)]) for n, p in named if id(p) in owner),
-                             key=lambda e: e.unit)
-            entries += [Entry(n, p, key(p, True)) for n, p in reversed(named) if id(p) in persistent]
-        world, rank = (1, 0) if stage == 0 else (self.dp_size, self.dp_rank)
-        self.groups = build_layout(entries, world, rank, int(reduce_bucket_size))
+        group_opts, group_of = resolve_groups(named, param_groups)
+        entries, self.units = layout_entries(self.module, named, group_of, dtype, self.policy,
+                                             self.comm.param_persistence_threshold, units)
+        world, rank = self.policy.shard_world(self.dp_size, self.dp_rank)
+        self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size)
         self.params = [p for _, p in named]
         self.device = self.params[0].device
-        self._master_device = torch.device("cpu") if host_opt else self.device
-        self.masters = [self._materialize(g, weights) for g in self.groups]
+        return group_opts
+
+    def _build_masters(self, weights) -> None:
+        """fp32 master shards (host with offload) and gradient shards, one per flat group."""
+        off = self.offload_options
+        master_device = torch.device("cpu") if self._host else self.device
+        host_params = off is not None and off.param
+        self.masters = [materialize(g, self.policy, self.device, master_device, host_params,
+                                    host_params and off.pin_memory, weights) for g in self.groups]
         # ZeRO-Offload with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
         # rank: backward's own bf16 gradient; dp > 1: a bf16 reduction), so the host keeps it in bf16 --
         # half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact.
-        compact = host_opt and gradient_accumulation_steps == 1 and \
+        world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]
+        compact = self._host and self.gradient_accumulation_steps == 1 and \
             all(g.key.dtype == torch.bfloat16 for g in self.groups) and \
-            (world == 1 or self.reduce_dtype == torch.bfloat16)
+            (world == 1 or self.comm.reduce_dtype == torch.bfloat16)
         grad_dtype = torch.bfloat16 if compact else torch.float32
-        self.grad_shards = [host_empty(m.numel(), grad_dtype, offload.pin_memory).zero_() if host_opt
+        self._land_dtype = grad_dtype if compact else self.comm.reduce_dtype
+        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_() if self._host
                             else torch.zeros_like(m) for m in self.masters]
-        if host_opt:
-            optimizer = host_optimizer(optimizer, offload.num_threads)
 
-        opt_groups = []
-        for gi, opts in enumerate(group_opts):
-            members = [m for m, g in zip(self.masters, self.groups) if g.key.param_group == gi]
-            if members:
-                opt_groups.append({"params": members, **opts})
-        order = {id(m): i for i, m in enumerate(m for g in opt_groups for m in g["params"])}
-        self._opt_index = [order[id(m)] for m in self.masters]
+    def _build_optimizer(self, optimizer, optimizer_kwargs: dict | None, group_opts: list[dict]) -> None:
+        """The torch optimizer (``HostOptimizer`` with offload) over the master shards."""
+        if self._host:
+            optimizer = host_optimizer(optimizer, self.offload_options.num_threads)
+        opt_groups, self._opt_index = optimizer_groups(group_opts, self.groups, self.masters)
         self.optimizer = optimizer(opt_groups, **(optimizer_kwargs or {}))
 
-        if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
-            loss_scaler = LossScaler()
-        self.scaler = loss_scaler
-        self.reducer = GradReducer(self.groups, self.grad_shards, dp_group, self.dp_size, grad_dtype if compact
-                                   else self.reduce_dtype, overlap_comm, eager=stage >= 2)
-        self.gatherer = None
-        if stage == 3:
-            for u in self.units:
-                wanted = {id(p) for p in u.params}
-                u.segments = [s for g in self.groups for s in g.segments
-                              if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)]
-            extra = {"device": self.device} if offload is not None and offload.param else {}
-            self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
-                module, self.units, dp_group, self.dp_size, self.allgather_bucket_size, int(prefetch_bucket_size),
-                self._note_backward, **extra)
-        self._hooks = []
-        if stage >= 2:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+    def _reset_counters(self, norm_exclude) -> None:
         self._in_backward = False
         self.micro_steps = 0       # micro-steps since the last optimizer step
         self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary (DeepSpeed API)
@@ -261,38 +186,29 @@ class ZeroOptimizer:
         self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
         self.consecutive_skips = 0  # of them, in a row up to the last step
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
-        self.norm_exclude: set[int] = set()  # ids of parameters left out of the norm (tied copies)
-        self.offload = OffloadPipeline(self, offload) if host_opt else None
-        mark_owner(self.params, self)
-        if self.offload is not None:
-            self.reducer.land = self.offload.land
+        self.norm_exclude: set[int] = set(norm_exclude or ())  # parameters left out of the norm (tied copies)
 
-    def _materialize(self, group, weights=None) -> nn.Parameter:
-        """Build the fp32 master shard of ``group`` and point its parameters at flat storage; values from
-        the parameters, or from ``weights`` (a ``WeightSource``: only this rank's shard under stage 3)."""
-        slices = []
-        for seg in group.segments:
-            sharded = self.stage == 3 and not group.key.persistent
-            for slot in seg.slots:
-                slot.param.grad = None
-            if weights is not None and sharded:
-                shard32 = _read_shard(seg, weights, self.device)
-                slices.append(shard32.to(self._master_device, copy=True))
-                own = shard32.to(group.key.dtype)
-            else:
-                get = (lambda s: s.param.detach()) if weights is None else \
-                    (lambda s: weights.read(s.name, 0, s.numel).to(self.device))
-                full32 = seg.pack(get, torch.float32, device=self.device)
-                slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(self._master_device, copy=True))
-                full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
-                own = full[seg.lo:seg.lo + seg.shard_size]
-            if sharded:
-                off = self.offload_options
-                seg.local = to_host(own, off.pin_memory) if off is not None and off.param else own.clone()
-                seg.free()
-            else:
-                seg.set_views(full)
-        return nn.Parameter(torch.cat(slices))
+    def _build_communication(self) -> None:
+        """Stage-3 gatherer, gradient hooks, the stepper and the gradient reducer (its sink: the host
+        stepper's ``land`` under offload)."""
+        comm, off, dp = self.comm, self.offload_options, self.dp_group
+        ready = Readiness(forward_order(self.module, [s for g in self.groups for s in g.segments]), self.device,
+                          dp, self.dp_size, comm.allgather_bucket_size, comm.overlap_comm) if self._host else None
+        self.gatherer = None
+        if self.policy.parameters:
+            unit_segments(self.units, self.groups)
+            extra = {"device": self.device} if off is not None and off.param else {}
+            self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
+                self.module, self.units, dp, self.dp_size, comm.allgather_bucket_size, comm.prefetch_bucket_size,
+                self._note_backward, gate=ready, **extra)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params] \
+            if self.policy.gradients else []
+        self.stepper: Stepper = HostStepper(self, off, ready) if self._host else \
+            DeviceStepper(self, dp if self.policy.optimizer_states else None)
+        self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
+                                   comm.overlap_comm, eager=self.policy.gradients,
+                                   land=self.stepper.land if self._host else None)
+        mark_owner(self.params, self)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -351,12 +267,9 @@ class ZeroOptimizer:
 
     # ---- step -------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Apply one optimizer step at the accumulation boundary.
-
-        Reduces gradients (stages 0-1), takes the global gradient norm over dp x tp x pp, skips the
-        step on every rank when that norm is inf or nan (``skip_nonfinite``; fp16 overflow), unscales,
-        clips to ``max_grad_norm``, steps the fp32 master shards and copies them back into the model
-        parameters (all-gathering for stages 1-2 and stage-3 persistent params).
+        """Apply one optimizer step at the accumulation boundary: reduce -> global norm over dp x tp x pp
+        -> skip on every rank if inf/nan (``skip_nonfinite``; fp16 overflow) -> unscale and clip to
+        ``max_grad_norm`` -> the stepper updates the fp32 masters and publishes the parameters -> finish.
 
         Returns:
             True when the parameters were updated; False before the boundary or when the step was
@@ -367,49 +280,34 @@ class ZeroOptimizer:
         """
         if not self.is_gradient_accumulation_boundary():
             return False
-        self.synchronize()  # a previous overlapped offload step (plait.zero.offload) is finished
-        if self.stage < 2:
-            self.reducer.reduce_all()
+        self.synchronize()  # a previous overlapped host step (plait.zero.offload) is finished
+        if self.policy.gradients:
+            self.reducer.wait()          # stages 2-3 reduced during backward
         else:
-            self.reducer.wait()
+            self.reducer.reduce_all()    # stages 0-1 reduce at the boundary
         self.micro_steps = 0
-        applied = self.offload.step() if self.offload is not None else self._apply_step()
-        if applied:
-            self.consecutive_skips = 0
-        return applied
+        scale = self.loss_scale
+        norm = self.stepper.grad_norm() / scale
+        if self.must_skip(norm):         # inf/nan anywhere (fp16 overflow): the same on every rank
+            return self.skip_step(norm)
+        self.grad_norm = norm
+        self.stepper.apply(clip_coefficient(norm, self.max_grad_norm) / scale)
+        self.reducer.zero()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self.global_steps += 1
+        self.consecutive_skips = 0
+        return True
 
     def must_skip(self, norm: float) -> bool:
         """Whether a step with this (all-reduced, so rank-independent) global norm is skipped."""
         return not math.isfinite(norm) and (self.skip_nonfinite or self.scaler is not None)
 
-    def _apply_step(self) -> bool:
-        """``step`` without offload, after the reduction: norm, skip or clip, update, write back."""
-        scale = self.loss_scale
-        # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
-        norm = float(global_grad_norm(self._norm_pieces(), self.dp_group if self.stage > 0 else None,
-                                      self.norm_groups.tp, self.norm_groups.pp)) / scale
-        if self.must_skip(norm):
-            return self.skip_step(norm)
-        self.grad_norm = norm
-        coef = clip_coefficient(norm, self.max_grad_norm) / scale
-        for master, grad in zip(self.masters, self.grad_shards):
-            if coef != 1.0:
-                grad.mul_(coef)
-            master.grad = grad
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self.reducer.zero()
-        self.write_back()
-        if self.scaler is not None:
-            self.scaler.update(False)
-        self.global_steps += 1
-        return True
-
     def skip_step(self, norm: float = math.nan) -> bool:
         """A non-finite gradient on some rank (``norm``: the global norm): drop this step's gradients on
         every rank, count and log the skip, and lower the fp16 loss scale (raises ``LossScaleError`` at
         the minimum). Returns False (not applied)."""
+        self.stepper.discard()
         self.reducer.zero()
         self.grad_norm = None
         self.skipped_steps += 1
@@ -420,51 +318,19 @@ class ZeroOptimizer:
             log_skipped_step(self.global_steps + self.skipped_steps, norm, self.consecutive_skips)
         return False
 
-    def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
-        """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
-        ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
-        out = []
-        for g, grp in zip(self.grad_shards, self.groups):
-            skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
-                          if id(pc.slot.param) in self.norm_exclude) if self.norm_exclude else []
-            pos = 0
-            for a, b in skip + [(g.numel(), g.numel())]:
-                if a > pos:
-                    out.append((g[pos:a], grp.key.tp_replicated))
-                pos = max(pos, b)
-        return out
-
     def synchronize(self) -> None:
         """Finish an offloaded optimizer step still running after ``step()`` returned (ZeRO-Offload
         ``overlap_step``, see ``plait.zero.offload``); a no-op otherwise. The next forward waits per
         segment by itself, and every method here that reads parameters or state calls this; call it
         before reading parameters any other way. Collective over dp while a step is in flight."""
-        if self.offload is not None:
-            self.offload.synchronize()
+        self.stepper.synchronize()
 
     def write_back(self) -> None:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
         where every rank holds whole parameters. Collective."""
         self.synchronize()
-        outs, ins = [], []
-        for group, master in zip(self.groups, self.masters):
-            for seg in group.segments:
-                src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
-                if seg.local is not None:
-                    seg.local.copy_(src)
-                    if seg.full is not None:  # gathered right now (gathered_parameters())
-                        outs.append(seg.full)
-                        ins.append(seg.local.to(seg.full.device))
-                    continue
-                own = seg.full[seg.lo:seg.lo + seg.shard_size]
-                own.copy_(src)
-                if seg.world > 1:
-                    outs.append(seg.full)
-                    ins.append(own.clone())
-        launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
-                                   async_op=self.overlap_comm)
-        for pending, _ in launched:
-            pending.wait()
+        write_back(self.groups, self.masters, self.dp_group, self.dp_size, self.comm.allgather_bucket_size,
+                   self.comm.overlap_comm)
 
     def rebind_views(self) -> None:
         """Point parameters back at their flat buffers where something replaced their ``.data``.
@@ -475,21 +341,14 @@ class ZeroOptimizer:
         comparison each); DeepSpeed's stage 1/2 re-points its parameters after every step for the same
         reason.
         """
-        for group in self.groups:
-            for seg in group.segments:
-                if seg.full is None or seg.local is not None:
-                    continue
-                base, size = seg.full.data_ptr(), seg.full.element_size()
-                if any(s.param.data_ptr() != base + s.offset * size for s in seg.slots):
-                    seg.set_views(seg.full)
+        rebind_views(self.groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (model ``.grad`` and the fp32 grad shards) and restart the
         accumulation count. ``step()`` already leaves them zero; call this only to discard work."""
         for p in self.params:
             p.grad = None
-        if self.offload is not None:
-            self.offload.discard()
+        self.stepper.discard()
         self.reducer.zero()
         self.micro_steps = 0
 
@@ -503,40 +362,15 @@ class ZeroOptimizer:
         ``GatheredParameters(..., modifier_rank=r)``; without it edits are not kept (stage 3 drops the
         gathered copies and every stage's next step starts from the master weights).
         """
-        self.synchronize()
-        if self.gatherer is not None:
-            self.gatherer.gather_all()
-        try:
+        with gathered(self, modifier_rank):
             yield
-            if modifier_rank is not None:
-                from plait.zero.edits import adopt_edits
-                adopt_edits(self, modifier_rank)
-        finally:
-            if self.gatherer is not None:
-                self.gatherer.release_all()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: ``params`` (model parameter storage, compute dtype;
         stage-3 shards, persistent and currently gathered params), ``grads`` (``param.grad`` tensors),
         ``grad_shards`` (reduced gradients: fp32; bf16 under offload at GAS 1), ``master`` (fp32 weights), ``optimizer_state``
         (torch optimizer state tensors), and ``total``."""
-        seen, params = set(), 0
-        for g in self.groups:
-            for seg in g.segments:
-                for t in (seg.full, seg.local):
-                    if t is not None and id(t) not in seen:
-                        seen.add(id(t))
-                        params += t.numel() * t.element_size()
-        out = {
-            "params": params,
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None),
-            "grad_shards": sum(g.numel() * g.element_size() for g in self.grad_shards),
-            "master": sum(m.numel() * m.element_size() for m in self.masters),
-            "optimizer_state": sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
-                                   for v in st.values() if torch.is_tensor(v)),
-        }
-        out["total"] = sum(out.values())
-        return out
+        return held_bytes(self)
 
     def shard_state(self) -> ShardState:
         """This rank's fp32 master and optimizer-state slices per logical parameter (views, not
@@ -560,14 +394,5 @@ class ZeroOptimizer:
         self._hooks.clear()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
-        if self.offload is not None:
-            self.offload.close()
+        self.stepper.close()
 
-
-def _read_shard(seg, weights, device: torch.device) -> torch.Tensor:
-    """This rank's ``[S]`` slice of ``seg`` in float32, read piece by piece from ``weights`` (zero padding)."""
-    out = torch.zeros(seg.shard_size, dtype=torch.float32, device=device)
-    for piece in seg.pieces():
-        at = piece.shard_offset - seg.shard_offset
-        out[at:at + piece.length] = weights.read(piece.slot.name, piece.start, piece.length).to(device)
-    return out

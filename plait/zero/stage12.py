@@ -26,7 +26,8 @@ from collections import deque
 
 import torch
 
-from plait.zero.flat import FlatGroup, Pending, Segment, reduce_segment_grads
+from plait.zero.comm import Pending, reduce_segment_grads
+from plait.zero.flat import FlatGroup, Segment
 
 MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (bounds buffer memory)
 

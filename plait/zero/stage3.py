@@ -40,7 +40,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from plait.zero.flat import Pending, Segment, gather_segments
+from plait.zero.comm import Pending, gather_segments
+from plait.zero.flat import Segment
 
 
 @dataclass(eq=False)
@@ -132,14 +133,13 @@ class ParamGatherer:
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
-
-    ``gate`` (set by ZeRO-Offload, ``plait.zero.offload_ready.Readiness``; None otherwise): ``gather``
-    first calls ``gate.wait_for(segments)`` so a host optimizer step still in flight has written them,
-    and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
+        gate: ZeRO-Offload's ``plait.zero.offload.ready.Readiness`` (None otherwise): ``gather`` first
+            calls ``gate.wait_for(segments)`` so a host optimizer step still in flight has written them,
+            and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], dp_group, dp_size: int, allgather_bucket_size: int,
-                 prefetch_bucket_size: int, on_backward: Callable[[], None]):
+                 prefetch_bucket_size: int, on_backward: Callable[[], None], gate=None):
         self.root, self.units = root, units
         self.dp_group, self.dp_size = dp_group, dp_size
         self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
@@ -152,7 +152,7 @@ class ParamGatherer:
                 self.units_of.setdefault(id(p), []).append(u)
         self.fwd, self.bwd = _Order(), _Order()
         self.stats = {"fetched": 0, "prefetched": 0}  # segments all-gathered on demand / ahead of use
-        self.gate = None
+        self.gate = gate
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in units:

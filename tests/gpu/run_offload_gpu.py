@@ -54,7 +54,7 @@ def check_pinned() -> str:
 def check_device_update() -> str:
     """``adam_update_`` on CUDA is bit-identical to the numba CPU kernel (IEEE sqrt and division on CUDA)."""
     from plait.kernels import CPUAdam
-    from plait.zero.offload_device import adam_update_
+    from plait.zero.offload.device_share import adam_update_
     g0 = torch.Generator().manual_seed(0)
     n, bad = 1 << 20, 0
     for adamw in (True, False):

@@ -13,7 +13,7 @@ Kinds: ``"adamw"`` (decoupled weight decay, torch.optim.AdamW), ``"adam"`` (L2 w
 torch.optim.Adam), ``"lion"`` (Chen et al. 2023, Alg. 2). LAMB is not offered: its trust ratio needs
 per-tensor norms summed over the dp ranks that share a tensor (see ``plait.lamb``).
 
-Stepping (the offload pipeline drives it)::
+Stepping (``plait.zero.offload.HostStepper`` drives it)::
 
     opt.begin_step()                                  # every master: step += 1, hyper-parameters read
     opt.step_range(i, offset, length, grad, lowp_out, grad_coef)   # any order, each range once
@@ -163,5 +163,5 @@ def host_optimizer(factory, num_threads: int | None = None):
         return functools.partial(HostOptimizer, kind="adam", num_threads=num_threads)
     name = getattr(base, "__name__", type(base).__name__)
     raise ValueError(f"optimizer {name} cannot run offloaded: the CPU optimizers are Adam, AdamW and Lion "
-                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload_optim.HostOptimizer, kind='lion')), "
+                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload.HostOptimizer, kind='lion')), "
                      "or turn offload_optimizer off")

@@ -1,9 +1,9 @@
 """Device-assisted host step: the device computes part of an offloaded Adam/AdamW update.
 
 With ZeRO-Offload the optimizer step runs on the host and, with exact clipping, cannot start before
-backward ends; on one GPU it is then the critical path (886M parameters on the lent H200 host: ~0.23 s
-of host memory traffic at ~30 bytes/parameter, against a 0.12 s forward+backward). Meanwhile the device and the PCIe
-link idle. ``OffloadOptions(device_step_fraction=f)`` hands the first ``f`` of the partition in
+backward ends; on one GPU it is then the critical path (about 30 bytes of host memory traffic per
+parameter; measurements: ``benchmarks/results/offload_design_numbers.md``). Meanwhile the device and the
+PCIe link idle. ``OffloadOptions(device_step_fraction=f)`` hands the first ``f`` of the partition in
 forward order to the device: their fp32 master weights and Adam moments stay in host memory (the
 memory saving of ZeRO-Offload is kept), are copied to the device, updated there from the gradient
 that never left the device, and copied back, while the CPU kernels step the rest. Per parameter that
@@ -20,12 +20,12 @@ weights, moments, fp32 gradient, denominator) are freed as soon as its copies ar
 two segments' worth is allocated at a time.
 
 The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
-gradient norm is taken on the device for every segment (``plait.zero.offload``). So with
+gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
 ``device_step_adaptive`` the split moves by one segment after each step towards equal CPU and device
 times (measured: the CPU share's wall time on the worker, the device share's from CUDA events), which
 follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
 
-Restrictions (checked when the pipeline is built): Adam/AdamW only, gradient accumulation 1, and
+Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradient accumulation 1, and
 segments whose compute-dtype weights live on the device (stages 1-2, stage 3 without offload_param).
 """
 from __future__ import annotations
@@ -41,11 +41,13 @@ from plait.zero.flat import Segment
 from plait.zero.pinned import pin_existing
 
 
-class DeviceStepper:
+class DeviceShare:
     """Steps the first ``count`` segments of ``eligible`` on the device (module docstring).
 
     Args:
-        pipeline: the ``OffloadPipeline`` (its optimizer, device, streams, ``_device_dest``).
+        opt: the ``ZeroOptimizer`` (its host fp32 ``masters`` and ``HostOptimizer``).
+        device: the module's device.
+        dest: ``dest(seg)``: the device ``[S]`` tensor the updated compute-dtype shard of ``seg`` goes to.
         eligible: every segment the device could step (weights on the device), in forward order.
         count: how many of the first ``eligible`` it steps.
         adaptive: after every step, move the boundary by one segment towards equal CPU and device
@@ -53,9 +55,9 @@ class DeviceStepper:
             the gradient norm is computed on the device for every segment either way).
     """
 
-    def __init__(self, pipeline, eligible: list[Segment], count: int, adaptive: bool = False):
-        self.pipe, self.opt = pipeline, pipeline.opt
-        self.device, self.cuda = pipeline.device, pipeline.cuda
+    def __init__(self, opt, device: torch.device, dest, eligible: list[Segment], count: int, adaptive: bool = False):
+        self.opt, self.dest = opt, dest
+        self.device, self.cuda = device, device.type == "cuda"
         self.eligible, self.count, self.adaptive = eligible, count, adaptive
         self.ids = {id(s) for s in eligible[:count]}
         self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
@@ -90,7 +92,7 @@ class DeviceStepper:
         gi, lo, n = seg.group, seg.shard_offset, seg.shard_size
         master = opt.masters[gi]
         k = host.kernels[master]
-        dest = self.pipe._device_dest(seg)
+        dest = self.dest(seg)
         grad = self.grads.pop(id(seg))
         host_w, host_m, host_v = master.detach()[lo:lo + n], k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
         stream, event = None, None

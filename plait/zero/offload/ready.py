@@ -1,6 +1,6 @@
 """Per-segment readiness of an offloaded optimizer step that is still running when ``step()`` returns.
 
-``OffloadPipeline.step`` (``plait.zero.offload``) queues the host step of every segment, in forward
+``HostStepper.apply`` (``plait.zero.offload.host``) queues the host step of every segment, in forward
 order, on its worker thread and returns. Each queued segment has a *ticket*: a ``Future`` whose
 result is the CUDA event recorded after the segment's updated compute-dtype shard was copied back to
 the device (None on a CPU-only machine, where the worker writes the parameters directly), or that
@@ -28,7 +28,8 @@ from concurrent.futures import Future
 
 import torch
 
-from plait.zero.flat import Segment, gather_segments
+from plait.zero.comm import publish_segments
+from plait.zero.flat import Segment
 
 
 class Readiness:
@@ -84,7 +85,7 @@ class Readiness:
         if self.tickets is None or k < self.next:
             return
         self.stats["waits"] += 1
-        outs, ins = [], []
+        consumed = []
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         try:
             while self.next <= k:
@@ -93,21 +94,13 @@ class Readiness:
                 self.next += 1
                 if event is not None:
                     stream.wait_event(event)
-                if seg.local is not None:          # stage 3: shard; whole only while gathered
-                    if seg.full is not None:
-                        outs.append(seg.full)
-                        ins.append(seg.local.to(seg.full.device))
-                elif seg.world > 1:                # stages 1-2, stage-3 persistent: whole on every rank
-                    outs.append(seg.full)
-                    ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
+                consumed.append(seg)
         except BaseException:
             self.tickets = None                   # the step failed; do not wait on it again
             raise
         if self.next >= len(self.order):
             self.tickets = None
-        for pending, _ in gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
-                                          async_op=self.overlap_comm):
-            pending.wait()
+        publish_segments(consumed, self.dp_group, self.dp_size, self.allgather_bucket_size, self.overlap_comm)
 
 
 def forward_order(module: torch.nn.Module, segments: list[Segment]) -> list[Segment]:

@@ -1,0 +1,142 @@
+"""Construction steps of ``ZeroOptimizer``: param groups, the flat layout, fp32 masters, the torch optimizer.
+
+ZeRO (Rajbhandari et al., SC'20, Sec. 5): every trainable parameter is packed into flat segments split
+evenly over the dp ranks (``plait.zero.flat``); each rank keeps the fp32 master weights of its slices
+(on the host with ZeRO-Offload, Ren et al., USENIX ATC'21) and an elementwise torch optimizer over them.
+
+The torch optimizer sees one flat fp32 tensor per flat group, so it must treat parameters
+elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, Lion...). Optimizers that need per-tensor
+norms (LAMB, LARS, Adafactor's factored moments) would see a flat shard that mixes and splits
+parameters: they need unflattened per-parameter views and are not supported here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.parallel.sharding import shard_of
+from plait.zero.flat import Entry, FlatGroup, GroupKey
+from plait.zero.pinned import to_host
+from plait.zero.policy import StagePolicy
+from plait.zero.stage3 import Unit, build_units
+
+
+def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Torch-style param groups: ``weight_decay`` for matrices, 0 for biases and norm weights
+    (parameters with fewer than 2 dims). Frozen parameters are left out."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
+    """``(per-group options without "params", {id(param): group index})`` for the trainable ``named``
+    parameters. Raises ValueError: a tensor not in the module, a parameter twice or in no group."""
+    if param_groups is None:
+        return [{}], {id(p): 0 for _, p in named}
+    names = {id(p): n for n, p in named}
+    group_of: dict[int, int] = {}
+    opts = []
+    for i, g in enumerate(param_groups):
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in params:
+            if not p.requires_grad:
+                continue
+            if id(p) not in names:
+                raise ValueError(f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                 "trainable parameter of the module; build groups from module.parameters()")
+            if id(p) in group_of:
+                raise ValueError(f"parameter {names[id(p)]} is in param groups {group_of[id(p)]} and {i}; "
+                                 "list each parameter once")
+            group_of[id(p)] = i
+        opts.append({k: v for k, v in g.items() if k != "params"})
+    missing = [n for n, p in named if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"{len(missing)} trainable parameters are in no param group (first: {missing[:4]}); "
+                         "add them to a group or set requires_grad=False")
+    return opts, group_of
+
+
+def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, policy: StagePolicy,
+                   persistence_threshold: int, units) -> tuple[list[Entry], list[Unit]]:
+    """Layout entries in packing order and the stage-3 units (empty below stage 3).
+
+    Below stage 3: reverse registration order (~ the order backward produces gradients). Stage 3:
+    parameters grouped by the unit that first holds them, then the persistent ones (fewer than
+    ``persistence_threshold`` elements, whole on every rank) in reverse registration order.
+    """
+    def key(p, persistent=False):
+        return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent)
+
+    if not policy.parameters:
+        return [Entry(n, p, key(p)) for n, p in reversed(named)], []
+    persistent = {id(p) for _, p in named if p.numel() < persistence_threshold}
+    built = build_units(module, {id(p) for _, p in named if id(p) not in persistent}, units)
+    owner = {}
+    for u in built:
+        for p in u.params:
+            owner.setdefault(id(p), u.index)
+    entries = sorted((Entry(n, p, key(p), owner[id(p)]) for n, p in named if id(p) in owner), key=lambda e: e.unit)
+    entries += [Entry(n, p, key(p, True)) for n, p in reversed(named) if id(p) in persistent]
+    return entries, built
+
+
+def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, master_device: torch.device,
+                host_params: bool, pin: bool, weights=None) -> nn.Parameter:
+    """The fp32 master shard ``[shard_numel]`` of ``group`` on ``master_device``; its parameters are pointed
+    at flat storage (compute dtype, on ``device``; stage-3 shards in ``seg.local``, on the host with
+    ``host_params``). Values from the parameters, or from ``weights`` (a ``WeightSource``: only this
+    rank's shard of stage-3 segments is read)."""
+    slices = []
+    sharded = policy.parameters and not group.key.persistent
+    for seg in group.segments:
+        for slot in seg.slots:
+            slot.param.grad = None
+        if weights is not None and sharded:
+            shard32 = read_shard(seg, weights, device)
+            slices.append(shard32.to(master_device, copy=True))
+            own = shard32.to(group.key.dtype)
+        else:
+            get = (lambda s: s.param.detach()) if weights is None else \
+                (lambda s: weights.read(s.name, 0, s.numel).to(device))
+            full32 = seg.pack(get, torch.float32, device=device)
+            slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(master_device, copy=True))
+            full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
+            own = full[seg.lo:seg.lo + seg.shard_size]
+        if sharded:
+            seg.local = to_host(own, pin) if host_params else own.clone()
+            seg.free()
+        else:
+            seg.set_views(full)
+    return nn.Parameter(torch.cat(slices))
+
+
+def read_shard(seg, weights, device: torch.device) -> torch.Tensor:
+    """This rank's ``[S]`` slice of ``seg`` in float32, read piece by piece from ``weights`` (zero padding)."""
+    out = torch.zeros(seg.shard_size, dtype=torch.float32, device=device)
+    for piece in seg.pieces():
+        at = piece.shard_offset - seg.shard_offset
+        out[at:at + piece.length] = weights.read(piece.slot.name, piece.start, piece.length).to(device)
+    return out
+
+
+def optimizer_groups(group_opts: list[dict], groups: list[FlatGroup], masters) -> tuple[list[dict], list[int]]:
+    """Torch param groups over the master shards (one per user group that has any) and, per flat group,
+    the index of its master in the optimizer's flattened parameter order (checkpoints use it)."""
+    opt_groups = []
+    for gi, opts in enumerate(group_opts):
+        members = [m for m, g in zip(masters, groups) if g.key.param_group == gi]
+        if members:
+            opt_groups.append({"params": members, **opts})
+    order = {id(m): i for i, m in enumerate(m for g in opt_groups for m in g["params"])}
+    return opt_groups, [order[id(m)] for m in masters]
+
+
+def unit_segments(units: list[Unit], groups: list[FlatGroup]) -> None:
+    """Stage 3: fill each unit's ``segments`` (the sharded segments holding one of its parameters)."""
+    for u in units:
+        wanted = {id(p) for p in u.params}
+        u.segments = [s for g in groups for s in g.segments
+                      if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)]

@@ -1,0 +1,138 @@
+"""Collectives over flat segments (ZeRO, Sec. 5): coalesced parameter all-gathers, gradient
+reduce-scatters, and ``publish_segments``, which hands updated parameter shards to every dp rank.
+
+Every function here is collective over the process group it is given: all ranks call it with
+segments of the same sizes in the same order.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from plait.zero.flat import Segment
+
+
+class Pending:
+    """Handle on launched collectives: ``wait()`` waits for them, then runs the finishers (copies
+    out of staging buffers) once. Collectives launched synchronously are already done."""
+
+    def __init__(self, works=(), finish: Callable[[], None] | None = None, keep=()):
+        self.works = [w for w in works if w is not None]
+        self.finish = finish
+        self.keep = list(keep)  # tensors an async collective reads or writes: alive until wait()
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        if self.finish is not None:
+            self.finish()
+        self.keep.clear()
+        self.done = True
+
+
+def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, world: int,
+                    bucket_numel: int, async_op: bool = False) -> list[tuple[Pending, list[int]]]:
+    """All-gather ``inputs[k]`` (``[S_k]``, this rank's slice) into ``outputs[k]`` (``[world*S_k]``).
+
+    Consecutive segments are coalesced into one collective while their total padded size stays
+    within ``bucket_numel`` elements (a staging buffer is then copied out on ``wait``).
+    ``world == 1`` copies locally. Collective over ``group``: every rank must call it with segments
+    of the same sizes in the same order. Returns ``(pending, indices of the segments it covers)``
+    per collective; with ``async_op=False`` they are already complete.
+    """
+    if world == 1:
+        for out, inp in zip(outputs, inputs):
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+        return []
+    runs: list[list[int]] = []
+    total = 0
+    for k, out in enumerate(outputs):
+        if runs and total + out.numel() <= bucket_numel:
+            runs[-1].append(k)
+            total += out.numel()
+        else:
+            runs.append([k])
+            total = out.numel()
+    pendings = []
+    for run in runs:
+        if len(run) == 1:
+            k = run[0]
+            src = inputs[k].contiguous()
+            work = all_gather_flat(outputs[k], src, group=group, async_op=async_op)
+            pendings.append((Pending([work] if async_op else [], keep=[src]), run))
+            continue
+        sizes = [inputs[k].numel() for k in run]
+        staged = torch.cat([inputs[k].reshape(-1) for k in run])
+        buf = torch.empty(world * staged.numel(), dtype=staged.dtype, device=staged.device)
+        work = all_gather_flat(buf, staged, group=group, async_op=async_op)
+
+        def finish(run=run, sizes=sizes, buf=buf):
+            per_rank = buf.view(world, -1)
+            col = 0
+            for k, s in zip(run, sizes):
+                outputs[k].view(world, s).copy_(per_rank[:, col:col + s])
+                col += s
+
+        p = Pending([work] if async_op else [], finish, keep=[staged])
+        if not async_op:
+            p.wait()
+        pendings.append((p, run))
+    return pendings
+
+
+def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
+                         release: bool, async_op: bool, out: torch.Tensor | None = None
+                         ) -> tuple[Pending, torch.Tensor]:
+    """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
+
+    Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
+    divides by ``world`` (before the sum, so fp16/bf16 reductions do not overflow) and
+    reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
+    ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
+    ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
+    collective and the tensor that holds the result after ``wait()``. With ``world == 1`` and an
+    ``out`` of ``[padded]`` elements (a grad-shard slice), the gradients are packed straight into it.
+    """
+    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None)
+    if release:
+        for slot in seg.slots:
+            slot.param.grad = None
+    if world > 1:
+        buf.div_(world)
+    if world == 1:
+        return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
+    if seg.world == 1:
+        work = dist.all_reduce(buf, group=group, async_op=async_op)
+        return Pending([work] if async_op else [], keep=[buf]), buf
+    out = torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
+    work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
+    return Pending([work] if async_op else [], keep=[buf]), out
+
+
+def publish_segments(segments, dp_group, dp_size: int, bucket_numel: int, async_op: bool = False) -> None:
+    """Make the updated shards of ``segments`` visible wherever the parameters are read whole.
+
+    The caller has already written each segment's own ``[S]`` slice (``seg.local`` for stage-3 shards,
+    ``seg.full[lo:lo+S]`` otherwise). Stage-3 shards are copied into their gathered ``[padded]`` buffer
+    only while gathered (``gathered_parameters()``); segments whole on every rank (stages 1-2, stage-3
+    persistent; ``seg.world > 1``) are all-gathered over ``dp_group`` (ZeRO Sec. 5.1: the parameter
+    all-gather after the update). Waits for every collective. Collective over ``dp_group``.
+    """
+    outs, ins = [], []
+    for seg in segments:
+        if seg.local is not None:
+            if seg.full is not None:
+                outs.append(seg.full)
+                ins.append(seg.local.to(seg.full.device))
+        elif seg.world > 1:
+            outs.append(seg.full)
+            ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
+    for pending, _ in gather_segments(outs, ins, dp_group, dp_size, bucket_numel, async_op=async_op):
+        pending.wait()

@@ -1,0 +1,199 @@
+"""``HostStepper``: the ``ZeroOptimizer`` stepper of ZeRO-Offload (the optimizer steps on the host).
+
+Ren et al., "ZeRO-Offload", USENIX ATC'21, Sec. 4: gradients land on the host during backward
+(``plait.zero.offload.landing``), the CPU optimizer steps each segment (``copyback``) and the updated
+compute-dtype shards go back to the device, overlapped with the next forward (``ready``). The
+``ZeroOptimizer.step`` protocol calls ``grad_norm`` then ``apply`` or ``discard``; modes in
+``plait.zero.offload``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.collectives import group_size
+from plait.zero.offload.copyback import CopyBack
+from plait.zero.offload.device_share import DeviceShare
+from plait.zero.offload.landing import Landing
+from plait.zero.offload.options import OffloadOptions
+from plait.zero.offload.ready import Readiness, module_needs
+
+
+class HostStepper:
+    """Steps the host fp32 masters of a ``ZeroOptimizer`` with ``offload.optimizer`` (see the package).
+
+    Args:
+        opt: the ``ZeroOptimizer``, built up to its host masters, grad shards and ``HostOptimizer``.
+        options: the ``OffloadOptions``.
+        ready: the ``Readiness`` the next forward consumes updated segments from (also the stage-3
+            gatherer's gate); its ``order`` is the order the worker steps segments in.
+
+    Raises:
+        ValueError: ``device_step_fraction > 0`` where it cannot apply (``device_share``).
+    """
+
+    def __init__(self, opt, options: OffloadOptions, ready: Readiness):
+        self.opt, self.options, self.ready = opt, options, ready
+        self.device = opt.device
+        self.segments = [seg for g in opt.groups for seg in g.segments]
+        self.order = ready.order
+        self.writer = CopyBack(opt, self.device, options.param, options.pin_memory)
+        init = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.device.type == "cuda" else {}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
+        self.futures: list[Future] = []
+        self.share = self._device_share(0.0 if options.adaptive else options.device_step_fraction, options.adaptive)
+        # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
+        # the CPU and the device step their shares at the same time)
+        self.early = options.overlap_step and not opt.max_grad_norm and opt.scaler is None and \
+            not opt.skip_nonfinite and self.share is None
+        self.landing = Landing(opt, self.device, options.pin_memory, self.segments, self.share, self._submit,
+                               self.synchronize, self._early_step if self.early else None)
+        self.land = self.landing.land           # GradReducer's sink
+        self._cpu_start = self._last_split = None   # timing of the CPU share (adaptive split)
+        self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
+        self._ran: set[int] = set()      # modules whose forward ran (module_needs)
+        self._needs: dict[int, int] = {}
+        self._needs_for = -1             # len(self._ran) when _needs was computed
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in opt.module.modules()]
+        self._reset()
+
+    def _device_share(self, fraction: float, adaptive: bool) -> DeviceShare | None:
+        """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order (None at 0).
+
+        Raises:
+            ValueError: a fraction > 0 with Lion, GAS > 1, or no segment whose weights live on the device.
+        """
+        if fraction <= 0.0 and not adaptive:
+            return None
+        opt, problems = self.opt, []
+        if getattr(opt.optimizer, "kind", None) not in ("adam", "adamw"):
+            problems.append(f"optimizer {getattr(opt.optimizer, 'kind', type(opt.optimizer).__name__)} (needs Adam/AdamW)")
+        if opt.gradient_accumulation_steps != 1:
+            problems.append(f"gradient_accumulation_steps={opt.gradient_accumulation_steps} (needs 1)")
+        eligible = [s for s in self.order if self.writer.dest(s) is not None]
+        if not eligible:
+            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
+        if problems:
+            raise ValueError("device_step_fraction > 0 cannot be used with " + "; ".join(problems) + "; set it to 0")
+        total, count, acc = sum(s.shard_size for s in self.order), 0, 0
+        for s in eligible:
+            if acc >= fraction * total:
+                break
+            count += 1
+            acc += s.shard_size
+        return DeviceShare(opt, self.device, self.writer.dest, eligible, count, adaptive)
+
+    def _reset(self) -> None:
+        self.landing.reset()
+        self.stepped: set[int] = set()
+        self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
+        if self.share is not None:
+            self.share.reset()
+
+    def _submit(self, fn, *args) -> None:
+        self.futures.append(self.worker.submit(fn, *args))
+
+    def drain(self) -> None:
+        """Wait for every queued landing/finalize task; re-raise the first error a task hit."""
+        futures, self.futures = self.futures, []
+        for f in futures:
+            f.result()
+
+    def synchronize(self) -> None:
+        """Main thread: finish the overlapped step in flight (every segment stepped, copied back and,
+        at dp > 1, all-gathered, in order; device-stepped states back in host memory). Collective over
+        dp while a step is in flight."""
+        self.ready.wait_all()
+        if self.share is not None:
+            self.share.wait()
+
+    def _pre_forward(self, module, args) -> None:
+        self._ran.add(id(module))
+        if self.ready.active:
+            k = self._needs.get(id(module))
+            if k is not None:
+                self.ready.through(k)
+
+    def _early_step(self, seg, used) -> None:
+        """Worker, early mode: step ``seg`` as soon as its gradient is final (coefficient 1)."""
+        if not self.begun:
+            self.opt.optimizer.begin_step()
+            self.begun = True
+        self.writer.step_segment(seg, 1.0, used)
+        self.stepped.add(id(seg))
+
+    # ---- the Stepper protocol (main thread) -------------------------------------------------------
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (loss-scaled) final gradients over dp x tp x pp, in float64 partials;
+        inf/nan when any element is. Waits for every landing. Collective."""
+        opt = self.opt
+        self.synchronize()
+        self._last_split = None   # (CPU seconds, device seconds) of the previous step, for the adaptive split
+        if self.share is not None and self._cpu_start is not None:
+            cpu = self.writer.cpu_end - self._cpu_start if self.writer.cpu_end is not None else 0.0
+            self._last_split = (max(cpu, 0.0), self.share.take_seconds())
+        self.landing.finalize_rest()
+        self.drain()
+        total = self.landing.squares()
+        for group in (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp):
+            if group is not None and group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return float(total.sqrt())
+
+    def apply(self, coef: float) -> None:
+        """Queue the host step of every segment in forward order (gradients times ``coef``) and hand
+        the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``.
+
+        Raises:
+            FloatingPointError: ``coef`` is 0 or its inverse not finite (inf/nan gradients applied).
+        """
+        opt = self.opt
+        if not (coef > 0 and math.isfinite(1.0 / coef)):
+            raise FloatingPointError(f"gradient norm {opt.grad_norm} gives clip coefficient {coef}: the gradients "
+                                     "are inf/nan; train with fp16 loss scaling or look for the source")
+        if not self.begun:
+            opt.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
+            self.begun = True
+        tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
+        self._cpu_start, self.writer.cpu_end = time.perf_counter(), None
+        for seg in self.order:
+            if self.share is not None and seg in self.share:
+                tickets.append(self.share.step(seg, coef))
+            elif id(seg) in self.stepped:
+                tickets.append(self.writer.copied.get(id(seg)))   # the worker is idle (drained)
+            else:
+                tickets.append(self.worker.submit(self.writer.step_segment, seg, coef,
+                                                  self.landing.used.get(id(seg))))
+        if self._needs_for != len(self._ran):
+            self._needs = module_needs(opt.module, self._in_place, self.ready.pos, self._ran)
+            self._needs_for = len(self._ran)
+        self.ready.start(tickets)
+        if self._last_split is not None:
+            self.share.rebalance(*self._last_split)   # applies from the next backward on
+        gathered_now = any(s.local is not None and s.full is not None for s in self.segments)
+        if not self.options.overlap_step or gathered_now:  # inside gathered_parameters(): finish here
+            self.synchronize()
+        self._reset()
+
+    def discard(self) -> None:
+        """Drop landed gradients (a skipped step, ``zero_grad``). Early-mode steps already applied are not
+        undone: that raises."""
+        self.synchronize()
+        self.drain()
+        if self.stepped:
+            raise RuntimeError(f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
+                               "stepped on the host (offload early mode, no clipping): call step() to finish "
+                               "this step, or build the optimizer with OffloadOptions(overlap_step=False)")
+        self._reset()
+
+    def close(self) -> None:
+        self.synchronize()
+        self.drain()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.worker.shutdown(wait=True)

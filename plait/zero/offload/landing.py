@@ -1,0 +1,150 @@
+"""Reduced gradient segments on their way to the host (ZeRO-Offload, Ren et al., USENIX ATC'21, Sec. 4.2:
+gradients are offloaded to the host as they are produced, overlapped with backward).
+
+Per segment ``G`` (``[S]``, this rank's slice): the device->host copy runs on a side stream, the
+worker thread copies or (GAS > 1) adds it into the host gradient shard, and once ``G`` is final its
+squared norm is known: at GAS 1 on the device before the copy (``clip.sum_squares64``: float64, an
+order fixed by the segment length, so the norm does not depend on which side steps ``G``), at
+GAS > 1 on the host once accumulated (numba, float64). Only landings of the last micro-step
+(``micro_steps + 1 == GAS`` during backward; stage 1 reduces at the boundary) are final; segments
+not yet final at ``step()`` are finalized there (``finalize_rest``).
+"""
+from __future__ import annotations
+
+import torch
+
+from plait.kernels.lowp import sum_of_squares
+from plait.parallel.collectives import group_rank
+from plait.zero.clip import sum_squares64
+from plait.zero.flat import Segment
+from plait.zero.pinned import host_empty
+
+
+class Landing:
+    """Takes reduced gradient segments to the host shard and keeps their squared norms.
+
+    Args:
+        opt: the ``ZeroOptimizer`` (``grad_shards``, ``norm_groups``, ``norm_exclude``, micro-step count).
+        device: the module's device. pin: page-lock staging buffers.
+        segments: every segment of the layout.
+        share: the ``DeviceShare`` (segments it steps keep their gradient on the device), or None.
+        submit: ``submit(fn, *args)`` queues work on the stepper's worker thread.
+        synchronize: waits for the previous step still in flight (it reads the gradient shards).
+        on_final: worker: ``on_final(seg, used)`` once ``seg``'s gradient is final (early host step), or None.
+    """
+
+    def __init__(self, opt, device: torch.device, pin: bool, segments: list[Segment], share, submit,
+                 synchronize, on_final=None):
+        self.opt, self.device, self.cuda, self.pin = opt, device, device.type == "cuda", pin
+        self.segments, self.share, self.submit = segments, share, submit
+        self.synchronize, self.on_final = synchronize, on_final
+        self.tp_skip = group_rank(opt.norm_groups.tp) != 0
+        # GAS 1: every landing is a segment's whole final gradient, so its norm is taken on the device
+        # (float64, fixed order) for every segment, whichever side steps it
+        self.device_norms = opt.gradient_accumulation_steps == 1
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.finalized: set[int] = set()
+        self.sumsq: dict[int, float] = {}
+        self.device_sq: dict[int, torch.Tensor] = {}  # id(seg) -> float64 device scalar (device_norms)
+        self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
+
+    def land(self, seg: Segment, out: torch.Tensor | None, fresh: bool) -> None:
+        """Main thread (``GradReducer``'s sink): a reduced segment gradient ``out`` (``[S]``, reduce dtype, on
+        the device; None: already packed into the host shard) is ready: start its copy to the host and
+        queue its host work. ``fresh``: first landing of this step (copy, not add)."""
+        opt = self.opt
+        self.synchronize()  # the last step's host work reads the gradient shards this overwrites
+        last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps or bool(opt.boundary_override)
+        if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
+            grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
+            self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
+                                       if seg.key.tp_replicated and self.tp_skip
+                                       else sum_squares64(grad, self.excluded(seg)))
+            if self.share is not None and seg in self.share:
+                self.share.land(seg, grad)
+                self.finalized.add(id(seg))
+                return
+        host = self.grad(seg)
+        src, event = out, None
+        if out is not None and self.cuda:
+            src, event = self._to_host(out, host, fresh)
+        used = None
+        if last and self.cuda:
+            used = torch.cuda.Event()
+            used.record(torch.cuda.current_stream(self.device))
+            self.used[id(seg)] = used
+        if last:
+            self.finalized.add(id(seg))
+        self.submit(self._landed, seg, host, src, out, event, fresh, last, used)
+
+    def _to_host(self, out: torch.Tensor, host: torch.Tensor, fresh: bool):
+        """Queue the device->host copy of ``out`` on the side stream: straight into ``host`` when it is the
+        first landing in the same dtype, else into a staging buffer. Returns (staging or None, event)."""
+        stream = self.d2h
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if fresh and out.dtype == host.dtype:
+                host.copy_(out, non_blocking=True)
+                src = None
+            else:
+                src = host_empty(out.numel(), out.dtype, self.pin)
+                src.copy_(out, non_blocking=True)
+            event = torch.cuda.Event(blocking=True)  # the worker sleeps in synchronize()
+            event.record(stream)
+        out.record_stream(stream)
+        return src, event
+
+    def _landed(self, seg, host, src, out, event, fresh, last, used) -> None:
+        if event is not None:
+            event.synchronize()
+        del out  # the device buffer may be reused once the copy is done
+        if src is not None:
+            if fresh:
+                host.copy_(src)
+            else:
+                host.add_(src)
+        if last:
+            self.finalize(seg, used)
+
+    def grad(self, seg: Segment) -> torch.Tensor:
+        """The host gradient ``[S]`` of ``seg`` (a view of its grad shard)."""
+        return self.opt.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
+
+    def finalize(self, seg: Segment, used=None) -> None:
+        """Worker: norm partials of a segment's final gradient (and the early step)."""
+        if not self.device_norms:   # GAS > 1: the final gradient exists only here, accumulated
+            g = self.grad(seg)
+            excluded = self.excluded(seg)
+            total = sum_of_squares(g)
+            counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
+            self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
+        if self.on_final is not None:
+            self.on_final(seg, used)
+
+    def finalize_rest(self) -> None:
+        """Main thread, at ``step()``: queue ``finalize`` for every segment not final yet."""
+        for seg in self.segments:
+            if id(seg) not in self.finalized:
+                self.finalized.add(id(seg))
+                self.submit(self.finalize, seg)
+
+    def squares(self) -> torch.Tensor:
+        """``[1]`` float64 on the device: this rank's sum of squared final gradients (after the worker
+        drained). Not yet all-reduced."""
+        device_sq = torch.stack(list(self.device_sq.values())).sum() if self.device_sq else None
+        total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments if id(s) in self.sumsq)],
+                             dtype=torch.float64, device=self.device)
+        if device_sq is not None:
+            total = total + device_sq
+        return total
+
+    def excluded(self, seg: Segment) -> list[tuple[int, int]]:
+        """``(start, end)`` ranges of ``seg``'s slice left out of the norm (``norm_exclude``: tied copies)."""
+        exclude = self.opt.norm_exclude
+        if not exclude:
+            return []
+        return [(pc.shard_offset - seg.shard_offset, pc.shard_offset - seg.shard_offset + pc.length)
+                for pc in seg.pieces() if id(pc.slot.param) in exclude]

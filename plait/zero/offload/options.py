@@ -1,0 +1,49 @@
+"""``OffloadOptions``: what ``ZeroOptimizer(offload=...)`` moves to the host (ZeRO-Offload, Ren et al.,
+USENIX ATC'21, Sec. 4; stage-3 parameter offload: ZeRO-Infinity, Rajbhandari et al., SC'21)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What ``ZeroOptimizer(offload=...)`` moves to the host.
+
+    Args:
+        optimizer: fp32 masters, gradient shards and optimizer state on the host; the optimizer
+            (``HostOptimizer``: Adam/AdamW/Lion) steps there. Stages 1-3.
+        param: stage 3: compute-dtype parameter shards on the host between uses (copied to the device
+            right before each unit's all-gather).
+        pin_memory: page-lock the buffers that cross the bus (fp32 gradient shard, bf16/fp16 copy-out,
+            stage-3 parameter shards) when CUDA is available; needed for asynchronous copies.
+        num_threads: numba threads of the CPU optimizer (None: numba's pool, i.e. every core).
+        overlap_step: overlap the host step with the device (``plait.zero.offload``): ``step()`` returns
+            before the host step ends and the next forward waits per segment; and where the clip
+            coefficient is exactly 1 (early mode) segments are stepped during backward as they land.
+            False: ``step()`` steps every segment after backward and waits for all of them.
+        device_step_fraction: in [0, 1): the first this fraction of the optimizer partition (elements, in
+            forward order) is updated by the device from the host-resident states while the CPU steps
+            the rest (``plait.zero.offload.device_share``); 0: everything on the CPU. ``"auto"``: start
+            at 0 and, after every step, move the split by one segment towards equal CPU and device times
+            (exact either way). Adam/AdamW, GAS 1.
+
+    Raises:
+        ValueError: ``device_step_fraction`` neither "auto" nor in [0, 1).
+    """
+
+    optimizer: bool = True
+    param: bool = False
+    pin_memory: bool = True
+    num_threads: int | None = None
+    overlap_step: bool = True
+    device_step_fraction: float | str = 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        """``device_step_fraction == "auto"``: the device share moves each step."""
+        return self.device_step_fraction == "auto"
+
+    def __post_init__(self):
+        if not self.adaptive and not 0.0 <= self.device_step_fraction < 1.0:
+            raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
+                             "optimizer step the device computes; 0 = all on the CPU)")

@@ -1,0 +1,110 @@
+"""Steppers: the part of ``ZeroOptimizer.step`` that depends on where the fp32 master weights live.
+
+``ZeroOptimizer.step`` owns the protocol of one optimizer step (ZeRO, Rajbhandari et al., SC'20,
+Sec. 5: reduce the gradients, step the master shard, all-gather the updated parameters)::
+
+    reduce -> norm = stepper.grad_norm() / loss_scale -> skip (stepper.discard) or
+    coef = clip_coefficient(norm) / loss_scale -> stepper.apply(coef) -> finish (counters, loss scale)
+
+A stepper implements ``Stepper``; there are two:
+
+* ``DeviceStepper`` (here): masters, gradient shards and optimizer state on the module's device; the
+  torch optimizer steps them and ``write_back`` publishes the updated weights.
+* ``plait.zero.offload.HostStepper``: ZeRO-Offload (Ren et al., USENIX ATC'21): they live on the host,
+  gradients land there during backward and the CPU optimizer steps, overlapped with the next forward.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from plait.zero.clip import global_grad_norm
+from plait.zero.comm import publish_segments
+
+
+class Stepper(Protocol):
+    """What ``ZeroOptimizer.step`` needs from the side that holds the masters."""
+
+    def grad_norm(self) -> float:
+        """Global L2 norm (float64 partials) of the reduced, loss-scaled gradients over dp x tp x pp,
+        each element counted once; inf/nan when any element is inf/nan. Collective."""
+
+    def apply(self, coef: float) -> None:
+        """Step the fp32 masters with ``gradient * coef`` and publish the updated compute-dtype weights
+        (possibly still in flight on return: ``synchronize``)."""
+
+    def discard(self) -> None:
+        """Forget this step's gradient state (a skipped step, ``zero_grad``)."""
+
+    def synchronize(self) -> None:
+        """Finish a step still in flight after ``apply`` returned (no-op if none)."""
+
+    def close(self) -> None:
+        """Release threads and hooks."""
+
+
+def write_back(groups, masters, dp_group, dp_size: int, bucket_numel: int, async_op: bool) -> None:
+    """Copy every fp32 master shard (``[shard_numel]`` per flat group) into the model parameters' own
+    ``[S]`` slices (compute dtype) and publish them (``comm.publish_segments``). Collective over dp."""
+    segments = []
+    for group, master in zip(groups, masters):
+        for seg in group.segments:
+            src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
+            own = seg.local if seg.local is not None else seg.full[seg.lo:seg.lo + seg.shard_size]
+            own.copy_(src)
+            segments.append(seg)
+    publish_segments(segments, dp_group, dp_size, bucket_numel, async_op=async_op)
+
+
+class DeviceStepper:
+    """Steps masters that live on the module's device with the torch optimizer (``Stepper``).
+
+    Args:
+        opt: the ``ZeroOptimizer`` (``groups``, ``masters``, ``grad_shards`` ``[shard_numel]`` fp32,
+            ``optimizer``, ``norm_exclude``, communication groups).
+        norm_dp_group: the dp group the norm is summed over (None at stage 0: every rank holds it whole).
+    """
+
+    def __init__(self, opt, norm_dp_group):
+        self.opt, self.norm_dp_group = opt, norm_dp_group
+
+    def grad_norm(self) -> float:
+        opt = self.opt
+        # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
+        return float(global_grad_norm(self._norm_pieces(), self.norm_dp_group, opt.norm_groups.tp,
+                                      opt.norm_groups.pp))
+
+    def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
+        ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
+        out, exclude = [], self.opt.norm_exclude
+        for g, grp in zip(self.opt.grad_shards, self.opt.groups):
+            skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
+                          if id(pc.slot.param) in exclude) if exclude else []
+            pos = 0
+            for a, b in skip + [(g.numel(), g.numel())]:
+                if a > pos:
+                    out.append((g[pos:a], grp.key.tp_replicated))
+                pos = max(pos, b)
+        return out
+
+    def apply(self, coef: float) -> None:
+        opt = self.opt
+        for master, grad in zip(opt.masters, opt.grad_shards):
+            if coef != 1.0:
+                grad.mul_(coef)
+            master.grad = grad
+        opt.optimizer.step()
+        for master in opt.masters:
+            master.grad = None
+        opt.write_back()
+
+    def discard(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
