@@ -13,7 +13,7 @@ from __future__ import annotations
 import transformers
 
 from plait.engine_setup import stage3_units
-from plait.zero import ZeroOptimizer, weight_decay_groups
+from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
 from test_zero import MICRO_BS, STEPS, _full_weights, assert_weights, build, make_model, reference, train
 
 
@@ -27,7 +27,7 @@ def test_a_hugging_face_llama_is_gathered_per_decoder_layer():
     model = tiny_llama()
     opt = ZeroOptimizer(model, None, stage=3, optimizer_kwargs={"lr": 1e-3},
                         param_groups=weight_decay_groups(model, 0.0), units=stage3_units(model),
-                        param_persistence_threshold=0)
+                        comm=CommOptions(param_persistence_threshold=0))
     assert [u.name for u in opt.units] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
                                            "lm_head"]
     assert len(opt.units[1].params) == 9   # q, k, v, o, gate, up, down, two norms
