@@ -27,22 +27,18 @@ from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
-from plait.engine_setup import (
-    apply_activation_checkpointing,
-    attach_lamb_segments,
-    loss_of,
-    offload_options,
-    stage3_units,
-)
-from plait.lamb import Lamb
+from plait.engine_model import apply_activation_checkpointing, loss_of, stage3_units
+from plait.engine_offload import offload_options
 from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
-from plait.optim_factory import (
+from plait.optim.factory import (
     optimizer_from_config,
     optimizer_from_user,
     scheduler_from_config,
     scheduler_from_user,
 )
+from plait.optim.lamb import Lamb
+from plait.optim.lamb_segments import attach_lamb_segments
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel

@@ -11,7 +11,7 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel, preset
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
-from plait.schedulers import WarmupLR
+from plait.optim.schedulers import WarmupLR
 from plait.testing import run_distributed
 from plait.zero import weight_decay_groups
 
@@ -172,7 +172,7 @@ def lamb_body(tp):
 
 
 def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
-    from plait.lamb import Lamb
+    from plait.optim.lamb import Lamb
     model = TransformerModel(tiny(), None, seed=5)
     opt = Lamb(weight_decay_groups(model, 0.01), lr=1e-2, eps=1e-8)
     for step in range(3):
