@@ -22,8 +22,9 @@ from reference_models import reference_loss
 
 from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
+from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel import ParallelMesh
-from plait.parallel.partition import build_stage_modules, layer_parameter_counts, partition_layers
+from plait.parallel.partition import partition_layers
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.schedules import get_schedule
 from plait.parallel.sharding import gather_full, shard_of

@@ -32,53 +32,39 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from plait.layers.init import TIED_ATTR
 from plait.parallel.p2p import StageP2P
 from plait.parallel.pipeline_exec import PipelineExecutor
 from plait.parallel.schedules import Action, get_schedule
 from plait.parallel.simulate import with_communication
-
-
-def _hidden_shape_fn(chunk, tp: int) -> Callable[[dict], tuple]:
-    hidden = chunk.config.hidden_size
-    sequence_parallel = bool(getattr(chunk, "sequence_parallel", False))
-
-    def shape(batch: dict) -> tuple:
-        b, s = batch["input_ids"].shape[:2]
-        if sequence_parallel:
-            if s % tp:
-                raise ValueError(f"sequence length {s} is not divisible by tp ({tp}) under sequence "
-                                 f"parallelism; pad the micro-batch to a multiple of {tp}")
-            s //= tp
-        return (b, s, hidden)
-
-    return shape
+from plait.parallel.stage import StageChunk, missing_members
 
 
 class PipelineParallel:
     """Runs this rank's pipeline chunks through a schedule, one step per ``train_batch`` call.
 
     Args:
-        stage_modules: this rank's ``v`` chunks in chunk order (``build_stage_modules``); chunk
-            ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``.
+        stage_modules: this rank's ``v`` chunks in chunk order, each a ``StageChunk``
+            (``plait.parallel.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
+            chunk ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``.
         mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
         schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
         micro_batches: m, micro-batches per step. "interleaved" needs m a multiple of p; the
             others run any ``m >= 1`` (``m < p`` is mostly bubble; see ``schedules``).
         virtual_stages: v; must equal ``len(stage_modules)`` (default: that length).
-        activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default
-            ``[b, s, hidden]`` (``[b, s/tp, hidden]`` with sequence parallelism) from
-            ``batch["input_ids"]``, evaluated per micro-batch, so sequence lengths may vary
+        activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default: the
+            first chunk's ``activation_shape`` (plait's: ``[b, s, hidden]``, ``[b, s/tp, hidden]``
+            with sequence parallelism), evaluated per micro-batch, so sequence lengths may vary
             between micro-batches and steps with no shape exchange.
         grads_ready: optional ``callback(chunk_index)`` when that chunk's gradients of the step
             are final (tied embedding copies are summed only after the whole schedule).
 
-    Tied embeddings: when the head (last stage) and the embedding (stage 0) are different
-    chunks, the head's weight is a copy (``plait_tied_to``); ``train_batch`` all-reduces the two
-    copies' gradients over a 2-rank group per (dp, tp) coordinate, built here collectively (every
-    rank of the world must construct PipelineParallel, in the same order).
+    Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
+    holds a copy of the embedding on stage 0), ``train_batch`` all-reduces the copies' gradients
+    (the chunks' ``tied_parameters()``) over a 2-rank group per (dp, tp) coordinate, built here
+    collectively (every rank of the world must construct PipelineParallel, in the same order).
 
     Raises:
+        TypeError: a chunk lacks a ``StageChunk`` member (named).
         ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
             ``get_schedule``: unknown name, m not a multiple of p for "interleaved", ...).
     """
@@ -93,6 +79,10 @@ class PipelineParallel:
                              f"them with build_stage_modules(config, mesh, v={virtual_stages})")
         if v < 1:
             raise ValueError("PipelineParallel needs at least one stage module")
+        for c, chunk in enumerate(self.stage_modules):
+            if missing := missing_members(chunk):
+                raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
+                                f"{missing} (see plait.parallel.stage; plait.layers.stages builds plait's)")
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
@@ -103,11 +93,10 @@ class PipelineParallel:
         first = next((t for t in self.parameters() if t.is_floating_point()), None)
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
-        tp = 1 if mesh is None else mesh.tp
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
         p2p = StageP2P(self.pp_ranks, None if mesh is None else mesh.pp_group, self.p * v)
         self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
-                                         activation_shape or _hidden_shape_fn(self.stage_modules[0], tp),
+                                         activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready)
         self._tied_params, self._tied_group = self._tied_embedding_setup()
 
@@ -124,19 +113,10 @@ class PipelineParallel:
     # ---- tied embeddings --------------------------------------------------------------------
     def _tied_embedding_setup(self):
         """Local tied copies and the (first stage, last stage) group; collective over the world."""
-        config = getattr(self.stage_modules[0], "config", None)
-        if config is None or not config.tie_embeddings or self.p * self.v == 1:
+        chunks: list[StageChunk] = self.stage_modules
+        if not chunks[0].tied_across_stages or self.p * self.v == 1:
             return [], None
-        params = []
-        if self.rank == 0 and "0" in self.stage_modules[0].layers:
-            params.append(self.stage_modules[0].layers["0"].word_embeddings.weight)
-        last = self.stage_modules[-1]
-        if self.rank == self.p - 1 and getattr(last, "has_head", False):
-            weight = last.head.weight
-            if getattr(weight, TIED_ATTR, None) is None:
-                raise ValueError("the head chunk has no tied copy of the embedding although the config ties "
-                                 "them; build chunks with build_stage_modules")
-            params.append(weight)
+        params = [t for chunk in chunks for t in chunk.tied_parameters()]
         group = None
         if self.p > 1:
             grid = self.mesh.device_mesh.mesh  # [pp, dp, tp] global ranks
