@@ -129,7 +129,7 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
         for name, p in params.items():
             if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):
                 other = p.grad.clone()
-                dist.all_reduce(other, group=pipe._tied_group, op=dist.ReduceOp.MAX)
+                dist.all_reduce(other, group=pipe.tied_group, op=dist.ReduceOp.MAX)
                 assert torch.equal(other, p.grad), f"tied copies of the embedding gradient differ ({name})"
     return loss_err, worst[0]
 
