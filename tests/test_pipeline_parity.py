@@ -194,6 +194,26 @@ def test_single_process_pipeline_matches_accumulation(schedule):
             pipe.eval_batch(iter(batches[:2]))
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+def test_train_batch_callbacks_and_chunk_contract(schedule):
+    """``scale_loss`` maps each micro-batch's loss to what backward differentiates (x2 -> gradients x2),
+    ``on_micro_batch`` fires once per micro-batch, the loss is float32 of shape [] on the pipeline's
+    device, the tied copies are public, and a chunk without the StageChunk members is refused by name."""
+    v = 2 if schedule == "interleaved" else 1
+    cfg, batches = make_config("gpt2"), make_microbatches(3, seed=9)
+    plain = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
+    plain.train_batch(iter(batches))
+    calls = []
+    pipe = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
+    loss = pipe.train_batch(iter(batches), scale_loss=lambda x: x * (2.0 / 3), on_micro_batch=lambda: calls.append(1))
+    assert len(calls) == 3 and loss.dtype == torch.float32 and loss.shape == () and loss.device == pipe.device
+    assert len(pipe.tied_parameters) == (2 if v == 2 else 0) and pipe.tied_group is None
+    for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
+        assert torch.allclose(2 * a.grad, b.grad, rtol=1e-6, atol=0), name
+    with pytest.raises(TypeError, match=r"lacks \['tied_across_stages', 'activation_shape', 'tied_parameters'\]"):
+        PipelineParallel([TransformerModel(cfg, None, seed=11)], None, "1f1b", micro_batches=1)
+
+
 def test_zero_bubble_split_defers_weight_gradients():
     """BI leaves every .grad untouched and returns the exact input gradient; BW then produces the
     same parameter gradients as one plain backward, without re-running the input half."""
