@@ -56,7 +56,7 @@ def timed_chunks(chunks, make_batch, hidden, seq, dtype, device, warmup=3, reps=
 def main():
     from plait.layers import preset
     from plait.parallel import ParallelMesh, init_distributed
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     from plait.parallel.schedules import get_schedule
     from plait.parallel.simulate import simulate

@@ -18,8 +18,9 @@ let the engine, the pipeline and checkpoints handle any such model:
 2. every layer is called as ``layer(hidden, batch)`` (``batch``: the micro-batch dict);
 3. parameters come from plait layers (tensor-parallel shards declared, initializers set), and
    ``init_parameters(self, seed)`` draws each from (seed, name): identical weights at any tp/pp;
-4. ``config`` (a ``TransformerConfig``: hidden size and layer count for the pipeline's activation
-   shapes) and ``sequence_parallel`` attributes.
+4. as a pipeline chunk it offers ``plait.parallel.stage.StageChunk``: ``activation_shape(batch)`` (what
+   it receives from the previous stage), ``tied_parameters()`` and ``tied_across_stages`` (nothing is
+   tied here: the head has its own weight), besides ``config`` (a ``TransformerConfig``) and ``layers``.
 """
 from __future__ import annotations
 
@@ -103,6 +104,16 @@ class ComposedDecoder(nn.Module):
     @property
     def has_head(self) -> bool:
         return str(self.config.num_layers + 1) in self.layers
+
+    tied_across_stages = False      # the head's weight is its own (llama_config does not tie)
+
+    def tied_parameters(self) -> list:
+        return []
+
+    def activation_shape(self, batch: dict) -> tuple:
+        """``(b, s, hidden)``, ``(b, s/tp, hidden)`` under sequence parallelism."""
+        b, s = batch["input_ids"].shape[:2]
+        return (b, s // self.mesh.tp if self.sequence_parallel else s, self.config.hidden_size)
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, hidden=None, **_):
         batch = {k: v for k, v in {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,

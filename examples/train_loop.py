@@ -14,12 +14,8 @@ import pretrain_common as common
 
 import plait
 from plait.layers import TransformerModel
-from plait.parallel.partition import (
-    build_stage_modules,
-    layer_parameter_counts,
-    partition_layers,
-    stage_layers,
-)
+from plait.layers.stages import build_stage_modules, layer_parameter_counts
+from plait.parallel.partition import partition_layers, stage_layers
 from plait.parallel.pipeline import PipelineParallel
 
 

@@ -16,7 +16,6 @@ over the fp32 master shards.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -27,26 +26,22 @@ from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
-from plait.engine_setup import (
-    apply_activation_checkpointing,
-    attach_lamb_segments,
-    loss_of,
-    offload_options,
-    stage3_units,
-)
-from plait.lamb import Lamb
+from plait.engine_model import apply_activation_checkpointing, loss_of, stage3_units
+from plait.engine_offload import offload_options
+from plait.engine_pipeline import pipeline_train_step
 from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
-from plait.optim_factory import (
+from plait.optim.factory import (
     optimizer_from_config,
     optimizer_from_user,
     scheduler_from_config,
     scheduler_from_user,
 )
+from plait.optim.lamb import Lamb
+from plait.optim.lamb_segments import attach_lamb_segments
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.sharding import shard_of
 from plait.zero import CommOptions, LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import HostOptimizer
 from plait.zero.weights import prepare_weights
@@ -115,7 +110,7 @@ class Engine(EngineFacts):
         self.global_samples = 0
         vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
         self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.dp_group, mesh.pp_group,
-                                                       getattr(pipeline, "_tied_group", None)), vocab)
+                                                       getattr(pipeline, "tied_group", None)), vocab)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
                                  mesh.device, config.gradient_accumulation_steps,
                                  build_monitors(config, self.global_rank))
@@ -177,66 +172,35 @@ class Engine(EngineFacts):
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
-        model inputs with ``labels``). Returns the mean loss over the micro-batches (and dp ranks)."""
+        model inputs with ``labels``), through the pipeline's schedule when there is one.
+
+        Returns:
+            The mean loss over the micro-batches and the dp ranks: a float32 tensor of shape ``[]`` on the
+            engine's device (``mesh.device``). It stays there (no host sync) until read, e.g. ``float(loss)``.
+        """
         batches = self._pull(data_iter)
         if self.pipeline is not None:
-            zero = self.optimizer
-            loss = self.pipeline.train_batch(iter(batches), loss_scale=zero.loss_scale, sum_tied=zero.stage < 2)
-            self.guard.loss = loss.detach() if torch.is_tensor(loss) else loss
+            loss = pipeline_train_step(self.pipeline, self.optimizer, self.mesh, batches)
+            self.guard.loss = loss.detach()
             self.report.set_step_loss(loss)
-            for _ in range(self.pipeline.m):
-                zero.note_micro_step()
-            if zero.stage >= 2:
-                self._sum_tied_grad_shards()
         else:
-            total = torch.zeros((), dtype=torch.float32)
+            total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
             for batch in batches:
                 loss = loss_of(self.forward(**self._to_device(batch)))
                 self.backward(loss)
-                total += loss.detach().float().cpu()
+                total += loss.detach().float()
             loss = total / self.config.gradient_accumulation_steps
         self.step()
         return self.dp_mean(loss)
 
     @torch.no_grad()
-    def _sum_tied_grad_shards(self) -> None:
-        """ZeRO-2/3 with a pipeline: the embedding (first stage) and its tied head copy (last stage)
-        had their gradients reduce-scattered during backward, so sum the two dp-reduced gradients
-        here: rebuild each copy's whole gradient from the dp ranks' pieces, add the two copies, keep
-        this rank's pieces. Linear, so equal to summing before the reduction."""
-        tied, group = self.pipeline._tied_params, self.pipeline._tied_group
-        if not tied:
-            return
-        zero = self.optimizer
-        zero.reducer.wait()
-        fulls, where = [], []
-        for param in tied:
-            numel = math.prod(shard_of(param).local_shape)      # param.numel() is 0 under ZeRO-3
-            full = torch.zeros(numel, dtype=torch.float32, device=self.mesh.device)
-            pieces = [(pc, gi) for gi, g in enumerate(zero.groups) for pc in g.pieces() if pc.slot.param is param]
-            for pc, gi in pieces:
-                full[pc.start:pc.start + pc.length] = zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length]
-            if zero.dp_size > 1:
-                dist.all_reduce(full, group=self.mesh.dp_group)
-            fulls.append(full)
-            where.append(pieces)
-        if self.pipeline.p == 1:
-            total = sum(fulls)
-            fulls = [total for _ in fulls]
-        else:
-            for full in fulls:
-                dist.all_reduce(full, group=group)
-        for full, pieces in zip(fulls, where):
-            for pc, gi in pieces:
-                zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length] = full[pc.start:pc.start + pc.length]
-
-    @torch.no_grad()
     def eval_batch(self, data_iter) -> torch.Tensor:
-        """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1)."""
+        """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1); the same type
+        as ``train_batch``'s (float32, shape ``[]``, on the device)."""
         batches = self._pull(data_iter)
         if self.pipeline is not None:
             return self.dp_mean(self.pipeline.eval_batch(iter(batches)))
-        loss = sum(loss_of(self.forward(**self._to_device(b))).float().cpu() for b in batches) / len(batches)
+        loss = sum(loss_of(self.forward(**self._to_device(b))).float() for b in batches) / len(batches)
         return self.dp_mean(loss)
 
     def _pull(self, data_iter) -> list[dict]:
@@ -261,13 +225,14 @@ class Engine(EngineFacts):
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a scalar over the data-parallel ranks (collective; the value itself at dp 1)."""
+        """The mean of a scalar over the data-parallel ranks (collective; the value itself at dp 1), as
+        a float32 tensor of shape ``[]`` on the engine's device (no host sync)."""
         group = self.mesh.dp_group
         if group is None or self.mesh.dp == 1:
             return loss
         out = loss.detach().to(self.mesh.device, torch.float32).reshape(1)
         dist.all_reduce(out, group=group)
-        return (out / self.mesh.dp).reshape(()).cpu()
+        return (out / self.mesh.dp).reshape(())
 
     def gathered_parameters(self, modifier_rank: int | None = None):
         """Context in which every parameter is whole; with ``modifier_rank`` (a dp rank) that rank's

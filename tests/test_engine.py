@@ -11,7 +11,7 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
-from plait.schedulers import WarmupLR
+from plait.optim.schedulers import WarmupLR
 from plait.testing import run_distributed
 from plait.zero import weight_decay_groups
 import helpers
@@ -99,7 +99,7 @@ def test_engine_zero_stages_match_single_process_adamw(tp, world):
 
 def pipeline_body(arch, schedule):
     """pp=2 x dp=2 through the engine, ZeRO stages 1-3, tied or untied embeddings."""
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     results = {}
     for stage in STAGES_FOR[schedule]:
@@ -172,7 +172,7 @@ def lamb_body(tp):
 
 
 def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
-    from plait.lamb import Lamb
+    from plait.optim.lamb import Lamb
     model = TransformerModel(tiny(), None, seed=5)
     opt = Lamb(weight_decay_groups(model, 0.01), lr=1e-2, eps=1e-8)
     for step in range(3):
@@ -190,7 +190,7 @@ def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
 
 def grad_norm_body():
     """tp=2 x pp=2 x dp=2: the engine's global gradient norm (before clipping) of one step."""
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     mesh = ParallelMesh(tp=2, pp=2)
     arch = tiny().replace(tie_embeddings=True)
@@ -243,7 +243,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 def bf16_pipeline_body():
     """ZeRO casts the pipeline's chunks to bf16 after the pipeline was built: activations must travel
     in bf16 too (the first NCCL run of the pretraining script found this)."""
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     mesh = ParallelMesh(pp=2)
     pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, "1f1b", micro_batches=GAS)

@@ -39,7 +39,7 @@ def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1):
     mesh = ParallelMesh(tp=tp, pp=pp)
     cfg = config(stage, tp, mesh.dp)
     if pp > 1:
-        from plait.parallel.partition import build_stage_modules
+        from plait.layers.stages import build_stage_modules
         from plait.parallel.pipeline import PipelineParallel
         cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
         model = PipelineParallel(build_stage_modules(tiny("gpt2", vocab_size=1001, hidden_size=64), mesh, seed=2), mesh, "1f1b", micro_batches=GAS)

@@ -152,7 +152,7 @@ def test_a_save_never_replaces_or_prunes_the_last_good_checkpoint():
 def _pipeline_body(precision):
     """tp=2 x pp=2 (4 ranks, 1F1B, ZeRO-1): a nan in one gradient element on the last rank (pp stage 1,
     tp rank 1) at ``BAD_STEP`` against the run that drops that step."""
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
 
     def run(poison=(), drop=()):
@@ -238,7 +238,7 @@ BAD_INPUTS = [("input_ids", 5000, "input_ids[1, 3] = 5000"), ("input_ids", -7, "
 
 def _tp_pp_engine(tp, pp):
     """ZeRO-1 engine over tp x pp (1F1B) x dp, and its mesh."""
-    from plait.parallel.partition import build_stage_modules
+    from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     mesh = ParallelMesh(tp=tp, pp=pp)
     cfg = ds_config(1)

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from plait.layers import TransformerModel, preset
-from plait.parallel.partition import build_stage_modules, layer_parameter_counts, partition_layers, stage_layers
+from plait.layers.stages import build_stage_modules, layer_parameter_counts
+from plait.parallel.partition import partition_layers, stage_layers
 from plait.parallel.sharding import shard_of
 
 

@@ -23,8 +23,9 @@ from helpers import rel_err
 
 from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
+from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel import ParallelMesh
-from plait.parallel.partition import build_stage_modules, layer_parameter_counts, partition_layers
+from plait.parallel.partition import partition_layers
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.schedules import get_schedule
 from plait.parallel.sharding import gather_full, shard_of
@@ -125,7 +126,7 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
         for name, p in params.items():
             if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):
                 other = p.grad.clone()
-                dist.all_reduce(other, group=pipe._tied_group, op=dist.ReduceOp.MAX)
+                dist.all_reduce(other, group=pipe.tied_group, op=dist.ReduceOp.MAX)
                 assert torch.equal(other, p.grad), f"tied copies of the embedding gradient differ ({name})"
     return loss_err, worst[0]
 
@@ -188,6 +189,26 @@ def test_single_process_pipeline_matches_accumulation(schedule):
             assert rel_err(p.grad, ref, floor=1e-3) <= RTOL, (schedule, arch, name, rel_err(p.grad, ref, floor=1e-3))
         with pytest.raises(ValueError, match="ran out after 2 of 3 micro-batches"):
             pipe.eval_batch(iter(batches[:2]))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+def test_train_batch_callbacks_and_chunk_contract(schedule):
+    """``scale_loss`` maps each micro-batch's loss to what backward differentiates (x2 -> gradients x2),
+    ``on_micro_batch`` fires once per micro-batch, the loss is float32 of shape [] on the pipeline's
+    device, the tied copies are public, and a chunk without the StageChunk members is refused by name."""
+    v = 2 if schedule == "interleaved" else 1
+    cfg, batches = make_config("gpt2"), make_microbatches(3, seed=9)
+    plain = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
+    plain.train_batch(iter(batches))
+    calls = []
+    pipe = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
+    loss = pipe.train_batch(iter(batches), scale_loss=lambda x: x * (2.0 / 3), on_micro_batch=lambda: calls.append(1))
+    assert len(calls) == 3 and loss.dtype == torch.float32 and loss.shape == () and loss.device == pipe.device
+    assert len(pipe.tied_parameters) == (2 if v == 2 else 0) and pipe.tied_group is None
+    for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
+        assert torch.allclose(2 * a.grad, b.grad, rtol=1e-6, atol=0), name
+    with pytest.raises(TypeError, match=r"lacks \['tied_across_stages', 'activation_shape', 'tied_parameters'\]"):
+        PipelineParallel([TransformerModel(cfg, None, seed=11)], None, "1f1b", micro_batches=1)
 
 
 def test_zero_bubble_split_defers_weight_gradients():

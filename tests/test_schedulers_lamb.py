@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from plait.lamb import Lamb
-from plait.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from plait.optim.lamb import Lamb
+from plait.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def _opt(lr=0.1, groups=1):

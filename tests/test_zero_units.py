@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import transformers
 
-from plait.engine_setup import stage3_units
+from plait.engine_model import stage3_units
 from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
 from test_zero import MICRO_BS, STEPS, _full_weights, assert_weights, build, make_model, reference, train
 

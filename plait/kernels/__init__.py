@@ -1,14 +1,13 @@
 """Hot loops: numba CPU optimizers for ZeRO-Offload, fused with the bf16/fp16 parameter copy-out.
 
-``CPUAdam`` (Adam/AdamW), ``CPULion``, ``CPULAMB`` step a flat float32 host buffer in one pass (LAMB:
-two), optionally writing the updated bf16/fp16 weights; ``copy_to_lowp`` is the stand-alone
-conversion; ``compile_kernels`` compiles them up front (or loads numba's on-disk cache) and
-reports the seconds it took.
+``CPUAdam`` (Adam/AdamW) and ``CPULion`` step a flat float32 host buffer in one pass, optionally
+writing the updated bf16/fp16 weights; ``copy_to_lowp`` is the stand-alone conversion;
+``compile_kernels`` compiles them up front (or loads numba's on-disk cache) and reports the seconds it
+took. LAMB has no host kernel: the engine refuses it with ``offload_optimizer``.
 """
 from plait.kernels.cpu_adam import CPUAdam
-from plait.kernels.cpu_lamb import CPULAMB
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 from plait.kernels.warmup import CompileReport, compile_kernels
 
-__all__ = ["CPULAMB", "CPUAdam", "CPULion", "CompileReport", "compile_kernels", "copy_to_lowp"]
+__all__ = ["CPUAdam", "CPULion", "CompileReport", "compile_kernels", "copy_to_lowp"]

@@ -13,8 +13,7 @@ producing the next. One optimizer step is then::
         opt.step_range(params, grad_bucket, off, n, lowp_out=params_bf16)
 
 and gives bit-identical results to ``opt.step(params, grads, params_bf16, lr)``, because every
-element's update depends only on that element and the per-step scalars (LAMB: on its whole segment,
-so LAMB ranges must cover whole segments).
+element's update depends only on that element and the per-step scalars.
 
 Threads: each call runs on ``num_threads`` of numba's pool (``numba.set_num_threads`` for that call
 only; it is per calling thread, so nothing leaks). A background Python thread may step buckets
@@ -169,7 +168,7 @@ class FlatOptimizer:
         )
 
     def _check_range(self, offset: int, length: int) -> None:
-        """Hook: subclasses whose update couples elements (LAMB) restrict the allowed ranges."""
+        """Hook: a subclass whose update couples elements restricts the allowed ranges here."""
 
     def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         raise NotImplementedError
@@ -182,7 +181,7 @@ class FlatOptimizer:
         self.lr = float(hp["lr"])
 
     def _moment_hparams(self) -> dict:
-        """lr, betas, weight decay and (Adam, LAMB) eps: what every moment-based optimizer here saves."""
+        """lr, betas, weight decay and (Adam) eps: what every moment-based optimizer here saves."""
         out = {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "weight_decay": self.weight_decay}
         if hasattr(self, "eps"):
             out["eps"] = self.eps

@@ -13,17 +13,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from plait.kernels import cpu_adam, cpu_lamb, cpu_lion, lowp
+from plait.kernels import cpu_adam, cpu_lion, lowp
 from plait.kernels.cpu_adam import CPUAdam
-from plait.kernels.cpu_lamb import CPULAMB
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 
-KERNELS = (cpu_adam.adam_kernel, cpu_lion.lion_kernel, cpu_lamb.lamb_moments_kernel, cpu_lamb.lamb_chunk_scales,
-           cpu_lamb.lamb_apply_kernel, lowp._convert)
+KERNELS = (cpu_adam.adam_kernel, cpu_lion.lion_kernel, lowp._convert)
 
 
 @dataclass(frozen=True)
@@ -31,7 +28,7 @@ class CompileReport:
     """What :func:`compile_kernels` did.
 
     Attributes:
-        seconds: ``{"adam", "lion", "lamb", "lowp"}`` -> wall seconds of the first calls (compile or
+        seconds: ``{"adam", "lion", "lowp"}`` -> wall seconds of the first calls (compile or
             cache load, plus tiny 64-element steps in the three copy-out modes).
         total_s: their sum, seconds.
         compiled: kernel signatures compiled in this call (0: everything came from the on-disk cache
@@ -62,7 +59,6 @@ def compile_kernels(num_threads: int | None = None) -> CompileReport:
     makers = {
         "adam": lambda: CPUAdam(n, num_threads=num_threads),
         "lion": lambda: CPULion(n, num_threads=num_threads),
-        "lamb": lambda: CPULAMB(n, np.array([0, 16, n]), num_threads=num_threads),
     }
     for name, make in makers.items():
         opt = make()

@@ -1,10 +1,10 @@
-"""Cutting a model's layer list into pipeline stages, and building only this rank's stages.
+"""Cutting a model's layer list into pipeline stages, and which stages are this rank's.
 
-A plait model is a flat list of ``num_layers + 2`` items: 0 = embedding, 1..L = transformer
-blocks, L+1 = head (see ``plait.layers.model``). With ``p`` pipeline ranks and ``v`` model chunks
-per rank there are ``p*v`` virtual stages; virtual stage ``s = c*p + r`` is chunk ``c`` on rank
-``r`` (Narayanan et al., SC'21, Sec. 2.2.2). A partition gives each virtual stage a contiguous,
-non-empty range ``[start, stop)`` of items.
+A model is a flat list of ``num_layers + 2`` items: 0 = embedding, 1..L = transformer blocks,
+L+1 = head (``plait.layers.stages.build_stage_modules`` builds a plait model's chunks from a partition).
+With ``p`` pipeline ranks and ``v`` model chunks per rank there are ``p*v`` virtual stages; virtual
+stage ``s = c*p + r`` is chunk ``c`` on rank ``r`` (Narayanan et al., SC'21, Sec. 2.2.2). A partition
+gives each virtual stage a contiguous, non-empty range ``[start, stop)`` of items.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
         num_items: layers in the model's flat list (``num_layers + 2`` for a plait model).
         p: pipeline ranks; v: model chunks per rank.
         method: "uniform" (layer counts differ by at most one), "parameters" (minimize the largest
-            stage's summed ``weights``, e.g. parameter counts from :func:`layer_parameter_counts`),
+            stage's summed ``weights``, e.g. ``plait.layers.stages.layer_parameter_counts``),
             or explicit boundaries ``[0, b1, ..., num_items]`` (``p*v + 1`` increasing numbers;
             uneven splits allowed).
         weights: per-layer cost, ``len == num_items``; required by "parameters".
@@ -85,7 +85,7 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
             if weights is None or len(weights) != num_items:
                 got = "none" if weights is None else f"{len(weights)}"
                 raise ValueError(f"method 'parameters' needs one weight per layer ({num_items}), got {got}; "
-                                 f"pass weights=layer_parameter_counts(config)")
+                                 f"pass weights=layer_parameter_counts(config) (plait.layers.stages)")
             bounds = _balanced(weights, stages)
         else:
             raise ValueError(f"unknown partition method {method!r}; use one of {METHODS} or a list of "
@@ -106,55 +106,6 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
     return [(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
-def layer_parameter_counts(config) -> list[int]:
-    """Logical parameter count of each of the ``num_layers + 2`` layers (no vocabulary padding).
-
-    Built on the meta device, one layer of each kind (embedding, block, head), so nothing is
-    materialized. The head counts its own output weight when tied embeddings put it on another
-    stage than the embedding (that copy occupies memory there); all blocks are identical.
-    """
-    from plait.layers.model import logical_shapes  # layers -> parallel; import at call time
-
-    last = config.num_layers + 1
-
-    def count(index: int) -> int:
-        return sum(math.prod(shape) for shape in logical_shapes(config, layers=[index]).values())
-
-    block = count(1) if config.num_layers else 0
-    return [count(0)] + [block] * config.num_layers + [count(last)]
-
-
 def stage_layers(parts: list[tuple[int, int]], p: int, rank: int) -> list[range]:
     """Layer ranges of the chunks held by pipeline ``rank``: chunk ``c`` is stage ``c*p + rank``."""
     return [range(*parts[c * p + rank]) for c in range(len(parts) // p)]
-
-
-def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[int] = "uniform", *,
-                        sequence_parallel: bool = False, seed: int = 1234, recompute: str | None = None,
-                        device=None, dtype=None) -> list:
-    """Build this rank's ``v`` model chunks, each a ``TransformerModel`` with only its layers.
-
-    Args:
-        config: ``TransformerConfig``. mesh: ``ParallelMesh`` (None: one process, p = 1).
-        v: model chunks per rank (virtual stages; 1 unless the schedule is "interleaved").
-        method: see :func:`partition_layers` ("parameters" uses :func:`layer_parameter_counts`).
-        sequence_parallel, seed, recompute, device, dtype: passed to every ``TransformerModel``;
-            the same seed on every rank gives layout-invariant weights.
-
-    Returns:
-        ``[chunk_0, ..., chunk_{v-1}]``; chunk ``c`` holds ``layers=range(start, stop)`` of virtual
-        stage ``c*p + pp_rank``. No rank ever builds a layer outside its own stages.
-
-    Raises:
-        ValueError: from :func:`partition_layers` (too few layers, bad boundaries).
-    """
-    from plait.layers.model import TransformerModel
-
-    p = 1 if mesh is None else mesh.pp
-    rank = 0 if mesh is None else mesh.pp_rank
-    n = config.num_layers + 2
-    weights = layer_parameter_counts(config) if method == "parameters" else None
-    parts = partition_layers(n, p, v, method, weights)
-    return [TransformerModel(config, mesh, sequence_parallel=sequence_parallel, layers=layers, seed=seed,
-                             recompute=recompute, device=device, dtype=dtype)
-            for layers in stage_layers(parts, p, rank)]

@@ -1,10 +1,12 @@
 """Pipeline parallelism: ``PipelineParallel(stage_modules, mesh, schedule, m, v).train_batch(data_iter)``.
 
-The pieces: ``plait.parallel.partition`` cuts the layer list and builds this rank's chunks,
+The pieces: ``plait.parallel.partition`` cuts the layer list (``plait.layers.stages`` builds this
+rank's chunks of a plait model; any ``plait.parallel.stage.StageChunk`` will do),
 ``plait.parallel.schedules`` says what each rank does (a pure function per schedule),
 ``plait.parallel.simulate.with_communication`` adds the sends and receives, and
 ``plait.parallel.pipeline_exec.PipelineExecutor`` runs any such list. This module ties them
-together for one training or evaluation step and owns the tied-embedding gradient sum.
+together for one training or evaluation step and owns the tied gradient sum (``sum_tied_gradients``,
+the only one: an engine hands it the gradients wherever it keeps them).
 
 Semantics (the parity contract): after ``train_batch`` the parameters' ``.grad`` hold exactly what
 plain gradient accumulation over the same m micro-batches would hold with the loss averaged over
@@ -15,15 +17,18 @@ ZeRO's job.
 
 Engine use, per optimizer step::
 
-    loss = pipe.train_batch(data_iter)   # m micro-batches, grads accumulated, tied copies summed
-    # then: reduce .grad over mesh.dp_group (ZeRO: reduce-scatter), clip, step, zero_grad
+    loss = pipe.train_batch(data_iter, scale_loss=zero.scale_loss, on_micro_batch=zero.note_micro_step,
+                            sum_tied=False)
+    pipe.sum_tied_gradients(grads)       # the tied copies' gradients, wherever the engine keeps them
+    # then: clip, step (ZeRO reduced .grad over mesh.dp_group), zero_grad
 
 Gradient hooks (ZeRO-2 bucketed reduce-scatter, overlap with the pipeline): a chunk's ``.grad``
 is final when ``grads_ready(chunk)`` fires (after that chunk's last B/BW of the step), which is
-the point to launch its dp reduction. Exception: the tied embedding/head copies change once more
-in ``sum_tied_gradients`` after the schedule, so reduce those after ``train_batch`` returns (or
-reduce them first and sum afterwards only if both stages shard them identically). Post-accumulate
-hooks registered on parameters fire inside B and BW (never in BI), once per micro-batch.
+the point to launch its dp reduction. Exception: the tied embedding/head copies
+(``tied_parameters``) change once more in ``sum_tied_gradients`` after the schedule, so reduce those
+after it (or reduce them first and sum the reduced gradients, as the engine does under ZeRO-2/3:
+the sum is linear). Post-accumulate hooks registered on parameters fire inside B and BW (never in
+BI), once per micro-batch.
 """
 from __future__ import annotations
 
@@ -32,53 +37,45 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from plait.layers.init import TIED_ATTR
 from plait.parallel.p2p import StageP2P
 from plait.parallel.pipeline_exec import PipelineExecutor
 from plait.parallel.schedules import Action, get_schedule
 from plait.parallel.simulate import with_communication
-
-
-def _hidden_shape_fn(chunk, tp: int) -> Callable[[dict], tuple]:
-    hidden = chunk.config.hidden_size
-    sequence_parallel = bool(getattr(chunk, "sequence_parallel", False))
-
-    def shape(batch: dict) -> tuple:
-        b, s = batch["input_ids"].shape[:2]
-        if sequence_parallel:
-            if s % tp:
-                raise ValueError(f"sequence length {s} is not divisible by tp ({tp}) under sequence "
-                                 f"parallelism; pad the micro-batch to a multiple of {tp}")
-            s //= tp
-        return (b, s, hidden)
-
-    return shape
+from plait.parallel.stage import StageChunk, missing_members
 
 
 class PipelineParallel:
     """Runs this rank's pipeline chunks through a schedule, one step per ``train_batch`` call.
 
     Args:
-        stage_modules: this rank's ``v`` chunks in chunk order (``build_stage_modules``); chunk
-            ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``.
+        stage_modules: this rank's ``v`` chunks in chunk order, each a ``StageChunk``
+            (``plait.parallel.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
+            chunk ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``.
         mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
         schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
         micro_batches: m, micro-batches per step. "interleaved" needs m a multiple of p; the
             others run any ``m >= 1`` (``m < p`` is mostly bubble; see ``schedules``).
         virtual_stages: v; must equal ``len(stage_modules)`` (default: that length).
-        activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default
-            ``[b, s, hidden]`` (``[b, s/tp, hidden]`` with sequence parallelism) from
-            ``batch["input_ids"]``, evaluated per micro-batch, so sequence lengths may vary
+        activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default: the
+            first chunk's ``activation_shape`` (plait's: ``[b, s, hidden]``, ``[b, s/tp, hidden]``
+            with sequence parallelism), evaluated per micro-batch, so sequence lengths may vary
             between micro-batches and steps with no shape exchange.
         grads_ready: optional ``callback(chunk_index)`` when that chunk's gradients of the step
             are final (tied embedding copies are summed only after the whole schedule).
 
-    Tied embeddings: when the head (last stage) and the embedding (stage 0) are different
-    chunks, the head's weight is a copy (``plait_tied_to``); ``train_batch`` all-reduces the two
-    copies' gradients over a 2-rank group per (dp, tp) coordinate, built here collectively (every
-    rank of the world must construct PipelineParallel, in the same order).
+    Attributes:
+        tied_parameters: this rank's copies of parameters that another stage also holds (the chunks'
+            ``tied_parameters()``, chunk order; ``[]`` when none or p x v = 1).
+        tied_group: the (first stage, last stage) process group of this rank's (dp, tp) coordinate,
+            over which ``sum_tied_gradients`` all-reduces (None when p = 1 or nothing is tied).
+
+    Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
+    holds a copy of the embedding on stage 0), their gradients are summed over a 2-rank group per
+    (dp, tp) coordinate, built here collectively (every rank of the world must construct
+    PipelineParallel, in the same order).
 
     Raises:
+        TypeError: a chunk lacks a ``StageChunk`` member (named).
         ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
             ``get_schedule``: unknown name, m not a multiple of p for "interleaved", ...).
     """
@@ -93,6 +90,10 @@ class PipelineParallel:
                              f"them with build_stage_modules(config, mesh, v={virtual_stages})")
         if v < 1:
             raise ValueError("PipelineParallel needs at least one stage module")
+        for c, chunk in enumerate(self.stage_modules):
+            if missing := missing_members(chunk):
+                raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
+                                f"{missing} (see plait.parallel.stage; plait.layers.stages builds plait's)")
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
@@ -103,13 +104,12 @@ class PipelineParallel:
         first = next((t for t in self.parameters() if t.is_floating_point()), None)
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
-        tp = 1 if mesh is None else mesh.tp
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
         p2p = StageP2P(self.pp_ranks, None if mesh is None else mesh.pp_group, self.p * v)
         self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
-                                         activation_shape or _hidden_shape_fn(self.stage_modules[0], tp),
+                                         activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready)
-        self._tied_params, self._tied_group = self._tied_embedding_setup()
+        self.tied_parameters, self.tied_group = self._tied_embedding_setup()
 
     # ---- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
@@ -124,19 +124,10 @@ class PipelineParallel:
     # ---- tied embeddings --------------------------------------------------------------------
     def _tied_embedding_setup(self):
         """Local tied copies and the (first stage, last stage) group; collective over the world."""
-        config = getattr(self.stage_modules[0], "config", None)
-        if config is None or not config.tie_embeddings or self.p * self.v == 1:
+        chunks: list[StageChunk] = self.stage_modules
+        if not chunks[0].tied_across_stages or self.p * self.v == 1:
             return [], None
-        params = []
-        if self.rank == 0 and "0" in self.stage_modules[0].layers:
-            params.append(self.stage_modules[0].layers["0"].word_embeddings.weight)
-        last = self.stage_modules[-1]
-        if self.rank == self.p - 1 and getattr(last, "has_head", False):
-            weight = last.head.weight
-            if getattr(weight, TIED_ATTR, None) is None:
-                raise ValueError("the head chunk has no tied copy of the embedding although the config ties "
-                                 "them; build chunks with build_stage_modules")
-            params.append(weight)
+        params = [t for chunk in chunks for t in chunk.tied_parameters()]
         group = None
         if self.p > 1:
             grid = self.mesh.device_mesh.mesh  # [pp, dp, tp] global ranks
@@ -149,22 +140,31 @@ class PipelineParallel:
                         group = g
         return params, group
 
-    def sum_tied_gradients(self) -> None:
-        """Sum the embedding's and the head copy's gradients on both stages (called by
-        ``train_batch``; the copies stay bitwise equal because both sides add the same two values)."""
-        if not self._tied_params:
+    @torch.no_grad()
+    def sum_tied_gradients(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Sum the tied copies' gradients in place, on both stages: the one place this is done.
+        The copies stay bitwise equal because both sides add the same two values. Collective over
+        ``tied_group`` when p > 1 (both copies are on this rank when p = 1).
+
+        Args:
+            grads: one tensor per entry of ``tied_parameters`` (same order, equal shapes on both
+                stages), e.g. an engine's dp-reduced gradients of the copies; default: their ``.grad``
+                (zeros where None).
+        """
+        if not self.tied_parameters:
             return
-        grads = []
-        for param in self._tied_params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
+        if grads is None:
+            grads = []
+            for param in self.tied_parameters:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
         if self.p == 1:  # both copies on this rank, in different chunks
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
             return
         for grad in grads:
-            dist.all_reduce(grad, group=self._tied_group)
+            dist.all_reduce(grad, group=self.tied_group)
 
     def _refresh_dtype(self) -> None:
         """Receive activations in the parameters' current dtype (ZeRO may cast the chunks to bf16/fp16
@@ -195,7 +195,8 @@ class PipelineParallel:
             dist.broadcast(loss, src=self.pp_ranks[-1], group=self.mesh.pp_group)
         return loss
 
-    def train_batch(self, data_iter, loss_scale: float = 1.0, sum_tied: bool = True) -> torch.Tensor:
+    def train_batch(self, data_iter, *, scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    on_micro_batch: Callable[[], None] | None = None, sum_tied: bool = True) -> torch.Tensor:
         """One training step's forward and backward over ``m`` micro-batches.
 
         Args:
@@ -203,22 +204,27 @@ class PipelineParallel:
                 optional ``attention_mask``, ``position_ids``, ``token_type_ids``); every pipeline
                 rank must yield the same m micro-batches (stage 0 reads ``input_ids``, the last
                 stage ``labels``, the others only shapes).
-            loss_scale: multiplies each micro-batch loss before backward (fp16 loss scaling); the
-                gradients are then ``loss_scale`` times the mean-loss gradients.
-            sum_tied: sum the tied embedding copies' ``.grad`` after the schedule (an engine whose
-                ZeRO stage already consumed ``.grad`` during backward sums its gradient shards instead).
+            scale_loss: maps each micro-batch's loss (a scalar on the last stage) to what its backward
+                differentiates; default ``loss / m`` (the mean-loss gradients). An engine passes
+                ``ZeroOptimizer.scale_loss`` (``loss * loss_scale / GAS``, with ``m == GAS``).
+            on_micro_batch: called once per micro-batch, when this rank's last backward action of it
+                has run (e.g. ``ZeroOptimizer.note_micro_step``).
+            sum_tied: sum the tied copies' ``.grad`` after the schedule (``sum_tied_gradients``); an
+                engine whose ZeRO stage consumed ``.grad`` during backward passes False and sums the
+                reduced gradients itself through ``sum_tied_gradients(grads)``.
 
         Returns:
-            The mean over micro-batches of the micro-batch losses, a float32 scalar tensor on
-            every rank (broadcast from the last stage; this data-parallel replica's loss).
+            The mean over micro-batches of the micro-batch losses: a float32 tensor of shape ``[]``
+            on the pipeline's device, on every rank (broadcast from the last stage; this
+            data-parallel replica's loss). No host sync.
 
         Raises:
             ValueError: fewer than m micro-batches; a micro-batch without labels.
         """
         microbatches = self._pull(data_iter)
         self._refresh_dtype()
-        self.executor.loss_scale = loss_scale
-        losses = self.executor.run(self.actions, microbatches, train=True)
+        losses = self.executor.run(self.actions, microbatches, train=True, scale_loss=scale_loss,
+                                   on_micro_batch=on_micro_batch)
         if sum_tied:
             self.sum_tied_gradients()
         return self._mean_loss(losses)

@@ -4,7 +4,8 @@ Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank
 
 - F: run chunk ``c`` on the received activation (stage 0: on the micro-batch dict); keep the
   input and output for the backward. On the last stage the output is the micro-batch's mean loss,
-  kept scaled by ``1/m`` so the accumulated ``.grad`` is the gradient of the mean over micro-batches.
+  kept as ``scale_loss(loss)`` (default ``loss / m``, so the accumulated ``.grad`` is the gradient of
+  the mean over micro-batches; an engine passes its own, e.g. ``ZeroOptimizer.scale_loss``).
 - B: backward from the received output gradient (last stage: from the scaled loss); parameter
   gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
 - BI / BW: the zero-bubble split (``plait.parallel.pipeline_backward``).
@@ -45,6 +46,8 @@ class PipelineExecutor:
         grads_ready: optional ``callback(chunk_index)`` called when a chunk's last weight-gradient
             action of the step has run (its ``.grad`` is final for this step, before tied sums).
 
+    ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
+
     After ``run``, ``peak_in_flight`` is the most (micro-batch, chunk) forwards whose input-gradient
     backward had not run yet, held at once: ``simulate(...).peak_in_flight`` of this rank.
     """
@@ -57,7 +60,6 @@ class PipelineExecutor:
         self.last = p * self.v - 1
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.grads_ready = grads_ready
-        self.loss_scale = 1.0   # multiplies each last-stage loss before backward (fp16 loss scaling)
         # Set ``time_compute = True`` to measure this rank's busy time: ``busy_seconds`` after ``run`` is
         # the summed duration of its compute actions (CUDA events on GPU), for bubble measurements.
         self.time_compute, self.busy_seconds = False, 0.0
@@ -66,18 +68,29 @@ class PipelineExecutor:
         return chunk * self.p + self.rank
 
     # ---- one step ---------------------------------------------------------------------------
-    def run(self, actions: list[Action], microbatches: list[dict], train: bool = True) -> list[torch.Tensor]:
+    def run(self, actions: list[Action], microbatches: list[dict], train: bool = True, *,
+            scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            on_micro_batch: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Run ``actions`` on ``microbatches`` (m dicts of tensors on ``device``).
 
+        Args:
+            scale_loss: maps a last-stage micro-batch loss (scalar) to what its backward differentiates;
+                default ``loss * (1 / m)``. fp16 loss scaling and 1/GAS live here.
+            on_micro_batch: called once per micro-batch when this rank's last backward action of it
+                (B or BW of its last chunk) has run, e.g. ``ZeroOptimizer.note_micro_step``.
+
         Returns:
-            On a rank holding the last stage, the m unscaled micro-batch losses (detached scalars)
-            in micro-batch order; else an empty list.
+            On a rank holding the last stage, the m unscaled micro-batch losses (detached scalars on
+            the device, no host sync) in micro-batch order; else an empty list.
 
         Raises:
             RuntimeError: an action found its input missing (the list is not a valid schedule
                 for this rank; ``check_schedule`` names the problem), or state was left over.
         """
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
+        m = self._m
+        self._scale_loss = scale_loss or (lambda loss: loss * (1.0 / m))
+        self._on_micro_batch, self._mb_left = on_micro_batch, dict.fromkeys(range(m), self.v)
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
         self._to_send, self._pending, self._losses = {}, {}, {}
         self._remaining = self._weight_actions(actions) if train else {}
@@ -171,7 +184,7 @@ class PipelineExecutor:
                 raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
                                  f"loss; give every micro-batch 'labels'")
             self._losses[mb] = out.detach()
-            out = out * (self.loss_scale / self._m)
+            out = self._scale_loss(out)
         elif self.p == 1:  # the next stage is a chunk of this same rank: hand over directly
             self._inputs[(mb, chunk + 1)] = out.detach().requires_grad_(self._train)
         else:
@@ -194,10 +207,13 @@ class PipelineExecutor:
                                                                      "output gradient")
         return out, grad, x
 
-    def _weights_done(self, chunk: int) -> None:
+    def _weights_done(self, mb: int, chunk: int) -> None:
         self._remaining[chunk] -= 1
         if self._remaining[chunk] == 0 and self.grads_ready is not None:
             self.grads_ready(chunk)
+        self._mb_left[mb] -= 1
+        if self._mb_left[mb] == 0 and self._on_micro_batch is not None:
+            self._on_micro_batch()
 
     def _do_B(self, mb: int, chunk: int) -> None:
         out, grad, x = self._backward_inputs(mb, chunk)
@@ -205,7 +221,7 @@ class PipelineExecutor:
         gx = None if x is None else x.grad
         del out, grad, x
         self._input_grad_ready(mb, chunk, gx)
-        self._weights_done(chunk)
+        self._weights_done(mb, chunk)
 
     def _do_BI(self, mb: int, chunk: int) -> None:
         out, grad, x = self._backward_inputs(mb, chunk)
@@ -215,4 +231,4 @@ class PipelineExecutor:
 
     def _do_BW(self, mb: int, chunk: int) -> None:
         backward_weight(self._take(self._pending, (mb, chunk), "BI result"))
-        self._weights_done(chunk)
+        self._weights_done(mb, chunk)

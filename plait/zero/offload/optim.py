@@ -11,7 +11,7 @@ checkpoint whether offload is on or off (``load_state_dict`` copies into the ker
 
 Kinds: ``"adamw"`` (decoupled weight decay, torch.optim.AdamW), ``"adam"`` (L2 weight decay,
 torch.optim.Adam), ``"lion"`` (Chen et al. 2023, Alg. 2). LAMB is not offered: its trust ratio needs
-per-tensor norms summed over the dp ranks that share a tensor (see ``plait.lamb``).
+per-tensor norms summed over the dp ranks that share a tensor (see ``plait.optim.lamb``).
 
 Stepping (``plait.zero.offload.HostStepper`` drives it)::
 

@@ -6,7 +6,7 @@ DeepSpeed's ``optimizer.type`` values map to torch optimizers (or plait's LAMB):
 ``Adam``   ``torch.optim.AdamW`` when ``adam_w_mode`` (DeepSpeed's default), else ``torch.optim.Adam``
 ``AdamW``  ``torch.optim.AdamW``
 ``SGD``    ``torch.optim.SGD``
-``LAMB``   ``plait.lamb.Lamb`` (per-tensor trust ratio; needs whole tensors, see ``Engine``)
+``LAMB``   ``plait.optim.Lamb`` (per-tensor trust ratio; needs whole tensors, see ``Engine``)
 =========  ==============================================================================
 
 A user may instead pass a torch optimizer *class* or factory ``f(param_groups, **kw)``, or an
@@ -20,8 +20,8 @@ import inspect
 import torch
 
 from plait.config import ConfigError
-from plait.lamb import Lamb
-from plait.schedulers import SCHEDULERS
+from plait.optim.lamb import Lamb
+from plait.optim.schedulers import SCHEDULERS
 
 
 def optimizer_from_config(opt_cfg, device_type: str = "cpu"):

@@ -1,0 +1,58 @@
+"""What a pipeline stage chunk must offer ``PipelineParallel``: the contract between the pipeline and
+the model side that builds the chunks (``plait.layers.stages`` for plait's models; any model can
+implement it, see ``examples/compose_model.py``)."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class StageChunk(Protocol):
+    """One model chunk of a pipeline stage (virtual stage ``c*p + pp_rank`` for this rank's chunk ``c``).
+
+    Attributes:
+        layers: the chunk's items of the model's flat layer list, keyed by *global* index (``"0"`` the
+            embedding ... ``str(L + 1)`` the head), so parameter names are the same in every layout.
+        tied_across_stages: True when the model's first and last stage share a parameter (e.g. a tied
+            word embedding and LM head). The same on every chunk of every rank: the pipeline builds the
+            (first stage, last stage) process groups collectively when it is set.
+    """
+
+    layers: nn.ModuleDict
+    tied_across_stages: bool
+
+    def __call__(self, *, hidden: torch.Tensor | None = None, **batch: torch.Tensor) -> torch.Tensor:
+        """Run the chunk: the first stage reads ``batch["input_ids"] [b, s]`` (``hidden`` None), the others
+        ``hidden`` (``activation_shape(batch)``); the last stage returns the micro-batch's scalar mean loss
+        (given ``labels``), the others the activation for the next stage."""
+        ...
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The chunk's parameters under their global names (``layers.5.attn.q_proj.weight``)."""
+        ...
+
+    def activation_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+        """Shape of the activation entering this chunk for ``batch`` (e.g. ``[b, s, hidden]``, or
+        ``[b, s/tp, hidden]`` under sequence parallelism); evaluated per micro-batch.
+
+        Raises:
+            ValueError: the micro-batch cannot be split as the chunk needs (e.g. ``s % tp != 0``).
+        """
+        ...
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This chunk's copies of the parameters another stage also holds (the word embedding on the
+        first stage, the head's copy of it on the last), in layer order; ``[]`` when it holds none or when
+        one chunk holds every copy (then they are one parameter). The pipeline sums their gradients."""
+        ...
+
+
+def missing_members(chunk: object) -> list[str]:
+    """The ``StageChunk`` members ``chunk`` lacks (``[]`` when it offers them all)."""
+    names = ("layers", "tied_across_stages", "named_parameters", "activation_shape", "tied_parameters")
+    return [n for n in names if not hasattr(chunk, n)]
