@@ -4,7 +4,7 @@ the wiring flags the shared layers read, its Hugging Face name rules and HF conf
 The families live beside ``plait.layers`` and ``plait.checkpoint`` rather than inside either,
 because both use them: the layers read a family's :class:`Wiring`, the converter its HF rules.
 ``registry`` finds a family by arch name (``get_family``) or HF model_type; ``family`` defines
-the :class:`ModelFamily` protocol a new family implements.
+the :class:`ModelFamily` record a new family module fills in.
 """
 from plait.models.bert import bert_config
 from plait.models.family import ModelFamily, Wiring

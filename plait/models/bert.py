@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import Wiring
+from plait.models.family import ModelFamily, Wiring
 from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 _POSITION_BUFFER = re.compile(r"(^|\.)embeddings\.position_ids$")     # position-id buffer, not a weight
@@ -81,49 +81,32 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
                       tie_word_embeddings=c.tie_embeddings, **extra)
 
 
-class BertFamily:
-    """The BERT :class:`~plait.models.family.ModelFamily` (encoder with the MLM head)."""
+def _detect_layout(hf: HFClasses, hf_names: set[str]) -> HFLayout:
+    """A ``BertModel`` saved alone has no prefix and no head; ``BertForPreTraining``'s next-sentence head
+    is kept by the importer as ``hf_extra``."""
+    prefix = hf.prefix if any(n.startswith(hf.prefix) for n in hf_names) else ""
+    has_head = any(n.startswith(_HEAD) for n in hf_names)
+    architecture = hf.head_class if has_head else hf.base_class
+    if "cls.seq_relationship.weight" in hf_names:
+        architecture = "BertForPreTraining"
+    return HFLayout(hf.model_type, architecture, prefix, True)
 
-    name = "bert"
-    wiring = Wiring(embedding_norm=True, head_transform=True, head_bias=True)
-    hf = HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM")
-    presets = {
+
+def _export_layout(hf: HFClasses, config: TransformerConfig, plait_names: set[str]) -> HFLayout:
+    """``BertForMaskedLM`` when the checkpoint holds the MLM head, else a bare ``BertModel``."""
+    if any(n.startswith(f"layers.{config.num_layers + 1}.") for n in plait_names):
+        return HFLayout(hf.model_type, hf.head_class, hf.prefix, True)
+    return HFLayout(hf.model_type, hf.base_class, "", False)
+
+
+FAMILY = ModelFamily(
+    name="bert", wiring=Wiring(embedding_norm=True, head_transform=True, head_bias=True),
+    hf=HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM"),
+    presets={
         "bert-base": lambda: bert_config(),
         "bert-tiny": lambda: bert_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,
                                          max_position_embeddings=256),
-    }
-
-    def make_config(self, **overrides) -> TransformerConfig:
-        return bert_config(**overrides)
-
-    def hf_rules(self, config: TransformerConfig, layout: HFLayout) -> list[Rule]:
-        return _hf_rules(config, layout)
-
-    def hf_ignored(self, name: str, config: TransformerConfig) -> bool:
-        return bool(_POSITION_BUFFER.search(name)) or (config.tie_embeddings and name == f"{_HEAD}decoder.weight")
-
-    def detect_layout(self, hf_names: set[str]) -> HFLayout:
-        """A ``BertModel`` saved alone has no prefix and no head; ``BertForPreTraining``'s
-        next-sentence head is kept by the importer as ``hf_extra``."""
-        prefix = self.hf.prefix if any(n.startswith(self.hf.prefix) for n in hf_names) else ""
-        has_head = any(n.startswith(_HEAD) for n in hf_names)
-        architecture = self.hf.head_class if has_head else self.hf.base_class
-        if "cls.seq_relationship.weight" in hf_names:
-            architecture = "BertForPreTraining"
-        return HFLayout(self.hf.model_type, architecture, prefix, True)
-
-    def export_layout(self, config: TransformerConfig, plait_names: set[str]) -> HFLayout:
-        """``BertForMaskedLM`` when the checkpoint holds the MLM head, else a bare ``BertModel``."""
-        head = any(n.startswith(f"layers.{config.num_layers + 1}.") for n in plait_names)
-        if head:
-            return HFLayout(self.hf.model_type, self.hf.head_class, self.hf.prefix, True)
-        return HFLayout(self.hf.model_type, self.hf.base_class, "", False)
-
-    def config_from_hf(self, hf_config) -> TransformerConfig:
-        return _config_from_hf(hf_config)
-
-    def config_to_hf(self, config: TransformerConfig, extra: dict):
-        return _config_to_hf(config, extra)
-
-
-FAMILY = BertFamily()
+    },
+    make_config=bert_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
+    buffers=_POSITION_BUFFER, tied_head=f"{_HEAD}decoder.weight", layout_of=_detect_layout,
+    export_layout_of=_export_layout)

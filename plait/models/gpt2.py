@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import Wiring
-from plait.models.hf_base import HFClasses, HFLayout, Rule, decoder_layout, pairs, require_fields, unsupported
+from plait.models.family import ModelFamily, Wiring
+from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$")     # causal-mask buffers, not weights
 #: HF activation_function -> plait activation.
@@ -78,38 +78,12 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
                       initializer_range=c.init_std, tie_word_embeddings=c.tie_embeddings, **extra)
 
 
-class GPT2Family:
-    """The GPT-2 :class:`~plait.models.family.ModelFamily`."""
-
-    name = "gpt2"
-    wiring = Wiring()
-    hf = HFClasses("gpt2", "transformer.", "GPT2Model", "GPT2LMHeadModel")
-    presets = {
+FAMILY = ModelFamily(
+    name="gpt2", wiring=Wiring(), hf=HFClasses("gpt2", "transformer.", "GPT2Model", "GPT2LMHeadModel"),
+    presets={
         "gpt2-124m": lambda: gpt2_config(),
         "gpt2-tiny": lambda: gpt2_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,
                                          max_position_embeddings=256),
-    }
-
-    def make_config(self, **overrides) -> TransformerConfig:
-        return gpt2_config(**overrides)
-
-    def hf_rules(self, config: TransformerConfig, layout: HFLayout) -> list[Rule]:
-        return _hf_rules(config, layout)
-
-    def hf_ignored(self, name: str, config: TransformerConfig) -> bool:
-        return bool(_MASK_BUFFER.search(name)) or (config.tie_embeddings and name == "lm_head.weight")
-
-    def detect_layout(self, hf_names: set[str]) -> HFLayout:
-        return decoder_layout(self.hf, hf_names)
-
-    def export_layout(self, config: TransformerConfig, plait_names: set[str]) -> HFLayout:
-        return HFLayout(self.hf.model_type, self.hf.head_class, self.hf.prefix, not config.tie_embeddings)
-
-    def config_from_hf(self, hf_config) -> TransformerConfig:
-        return _config_from_hf(hf_config)
-
-    def config_to_hf(self, config: TransformerConfig, extra: dict):
-        return _config_to_hf(config, extra)
-
-
-FAMILY = GPT2Family()
+    },
+    make_config=gpt2_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
+    buffers=_MASK_BUFFER)

@@ -132,6 +132,11 @@ def decoder_layout(classes: HFClasses, hf_names: set[str]) -> HFLayout:
     return HFLayout(classes.model_type, classes.head_class if has_head else classes.base_class, prefix, True)
 
 
+def decoder_export_layout(classes: HFClasses, config, plait_names: set[str]) -> HFLayout:
+    """Layout a decoder export writes: the head class with the prefix; ``lm_head`` stored unless tied."""
+    return HFLayout(classes.model_type, classes.head_class, classes.prefix, not config.tie_embeddings)
+
+
 def unsupported(model_type: str, what: str) -> ValueError:
     """The error for an HF config feature plait does not implement."""
     return ValueError(f"Hugging Face {model_type} config: {what} is not supported by plait")

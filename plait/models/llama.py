@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import Wiring
-from plait.models.hf_base import HFClasses, HFLayout, Rule, decoder_layout, pairs, require_fields, unsupported
+from plait.models.family import ModelFamily, Wiring
+from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 _ROPE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")     # old Llama RoPE buffer, not a weight
 
@@ -84,40 +84,14 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
                        attention_dropout=c.attention_dropout, initializer_range=c.init_std, **extra)
 
 
-class LlamaFamily:
-    """The Llama :class:`~plait.models.family.ModelFamily`."""
-
-    name = "llama"
-    wiring = Wiring()
-    hf = HFClasses("llama", "model.", "LlamaModel", "LlamaForCausalLM")
-    presets = {
+FAMILY = ModelFamily(
+    name="llama", wiring=Wiring(), hf=HFClasses("llama", "model.", "LlamaModel", "LlamaForCausalLM"),
+    presets={
         "llama-886m": lambda: llama_config(),
         "llama-5.9b": lambda: llama_config(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                            ffn_hidden_size=11008),
         "llama-tiny": lambda: llama_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,
                                            num_kv_heads=2, ffn_hidden_size=352, max_position_embeddings=256),
-    }
-
-    def make_config(self, **overrides) -> TransformerConfig:
-        return llama_config(**overrides)
-
-    def hf_rules(self, config: TransformerConfig, layout: HFLayout) -> list[Rule]:
-        return _hf_rules(config, layout)
-
-    def hf_ignored(self, name: str, config: TransformerConfig) -> bool:
-        return bool(_ROPE_BUFFER.search(name)) or (config.tie_embeddings and name == "lm_head.weight")
-
-    def detect_layout(self, hf_names: set[str]) -> HFLayout:
-        return decoder_layout(self.hf, hf_names)
-
-    def export_layout(self, config: TransformerConfig, plait_names: set[str]) -> HFLayout:
-        return HFLayout(self.hf.model_type, self.hf.head_class, self.hf.prefix, not config.tie_embeddings)
-
-    def config_from_hf(self, hf_config) -> TransformerConfig:
-        return _config_from_hf(hf_config)
-
-    def config_to_hf(self, config: TransformerConfig, extra: dict):
-        return _config_to_hf(config, extra)
-
-
-FAMILY = LlamaFamily()
+    },
+    make_config=llama_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
+    buffers=_ROPE_BUFFER)

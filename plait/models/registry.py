@@ -1,7 +1,7 @@
 """The model-family registry: arch name -> :class:`~plait.models.family.ModelFamily`, and the presets
 of every family.
 
-Adding a family (e.g. Mistral) means writing ``plait/models/mistral.py`` with a ``FAMILY`` object
+Adding a family (e.g. Mistral) means writing ``plait/models/mistral.py`` with a ``FAMILY = ModelFamily(...)``
 and adding that object to :data:`FAMILIES` here.
 """
 from __future__ import annotations
