@@ -246,6 +246,22 @@ def check_schedule(lists: Schedule, p: int, m: int, v: int = 1) -> None:
         raise ValueError(f"schedule has {len(lists)} rank lists but p={p}; give one list per rank")
     last = p * v - 1
     comm = p > 1 and any(not a.is_compute for acts in lists for a in acts if isinstance(a, Action))
+    seen, sends, recvs = _scan_actions(lists, p, m, v, last, comm)
+    _check_complete(seen, p, m, last)
+    if set(sends) != set(recvs):
+        missing = sorted(set(sends) ^ set(recvs))[:3]
+        raise ValueError(f"unmatched sends/receives (direction, micro-batch, receiving stage) "
+                         f"{missing}; every SEND needs one RECV on the peer stage")
+
+
+def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool) -> tuple[
+        dict[tuple[str, int, int], tuple[int, int]], dict[tuple[str, int, int], int],
+        dict[tuple[str, int, int], int]]:
+    """Check every action in rank order; return (seen, sends, recvs) for the global checks.
+
+    ``seen`` maps (kind, micro-batch, stage) to (rank, index); ``sends`` and ``recvs`` map
+    (direction, micro-batch, receiving stage) to the rank holding the op.
+    """
     seen: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> (rank, index)
     sends: dict[tuple[str, int, int], int] = {}
     recvs: dict[tuple[str, int, int], int] = {}
@@ -262,31 +278,43 @@ def check_schedule(lists: Schedule, p: int, m: int, v: int = 1) -> None:
                 _fail(r, i, a, f"duplicate (first at rank {seen[key][0]} #{seen[key][1]})",
                       "each (micro-batch, stage) runs each kind once")
             seen[key] = (r, i)
-            has = lambda k: (k, a.microbatch, s) in seen  # noqa: E731 - earlier on this rank
-            if a.kind in ("B", "BI") and not has("F"):
-                _fail(r, i, a, "backward before its forward on this rank", "move the F earlier")
-            if a.kind == "B" and (has("BI") or has("BW")):
-                _fail(r, i, a, "mixes B with BI/BW for one micro-batch", "use either B or BI+BW")
-            if a.kind == "BW" and not has("BI"):
-                _fail(r, i, a, "BW before its BI", "put BW after the BI of the same micro-batch")
-            if a.kind == "RECV_F" and (s == 0 or has("F")):
-                _fail(r, i, a, "RECV_F on stage 0 or after its F", "receive before the forward")
-            if a.kind == "SEND_F" and (s == last or not has("F")):
-                _fail(r, i, a, "SEND_F on the last stage or before its F", "send after the forward")
-            if a.kind == "RECV_B" and (s == last or has("B") or has("BI")):
-                _fail(r, i, a, "RECV_B on the last stage or after its backward", "receive before it")
-            if a.kind == "SEND_B" and (s == 0 or not (has("B") or has("BI"))):
-                _fail(r, i, a, "SEND_B on stage 0 or before its backward", "send after the backward")
+            _check_order(r, i, a, s, last, comm, seen)
             if a.kind in ("SEND_F", "SEND_B"):
                 sends[(a.kind[-1], a.microbatch, s + (1 if a.kind == "SEND_F" else -1))] = r
             if a.kind in ("RECV_F", "RECV_B"):
                 recvs[(a.kind[-1], a.microbatch, s)] = r
-            if comm and a.kind == "F" and s > 0 and not has("RECV_F"):
-                _fail(r, i, a, "forward without an earlier RECV_F in a list with communication",
-                      "insert RECV_F before it (use with_communication)")
-            if comm and a.kind in ("B", "BI") and s < last and not has("RECV_B"):
-                _fail(r, i, a, "backward without an earlier RECV_B in a list with communication",
-                      "insert RECV_B before it (use with_communication)")
+    return seen, sends, recvs
+
+
+def _check_order(r: int, i: int, a: Action, s: int, last: int, comm: bool,
+                 seen: dict[tuple[str, int, int], tuple[int, int]]) -> None:
+    """Raise if action a (#i on rank r, stage s) is out of order with its rank's earlier ones."""
+    has = lambda k: (k, a.microbatch, s) in seen  # noqa: E731 - earlier on this rank
+    if a.kind in ("B", "BI") and not has("F"):
+        _fail(r, i, a, "backward before its forward on this rank", "move the F earlier")
+    if a.kind == "B" and (has("BI") or has("BW")):
+        _fail(r, i, a, "mixes B with BI/BW for one micro-batch", "use either B or BI+BW")
+    if a.kind == "BW" and not has("BI"):
+        _fail(r, i, a, "BW before its BI", "put BW after the BI of the same micro-batch")
+    if a.kind == "RECV_F" and (s == 0 or has("F")):
+        _fail(r, i, a, "RECV_F on stage 0 or after its F", "receive before the forward")
+    if a.kind == "SEND_F" and (s == last or not has("F")):
+        _fail(r, i, a, "SEND_F on the last stage or before its F", "send after the forward")
+    if a.kind == "RECV_B" and (s == last or has("B") or has("BI")):
+        _fail(r, i, a, "RECV_B on the last stage or after its backward", "receive before it")
+    if a.kind == "SEND_B" and (s == 0 or not (has("B") or has("BI"))):
+        _fail(r, i, a, "SEND_B on stage 0 or before its backward", "send after the backward")
+    if comm and a.kind == "F" and s > 0 and not has("RECV_F"):
+        _fail(r, i, a, "forward without an earlier RECV_F in a list with communication",
+              "insert RECV_F before it (use with_communication)")
+    if comm and a.kind in ("B", "BI") and s < last and not has("RECV_B"):
+        _fail(r, i, a, "backward without an earlier RECV_B in a list with communication",
+              "insert RECV_B before it (use with_communication)")
+
+
+def _check_complete(seen: dict[tuple[str, int, int], tuple[int, int]], p: int, m: int,
+                    last: int) -> None:
+    """Raise unless every (micro-batch, stage) has one F and one B or a BI plus a BW."""
     for mb in range(m):
         for s in range(last + 1):
             r, c = rank_chunk_of(s, p)
@@ -298,7 +326,3 @@ def check_schedule(lists: Schedule, p: int, m: int, v: int = 1) -> None:
                 raise ValueError(f"{where} has no backward; add Action('B', {mb}, {c}) to rank {r}")
             if split and not (("BI", mb, s) in seen and ("BW", mb, s) in seen):
                 raise ValueError(f"{where} has BI without BW or BW without BI; add the missing one")
-    if set(sends) != set(recvs):
-        missing = sorted(set(sends) ^ set(recvs))[:3]
-        raise ValueError(f"unmatched sends/receives (direction, micro-batch, receiving stage) "
-                         f"{missing}; every SEND needs one RECV on the peer stage")

@@ -136,28 +136,11 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     posted: dict[tuple, float] = {}  # comm op key -> time its batch was posted
     arrived: list[float | None] = [None] * p  # when rank r reached its current comm batch
     timeline: list[list[Timed]] = [[] for _ in range(p)]
+    explicit = any(not a.is_compute for acts in lists for a in acts)
 
     def ready(r: int, a: Action) -> tuple[float | None, str]:
-        """Earliest start of compute action a on rank r, or None and what it waits for."""
-        s = stage_of(r, a.chunk, p)
-        need = []
-        if a.kind == "F" and s > 0:
-            need.append(("F", a.microbatch, s - 1))
-        if a.kind in ("B", "BI"):
-            need.append(("F", a.microbatch, s))
-            if s < last:
-                need.append(("BI", a.microbatch, s + 1))
-        if a.kind == "BW":
-            need.append(("BI", a.microbatch, s))
-        t = clock[r]
-        for key in need:
-            if key not in done:
-                return None, f"{key[0]} of micro-batch {key[1]} at stage {key[2]}"
-            end, src = done[key]
-            t = max(t, end + (cost_comm if src != r and not explicit else 0))
-        return t, ""
+        return _ready(r, a, p, last, clock, done, cost_comm, explicit)
 
-    explicit = any(not a.is_compute for acts in lists for a in acts)
     while True:
         progressed = False
         for r in range(p):
@@ -167,29 +150,72 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
                     start, _ = ready(r, step)
                     if start is None:
                         break
-                    end = start + cost[step.kind]
-                    s = stage_of(r, step.chunk, p)
-                    for k in (("F",) if step.kind == "F" else ("BI", "BW") if step.kind == "B"
-                              else (step.kind,)):
-                        done[(k, step.microbatch, s)] = (end, r)
-                    timeline[r].append(Timed(step, start, end))
-                    clock[r] = end
-                else:
-                    if arrived[r] is None:
-                        arrived[r] = clock[r]
-                        for a in step:
-                            posted[_link(a, stage_of(r, a.chunk, p))[0]] = clock[r]
-                    peers = [posted.get(_link(a, stage_of(r, a.chunk, p))[1]) for a in step]
-                    if any(t is None for t in peers):
-                        break
-                    clock[r] = max([arrived[r], *peers]) + cost_comm
-                    arrived[r] = None
+                    _run_compute(r, step, start, start + cost[step.kind], p, done, timeline, clock)
+                elif not _run_comm_batch(r, step, p, clock, arrived, posted, cost_comm):
+                    break
                 pos[r] += 1
                 progressed = True
         if all(pos[r] == len(steps[r]) for r in range(p)):
             break
         if not progressed:
             raise DeadlockError(_stuck_message(steps, pos, ready, p))
+    return _sim_result(lists, p, v, timeline, clock)
+
+
+def _ready(r: int, a: Action, p: int, last: int, clock: list[float],
+           done: dict[tuple[str, int, int], tuple[float, int]], cost_comm: float,
+           explicit: bool) -> tuple[float | None, str]:
+    """Earliest start of compute action a on rank r, or None and what it waits for."""
+    s = stage_of(r, a.chunk, p)
+    need = []
+    if a.kind == "F" and s > 0:
+        need.append(("F", a.microbatch, s - 1))
+    if a.kind in ("B", "BI"):
+        need.append(("F", a.microbatch, s))
+        if s < last:
+            need.append(("BI", a.microbatch, s + 1))
+    if a.kind == "BW":
+        need.append(("BI", a.microbatch, s))
+    t = clock[r]
+    for key in need:
+        if key not in done:
+            return None, f"{key[0]} of micro-batch {key[1]} at stage {key[2]}"
+        end, src = done[key]
+        t = max(t, end + (cost_comm if src != r and not explicit else 0))
+    return t, ""
+
+
+def _run_compute(r: int, step: Action, start: float, end: float, p: int,
+                 done: dict[tuple[str, int, int], tuple[float, int]],
+                 timeline: list[list[Timed]], clock: list[float]) -> None:
+    """Record compute action step on rank r running from start to end."""
+    s = stage_of(r, step.chunk, p)
+    for k in (("F",) if step.kind == "F" else ("BI", "BW") if step.kind == "B"
+              else (step.kind,)):
+        done[(k, step.microbatch, s)] = (end, r)
+    timeline[r].append(Timed(step, start, end))
+    clock[r] = end
+
+
+def _run_comm_batch(r: int, batch: list[Action], p: int, clock: list[float],
+                    arrived: list[float | None], posted: dict[tuple, float],
+                    cost_comm: float) -> bool:
+    """Post rank r's comm batch (once); complete it and return True if every peer has posted."""
+    if arrived[r] is None:
+        arrived[r] = clock[r]
+        for a in batch:
+            posted[_link(a, stage_of(r, a.chunk, p))[0]] = clock[r]
+    peers = [posted.get(_link(a, stage_of(r, a.chunk, p))[1]) for a in batch]
+    if any(t is None for t in peers):
+        return False
+    clock[r] = max([arrived[r], *peers]) + cost_comm
+    arrived[r] = None
+    return True
+
+
+def _sim_result(lists: Schedule, p: int, v: int, timeline: list[list[Timed]],
+                clock: list[float]) -> SimResult:
+    """Summarise a finished run: makespan, busy/idle/bubble per rank and memory peaks."""
     busy = tuple(sum((t.end - t.start for t in tl), start=0) for tl in timeline)
     makespan = max((tl[-1].end for tl in timeline if tl), default=0)
     makespan = max([makespan, *clock])
