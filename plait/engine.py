@@ -180,7 +180,7 @@ class Engine(EngineFacts):
         """
         batches = self._pull(data_iter)
         if self.pipeline is not None:
-            loss = pipeline_train_step(self.pipeline, self.optimizer, self.mesh, batches)
+            loss = pipeline_train_step(self.pipeline, self.optimizer, batches)
             self.guard.loss = loss.detach()
             self.report.set_step_loss(loss)
         else:

@@ -2,6 +2,7 @@
 fp16 loss scaling, global gradient-norm clipping over dp/tp/pp, and logical checkpoint slices."""
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
 from plait.zero.flat import ParamSlice, ShardState, slices_reader
+from plait.zero.grads import whole_gradients
 from plait.zero.optimizer import CommOptions, StagePolicy, ZeroOptimizer, weight_decay_groups
 from plait.zero.precision import LossScaleError, LossScaler, NonFiniteError, resolve_dtype
 from plait.zero.weights import SafetensorsWeights, meta_parameters
@@ -23,4 +24,5 @@ __all__ = [
            "resolve_dtype",
            "slices_reader",
            "weight_decay_groups",
+           "whole_gradients",
 ]

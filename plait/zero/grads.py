@@ -1,0 +1,56 @@
+"""Whole gradients of chosen parameters, whatever the ZeRO stage: for code that must combine the
+gradients of several parameters after backward (a pipeline summing the tied embedding and its head
+copy on two stages) without knowing where the stage keeps them."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.sharding import shard_of
+
+
+@contextmanager
+@torch.no_grad()
+def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+    """Yield one gradient tensor per parameter of ``params`` (this rank's tensor-parallel shape), to be
+    edited in place; the edits are kept.
+
+    * Stages 0-1 keep gradients in ``.grad`` (reduced over dp at the step): those are yielded (zeros
+      where None), not yet reduced.
+    * Stages 2-3 reduce-scattered them during backward into the fp32 gradient shards: the whole
+      dp-reduced gradient of each is rebuilt from the dp ranks' pieces (float32, flat ``[numel]``) and
+      this rank's pieces are written back on exit.
+
+    An elementwise combination of the yielded tensors (a sum of two copies) is linear, so it equals the
+    same combination before the dp reduction. Collective over the dp group at stages 2-3.
+
+    Args:
+        zero: the ``ZeroOptimizer`` that owns ``params``.
+        params: parameters of ``zero``'s module.
+    """
+    if not zero.policy.gradients:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        yield [p.grad for p in params]
+        return
+    zero.reducer.wait()
+    fulls, where = [], []
+    for param in params:
+        full = torch.zeros(math.prod(shard_of(param).local_shape), dtype=torch.float32,   # numel is 0 at stage 3
+                           device=zero.device)
+        pieces = [(pc, gi) for gi, g in enumerate(zero.groups) for pc in g.pieces() if pc.slot.param is param]
+        for pc, gi in pieces:
+            full[pc.start:pc.start + pc.length] = zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length]
+        if zero.dp_size > 1:
+            dist.all_reduce(full, group=zero.dp_group)
+        fulls.append(full)
+        where.append(pieces)
+    yield fulls
+    for full, pieces in zip(fulls, where):
+        for pc, gi in pieces:
+            zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length] = full[pc.start:pc.start + pc.length]
