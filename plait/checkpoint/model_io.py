@@ -223,6 +223,21 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
         reader = CheckpointReader(reader, tag)
     if not allow_config_change:
         check_model_config(model, reader)
+    plan, report = _plan_load(model, reader)
+    if strict and (report.missing or report.unexpected):
+        raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
+                              f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
+                              f"pass strict=False to load the rest")
+    _fill_parameters(model, reader, plan, device)
+    return report
+
+
+def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadReport]:
+    """Match every parameter of ``model`` to its checkpoint tensor, checking logical shapes.
+
+    Returns the ``(param, key, spec)`` triples to read and the ``LoadReport`` of missing and unexpected
+    names; changes nothing. Raises CheckpointError on the first logical shape that differs.
+    """
     stored = set(reader.names())
     plan, report, wanted = [], LoadReport(), set()
     for name, param in model.named_parameters():
@@ -240,10 +255,12 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
         plan.append((param, key, spec))
     report.unexpected = sorted(n for n in stored - wanted
                                if _is_model_weight(n) and not _elsewhere(n, model))
-    if strict and (report.missing or report.unexpected):
-        raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
-                              f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
-                              f"pass strict=False to load the rest")
+    return plan, report
+
+
+def _fill_parameters(model: nn.Module, reader: CheckpointReader, plan: list, device) -> None:
+    """Read each planned parameter's box: in place, or into a new parameter on ``device`` for one on
+    the meta device (then registered wherever the old one was). Called under ``torch.no_grad``."""
     fresh = {}
     for param, key, spec in plan:
         if param.is_meta:
@@ -255,7 +272,6 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
             param.copy_(read_tp_shard(reader, key, spec, dtype=param.dtype, device=param.device))
     if fresh:
         _replace_parameters(model, fresh)
-    return report
 
 
 def _replace_parameters(model: nn.Module, fresh: dict) -> None:

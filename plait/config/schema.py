@@ -9,30 +9,25 @@ The dataclasses are frozen: a resolved config is a value. Build them with :func:
 which checks keys and types, resolves ``"auto"`` and the batch-size triple; constructing them directly skips
 those checks except the cross-field ones in ``__post_init__``.
 
+The optimizer and scheduler sections live in ``schema_optim``, the ZeRO sections in ``schema_zero`` and
+``AUTO`` / ``ConfigError`` in ``schema_base``; every public name is importable from here.
+
 Field metadata used by the reader (``plait.config.reader``):
     ``auto``: the key may be ``"auto"`` in JSON; ``plait.config.resolve`` documents each rule.
     ``aliases``: other JSON spellings accepted for the same key (giving two spellings is an error).
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from types import MappingProxyType
 from typing import Any, Literal
 
 from plait.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
-
-AUTO = "auto"
-
-
-class ConfigError(ValueError):
-    """A configuration that plait cannot use; the message names the key, the numbers and the fix."""
-
-
-def _auto(default: Any = None, **meta: Any) -> Any:
-    """A field that may be written as ``"auto"`` in JSON."""
-    return field(default=default, metadata={"auto": True, **meta})
+from plait.config.schema_base import AUTO, ConfigError, _auto  # noqa: F401
+from plait.config.schema_optim import (OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS,  # noqa: F401
+                                       AdamParams, LambParams, LionParams, OptimizerConfig, SchedulerConfig,
+                                       SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams)
+from plait.config.schema_zero import OffloadConfig, ZeroConfig  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------- precision
@@ -65,217 +60,6 @@ class BF16Config:
     """``bf16`` (alias ``bfloat16``): bf16 compute with fp32 master weights; no loss scaling needed."""
 
     enabled: bool = _auto(False)
-
-
-# -------------------------------------------------------------------------------- optimizer and scheduler
-def _check_hparams(params: Any) -> None:
-    """Range checks of ``optimizer.params`` (values still "auto" are checked once filled in).
-
-    Raises:
-        ConfigError: naming the key, the value and the allowed range.
-    """
-    def bad(key: str, value: Any, allowed: str) -> ConfigError:
-        return ConfigError(f"optimizer.params.{key} = {value!r} is out of range: it must be {allowed}")
-
-    for key in ("lr", "eps", "weight_decay"):
-        v = getattr(params, key, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
-            raise bad(key, v, "a finite number >= 0")
-    betas = getattr(params, "betas", None)
-    if isinstance(betas, (tuple, list)) and not (len(betas) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
-        raise bad("betas", list(betas), "two numbers in [0, 1), e.g. [0.9, 0.999]")
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """``optimizer.params`` for Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019).
-
-    As in DeepSpeed, ``"Adam"`` defaults to decoupled weight decay (``adam_w_mode=True``, i.e. AdamW);
-    set ``adam_w_mode: false`` for L2-regularised Adam. ``"AdamW"`` requires ``adam_w_mode`` true.
-    """
-
-    lr: float = _auto(1e-3)
-    betas: tuple[float, float] = _auto((0.9, 0.999))
-    eps: float = _auto(1e-8)
-    weight_decay: float = _auto(0.0)
-    bias_correction: bool = True
-    adam_w_mode: bool = True
-
-    def __post_init__(self) -> None:
-        _check_hparams(self)
-
-
-@dataclass(frozen=True)
-class LambParams:
-    """``optimizer.params`` for LAMB (You et al. 2020, Alg. 2); the trust ratio is clamped to
-    ``[min_coeff, max_coeff]`` as in DeepSpeed's FusedLamb."""
-
-    lr: float = _auto(1e-3)
-    betas: tuple[float, float] = _auto((0.9, 0.999))
-    eps: float = _auto(1e-8)
-    weight_decay: float = _auto(0.0)
-    bias_correction: bool = True
-    max_coeff: float = 10.0
-    min_coeff: float = 0.01
-
-    def __post_init__(self) -> None:
-        _check_hparams(self)
-
-
-@dataclass(frozen=True)
-class SGDParams:
-    """``optimizer.params`` for SGD with optional (Nesterov) momentum, torch.optim.SGD semantics."""
-
-    lr: float = _auto(1e-3)
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = _auto(0.0)
-    nesterov: bool = False
-
-    def __post_init__(self) -> None:
-        _check_hparams(self)
-
-
-@dataclass(frozen=True)
-class LionParams:
-    """``optimizer.params`` for Lion (Chen et al. 2023, Alg. 2)."""
-
-    lr: float = _auto(1e-4)
-    betas: tuple[float, float] = _auto((0.9, 0.99))
-    weight_decay: float = _auto(0.0)
-
-    def __post_init__(self) -> None:
-        _check_hparams(self)
-
-
-@dataclass(frozen=True)
-class WarmupLRParams:
-    """``scheduler.params`` for WarmupLR: lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over
-    ``warmup_num_steps`` steps (``warmup_type`` "log" or "linear"), then stays at ``warmup_max_lr``."""
-
-    warmup_min_lr: float = _auto(0.0)
-    warmup_max_lr: float = _auto(0.001)
-    warmup_num_steps: int = _auto(1000)
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
-
-
-@dataclass(frozen=True)
-class WarmupDecayLRParams:
-    """``scheduler.params`` for WarmupDecayLR: WarmupLR, then linear decay to 0 at ``total_num_steps``."""
-
-    total_num_steps: int = _auto(None)  # required
-    warmup_min_lr: float = _auto(0.0)
-    warmup_max_lr: float = _auto(0.001)
-    warmup_num_steps: int = _auto(1000)
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
-
-
-@dataclass(frozen=True)
-class WarmupCosineLRParams:
-    """``scheduler.params`` for WarmupCosineLR: the lr *ratio* (of the optimizer's lr) warms up from
-    ``warmup_min_ratio`` to 1 over ``warmup_num_steps``, then follows a cosine down to ``cos_min_ratio`` at
-    ``total_num_steps`` (Loshchilov & Hutter 2017, Eq. 5 without restarts)."""
-
-    total_num_steps: int = _auto(None)  # required
-    warmup_min_ratio: float = 0.0
-    warmup_num_steps: int = _auto(1000)
-    cos_min_ratio: float = 0.0001
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
-
-
-#: Optimizer ``type`` (canonical spelling) -> its params dataclass. Matched case-insensitively.
-OPTIMIZER_PARAMS = MappingProxyType({"Adam": AdamParams, "AdamW": AdamParams, "LAMB": LambParams,
-                                     "SGD": SGDParams, "Lion": LionParams})
-#: Scheduler ``type`` -> its params dataclass. Matched case-insensitively.
-SCHEDULER_PARAMS = MappingProxyType({"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-                                     "WarmupCosineLR": WarmupCosineLRParams})
-#: Params that must be given (or resolved from "auto") for a scheduler type.
-REQUIRED_PARAMS = frozenset({"total_num_steps"})
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """``optimizer``: ``type`` is one of Adam, AdamW, LAMB, SGD, Lion; ``params`` holds every parameter of
-    that optimizer with defaults filled in (see :class:`AdamParams` etc.), ``betas`` as a tuple."""
-
-    type: str
-    params: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """``scheduler``: ``type`` is one of WarmupLR, WarmupDecayLR, WarmupCosineLR; ``params`` uses
-    DeepSpeed's names (warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, total_num_steps,
-    cos_min_ratio, warmup_min_ratio) with defaults filled in. Steps count optimizer steps."""
-
-    type: str
-    params: dict = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------------------------------- ZeRO
-@dataclass(frozen=True)
-class OffloadConfig:
-    """``offload_optimizer`` / ``offload_param``: ``device`` "none" or "cpu" (ZeRO-Offload, Ren et al. 2021);
-    ``pin_memory`` allocates the host buffers page-locked for faster device copies.
-    ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
-    partition whose update the device computes from the host-resident states while the CPU steps the
-    rest (``plait.zero.offload.device_share``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
-    ``device_step_adaptive`` (plait) starts there and moves the split each step towards equal CPU and
-    device times."""
-
-    device: Literal["none", "cpu"] = "none"
-    pin_memory: bool = False
-    device_step_fraction: float = 0.0
-    device_step_adaptive: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        """True when tensors live on the host (``device == "cpu"``)."""
-        return self.device == "cpu"
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """``zero_optimization`` (Rajbhandari et al. SC'20). ``stage`` 0: plain data parallel; 1: optimizer
-    states partitioned over dp; 2: + gradients; 3: + parameters. Bucket sizes and thresholds count
-    *elements* (parameters), not bytes, as in DeepSpeed."""
-
-    stage: int = 0
-    allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool | None = None  # None: True for stage 3, else False (DeepSpeed's default)
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = _auto(500_000_000)
-    contiguous_gradients: bool = True
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    sub_group_size: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = _auto(50_000_000, aliases=("prefetch_bucket_size",))
-    stage3_param_persistence_threshold: int = _auto(100_000, aliases=("param_persistence_threshold",))
-    stage3_max_live_parameters: int = _auto(1_000_000_000, aliases=("max_live_parameters",))
-    stage3_max_reuse_distance: int = _auto(1_000_000_000, aliases=("max_reuse_distance",))
-    stage3_gather_16bit_weights_on_model_save: bool = _auto(
-        False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
-    ignore_unused_parameters: bool = True
-
-    def __post_init__(self) -> None:
-        if self.overlap_comm is None:
-            object.__setattr__(self, "overlap_comm", self.stage == 3)
-        if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
-        if self.offload_param.enabled and self.stage != 3:   # DeepSpeed reads offload_param at stage 3 only
-            logging.getLogger("plait").warning(
-                "config: zero_optimization.offload_param is accepted and not used: parameters are offloaded "
-                "at stage 3 only (stage %d here), as in DeepSpeed", self.stage)
-            object.__setattr__(self, "offload_param", OffloadConfig())
-        if self.offload_optimizer.enabled and self.stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
-                             "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")
-
 
 # --------------------------------------------------------------------------------- activation checkpoints
 @dataclass(frozen=True)

@@ -196,6 +196,66 @@ def _copy_tokens(src: Path, writer: _Writer, tokenizer_sha: str) -> None:
         writer.write(np.asarray(arr[start : start + COPY_CHUNK]), str(src))
 
 
+def _check_tokenizer(tok, tok_path: Path, dtype: np.dtype | str, eos_token: str) -> tuple[int, np.dtype, int]:
+    """Set ``tok`` to read special-token text as text and check it against ``dtype`` and ``eos_token``.
+
+    Returns ``(vocab_size, dtype, eos_id)``; raises ValueError as :func:`build_token_file` documents.
+    """
+    tok.encode_special_tokens = True  # "<|endoftext|>" in text is text, not a control token
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dt = np.dtype(dtype)
+    if not np.issubdtype(dt, np.unsignedinteger) or vocab_size - 1 > np.iinfo(dt).max:
+        raise ValueError(
+            f"dtype {dt} cannot store ids up to {vocab_size - 1} (vocab_size {vocab_size}): use numpy.uint32"
+        )
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(f"eos_token {eos_token!r} is not in the vocabulary of {tok_path}")
+    return vocab_size, dt, eos_id
+
+
+def _write_tokens(
+    out: Path,
+    srcs: Sequence[Path],
+    text: str | None,
+    tok,
+    doc_boundary: str,
+    eos_id: int,
+    dt: np.dtype,
+    vocab_size: int,
+    tok_sha: str,
+) -> tuple[list[dict], int, int]:
+    """Write every source, then ``text``, to ``out`` (via a temporary file renamed at the end).
+
+    Returns the per-source records, the number of documents and the number of tokens written.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    records, num_docs = [], 0
+    with open(tmp, "wb") as f:
+        writer = _Writer(f, dt, vocab_size)
+        for src in srcs:
+            before = writer.count
+            if src.suffix in (".npy", ".bin"):
+                _copy_tokens(src, writer, tok_sha)
+                rec = {"path": str(src), "kind": "tokens"}
+            else:
+                with open(src, encoding="utf-8", newline=None) as lines:
+                    docs = _encode_text(tok, lines, doc_boundary, eos_id, writer, str(src))
+                num_docs += docs
+                rec = {"path": str(src), "kind": "text", "sha256": file_sha256(src), "num_documents": docs}
+            records.append({**rec, "num_tokens": writer.count - before})
+        if text is not None:
+            before = writer.count
+            docs = _encode_text(tok, io.StringIO(text, newline=None), doc_boundary, eos_id, writer, "text=")
+            num_docs += docs
+            records.append({"path": None, "kind": "text", "num_documents": docs, "num_tokens": writer.count - before})
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return records, num_docs, writer.count
+
+
 def build_token_file(
     sources: PathLike | Sequence[PathLike] = (),
     tokenizer_path: PathLike | None = None,
@@ -233,48 +293,18 @@ def build_token_file(
         raise ValueError(f"doc_boundary={doc_boundary!r}; choose one of {DOC_BOUNDARIES}")
     tok_path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
     tok = Tokenizer.from_file(str(tok_path))
-    tok.encode_special_tokens = True  # "<|endoftext|>" in text is text, not a control token
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    dt = np.dtype(dtype)
-    if not np.issubdtype(dt, np.unsignedinteger) or vocab_size - 1 > np.iinfo(dt).max:
-        raise ValueError(
-            f"dtype {dt} cannot store ids up to {vocab_size - 1} (vocab_size {vocab_size}): use numpy.uint32"
-        )
-    eos_id = tok.token_to_id(eos_token)
-    if eos_id is None:
-        raise ValueError(f"eos_token {eos_token!r} is not in the vocabulary of {tok_path}")
+    vocab_size, dt, eos_id = _check_tokenizer(tok, tok_path, dtype, eos_token)
     tok_sha = file_sha256(tok_path)
 
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    records, num_docs = [], 0
-    with open(tmp, "wb") as f:
-        writer = _Writer(f, dt, vocab_size)
-        for src in srcs:
-            before = writer.count
-            if src.suffix in (".npy", ".bin"):
-                _copy_tokens(src, writer, tok_sha)
-                rec = {"path": str(src), "kind": "tokens"}
-            else:
-                with open(src, encoding="utf-8", newline=None) as lines:
-                    docs = _encode_text(tok, lines, doc_boundary, eos_id, writer, str(src))
-                num_docs += docs
-                rec = {"path": str(src), "kind": "text", "sha256": file_sha256(src), "num_documents": docs}
-            records.append({**rec, "num_tokens": writer.count - before})
-        if text is not None:
-            before = writer.count
-            docs = _encode_text(tok, io.StringIO(text, newline=None), doc_boundary, eos_id, writer, "text=")
-            num_docs += docs
-            records.append({"path": None, "kind": "text", "num_documents": docs, "num_tokens": writer.count - before})
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    records, num_docs, num_tokens = _write_tokens(
+        out, srcs, text, tok, doc_boundary, eos_id, dt, vocab_size, tok_sha
+    )
     meta = {
         "format": FORMAT,
         "version": VERSION,
         "dtype": dt.name,
-        "num_tokens": writer.count,
+        "num_tokens": num_tokens,
         "num_documents": num_docs,
         "vocab_size": vocab_size,
         "eos_id": eos_id,

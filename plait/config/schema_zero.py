@@ -1,0 +1,72 @@
+"""``zero_optimization`` section and its ``offload_optimizer`` / ``offload_param`` subsections.
+
+Part of the config schema (:mod:`plait.config.schema` re-exports every name here); field metadata as
+described there.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plait.config.schema_base import ConfigError, _auto
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``offload_optimizer`` / ``offload_param``: ``device`` "none" or "cpu" (ZeRO-Offload, Ren et al. 2021);
+    ``pin_memory`` allocates the host buffers page-locked for faster device copies.
+    ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
+    partition whose update the device computes from the host-resident states while the CPU steps the
+    rest (``plait.zero.offload.device_share``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
+    ``device_step_adaptive`` (plait) starts there and moves the split each step towards equal CPU and
+    device times."""
+
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = False
+    device_step_fraction: float = 0.0
+    device_step_adaptive: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """True when tensors live on the host (``device == "cpu"``)."""
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization`` (Rajbhandari et al. SC'20). ``stage`` 0: plain data parallel; 1: optimizer
+    states partitioned over dp; 2: + gradients; 3: + parameters. Bucket sizes and thresholds count
+    *elements* (parameters), not bytes, as in DeepSpeed."""
+
+    stage: int = 0
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: True for stage 3, else False (DeepSpeed's default)
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = _auto(500_000_000)
+    contiguous_gradients: bool = True
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    sub_group_size: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = _auto(50_000_000, aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: int = _auto(100_000, aliases=("param_persistence_threshold",))
+    stage3_max_live_parameters: int = _auto(1_000_000_000, aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = _auto(1_000_000_000, aliases=("max_reuse_distance",))
+    stage3_gather_16bit_weights_on_model_save: bool = _auto(
+        False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
+    ignore_unused_parameters: bool = True
+
+    def __post_init__(self) -> None:
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.offload_param.enabled and self.stage != 3:   # DeepSpeed reads offload_param at stage 3 only
+            logging.getLogger("plait").warning(
+                "config: zero_optimization.offload_param is accepted and not used: parameters are offloaded "
+                "at stage 3 only (stage %d here), as in DeepSpeed", self.stage)
+            object.__setattr__(self, "offload_param", OffloadConfig())
+        if self.offload_optimizer.enabled and self.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
+                             "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")
