@@ -110,7 +110,7 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
     conf = ds_config(stage, micro, offload_param, clip)
     if framework == "plait":
         fraction = float(os.environ.get("PLAIT_DEVICE_STEP", "0"))
-        if fraction:   # plait's device-assisted host step (plait.zero.offload.device_share)
+        if fraction and os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") != "1":   # plait.zero.offload.device_share
             conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
         if os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") == "1":
             conf["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True

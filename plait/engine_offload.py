@@ -14,7 +14,8 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     comes from the environment variable ``PLAIT_OFFLOAD_THREADS`` (default: every core numba sees).
 
     Raises:
-        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS.
+        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS,
+            ``device_step_adaptive`` together with a ``device_step_fraction``.
     """
     z = config.zero_optimization
     if not (z.offload_optimizer.enabled or z.offload_param.enabled):
@@ -27,6 +28,10 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
         raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
                           "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
                           "offload_optimizer, or LAMB without it")
+    off = z.offload_optimizer
+    if off.device_step_adaptive and off.device_step_fraction:
+        raise ConfigError(f"offload_optimizer.device_step_adaptive starts the device share at 0 and moves it each "
+                          f"step; it does not take device_step_fraction={off.device_step_fraction}: remove one of them")
     threads = os.environ.get("PLAIT_OFFLOAD_THREADS")
     if threads is not None and not threads.isdigit():
         raise ConfigError(f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)")

@@ -19,8 +19,8 @@ class OffloadConfig:
     ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
     partition whose update the device computes from the host-resident states while the CPU steps the
     rest (``plait.zero.offload.device_share``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
-    ``device_step_adaptive`` (plait) starts there and moves the split each step towards equal CPU and
-    device times."""
+    ``device_step_adaptive`` (plait; ``OffloadOptions(device_step_fraction="auto")``) starts the split at 0
+    and moves it each step towards equal CPU and device times (not together with a fraction)."""
 
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False

@@ -73,8 +73,15 @@ class Trainer(transformers.Trainer):
             raise ConfigError("plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
                               "TrainingArguments) with deepspeed= or plait= set to the ds_config")
         self.engine = None
-        if not is_meta(self.model):   # as transformers places it; a meta model is placed by the engine
+        if self._places_model():
             self._move_model_to_device(self.model, self.args.device)
+
+    def _places_model(self) -> bool:
+        """transformers' rule for moving the model at construction (not a model-parallel or quantized model,
+        nor under fp16/bf16 full evaluation without training); a meta model is placed by the engine."""
+        args, model = self.args, self.model
+        return not (is_meta(model) or getattr(self, "is_model_parallel", False) or getattr(model, "is_quantized", False)
+                    or ((args.fp16_full_eval or args.bf16_full_eval) and not args.do_train))
 
     def evaluate(self, *a, **kw):
         """transformers' ``evaluate``; a model from ``plait.hf.from_pretrained`` called before ``train()``

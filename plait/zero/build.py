@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.kernels.host_memory import keep_from_children
 from plait.parallel.sharding import shard_of
 from plait.zero.flat import Entry, FlatGroup, GroupKey
 from plait.zero.pinned import to_host
@@ -110,7 +111,7 @@ def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, mas
             seg.free()
         else:
             seg.set_views(full)
-    return nn.Parameter(torch.cat(slices))
+    return keep_from_children(nn.Parameter(torch.cat(slices)))   # host masters: not copied into forked workers
 
 
 def read_shard(seg, weights, device: torch.device) -> torch.Tensor:

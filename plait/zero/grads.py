@@ -16,17 +16,18 @@ from plait.parallel.sharding import shard_of
 @contextmanager
 @torch.no_grad()
 def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[torch.Tensor]]:
-    """Yield one gradient tensor per parameter of ``params`` (this rank's tensor-parallel shape), to be
-    edited in place; the edits are kept.
+    """Yield one gradient tensor per parameter of ``params``, to be edited in place; the edits are kept.
 
-    * Stages 0-1 keep gradients in ``.grad`` (reduced over dp at the step): those are yielded (zeros
-      where None), not yet reduced.
+    * Stages 0-1 keep gradients in ``.grad`` (reduced over dp at the step): those are yielded (the
+      parameter's dtype and this rank's tensor-parallel shape; zeros where None), not yet reduced.
     * Stages 2-3 reduce-scattered them during backward into the fp32 gradient shards: the whole
-      dp-reduced gradient of each is rebuilt from the dp ranks' pieces (float32, flat ``[numel]``) and
-      this rank's pieces are written back on exit.
+      dp-reduced gradient of each is rebuilt from the dp ranks' pieces (float32, flat ``[numel]`` of this
+      rank's tensor-parallel shard; one dp all-reduce per parameter) and this rank's pieces are written
+      back on exit.
 
     An elementwise combination of the yielded tensors (a sum of two copies) is linear, so it equals the
-    same combination before the dp reduction. Collective over the dp group at stages 2-3.
+    same combination before the dp reduction. Collective over the dp group at stages 2-3. Raises nothing
+    of its own (a parameter ``zero`` does not hold simply has no pieces: zeros are yielded for it).
 
     Args:
         zero: the ``ZeroOptimizer`` that owns ``params``.

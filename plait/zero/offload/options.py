@@ -44,6 +44,7 @@ class OffloadOptions:
         return self.device_step_fraction == "auto"
 
     def __post_init__(self):
-        if not self.adaptive and not 0.0 <= self.device_step_fraction < 1.0:
+        if not self.adaptive and not (isinstance(self.device_step_fraction, (int, float))
+                                      and 0.0 <= self.device_step_fraction < 1.0):
             raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
                              "optimizer step the device computes; 0 = all on the CPU)")

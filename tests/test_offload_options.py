@@ -1,0 +1,57 @@
+"""Offload settings that must be refused or kept apart, and the host masters kept out of forked workers.
+
+* ``device_step_adaptive`` starts the device share at 0 (``OffloadOptions(device_step_fraction="auto")``):
+  with a ``device_step_fraction`` as well, the config is refused naming both, not run with one dropped.
+* A ``device_step_fraction`` that is neither a number in [0, 1) nor "auto" is a ``ValueError``.
+* The fp32 master shards on the host are ``MADV_DONTFORK`` like the other host buffers: a forked child
+  reading them dies with SIGSEGV (``plait.kernels.host_memory``), so a DataLoader worker never makes the
+  next host step copy them page by page.
+"""
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+import plait
+from plait.config import ConfigError
+from plait.zero import ZeroOptimizer, weight_decay_groups
+from plait.zero.offload import OffloadOptions
+
+
+def offload_config(**offload) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}}}
+
+
+def test_adaptive_with_a_fraction_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"device_step_adaptive .* device_step_fraction=0.3"):
+        plait.initialize(torch.nn.Linear(4, 4), offload_config(device_step_fraction=0.3, device_step_adaptive=True))
+
+
+@pytest.mark.parametrize("fraction", ["0.3", 1.0, -0.1])
+def test_a_fraction_outside_the_range_is_a_value_error(fraction):
+    with pytest.raises(ValueError, match="device_step_fraction"):
+        OffloadOptions(device_step_fraction=fraction)
+
+
+def _read(t):
+    faulthandler.disable()   # the expected SIGSEGV needs no traceback
+    os._exit(0 if float(t[t.numel() // 2]) == float(t[t.numel() // 2]) else 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+def test_host_masters_are_not_inherited_by_a_forked_worker():
+    model = torch.nn.Linear(4096, 4096, bias=False)   # 64 MiB of fp32 master: large enough to be marked
+    opt = ZeroOptimizer(model, None, stage=1, optimizer_kwargs={"lr": 1e-3},
+                        param_groups=weight_decay_groups(model, 0.0), offload=OffloadOptions(pin_memory=False))
+    master = opt.masters[0].detach()
+    assert master.device.type == "cpu" and master.numel() * 4 >= 64 * 2**20
+    child = mp.get_context("fork").Process(target=_read, args=(master,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGSEGV
+    opt.close()
