@@ -8,6 +8,7 @@
   next host step copy them page by page.
 """
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -18,8 +19,8 @@ import torch
 
 import plait
 from plait.config import ConfigError
-from plait.zero import ZeroOptimizer, weight_decay_groups
-from plait.zero.offload import OffloadOptions
+from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
+from plait.zero.offload import HostOptimizer, OffloadOptions
 
 
 def offload_config(**offload) -> dict:
@@ -36,6 +37,22 @@ def test_adaptive_with_a_fraction_is_refused_naming_both():
 def test_a_fraction_outside_the_range_is_a_value_error(fraction):
     with pytest.raises(ValueError, match="device_step_fraction"):
         OffloadOptions(device_step_fraction=fraction)
+
+
+def test_device_step_fraction_errors_name_the_numbers_and_the_fix():
+    with pytest.raises(ValueError, match=r"device_step_fraction=1.0 must be in \[0, 1\)"):
+        OffloadOptions(device_step_fraction=1.0)
+    lion = functools.partial(HostOptimizer, kind="lion")
+    with pytest.raises(ValueError, match="optimizer lion .needs Adam/AdamW.*set it to 0"):
+        ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, optimizer=lion, optimizer_kwargs={"lr": 1e-3},
+                      offload=OffloadOptions(device_step_fraction=0.5))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 .needs 1."):
+        ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, gradient_accumulation_steps=2,
+                      offload=OffloadOptions(device_step_fraction=0.5))
+    with pytest.raises(ValueError, match="stage 3 with offload_param keeps them on the host"):
+        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3,
+                      comm=CommOptions(param_persistence_threshold=10),
+                      offload=OffloadOptions(param=True, device_step_fraction=0.5))
 
 
 def _read(t):

@@ -107,15 +107,10 @@ class WarmupLRParams:
 
 
 @dataclass(frozen=True)
-class WarmupDecayLRParams:
-    """``scheduler.params`` for WarmupDecayLR: WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+class WarmupDecayLRParams(WarmupLRParams):
+    """``scheduler.params`` for WarmupDecayLR: WarmupLR's, then linear decay to 0 at ``total_num_steps``."""
 
     total_num_steps: int = _auto(None)  # required
-    warmup_min_lr: float = _auto(0.0)
-    warmup_max_lr: float = _auto(0.001)
-    warmup_num_steps: int = _auto(1000)
-    warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,3 @@ def from_pretrained(model_class, name_or_path: str | os.PathLike, **config_kwarg
             model = model_class(config)
     model.config.name_or_path = folder
     return model
-
-
-def is_meta(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is on the meta device (built by ``from_pretrained`` here)."""
-    return any(p.device.type == "meta" for p in model.parameters())

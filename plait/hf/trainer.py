@@ -50,7 +50,7 @@ import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
 from plait.hf.config_fill import fill_from_args
-from plait.hf.loading import is_meta
+from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
 log = logging.getLogger("plait")
@@ -80,13 +80,13 @@ class Trainer(transformers.Trainer):
         """transformers' rule for moving the model at construction (not a model-parallel or quantized model,
         nor under fp16/bf16 full evaluation without training); a meta model is placed by the engine."""
         args, model = self.args, self.model
-        return not (is_meta(model) or getattr(self, "is_model_parallel", False) or getattr(model, "is_quantized", False)
+        return not (has_meta_parameters(model) or getattr(self, "is_model_parallel", False) or getattr(model, "is_quantized", False)
                     or ((args.fp16_full_eval or args.bf16_full_eval) and not args.do_train))
 
     def evaluate(self, *a, **kw):
         """transformers' ``evaluate``; a model from ``plait.hf.from_pretrained`` called before ``train()``
         first gets its engine (which reads its weights), as DeepSpeed builds one for evaluation."""
-        if self.engine is None and is_meta(self.model):
+        if self.engine is None and has_meta_parameters(self.model):
             self._build_engine(self._plan(self.args)[0] if self.train_dataset is not None else
                                max(self.args.max_steps, 1))
         return super().evaluate(*a, **kw)
@@ -113,7 +113,7 @@ class Trainer(transformers.Trainer):
                                                   scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
         if dist.is_initialized():
             launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
-        weights = self.model.config.name_or_path if is_meta(self.model) else None   # plait.hf.from_pretrained
+        weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
                                        weights=weights)
         got = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())

@@ -148,6 +148,11 @@ def _check_shape(source, name: str, shape: torch.Size) -> None:
                          f"checkpoint; build the model with the checkpoint's config")
 
 
+def has_meta_parameters(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is on the meta device (built under ``meta_parameters``)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
 def prepare_weights(model: nn.Module, weights, device: torch.device):
     """``plait.initialize``'s ``weights=``: None for a model whose parameters hold values; for a model built
     under ``meta_parameters`` its placeholders are placed on ``device`` and the ``WeightSource`` returned
@@ -158,7 +163,7 @@ def prepare_weights(model: nn.Module, weights, device: torch.device):
             or a checkpoint tensor of another shape.
         KeyError: a parameter the checkpoint does not hold.
     """
-    meta = any(p.device.type == "meta" for p in model.parameters())
+    meta = has_meta_parameters(model)
     if weights is None:
         if meta:
             raise ValueError("the model's parameters are on the meta device (built under meta_parameters() or "
