@@ -53,6 +53,9 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
     g.add_argument("--clip", type=float, help="gradient clipping (max global norm)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
+    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile each transformer block (auto: the config's compile section, else on for "
+                        "CUDA and off on CPU)")
 
     r = parser.add_argument_group("run")
     r.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
@@ -152,6 +155,8 @@ def setup(args, model_hidden: int):
     tp, pp = choose_layout(args, raw, info.world_size)
     mesh = ParallelMesh(tp=tp, pp=pp)
     ds = build_ds_config(args, raw, tp, pp)
+    if args.compile != "auto" or "compile" not in ds:
+        ds["compile"] = {"enabled": args.compile == "on" or args.compile == "auto" and mesh.device.type == "cuda"}
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     cfg = load_config(ds, dp_size=mesh.dp, model_hidden_size=model_hidden, lr=args.lr,
                       mixed_precision=precision_for(args, mesh.device), warmup_num_steps=warmup,

@@ -16,6 +16,7 @@ over the fp32 master shards.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch import nn
 
 from plait.batch import check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
+from plait.engine_compile import compile_regions, is_compiled
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
@@ -114,6 +116,8 @@ class Engine(EngineFacts):
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
                                  mesh.device, config.gradient_accumulation_steps,
                                  build_monitors(config, self.global_rank))
+        if config.compile.on:
+            self.compile(config.compile.backend, config.compile.kwargs)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -233,6 +237,30 @@ class Engine(EngineFacts):
         out = loss.detach().to(self.mesh.device, torch.float32).reshape(1)
         dist.all_reduce(out, group=group)
         return (out / self.mesh.dp).reshape(())
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` each transformer block in place, the engine's
+        hooks outside (``plait.engine_compile``); the ds_config's ``compile`` section calls it from
+        ``initialize``. A second call is a no-op.
+
+        Raises:
+            ValueError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not implemented: the
+                backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
+                             "call engine.compile(backend, compile_kwargs) without them")
+        if self.config.compile.deepcompile:
+            logging.getLogger("plait").warning(
+                "config: compile.deepcompile = true is accepted: plait compiles each transformer block with "
+                "torch.compile (its ZeRO hooks stay outside the compiled regions) instead of DeepCompile's passes")
+        compile_regions(self.module, backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile`` compiled the model's blocks (DeepSpeed's ``engine.is_compiled``)."""
+        return is_compiled(self.module)
 
     def gathered_parameters(self, modifier_rank: int | None = None):
         """Context in which every parameter is whole; with ``modifier_rank`` (a dp rank) that rank's

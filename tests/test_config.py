@@ -198,7 +198,6 @@ def test_unimplemented_sections_written_as_off_are_accepted():
 
 @pytest.mark.parametrize("raw, notice", [
     ({"flops_profiler": {"enabled": True, "profile_step": 1}}, "no FLOPs profile is printed"),
-    ({"compile": {"disable": False, "backend": "inductor"}}, "call torch.compile"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "plait accumulates gradients in fp32, not bf16"),
@@ -212,7 +211,7 @@ def test_keys_that_do_not_change_training_are_accepted_with_a_notice(raw, notice
 
 
 @pytest.mark.parametrize("raw", [
-    {"compile": {"deepcompile": False}}, {"data_types": {"grad_accum_dtype": None}},
+    {"compile": {"deepcompile": False, "free_activation": True}}, {"data_types": {"grad_accum_dtype": None}},
     {"data_types": {"grad_accum_dtype": "fp32"}}, {"checkpoint": {"load_universal": False}},
     {"aio": {"block_size": 1048576, "queue_depth": 8}}, {"_comment": "any text"},
     {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "fused": True}}},

@@ -92,6 +92,7 @@ def test_a_real_config_trains_as_written(name, capsys):
     losses = run(engine)
     after = weights(engine)
     assert engine.global_steps == STEPS and engine.skipped_steps < STEPS   # counted as DeepSpeed counts them
+    assert engine.is_compiled is engine.config.compile.on    # "compile" sections compile the decoder layers
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(torch.isfinite(w).all() for w in after.values())
     assert max((after[n] - before[n]).abs().max().item() for n in before) > 0   # an update was applied

@@ -1,11 +1,11 @@
 """DeepSpeed config keys plait reads and drops because they do not change the trained weights.
 
 Shared ds_configs carry switches that tune DeepSpeed's own machinery (bucket orderings, NVMe queues,
-profilers, compile back-ends, logging of communication) or that DeepSpeed itself ignores in the given
+profilers, DeepCompile's passes, logging of communication) or that DeepSpeed itself ignores in the given
 setting (``offload_param`` below stage 3). A config holding them trains on plait exactly as written.
-Where DeepSpeed would do something visible that plait does not (print a FLOPs profile, compile the
-model, keep a bf16 gradient accumulator) the reader logs one line naming the key and what plait does
-instead; keys in their off form, or whose effect is only DeepSpeed-internal, are dropped silently.
+Where DeepSpeed would do something visible that plait does not (print a FLOPs profile, keep a bf16
+gradient accumulator) the reader logs one line naming the key and what plait does instead; keys
+in their off form, or whose effect is only DeepSpeed-internal, are dropped silently.
 
 A key that would change training and is not implemented is refused instead
 (:mod:`plait.config.unsupported`). Names follow the DeepSpeed configuration reference
@@ -21,7 +21,6 @@ ANY = object()      # marker: no off form; any value is dropped silently (notice
 
 log = logging.getLogger("plait")
 
-_COMPILE = "plait does not compile the model for you: call torch.compile on model blocks yourself"
 _NVME = "an NVMe-offload setting; plait offloads to CPU memory only"
 
 
@@ -45,9 +44,6 @@ ACCEPTED_KEYS = MappingProxyType({
         "comms_logger": (SECTION, "communication is not logged; profile with torch.profiler"),
         "autotuning": (SECTION, "autotuning runs from DeepSpeed's launcher; plait trains with the values as "
                                 "written"),
-        "compile": (lambda v: isinstance(v, dict) and (v.get("disable") is True or v.get("enabled") is False
-                                                     or set(v) <= {"deepcompile"} and not v.get("deepcompile")),
-                    _COMPILE),
         "aio": (ANY, None),                    # read only by NVMe offload, which is refused
         "checkpoint": (ANY, None),             # plait checkpoints are universal: they reshard on every load
         "nebula": (SECTION, "checkpoints are written by plait itself (sharded safetensors)"),
@@ -67,6 +63,11 @@ ACCEPTED_KEYS = MappingProxyType({
         "loss_scale": (ANY, None),             # DeepSpeed scales no bf16 loss either
     }),
     "optimizer": _table({"legacy_fusion": (ANY, None)}),
+    "compile": _table({key: (ANY, None) for key in (   # DeepCompile's passes and their tuning (DeepSpeed >= 0.16)
+        "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+        "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
+        "dump_graphs", "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+        "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")}),
     "optimizer.params": _table({
         "torch_adam": (ANY, None), "fused": (ANY, None), "foreach": (ANY, None),   # kernel choice, same update
     }),

@@ -325,6 +325,10 @@ def _convert(value: Any, hint: Any) -> Any:
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_convert(v, a) for v, a in zip(value, args))
         raise _Mismatch
+    if hint is dict or origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise _Mismatch
     if origin is list:
         if isinstance(value, list):
             return [_convert(v, args[0]) for v in value]

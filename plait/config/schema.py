@@ -75,6 +75,38 @@ class ActivationCheckpointingConfig:
     profile: bool = False
 
 
+# ------------------------------------------------------------------------------------------------ compile
+@dataclass(frozen=True)
+class CompileConfig:
+    """``compile``: regional ``torch.compile`` of each transformer block inside ``initialize``, as
+    torchtitan does (``plait.engine_compile``); the ZeRO hooks, activation checkpointing and the pipeline
+    schedule stay outside the compiled regions.
+
+    On when ``enabled`` is true, or ``disable`` is false (DeepSpeed 0.13-0.14's spelling), or
+    ``deepcompile`` is true (DeepSpeed >= 0.16's ZeRO compiler: plait compiles the same regions instead;
+    DeepCompile's own tuning keys are read and dropped). ``backend`` and ``kwargs`` go to
+    ``torch.compile(backend=..., **kwargs)`` (``mode``, ``fullgraph``, ``dynamic``, ``options``).
+    """
+
+    enabled: bool | None = None
+    disable: bool | None = None
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    deepcompile: bool = False
+
+    @property
+    def on(self) -> bool:
+        """Whether ``initialize`` compiles the model's blocks."""
+        return bool(self.enabled) or self.disable is False or self.deepcompile
+
+    def __post_init__(self) -> None:
+        if self.enabled is not None and self.disable is not None and self.enabled == self.disable:
+            raise ConfigError(f"compile.enabled = {self.enabled} and compile.disable = {self.disable} contradict "
+                              "each other; keep one of them")
+        if "backend" in self.kwargs:
+            raise ConfigError("compile.kwargs must not hold 'backend'; set compile.backend instead")
+
+
 # ------------------------------------------------------------------------------------ plait's own sections
 @dataclass(frozen=True)
 class TensorParallelConfig:
@@ -203,6 +235,7 @@ class PlaitConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         if attention_mask is not None and not self.causal:
             mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, mask, tracker=self.rng)
+            out = checkpoint(self._core, q, k, v, mask, tracker=self.rng if self.dropout > 0 else None)
         else:
             out = self._core(q, k, v, mask)
         return self.o_proj(rearrange(out, "b n s d -> b s (n d)"))

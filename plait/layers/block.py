@@ -67,5 +67,8 @@ class TransformerBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         mask, pos = batch.get("attention_mask"), batch.get("position_ids")
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
-            return checkpoint(self._body, hidden, mask, pos, tracker=self.rng)
+            # the tracker replays dropout masks; without dropout it is not needed (and a plain
+            # checkpoint traces under torch.compile)
+            dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
+            return checkpoint(self._body, hidden, mask, pos, tracker=self.rng if dropout else None)
         return self._body(hidden, mask, pos)

@@ -1,0 +1,73 @@
+"""Regional compilation: ``torch.compile`` of each transformer block, the engine's ZeRO machinery outside.
+
+Compiling the whole training step (or the whole model) puts ZeRO's parameter gathers, gradient hooks and
+the pipeline schedule inside the traced region, where data-dependent Python and collectives break the
+graph. Compiling each transformer block instead (torchtitan's ``apply_compile``; Ansel et al.,
+"PyTorch 2", ASPLOS'24 for dynamo/inductor) gives inductor the fusions that matter -- norms, RoPE, the
+SwiGLU product, residual adds, dropout -- while the module hooks ZeRO-3 and ZeRO-Offload register on a
+block run eagerly around it: the block's ``forward`` is replaced by its compiled version, so
+``nn.Module.__call__`` still runs the hooks, and parameter names (checkpoints) do not change.
+Activation checkpointing around a block (``recompute="full"``) stays outside the region and replays the
+compiled forward. All blocks share one compiled graph: dynamo treats a block's parameters as inputs.
+
+What still breaks a block's graph, and why: a ``torch.distributed`` collective that dynamo cannot
+trace (the tensor-parallel ``copy_to_tp`` / ``reduce_from_tp`` functions run c10d ops inside an
+autograd function), the RNG tracker's state forks around dropout (``torch.cuda.set_rng_state``), and
+selective recomputation's replaying closure. Each break splits the block into compiled pieces with
+eager code between them: the results are the same, only the fusions across the break are lost.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+#: attribute marking a module whose ``forward`` this module compiled
+COMPILED_ATTR = "_plait_compiled_forward"
+
+
+def compile_targets(module: nn.Module) -> list[nn.Module]:
+    """The regions to compile: plait's ``TransformerBlock`` modules; for Hugging Face models the modules
+    whose class is named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
+    from plait.layers.block import TransformerBlock
+    blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
+    if blocks:
+        return blocks
+    names = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    return blocks or [module]
+
+
+def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict | None = None) -> list[nn.Module]:
+    """Compile the ``forward`` of each region of ``module`` (``compile_targets``) in place; regions
+    already compiled are left alone. Returns the regions compiled now.
+
+    Args:
+        backend: a ``torch.compile`` backend name ("inductor", "aot_eager", "eager", ...) or callable.
+        kwargs: other ``torch.compile`` arguments (``mode``, ``fullgraph``, ``dynamic``, ``options``).
+
+    Raises:
+        ValueError: ``kwargs`` holds ``backend`` (pass it as ``backend``).
+    """
+    kwargs = dict(kwargs or {})
+    if "backend" in kwargs:
+        raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
+    done = []
+    for region in compile_targets(module):
+        if getattr(region, COMPILED_ATTR, False):
+            continue
+        region.forward = torch.compile(region.forward, backend=backend, **kwargs)
+        setattr(region, COMPILED_ATTR, True)
+        done.append(region)
+    if done:
+        logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
+                                        len(done), type(done[0]).__name__, backend)
+    return done
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``compile_regions`` compiled any region of ``module``."""
+    return any(getattr(m, COMPILED_ATTR, False) for m in module.modules())
