@@ -116,6 +116,9 @@ class Trainer(transformers.Trainer):
         weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
                                        weights=weights)
+        if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
+            self.engine.compile(args.torch_compile_backend or "inductor",
+                                {"mode": args.torch_compile_mode} if args.torch_compile_mode else {})
         got = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
         if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
             raise ConfigError(f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "
