@@ -1,7 +1,7 @@
 """Issue 13: plait's training step beside torch.compile's, llama-886m on one GPU, time and memory.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/bench_compile.py [--arms a,b,...] [--steps 10] [--warmup N]
-        [--timeout 240] [--out bench_compile.jsonl] [--no-plait-fused] [--snapshot DIR]
+        [--timeout 240] [--out bench_compile.jsonl] [--logs DIR] [--no-plait-fused] [--snapshot DIR]
     python benchmarks/bench_compile.py --report a.jsonl b.jsonl     # tables of earlier runs, together
     python benchmarks/bench_compile.py --top DIR/ARM.pickle            # largest live tensors at the peak
 
@@ -276,6 +276,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=240, help="seconds per arm")
     p.add_argument("--out", default="bench_compile.jsonl")
+    p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
     p.add_argument("--plait-fused", action=argparse.BooleanOptionalAction, default=True,
                    help="apply PLAIT_MODEL_OVERRIDES to the plait arms' model config")
     p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
@@ -309,10 +310,14 @@ def main():
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
     rows = []
+    for folder in (args.logs, os.path.dirname(args.out)):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
     with open(args.out, "w") as f:
         for arm in arms:
             t0 = time.perf_counter()
-            row = run_child(__file__, arm, child_args(args), args.timeout, log_path=f"{args.out}.{arm}.log")
+            log = os.path.join(args.logs, f"{arm}.log") if args.logs else f"{args.out}.{arm}.log"
+            row = run_child(__file__, arm, child_args(args), args.timeout, log_path=log)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
