@@ -21,13 +21,10 @@ import time
 
 import torch
 
-SEQ, MICRO = 2048, 4
-PEAK_FLOPS = 989e12
 ARMS = ("plain", "fsdp2", "plait-z2", "plait-z3", "ds-z2", "ds-z3")
-
-
-def model_flops_per_token(cfg, n_params: int) -> float:
-    return 6 * n_params + 6 * cfg.num_layers * cfg.hidden_size * SEQ
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MICRO, PEAK_FLOPS, SEQ, batch, ds_like_config, engine_step, init_single_process  # noqa: E402
+from _common import model_flops_per_token  # noqa: E402
 
 
 def build_model(device):
@@ -35,43 +32,6 @@ def build_model(device):
     cfg = preset("llama-886m")
     model = TransformerModel(cfg, None, seed=0, device=device)
     return cfg, model
-
-
-def batch(cfg, device, step):
-    g = torch.Generator(device=device).manual_seed(step)
-    ids = torch.randint(0, cfg.vocab_size, (MICRO, SEQ + 1), generator=g, device=device)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
-
-
-def init_single_process():
-    import torch.distributed as dist
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
-
-
-def ds_like_config(stage):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
-            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                                  "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
-                                  "stage3_prefetch_bucket_size": 50_000_000,
-                                  "stage3_param_persistence_threshold": 100_000}}
-
-
-def engine_step(engine, cfg, device):
-    """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's)."""
-    def step(i):
-        loss = engine(**batch(cfg, device, i))
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step
 
 
 def make_step(arm, device):

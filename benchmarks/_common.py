@@ -1,0 +1,102 @@
+"""Helpers shared by bench_llama_zero.py and bench_compile.py: the llama-886m training setup (sequence
+2048, micro-batch 4, AdamW lr 1e-4 wd 0.1 betas 0.9/0.95, clip 1.0), the ds_config both plait and
+DeepSpeed read, one-process distributed init, and running each arm in a child process of its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import torch
+
+SEQ, MICRO = 2048, 4
+PEAK_FLOPS = 989e12            # bf16 dense peak of H100/H200 SXM (ANCHORS.md)
+LR, WEIGHT_DECAY, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
+
+
+def model_flops_per_token(cfg, n_params: int, seq: int = SEQ) -> float:
+    """6N + 6 x layers x hidden x seq (attention scores counted once, as ANCHORS.md)."""
+    return 6 * n_params + 6 * cfg.num_layers * cfg.hidden_size * seq
+
+
+def batch(cfg, device, step, micro: int = MICRO, seq: int = SEQ) -> dict:
+    """Random token ids (seeded by ``step``): ``input_ids`` and next-token ``labels``, ``[micro, seq]``."""
+    g = torch.Generator(device=device).manual_seed(step)
+    ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g, device=device)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def single_process_env():
+    """The environment of a one-rank job (what torchrun would set), where not set already."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def init_single_process():
+    """A one-rank NCCL process group on GPU 0 (FSDP2, DeepSpeed and plait want one)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    single_process_env()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+
+
+def ds_like_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS)}},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
+                                  "stage3_prefetch_bucket_size": 50_000_000,
+                                  "stage3_param_persistence_threshold": 100_000}}
+
+
+def engine_step(engine, cfg, device):
+    """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's); ``probe`` (if
+    given) runs between backward and the optimizer step."""
+    def step(i, probe=None):
+        loss = engine(**batch(cfg, device, i))
+        engine.backward(loss)
+        if probe is not None:
+            probe()
+        engine.step()
+        return loss
+    return step
+
+
+def _error_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    exc = [x for x in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", x)]
+    return exc[-1] if exc else " | ".join(lines[-3:]) or "no output"
+
+
+def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: str | None = None) -> dict:
+    """Run ``script --one arm *args`` in its own process group; its ``RESULT {json}`` line, or a row
+    ``{"arm", "error"}`` when it fails, prints no result, or runs past ``timeout`` seconds (then the
+    whole group is killed: compile workers too)."""
+    cmd = [sys.executable, script, "--one", arm, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(out)
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if line is not None:
+        return json.loads(line[7:])
+    if timed_out:
+        return {"arm": arm, "error": f"timeout after {timeout:.0f} s (last: {_error_line(out)[:200]})"}
+    return {"arm": arm, "error": f"exit {proc.returncode}: {_error_line(out)}"}

@@ -1,0 +1,172 @@
+"""The torchtitan arms of bench_compile.py: torchtitan 0.3's ``Trainer`` at plait's llama-886m shape,
+offline, on synthetic tokens.
+
+What runs is torchtitan's own training step (``Trainer.train_step``): its Llama 3 model (fused wqkv,
+SwiGLU, complex RoPE at theta 10000, no scaling), its ``parallelize_llama`` (FSDP2 at world size 1 with
+MixedPrecisionPolicy bf16 params / fp32 reduce, per-block ``torch.compile(fullgraph=True)``), its compiled
+chunked cross-entropy (``ChunkedLossWrapper``, the Llama 3 recipes' default), fused AdamW (lr 1e-4, wd
+0.1, betas 0.9/0.95, constant schedule), clipping 1.0, no activation checkpointing, and CUDA graphs over
+forward+backward unless ``cuda_graphs=False``. Changed from the recipes: attention is
+``ScaledDotProductAttention`` (causal, as the other arms; the recipes use FlexAttention with
+document masks), the tokenizer and dataloader are synthetic (no Hugging Face assets, no download),
+checkpointing, validation and metric loggers are off. torchtitan imports ``datasets`` and
+``tensorboard`` at import time and uses neither here: where they are not installed, empty stand-ins
+are put in ``sys.modules`` first.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+import types
+from dataclasses import dataclass, replace
+
+
+def _stand_in(name: str, **attrs):
+    def absent(*_a, **_k):
+        raise RuntimeError(f"{name} is not installed (bench_compile stand-in)")
+    module = types.ModuleType(name)
+    module.__dict__.update({k: (absent if v is None else v) for k, v in attrs.items()})
+    sys.modules[name] = module
+
+
+if importlib.util.find_spec("datasets") is None:
+    _stand_in("datasets", Dataset=object, IterableDataset=object, load_dataset=None)
+    _stand_in("datasets.distributed", split_dataset_by_node=None)
+if importlib.util.find_spec("tensorboard") is None:
+    _stand_in("torch.utils.tensorboard", SummaryWriter=None)
+
+import torch  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+
+
+class SyntheticTokenizer(BaseTokenizer):
+    """Knows only its vocabulary size: the data is token ids already."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = 32000
+
+    def __init__(self, config: Config, **_runtime):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+
+    def encode(self, *args, **kwargs):
+        raise NotImplementedError("synthetic token ids only")
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("synthetic token ids only")
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+class SyntheticLoader(BaseDataLoader):
+    """Endless random token ids on the CPU, seeded per batch: ``({"input": ids}, labels)``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        vocab_size: int = 32000
+
+    def __init__(self, config: Config, *, seq_len: int, local_batch_size: int, **_runtime):
+        self.vocab_size, self.seq_len, self.micro = config.vocab_size, seq_len, local_batch_size
+
+    def __iter__(self):
+        i = 0
+        while True:
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, self.vocab_size, (self.micro, self.seq_len + 1), generator=g)
+            yield {"input": ids[:, :-1]}, ids[:, 1:]
+            i += 1
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def llama_config(cfg):
+    """torchtitan's ``Llama3Model.Config`` at ``cfg``'s shape (any object with plait's
+    TransformerConfig field names)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    import torchtitan.models.llama3 as tl      # its private layer builder and inits, pinned to 0.3
+    from torchtitan.models.llama3 import Llama3Model
+
+    h, heads = cfg.hidden_size, cfg.num_heads
+    rope = ComplexRoPE.Config(dim=h // heads, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta,
+                              scaling="none")
+    layers = tl._build_llama3_layers(n_layers=cfg.num_layers, dim=h, n_heads=heads, n_kv_heads=cfg.num_kv_heads,
+                                     hidden_dim=cfg.ffn_hidden_size, rope=rope, fuse_qkv=True, attn_backend="flex")
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention_norm.eps = layer.ffn_norm.eps = cfg.norm_eps
+    norm = RMSNorm.Config(normalized_shape=h, param_init=tl._NORM_INIT, eps=cfg.norm_eps)
+    return Llama3Model.Config(
+        dim=h, vocab_size=cfg.vocab_size, enable_weight_tying=cfg.tie_embeddings, norm=norm, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=h, param_init=tl._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=h, out_features=cfg.vocab_size, param_init=tl._output_linear_init(h)))
+
+
+def trainer_config(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool, compile_on: bool = True):
+    """A ``Trainer.Config`` for ``steps`` steps of the benchmark's training setup (see the module docstring)."""
+    import torchtitan.models.llama3 as tl
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.trainer import Trainer
+
+    spec = replace(tl.model_registry("debugmodel"), flavor="llama-886m", model=llama_config(cfg),
+                   state_dict_adapter=None)
+    return Trainer.Config(
+        model_spec=spec, hf_assets_path="", dump_folder=tempfile.mkdtemp(prefix="titan-"),
+        tokenizer=SyntheticTokenizer.Config(vocab_size=cfg.vocab_size),
+        dataloader=SyntheticLoader.Config(vocab_size=cfg.vocab_size),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)),
+        optimizer=default_adamw(lr=1e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),
+        training=TrainingConfig(local_batch_size=micro, seq_len=seq, steps=steps, max_norm=1.0,
+                                disable_cuda_graphs=not cuda_graphs),
+        metrics=MetricsProcessor.Config(log_freq=max(1, steps - 1)),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint=None,
+        compile=CompileConfig(enable=compile_on, components=["model", "loss"]))
+
+
+def make_titan(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool):
+    """``(step(i, probe=None) -> loss or None, parts() -> bytes by kind, n_params)``: step ``steps - 1``
+    (1-based) returns torchtitan's logged loss; the others return None (no host sync)."""
+    from torchtitan.trainer import Trainer
+
+    from _memory import tensor_parts
+
+    trainer = Trainer(trainer_config(cfg, micro=micro, seq=seq, steps=steps, cuda_graphs=cuda_graphs))
+    model, optimizers = trainer.model_parts[0], trainer.optimizers
+    n_params = sum(p.numel() for p in model.parameters())
+    data = trainer.batch_generator(trainer.dataloader)
+    seen, probe_box, optimizer_step = {}, [None], optimizers.step
+    log = trainer.metrics_processor.log
+
+    def log_loss(step, global_avg_loss, *args, **kwargs):
+        seen[step] = global_avg_loss
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    def step_with_probe(*args, **kwargs):
+        if probe_box[0] is not None:
+            probe_box[0]()
+        return optimizer_step(*args, **kwargs)
+
+    trainer.metrics_processor.log, optimizers.step = log_loss, step_with_probe
+
+    def step(i, probe=None):
+        probe_box[0] = probe
+        trainer.step += 1
+        trainer.gc_handler.run(trainer.step)
+        trainer.train_step(data)
+        return seen.get(trainer.step)
+
+    return step, lambda: tensor_parts(model.parameters(), optimizers.optimizers), n_params
