@@ -21,6 +21,12 @@ host sync on CUDA): then the input gradient is scaled per token and the weight a
 by that one factor. Otherwise (tokens weighted unequally) backward runs the chunks again with the
 per-token weights: exact, at the cost of a second forward pass over the head.
 
+Cost, measured on one H100 (tests/gpu/run_fused_cross_entropy_gpu.py; 8192 tokens, hidden 4096,
+vocabulary 128256, bf16, tp=1): the unfused head holds 3.9 GiB (the float32 softmax) from forward to
+backward and peaks at 13.7 GiB over forward + backward in 74 ms; fused, 1.0 GiB is held (the weight
+and hidden gradients, needed anyway) and the peak is 4.5 / 6.9 / 11.8 GiB at chunks of 1024 / 2048 /
+4096 tokens, in 95 / 85 / 81 ms (the float32 weight-gradient sum is read and written once per chunk).
+
 Tensor parallelism: ``hidden`` is the head's input after ``enter_tp_region`` (whole sequence,
 replicated over tp). Each rank's input gradient is its partial ``grad_logits_local @ W_local``,
 exactly what ``F.linear``'s backward gives in the unfused head; ``enter_tp_region``'s backward sums
