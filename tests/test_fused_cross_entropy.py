@@ -27,7 +27,9 @@ import plait.layers.fused_cross_entropy as fce
 from plait.layers import TransformerConfig, TransformerModel, fused_linear_cross_entropy, padded_vocab_size
 from plait.layers.cross_entropy import block_statistics, logits_gradient_, vocab_parallel_cross_entropy
 from plait.layers.linear import enter_tp_region
+from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
+from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.testing import run_distributed
 
@@ -202,6 +204,28 @@ def test_pipeline_last_stage_and_zero_bubble_split():
     backward_weight(pending)
     got = [gx] + [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def _pipeline_body():
+    """pp=2 x tp=2 with sequence parallelism: the whole pipeline step with the fused loss on the last
+    stage against the unfused one (GPT-2 tied across stages with zb-h1, Llama with 1f1b)."""
+    mesh, worst = ParallelMesh(tp=2, pp=2), 0.0
+    for arch, schedule in (("gpt2", "zb-h1"), ("llama", "1f1b")):
+        cfg = tiny(arch, label_smoothing=0.1)
+        batches = [micro_batch(0, j, 0, vocab_size=cfg.vocab_size, seq=8) for j in range(4)]
+        runs = []
+        for chunk in (5, 0):
+            chunks = build_stage_modules(cfg.replace(fused_loss_chunk_tokens=chunk), mesh, sequence_parallel=True,
+                                         seed=3)
+            pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=4)
+            runs.append((pipe.train_batch(iter(batches)), {n: p.grad for n, p in pipe.named_parameters()}))
+        (loss_f, g_f), (loss_p, g_p) = runs
+        worst = max(worst, rel_err(loss_f, loss_p), *(rel_err(g_f[n], g_p[n], floor=1e-3) for n in g_p))
+    return worst
+
+
+def test_pipeline_parallel_step_pp2_tp2():
+    assert max(run_distributed(_pipeline_body, 4, timeout_s=120)) <= TOL
 
 
 def largest_saved_bytes(fn) -> int:

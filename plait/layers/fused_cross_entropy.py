@@ -14,7 +14,7 @@ chunk's ``[chunk_tokens, V_pad/tp]`` float32 tensors exist at a time and none is
 
 Computing the gradients in forward and only scaling them by the loss gradient in backward is the
 technique of Liger-Kernel's fused linear cross entropy (Hsu et al., 2024, "Liger Kernel: Efficient
-Triton Kernels for LLM Training", Sec. 3); this is plain torch code (CPU and CUDA, any float dtype)
+Triton Kernels for LLM Training"); this is plain torch code (CPU and CUDA, any float dtype)
 for sharded vocabularies. As the loss is returned per token, backward checks that the loss gradient
 is the same for every non-ignored token (a sum or mean of the losses, as the LM head takes; one
 host sync on CUDA): then the input gradient is scaled per token and the weight and bias gradients
