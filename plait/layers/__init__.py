@@ -4,6 +4,7 @@ from plait.layers.block import TransformerBlock
 from plait.layers.config import TransformerConfig
 from plait.layers.cross_entropy import vocab_parallel_cross_entropy
 from plait.layers.embedding import VocabParallelEmbedding, padded_vocab_size
+from plait.layers.fused_cross_entropy import fused_linear_cross_entropy
 from plait.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from plait.layers.mlp import MLP
 from plait.layers.model import EmbeddingLayer, LMHead, TransformerModel, logical_shapes
@@ -11,9 +12,9 @@ from plait.layers.norm import LayerNorm, RMSNorm
 
 __all__ = [
     "Attention", "TransformerBlock", "TransformerConfig", "bert_config", "gpt2_config", "llama_config",
-    "preset", "vocab_parallel_cross_entropy", "VocabParallelEmbedding", "padded_vocab_size",
-    "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear", "MLP", "EmbeddingLayer", "LMHead",
-    "TransformerModel", "LayerNorm", "RMSNorm", "logical_shapes",
+    "preset", "vocab_parallel_cross_entropy", "fused_linear_cross_entropy", "VocabParallelEmbedding",
+    "padded_vocab_size", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear", "MLP", "EmbeddingLayer",
+    "LMHead", "TransformerModel", "LayerNorm", "RMSNorm", "logical_shapes",
 ]
 
 #: Re-exported from ``plait.models`` on first access (``plait.models`` imports ``plait.layers.config``).

@@ -23,8 +23,16 @@ class TransformerConfig:
     embedding LayerNorm, post-norm blocks, GELU, bidirectional attention, MLM head tied to the
     embedding). Use ``gpt2_config``, ``llama_config`` and ``bert_config`` for the family defaults.
 
+    ``fused_loss_chunk_tokens`` (tokens, default 0) changes only how the head computes its loss when
+    labels are given: 0 computes the logits ``[b, s, V_pad/tp]`` and then the cross entropy (the
+    float32 logits and softmax live until backward); a positive value fuses the head's matmul with
+    the loss over chunks of that many tokens (``plait.layers.fused_cross_entropy``), so at most one
+    chunk's float32 logits exist at a time. Same loss and gradients up to float rounding. Without
+    labels the head returns the logits either way.
+
     Raises:
-        ValueError: unknown ``arch``, or sizes that do not divide (names both numbers).
+        ValueError: unknown ``arch``, sizes that do not divide (names both numbers), or a negative
+            ``fused_loss_chunk_tokens``.
     """
 
     arch: str
@@ -49,6 +57,7 @@ class TransformerConfig:
     init_std: float = 0.02
     vocab_alignment: int = 128
     label_smoothing: float = 0.0
+    fused_loss_chunk_tokens: int = 0
 
     def __post_init__(self):
         from plait.models.registry import get_family  # local: plait.models imports this module
@@ -62,6 +71,10 @@ class TransformerConfig:
             raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})")
+        chunk = self.fused_loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"fused_loss_chunk_tokens must be an int >= 0 (0: unfused loss; > 0: tokens per "
+                             f"chunk of the fused head + loss, e.g. 1024), got {chunk!r}")
 
     @property
     def family(self):

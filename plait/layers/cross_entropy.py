@@ -19,48 +19,78 @@ import torch.distributed as dist
 from plait.parallel.collectives import group_size
 
 
+def block_statistics(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, vocab_start: int, group,
+                     ignore_index: int, smoothing: float):
+    """Per-token loss and softmax of rows of this rank's vocabulary block (the tp reductions above).
+
+    Shared by ``vocab_parallel_cross_entropy`` (all rows at once) and
+    ``plait.layers.fused_cross_entropy`` (one token chunk at a time): every tp rank must call it with
+    the same rows, since it runs two all-reduces over ``group``.
+
+    Args:
+        logits: ``[T, W]`` (or ``[..., W]``) this rank's columns, any float dtype (upcast to float32).
+        target: ``[T]`` (or ``[...]``) int64 global ids or ``ignore_index``.
+
+    Returns:
+        ``(loss, softmax, state, ignored)``: ``loss [T]`` float32 (0 where ignored); ``softmax [T, W]``
+        float32 over the real vocabulary (0 on padded columns; a fresh tensor the caller may edit in
+        place); ``state = (idx, in_block, valid)`` for :func:`logits_gradient_`; ``ignored [T]`` bool.
+    """
+    z = logits.float()
+    width = z.shape[-1]
+    cols = torch.arange(vocab_start, vocab_start + width, device=z.device)
+    valid = cols < vocab_size                                    # padded columns excluded
+    z = z.masked_fill(~valid, float("-inf"))
+    zmax = z.max(dim=-1).values
+    if group_size(group) > 1:
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    z = z - zmax.unsqueeze(-1)
+    exp = z.exp()
+    local_t = target - vocab_start
+    in_block = (local_t >= 0) & (local_t < width)
+    idx = local_t.clamp(0, width - 1).unsqueeze(-1)
+    z_target = torch.gather(z, -1, idx).squeeze(-1).masked_fill(~in_block, 0.0)
+    sums = [exp.sum(-1), z_target]
+    if smoothing > 0:
+        sums.append(z.masked_fill(~valid, 0.0).sum(-1))
+    stacked = torch.stack(sums)
+    if group_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+    lse = stacked[0].log()
+    loss = lse - stacked[1]
+    if smoothing > 0:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - stacked[2] / vocab_size)
+    ignored = target == ignore_index
+    loss = loss.masked_fill(ignored, 0.0)
+    exp.div_(stacked[0].unsqueeze(-1))                            # softmax, in place
+    return loss, exp, (idx, in_block, valid), ignored
+
+
+def logits_gradient_(softmax: torch.Tensor, idx: torch.Tensor, in_block: torch.Tensor, valid: torch.Tensor,
+                     smoothing: float, vocab_size: int) -> torch.Tensor:
+    """In place: ``softmax [T, W]`` float32 -> ``d loss_t / d logits`` of each token's own loss
+    (``softmax - (1 - eps) * onehot(t) - eps / V`` on real columns, 0 on padded ones); not yet
+    zeroed for ignored tokens nor scaled by the loss gradient. Returns ``softmax``."""
+    onehot_weight = (1.0 - smoothing) * in_block.to(softmax.dtype)
+    softmax.scatter_add_(-1, idx, -onehot_weight.unsqueeze(-1))
+    if smoothing > 0:
+        softmax.sub_(valid.to(softmax.dtype) * (smoothing / vocab_size))
+    return softmax
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, vocab_start, group, ignore_index, smoothing):
-        z = logits.float()
-        width = z.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + width, device=z.device)
-        valid = cols < vocab_size                                    # padded columns excluded
-        z = z.masked_fill(~valid, float("-inf"))
-        zmax = z.max(dim=-1).values
-        if group_size(group) > 1:
-            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        z = z - zmax.unsqueeze(-1)
-        exp = z.exp()
-        local_t = target - vocab_start
-        in_block = (local_t >= 0) & (local_t < width)
-        idx = local_t.clamp(0, width - 1).unsqueeze(-1)
-        z_target = torch.gather(z, -1, idx).squeeze(-1).masked_fill(~in_block, 0.0)
-        sums = [exp.sum(-1), z_target]
-        if smoothing > 0:
-            sums.append(z.masked_fill(~valid, 0.0).sum(-1))
-        stacked = torch.stack(sums)
-        if group_size(group) > 1:
-            dist.all_reduce(stacked, group=group)
-        lse = stacked[0].log()
-        loss = lse - stacked[1]
-        if smoothing > 0:
-            loss = (1.0 - smoothing) * loss + smoothing * (lse - stacked[2] / vocab_size)
-        ignored = target == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
-        exp.div_(stacked[0].unsqueeze(-1))                            # softmax, in place
-        ctx.save_for_backward(exp, idx, in_block, ignored, valid)
+        loss, softmax, state, ignored = block_statistics(logits, target, vocab_size, vocab_start, group,
+                                                         ignore_index, smoothing)
+        ctx.save_for_backward(softmax, *state, ignored)
         ctx.smoothing, ctx.vocab_size, ctx.dtype = smoothing, vocab_size, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, idx, in_block, ignored, valid = ctx.saved_tensors
-        grad = softmax
-        onehot_weight = (1.0 - ctx.smoothing) * in_block.to(grad.dtype)
-        grad.scatter_add_(-1, idx, -onehot_weight.unsqueeze(-1))
-        if ctx.smoothing > 0:
-            grad.sub_(valid.to(grad.dtype) * (ctx.smoothing / ctx.vocab_size))
+        softmax, idx, in_block, valid, ignored = ctx.saved_tensors
+        grad = logits_gradient_(softmax, idx, in_block, valid, ctx.smoothing, ctx.vocab_size)
         scale = grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1)
         return (grad * scale).to(ctx.dtype), None, None, None, None, None, None
 

@@ -19,6 +19,7 @@ from plait.layers.block import TransformerBlock, dropout
 from plait.layers.config import TransformerConfig
 from plait.layers.cross_entropy import vocab_parallel_cross_entropy
 from plait.layers.embedding import VocabParallelEmbedding
+from plait.layers.fused_cross_entropy import fused_linear_cross_entropy
 from plait.layers.init import TIED_ATTR, init_parameters
 from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, replicated_param, sharded_param
 from plait.layers.norm import make_norm
@@ -82,7 +83,9 @@ class LMHead(nn.Module):
     Decoders apply the final norm first; a family wired with ``head_transform`` (BERT) applies a
     dense layer and GELU before the norm, one with ``head_bias`` adds an output bias ``[V]``.
     ``forward`` returns the scalar mean loss over tokens whose label is not -100 when ``batch`` has
-    ``labels``, else this rank's logits (``gather_logits`` makes them whole). The output weight is
+    ``labels``, else this rank's logits (``gather_logits`` makes them whole). With labels and
+    ``config.fused_loss_chunk_tokens`` > 0 the loss comes from ``fused_linear_cross_entropy``: the
+    ``[b, s, V_pad/tp]`` logits never exist at once, only one token chunk of them. The output weight is
     the embedding's when tied and both are on this rank; a tied head on a different pipeline stage
     owns a copy marked ``plait_tied_to``, initialized identically.
     """
@@ -115,13 +118,16 @@ class LMHead(nn.Module):
         if self.dense is not None:
             x = F.gelu(self.dense(x))
         x = enter_tp_region(self.norm(x), self.group, self.sequence_parallel)   # [b, s, h]
-        logits = F.linear(x, self.weight, self.bias)                             # [b, s, V_pad/tp]
         labels = batch.get("labels")
         if labels is None:
-            return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
-                                              vocab_start=self.vocab.vocab_start, group=self.group,
-                                              label_smoothing=self.config.label_smoothing)
+            return F.linear(x, self.weight, self.bias)                           # [b, s, V_pad/tp]
+        kw = dict(vocab_size=self.config.vocab_size, vocab_start=self.vocab.vocab_start, group=self.group,
+                  label_smoothing=self.config.label_smoothing)
+        chunk = self.config.fused_loss_chunk_tokens
+        if chunk:   # the logits only ever exist one token chunk at a time
+            losses = fused_linear_cross_entropy(x, self.weight, self.bias, labels, chunk_tokens=chunk, **kw)
+        else:
+            losses = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw)
         count = (labels != -100).sum().clamp(min=1)
         return losses.sum() / count
 
