@@ -293,3 +293,22 @@ def test_config_switch_validated():
     with pytest.raises(ValueError, match="fused_loss_chunk_tokens must be an int >= 0"):
         tiny("llama", fused_loss_chunk_tokens=-1)
     assert tiny("llama").fused_loss_chunk_tokens == 0
+
+
+def test_summed_reduction_equals_the_sum_of_the_per_token_losses():
+    """``reduction="sum"`` (the LM head's; its backward scales by one number without a check) gives the
+    per-token path's sum and gradients to TOL, with label smoothing, ignored tokens and a bias."""
+    hidden, weight, bias, target, _ = make_inputs(1)
+    out = []
+    for reduction in ("none", "sum"):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = fused_linear_cross_entropy(*leaves, target, vocab_size=V, label_smoothing=0.1, chunk_tokens=CHUNK,
+                                          reduction=reduction)
+        total = loss.sum() if reduction == "none" else loss
+        assert total.dim() == 0
+        (total * 0.37).backward()
+        out.append([total.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(NAMES, *out):
+        assert rel_err(a, b) <= TOL, name
+    with pytest.raises(ValueError, match="reduction must be"):
+        fused_linear_cross_entropy(hidden, weight, bias, target, vocab_size=V, reduction="mean")

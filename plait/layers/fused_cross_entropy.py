@@ -21,11 +21,7 @@ host sync on CUDA): then the input gradient is scaled per token and the weight a
 by that one factor. Otherwise (tokens weighted unequally) backward runs the chunks again with the
 per-token weights: exact, at the cost of a second forward pass over the head.
 
-Cost, measured on one H100 (tests/gpu/run_fused_cross_entropy_gpu.py; 8192 tokens, hidden 4096,
-vocabulary 128256, bf16, tp=1): the unfused head holds 3.9 GiB (the float32 softmax) from forward to
-backward and peaks at 13.7 GiB over forward + backward in 74 ms; fused, 1.0 GiB is held (the weight
-and hidden gradients, needed anyway) and the peak is 4.5 / 6.9 / 11.8 GiB at chunks of 1024 / 2048 /
-4096 tokens, in 95 / 85 / 81 ms (the float32 weight-gradient sum is read and written once per chunk).
+Memory and time against the unfused head: ``benchmarks/results/fused_cross_entropy_1xH100.md``.
 
 Tensor parallelism: ``hidden`` is the head's input after ``enter_tp_region`` (whole sequence,
 replicated over tp). Each rank's input gradient is its partial ``grad_logits_local @ W_local``,
@@ -54,6 +50,7 @@ class _Options:
     ignore_index: int
     smoothing: float
     chunk: int
+    summed: bool = False   # the Function returns the sum of the per-token losses (a scalar)
 
 
 def _zeros32(like: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
@@ -107,12 +104,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.opts, ctx.need = opts, need
         # x, weight and bias only for a token-weighted loss (backward's recomputation); no [N, V] tensor.
         ctx.save_for_backward(grad_x, grad_w, grad_b, target, x, weight, bias)
-        return loss
+        return loss.sum() if opts.summed else loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w, grad_b, target, x, weight, bias = ctx.saved_tensors
         g = grad_loss.float()
+        if ctx.opts.summed:      # one factor for every token: no check, no host sync
+            return (None if grad_x is None else (grad_x * g).to(grad_x.dtype),
+                    None if grad_w is None else grad_w * g.to(grad_w.dtype),
+                    None if grad_b is None else grad_b * g.to(grad_b.dtype), None, None)
         kept = g[target != ctx.opts.ignore_index]
         if kept.numel() and not bool((kept == kept[0]).all()):
             # Tokens weighted unequally: the forward's gradients (weight 1 per token) do not apply.
@@ -146,7 +147,7 @@ def _check(hidden, weight, bias, target, label_smoothing, chunk_tokens) -> None:
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                target: torch.Tensor, *, vocab_size: int, vocab_start: int = 0, group=None,
                                ignore_index: int = -100, label_smoothing: float = 0.0,
-                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, reduction: str = "none") -> torch.Tensor:
     """Per-token cross entropy of ``F.linear(hidden, weight, bias)`` without materializing those logits.
 
     Equals ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)`` in value and
@@ -167,20 +168,28 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         chunk_tokens: tokens per chunk (a positive int; need not divide the token count). Each chunk
             runs two all-reduces over tp: larger chunks mean fewer collectives, more memory.
 
-    Returns: ``[...]`` float32 loss per token (nats), identical on every tp rank (0 where ignored).
-    Its gradient must be identical on every tp rank too (it is for any reduction of these losses);
-    a gradient that differs between non-ignored tokens makes backward recompute the chunks.
+        reduction: "none": the loss per token; "sum": their sum, a scalar (backward then scales the
+            gradients by one number without looking at them: no host sync on CUDA).
+
+    Returns: ``[...]`` float32 loss per token (nats), identical on every tp rank (0 where ignored), or
+    their sum ``[]`` with ``reduction="sum"``. Its gradient must be identical on every tp rank too (it
+    is for any reduction of these losses); with "none", a gradient that differs between non-ignored
+    tokens makes backward recompute the chunks, and checking it costs one host sync on CUDA.
 
     Raises:
         ValueError: label_smoothing outside [0, 1), hidden/target/weight/bias shapes that disagree,
-            or chunk_tokens not a positive int.
+            chunk_tokens not a positive int, or reduction not "none" / "sum".
     """
     _check(hidden, weight, bias, target, label_smoothing, chunk_tokens)
-    opts = _Options(vocab_size, vocab_start, group, ignore_index, float(label_smoothing), chunk_tokens)
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction must be 'none' or 'sum', got {reduction!r}")
+    opts = _Options(vocab_size, vocab_start, group, ignore_index, float(label_smoothing), chunk_tokens,
+                    reduction == "sum")
     x, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     grads = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (hidden, weight, bias))
     if grads:
         loss = _FusedLinearCrossEntropy.apply(x, weight, bias, t, opts)
     else:
         loss = _chunked_pass(x, weight, bias, t, opts, (False, False, False))[0]
-    return loss.reshape(target.shape)
+        loss = loss.sum() if opts.summed else loss
+    return loss if opts.summed else loss.reshape(target.shape)

@@ -125,11 +125,12 @@ class LMHead(nn.Module):
                   label_smoothing=self.config.label_smoothing)
         chunk = self.config.fused_loss_chunk_tokens
         if chunk:   # the logits only ever exist one token chunk at a time
-            losses = fused_linear_cross_entropy(x, self.weight, self.bias, labels, chunk_tokens=chunk, **kw)
+            total = fused_linear_cross_entropy(x, self.weight, self.bias, labels, chunk_tokens=chunk,
+                                               reduction="sum", **kw)
         else:
-            losses = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw)
+            total = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw).sum()
         count = (labels != -100).sum().clamp(min=1)
-        return losses.sum() / count
+        return total / count
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[b, s, V_pad/tp]`` -> whole ``[b, s, V]`` (all-gather over tp, padding dropped)."""
