@@ -4,7 +4,7 @@ Compiling the whole training step (or the whole model) puts ZeRO's parameter gat
 the pipeline schedule inside the traced region, where data-dependent Python and collectives break the
 graph. Compiling each transformer block instead (torchtitan's ``apply_compile``; Ansel et al.,
 "PyTorch 2", ASPLOS'24 for dynamo/inductor) gives inductor the fusions that matter -- norms, RoPE, the
-SwiGLU product, residual adds, dropout -- while the module hooks ZeRO-3 and ZeRO-Offload register on a
+SwiGLU product, residual adds, dropout, the loss's softmax -- while the module hooks ZeRO-3 and ZeRO-Offload register on a
 block run eagerly around it: the block's ``forward`` is replaced by its compiled version, so
 ``nn.Module.__call__`` still runs the hooks, and parameter names (checkpoints) do not change.
 Activation checkpointing around a block (``recompute="full"``) stays outside the region and replays the
@@ -28,10 +28,12 @@ COMPILED_ATTR = "_plait_compiled_forward"
 
 
 def compile_targets(module: nn.Module) -> list[nn.Module]:
-    """The regions to compile: plait's ``TransformerBlock`` modules; for Hugging Face models the modules
-    whose class is named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
+    """The regions to compile: plait's ``TransformerBlock`` and ``LMHead`` modules (the head with its
+    loss: inductor fuses the float32 softmax passes); for Hugging Face models the modules whose class is
+    named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
     from plait.layers.block import TransformerBlock
-    blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
+    from plait.layers.model import LMHead
+    blocks = [m for m in module.modules() if isinstance(m, (TransformerBlock, LMHead))]
     if blocks:
         return blocks
     names = set()

@@ -18,6 +18,7 @@ from plait.config import ConfigError, load_config
 from plait.engine_compile import compile_regions, compile_targets, is_compiled
 from plait.layers import TransformerModel
 from plait.layers.block import TransformerBlock
+from plait.layers.model import LMHead
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_full, shard_of
 from plait.testing import run_distributed
@@ -40,10 +41,10 @@ def ds_config(stage, compile_section=None, lr=3e-3, tp=1, sp=False):
     return raw
 
 
-def train(stage, compile_section=None, lr=3e-3, tp=1, sp=False):
+def train(stage, compile_section=None, lr=3e-3, tp=1, sp=False, **model_overrides):
     """Whole float32 weights after STEPS steps, and the engine."""
     mesh = ParallelMesh(tp=tp)
-    model = TransformerModel(tiny(), mesh if tp > 1 else None, seed=5, sequence_parallel=sp)
+    model = TransformerModel(tiny(**model_overrides), mesh if tp > 1 else None, seed=5, sequence_parallel=sp)
     engine = plait.initialize(model, ds_config(stage, compile_section, lr, tp, sp), mesh=mesh)
     for step in range(STEPS):
         loss = engine(**helpers.micro_batch(step, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ))
@@ -80,17 +81,18 @@ def test_inductor_compiled_engine_matches_eager_at_zero_stages_0_and_3():
     assert result["lr+1%"] > 1e-6          # the bound tells a 1% learning-rate change apart
 
 
-def _tp_parity(sp):
-    eager, _ = train(1, tp=2, sp=sp)
-    compiled, engine = train(1, {"enabled": True, "backend": "aot_eager"}, tp=2, sp=sp)
+def _tp_parity(sp, fused_loss):
+    eager, _ = train(1, tp=2, sp=sp, fused_loss_chunk_tokens=fused_loss)
+    compiled, engine = train(1, {"enabled": True, "backend": "aot_eager"}, tp=2, sp=sp,
+                             fused_loss_chunk_tokens=fused_loss)
     return rel(compiled, eager), engine.is_compiled
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_compiled_tensor_parallel_engine_matches_eager(sp):
-    """tp=2 (gloo): the blocks' tensor-parallel collectives are traced into the graph (AOT autograd, forward
-    and backward) and give the eager weights."""
-    for err, compiled in run_distributed(_tp_parity, 2, sp, timeout_s=600):
+@pytest.mark.parametrize("sp, fused_loss", [(False, 0), (True, 7)])
+def test_compiled_tensor_parallel_engine_matches_eager(sp, fused_loss):
+    """tp=2 (gloo): the blocks' and the head's tensor-parallel collectives are traced into the graph (AOT
+    autograd, forward and backward; the fused loss's token chunks unrolled) and give the eager weights."""
+    for err, compiled in run_distributed(_tp_parity, 2, sp, fused_loss, timeout_s=600):
         assert compiled and err < 1e-6, err
 
 
@@ -104,24 +106,27 @@ def test_a_block_traces_as_one_graph(recompute):
     assert explained.graph_count == 1
 
 
-def _tp_breaks(sp):
-    model = TransformerModel(tiny(), ParallelMesh(tp=2), seed=5, sequence_parallel=sp)
-    block = compile_targets(model)[0]
+def _tp_breaks(sp, fused_loss):
+    model = TransformerModel(tiny(fused_loss_chunk_tokens=fused_loss), ParallelMesh(tp=2), seed=5,
+                             sequence_parallel=sp)
+    block, *_, head = compile_targets(model)
     x = torch.randn(MICRO, SEQ // (2 if sp else 1), 64, requires_grad=True)
-    explained = torch._dynamo.explain(block.forward)(x, {})
-    return explained.graph_break_count, dist.get_world_size()
+    labels = helpers.micro_batch(0, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ)["labels"]
+    breaks = [torch._dynamo.explain(block.forward)(x, {}).graph_break_count,
+              torch._dynamo.explain(head.forward)(x, {"labels": labels}).graph_break_count]
+    return breaks, dist.get_world_size()
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_a_tensor_parallel_block_traces_as_one_graph(sp):
-    assert run_distributed(_tp_breaks, 2, sp) == [(0, 2), (0, 2)]
+@pytest.mark.parametrize("sp, fused_loss", [(False, 0), (True, 0), (True, 5)])
+def test_a_tensor_parallel_block_and_head_trace_as_one_graph_each(sp, fused_loss):
+    assert run_distributed(_tp_breaks, 2, sp, fused_loss) == [([0, 0], 2), ([0, 0], 2)]
 
 
 def test_regions_are_the_blocks_and_names_do_not_change():
     model = TransformerModel(tiny(), None, seed=5)
     names = [n for n, _ in model.named_parameters()]
     done = compile_regions(model, backend="eager")
-    assert done == [m for m in model.modules() if isinstance(m, TransformerBlock)] and len(done) == 2
+    assert done == [m for m in model.modules() if isinstance(m, (TransformerBlock, LMHead))] and len(done) == 3
     assert compile_regions(model, backend="eager") == [] and is_compiled(model)
     assert [n for n, _ in model.named_parameters()] == names
     assert not any("_orig_mod" in key for key in model.state_dict())
