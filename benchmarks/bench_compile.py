@@ -47,7 +47,9 @@ from _common import single_process_env  # noqa: E402
 
 #: Extra plait TransformerConfig fields for the plait arms (fused linear + cross entropy, fused qkv and
 #: gate/up projections), applied with dataclasses.replace to the preset unless --no-plait-fused.
-PLAIT_MODEL_OVERRIDES: dict = {}
+#: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused); the environment
+#: variable PLAIT_MODEL_OVERRIDES (JSON) replaces the default
+PLAIT_MODEL_OVERRIDES: dict = json.loads(os.environ.get("PLAIT_MODEL_OVERRIDES", '{"fused_loss_chunk_tokens": 2048}'))
 
 PRESET = "llama-886m"
 ARMS = ("hand-eager", "hand-compile", "fsdp2", "fsdp2-compile", "ds-z2", "ds-z3", "torchtitan", "torchtitan-nocg",
@@ -210,6 +212,7 @@ def run_arm(arm: str, args) -> dict:
             "peak_gib": peak / 2**30, "step_s": dt, "first_step_s": first if warmup else None,
             "loss": None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss),
             "params": n_params, "warmup": warmup, "graphs": graphs,
+            "overrides": PLAIT_MODEL_OVERRIDES if arm.startswith("plait") and args.plait_fused else {},
             "steps": args.steps, "parts": parts, "device": torch.cuda.get_device_name(0),
             "torch": torch.__version__}
 
