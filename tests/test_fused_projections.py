@@ -120,6 +120,20 @@ def test_fused_linear_equals_separate_linears(layout, bias):
         assert torch.equal(w, torch.cat([weights[i] for i in order]))
 
 
+def test_meta_and_fake_tensors_take_the_copying_path():
+    """No pointers to compare (shape inference, memory planning): ``torch.cat``, same shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = [torch.empty(16, 8, device="meta"), torch.empty(8, 8, device="meta")]
+    assert fused.adjacent_order(meta) is None
+    assert [t.shape for t in fused.fused_linear(torch.empty(2, 5, 8, device="meta"), meta)] == [(2, 5, 16), (2, 5, 8)]
+    with FakeTensorMode():
+        buf = torch.empty(24, 8)
+        fake = [buf[:16], buf[16:]]
+        assert fused.adjacent_order(fake) is None
+        assert [t.shape for t in fused.fused_linear(torch.empty(2, 5, 8), fake)] == [(2, 5, 16), (2, 5, 8)]
+
+
 def test_fused_column_forward_refuses_layers_it_cannot_fuse():
     a, b = ColumnParallelLinear(8, 4), ColumnParallelLinear(8, 4, bias=False)
     with pytest.raises(ValueError, match="all have a bias or none"):

@@ -29,13 +29,18 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)   # not meta, fake or other subclasses: no real pointers
+
+
 def _back_to_back(parts: Sequence[torch.Tensor]) -> bool:
-    """True when ``parts`` are contiguous, of one dtype, and each starts where the previous ends in
-    one storage."""
+    """True when ``parts`` are plain contiguous tensors of one dtype, each starting where the previous
+    ends in one storage."""
     first = parts[0]
+    if any(type(t) not in _PLAIN or t.is_meta or t.numel() == 0 for t in parts):
+        return False
     end, base = first.data_ptr(), first.untyped_storage().data_ptr()
     for t in parts:
-        if (t.numel() == 0 or t.data_ptr() != end or not t.is_contiguous() or t.dtype != first.dtype
+        if (t.data_ptr() != end or not t.is_contiguous() or t.dtype != first.dtype
                 or t.untyped_storage().data_ptr() != base):
             return False
         end += t.numel() * t.element_size()
@@ -45,7 +50,7 @@ def _back_to_back(parts: Sequence[torch.Tensor]) -> bool:
 def adjacent_order(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
     """The order (indices into ``tensors``) in which they lie back to back in memory, or None (also
     under ``torch.compile``)."""
-    if torch.compiler.is_compiling() or any(t.numel() == 0 for t in tensors):
+    if torch.compiler.is_compiling() or any(type(t) not in _PLAIN or t.is_meta or t.numel() == 0 for t in tensors):
         return None
     order = tuple(sorted(range(len(tensors)), key=lambda i: tensors[i].data_ptr()))
     return order if _back_to_back([tensors[i] for i in order]) else None
