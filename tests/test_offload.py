@@ -26,7 +26,7 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
-from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
+from plait.zero import ClipOptions, CommOptions, PrecisionOptions, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import HostOptimizer, HostStepper, OffloadOptions
 from helpers import micro_batch, rel_err, tiny
 
@@ -278,8 +278,9 @@ def _zero(stage, offload, clip=1.0, gas=1, overlap=True, optimizer=torch.optim.A
                                 optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
                                 comm=CommOptions(reduce_bucket_size=2000, allgather_bucket_size=3000,
                                                  param_persistence_threshold=100),
-                                gradient_accumulation_steps=gas, max_grad_norm=clip, offload=off,
-                                skip_nonfinite=clip > 0,   # early host steps (clip 0) need the guard off
+                                gradient_accumulation_steps=gas, clip=ClipOptions(clip), offload=off,
+                                # early host steps (clip 0) need the guard off
+                                precision=PrecisionOptions(skip_nonfinite=clip > 0),
                                 units=list(model.layers.values()) if stage == 3 else None)
 
 

@@ -25,9 +25,11 @@ from torch import nn
 
 from plait.testing import run_distributed
 from plait.zero import (
+    ClipOptions,
     CommOptions,
     LossScaler,
     NormGroups,
+    PrecisionOptions,
     ZeroOptimizer,
     global_grad_norm,
     slices_reader,
@@ -124,8 +126,8 @@ def build(model, cfg: dict, group) -> ZeroOptimizer:
                          allgather_bucket_size=cfg.get("gather_bucket", 10_000_000),
                          prefetch_bucket_size=cfg.get("prefetch", 0), param_persistence_threshold=cfg.get("persist", 0),
                          reduce_dtype=cfg.get("reduce", "fp32")),
-        units=units, max_grad_norm=cfg.get("max_norm", 0.0), param_dtype=cfg.get("dtype"),
-        loss_scaler=cfg.get("scaler"))
+        units=units, clip=ClipOptions(max_grad_norm=cfg.get("max_norm", 0.0)),
+        precision=PrecisionOptions(param_dtype=cfg.get("dtype"), loss_scaler=cfg.get("scaler")))
 
 
 def train(model, opt, cfg: dict, steps: int, poison=None):
@@ -257,7 +259,7 @@ def _tp_norm():
         m.rep, m.shard = nn.Parameter(model.rep.detach().clone()), nn.Parameter(model.shard.detach().clone())
         mark(m.shard, model.shard.plait_shard)
         opt = ZeroOptimizer(m, mesh.dp_group, stage=stage, optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=1.0),
-                            max_grad_norm=1.0, grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+                            clip=ClipOptions(1.0, NormGroups(tp=mesh.tp_group, pp=mesh.pp_group)))
         with opt.gathered_parameters():
             loss = (m.rep * a[mesh.dp_rank]).sum() + (m.shard * b[mesh.dp_rank][4 * mesh.tp_rank:][:4]).sum()
         opt.backward(loss)
@@ -277,7 +279,7 @@ def _pp_norm():
     m = nn.Module()
     m.w = nn.Parameter(torch.zeros(6 + 3 * mesh.pp_rank))
     opt = ZeroOptimizer(m, mesh.dp_group, stage=1, optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=1.0),
-                        grad_norm_groups=NormGroups(pp=mesh.pp_group))
+                        clip=ClipOptions(norm_groups=NormGroups(pp=mesh.pp_group)))
     opt.backward((m.w * grads[mesh.pp_rank][mesh.dp_rank]).sum())
     opt.step()
     mine = grads[mesh.pp_rank][mesh.dp_rank]
