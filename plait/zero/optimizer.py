@@ -263,6 +263,13 @@ class ZeroOptimizer:
         -> skip on every rank if inf/nan (``skip_nonfinite``; fp16 overflow) -> unscale and clip to
         ``max_grad_norm`` -> the stepper updates the fp32 masters and publishes the parameters -> finish.
 
+        A non-finite norm is decided here, once, for both steppers: skipped with a loss scaler or
+        ``PrecisionOptions(skip_nonfinite=True)``; otherwise (``skip_nonfinite=False``, no fp16 scaler) the
+        step is applied with the gradients as they are (coefficient 1: an inf/nan norm gives no clip
+        factor), on the device and under offload alike, so inf/nan reach the weights and ``grad_norm`` is
+        the inf/nan norm. An offload early-mode step (``plait.zero.offload``), already applied during
+        backward, is the same step.
+
         Returns:
             True when the parameters were updated; False before the boundary or when the step was
             skipped (the same on all ranks; fp16 also lowers the loss scale).
@@ -279,21 +286,21 @@ class ZeroOptimizer:
             self.reducer.reduce_all()    # stages 0-1 reduce at the boundary
         self.micro_steps = 0
         scale = self.loss_scale
-        norm = self.stepper.grad_norm() / scale
-        if self.must_skip(norm):         # inf/nan anywhere (fp16 overflow): the same on every rank
-            return self.skip_step(norm)
+        norm = self.stepper.grad_norm() / scale   # all-reduced: the same on every rank
+        if math.isfinite(norm):
+            coef = clip_coefficient(norm, self.clip.max_grad_norm) / scale
+        elif self.precision.skip_nonfinite or self.scaler is not None:
+            return self.skip_step(norm)  # inf/nan anywhere (fp16 overflow)
+        else:
+            coef = 1.0                   # applied as is (no scaler here: the scale is 1)
         self.grad_norm = norm
-        self.stepper.apply(clip_coefficient(norm, self.clip.max_grad_norm) / scale)
+        self.stepper.apply(coef)
         self.reducer.zero()
         if self.scaler is not None:
             self.scaler.update(False)
         self.global_steps += 1
         self.consecutive_skips = 0
         return True
-
-    def must_skip(self, norm: float) -> bool:
-        """Whether a step with this (all-reduced, so rank-independent) global norm is skipped."""
-        return not math.isfinite(norm) and (self.precision.skip_nonfinite or self.scaler is not None)
 
     def skip_step(self, norm: float = math.nan) -> bool:
         """A non-finite gradient on some rank (``norm``: the global norm): drop this step's gradients on

@@ -8,7 +8,6 @@ compute-dtype shards go back to the device, overlapped with the next forward (``
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,14 +157,7 @@ class HostStepper:
 
     def apply(self, coef: float) -> None:
         """Queue the host step of every segment in forward order (gradients times ``coef``) and hand
-        the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``.
-
-        Raises:
-            FloatingPointError: ``coef`` is 0 or its inverse not finite (inf/nan gradients applied).
-        """
-        if not (coef > 0 and math.isfinite(1.0 / coef)):
-            raise FloatingPointError(f"clip coefficient {coef}: the gradients are inf/nan; train with fp16 loss "
-                                     "scaling or look for the source")
+        the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``."""
         if not self.begun:
             self.shards.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
             self.begun = True
