@@ -169,8 +169,7 @@ def _body(ckpt_dir):
             train(ds_config(2, offload=True, gas=1, bf16=bf16, device_step=0.5), STEPS))
     # adaptive split: the CPU share is slowed down, so the device share grows step by step
     with slow_host_steps(0.01):
-        adaptive = ds_config(2, offload=True, gas=1, device_step=0.0)
-        adaptive["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True
+        adaptive = ds_config(2, offload=True, gas=1, device_step="auto")
         out["device step adaptive"] = (train(ds_config(2, offload=True, gas=1), STEPS), train(adaptive, STEPS))
     # fp16: rank 1 (or rank 0 at dp 1) overflows on step 1; the step is skipped everywhere
     bad = dist.get_world_size() - 1

@@ -21,7 +21,7 @@ two segments' worth is allocated at a time.
 
 The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
 gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
-``device_step_adaptive`` the split moves by one segment after each step towards equal CPU and device
+``device_step_fraction="auto"`` the split moves by one segment after each step towards equal CPU and device
 times (measured: the CPU share's wall time on the worker, the device share's from CUDA events), which
 follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
 

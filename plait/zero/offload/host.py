@@ -89,7 +89,7 @@ class HostStepper:
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
         if problems:
-            what = "device_step_fraction 'auto' (device_step_adaptive)" if adaptive else "device_step_fraction > 0"
+            what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
         total, count, acc = sum(s.shard_size for s in self.order), 0, 0
         for s in eligible:
