@@ -69,7 +69,7 @@ class ZeroOptimizer:
 
     Args:
         module: any ``nn.Module``; its trainable parameters are re-pointed into flat buffers (and
-            cast to ``param_dtype``); frozen parameters are left alone. Construct after moving the
+            cast to ``precision.param_dtype``); frozen parameters are left alone. Construct after moving the
             module to its device.
         dp_group: data-parallel ProcessGroup (e.g. ``mesh.dp_group``); None means one process
             (no communication; note None is *not* the world group here).
