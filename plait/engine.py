@@ -44,7 +44,8 @@ from plait.optim.lamb_segments import attach_lamb_segments
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
-from plait.zero import CommOptions, LossScaler, NormGroups, ZeroOptimizer, weight_decay_groups
+from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
+                        weight_decay_groups)
 from plait.zero.offload import HostOptimizer
 from plait.zero.weights import prepare_weights
 
@@ -90,19 +91,18 @@ class Engine(EngineFacts):
                                                                             torch.float32)
         self.optimizer = ZeroOptimizer(
             module, mesh.dp_group, stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
-            param_groups=groups, param_dtype=param_dtype, comm=CommOptions(
+            param_groups=groups, comm=CommOptions(
                 reduce_dtype=reduce_dtype,
                 # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
                 reduce_bucket_size=max(1, z.reduce_bucket_size), allgather_bucket_size=max(1, z.allgather_bucket_size),
                 overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
                 param_persistence_threshold=z.stage3_param_persistence_threshold),
             units=stage3_units(module) if z.stage == 3 else None,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            max_grad_norm=config.gradient_clipping, loss_scaler=scaler,
-            grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group), offload=offload,
-            skip_nonfinite=config.nonfinite_guard.enabled, weights=weights,
-            # a tied head copy (on another pipeline stage than its embedding) must count once in the norm
-            norm_exclude={id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)})
+            gradient_accumulation_steps=config.gradient_accumulation_steps, offload=offload, weights=weights,
+            precision=PrecisionOptions(param_dtype, scaler, skip_nonfinite=config.nonfinite_guard.enabled),
+            clip=ClipOptions(config.gradient_clipping, NormGroups(tp=mesh.tp_group, pp=mesh.pp_group),
+                             # a tied head copy (on another pipeline stage than its embedding) counts once
+                             norm_exclude={id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}))
         inner = self.optimizer.optimizer
         if isinstance(inner, Lamb):
             attach_lamb_segments(inner, self.optimizer, module, mesh)

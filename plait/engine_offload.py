@@ -12,10 +12,11 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     """``OffloadOptions`` from ``zero_optimization.offload_optimizer`` / ``offload_param`` (None when both
     are off). ``pin_memory`` of either section pins the host buffers; the CPU optimizer's thread count
     comes from the environment variable ``PLAIT_OFFLOAD_THREADS`` (default: every core numba sees).
+    ``device_step_fraction`` (a number, or "auto": the adaptive split) is passed on as read; the deprecated
+    ``device_step_adaptive`` was folded into it by the config (``plait.config.schema_zero.OffloadConfig``).
 
     Raises:
-        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS,
-            ``device_step_adaptive`` together with a ``device_step_fraction``.
+        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS.
     """
     z = config.zero_optimization
     if not (z.offload_optimizer.enabled or z.offload_param.enabled):
@@ -28,15 +29,10 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
         raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
                           "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
                           "offload_optimizer, or LAMB without it")
-    off = z.offload_optimizer
-    if off.device_step_adaptive and off.device_step_fraction:
-        raise ConfigError(f"offload_optimizer.device_step_adaptive starts the device share at 0 and moves it each "
-                          f"step; it does not take device_step_fraction={off.device_step_fraction}: remove one of them")
     threads = os.environ.get("PLAIT_OFFLOAD_THREADS")
     if threads is not None and not threads.isdigit():
         raise ConfigError(f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)")
     return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
                           pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
                           num_threads=int(threads) if threads else None,
-                          device_step_fraction="auto" if z.offload_optimizer.device_step_adaptive
-                          else z.offload_optimizer.device_step_fraction)
+                          device_step_fraction=z.offload_optimizer.device_step_fraction)

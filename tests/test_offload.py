@@ -26,7 +26,7 @@ from plait.config import ConfigError
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
-from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
+from plait.zero import ClipOptions, CommOptions, PrecisionOptions, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import HostOptimizer, HostStepper, OffloadOptions
 from helpers import micro_batch, rel_err, tiny
 
@@ -169,8 +169,7 @@ def _body(ckpt_dir):
             train(ds_config(2, offload=True, gas=1, bf16=bf16, device_step=0.5), STEPS))
     # adaptive split: the CPU share is slowed down, so the device share grows step by step
     with slow_host_steps(0.01):
-        adaptive = ds_config(2, offload=True, gas=1, device_step=0.0)
-        adaptive["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True
+        adaptive = ds_config(2, offload=True, gas=1, device_step="auto")
         out["device step adaptive"] = (train(ds_config(2, offload=True, gas=1), STEPS), train(adaptive, STEPS))
     # fp16: rank 1 (or rank 0 at dp 1) overflows on step 1; the step is skipped everywhere
     bad = dist.get_world_size() - 1
@@ -278,8 +277,9 @@ def _zero(stage, offload, clip=1.0, gas=1, overlap=True, optimizer=torch.optim.A
                                 optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
                                 comm=CommOptions(reduce_bucket_size=2000, allgather_bucket_size=3000,
                                                  param_persistence_threshold=100),
-                                gradient_accumulation_steps=gas, max_grad_norm=clip, offload=off,
-                                skip_nonfinite=clip > 0,   # early host steps (clip 0) need the guard off
+                                gradient_accumulation_steps=gas, clip=ClipOptions(clip), offload=off,
+                                # early host steps (clip 0) need the guard off
+                                precision=PrecisionOptions(skip_nonfinite=clip > 0),
                                 units=list(model.layers.values()) if stage == 3 else None)
 
 

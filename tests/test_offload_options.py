@@ -1,7 +1,10 @@
 """Offload settings that must be refused or kept apart, and the host masters kept out of forked workers.
 
-* ``device_step_adaptive`` starts the device share at 0 (``OffloadOptions(device_step_fraction="auto")``):
-  with a ``device_step_fraction`` as well, the config is refused naming both, not run with one dropped.
+* ``device_step_fraction: "auto"`` (the adaptive split) reaches ``OffloadOptions`` as "auto": it is the key's
+  own value, not a placeholder, so neither the config resolver nor the Hugging Face Trainer's fill of
+  "auto" values replaces it.
+* ``device_step_adaptive: true`` is its deprecated spelling (a warning); with a ``device_step_fraction`` as
+  well the config is refused naming both, not run with one dropped.
 * A ``device_step_fraction`` that is neither a number in [0, 1) nor "auto" is a ``ValueError``.
 * The fp32 master shards on the host are ``MADV_DONTFORK`` like the other host buffers: a forked child
   reading them dies with SIGSEGV (``plait.kernels.host_memory``), so a DataLoader worker never makes the
@@ -18,7 +21,9 @@ import pytest
 import torch
 
 import plait
-from plait.config import ConfigError
+from plait.config import ConfigError, load_config
+from plait.hf import Trainer, TrainingArguments
+from plait.hf.config_fill import fill_from_args
 from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
 from plait.zero.offload import HostOptimizer, OffloadOptions
 
@@ -26,6 +31,47 @@ from plait.zero.offload import HostOptimizer, OffloadOptions
 def offload_config(**offload) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}}}
+
+
+def _adaptive(engine) -> bool:
+    share = engine.optimizer.stepper.share
+    return engine.optimizer.offload_options.device_step_fraction == "auto" and share is not None and share.adaptive
+
+
+def test_device_step_fraction_auto_reaches_the_offload_options():
+    cfg = load_config(offload_config(device_step_fraction="auto"), dp_size=1)
+    assert cfg.zero_optimization.offload_optimizer.device_step_fraction == "auto"
+    assert load_config(cfg.to_dict(), dp_size=1) == cfg
+    engine = plait.initialize(torch.nn.Linear(4, 4), offload_config(device_step_fraction="auto"))
+    assert _adaptive(engine)
+    engine.optimizer.close()
+
+
+def test_the_trainer_fill_keeps_device_step_fraction_auto(tmp_path):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "gradient_clipping": "auto",
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "device_step_fraction": "auto"}}}
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=2,
+                             learning_rate=1e-3, max_steps=1, report_to=[], use_cpu=True)
+    filled = fill_from_args(config, args, dp=1, max_steps=1)
+    assert filled["zero_optimization"]["offload_optimizer"]["device_step_fraction"] == "auto"
+    assert filled["gradient_clipping"] == 1.0 and filled["optimizer"]["params"]["lr"] == 1e-3   # the real "auto"s
+    trainer = Trainer(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), args=args)
+    assert _adaptive(trainer._build_engine(1))
+    trainer.engine.optimizer.close()
+
+
+def test_device_step_adaptive_is_a_deprecated_spelling_of_auto(caplog):
+    with caplog.at_level("WARNING", logger="plait"):
+        engine = plait.initialize(torch.nn.Linear(4, 4), offload_config(device_step_adaptive=True))
+    assert 'device_step_adaptive is deprecated; write "device_step_fraction": "auto"' in caplog.text
+    assert _adaptive(engine)
+    engine.optimizer.close()
+
+
+@pytest.mark.parametrize("fraction", [1.0, -0.1, "half"])
+def test_a_config_fraction_outside_the_range_is_refused(fraction):
+    with pytest.raises(ConfigError, match="device_step_fraction"):
+        load_config(offload_config(device_step_fraction=fraction), dp_size=1)
 
 
 def test_adaptive_with_a_fraction_is_refused_naming_both():

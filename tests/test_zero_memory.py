@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.testing import run_distributed
-from plait.zero import CommOptions, ZeroOptimizer
+from plait.zero import CommOptions, PrecisionOptions, ZeroOptimizer
 from plait.zero.memory import estimate_model_state_memory
 
 
@@ -20,7 +20,7 @@ def memory_body(stage):
     model = make_model()
     numel = sum(p.numel() for p in model.parameters())
     opt = ZeroOptimizer(model, dist.new_group(list(range(dist.get_world_size()))), stage=stage,
-                        param_dtype=torch.bfloat16,
+                        precision=PrecisionOptions(param_dtype=torch.bfloat16),
                         comm=CommOptions(reduce_bucket_size=4000, param_persistence_threshold=0),
                         units=[model[0], model[1], model[3], model[4], model[5]])
     ids = torch.randint(0, 257, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank()))

@@ -1,8 +1,8 @@
 """ZeRO stage 3 specifics (prefetch, pytree (dict) outputs, single-process runs) and the
 single-process unit tests of the loss scaler, the norm helpers and construction errors.
 
-Shares the model, reference and cached distributed suite of ``test_zero`` (see its docstring for
-the parity contract: 1e-6 relative after 5 AdamW steps).
+Shares the model, reference and cached distributed suite of ``tests/zero_cases.py`` (see its docstring
+for the parity contract: 1e-6 relative after 5 AdamW steps).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.zero import LossScaleError, LossScaler, ZeroOptimizer, clip_coefficient, global_grad_norm
-from test_zero import (MICRO_BS, STEPS, TinyLM, _full_weights, assert_weights, build, make_model, ok, parity_cfgs,
-                       reference, suite, train)
+from zero_cases import (MICRO_BS, STEPS, TinyLM, assert_weights, build, full_weights, make_model, ok, parity_cfgs,
+                        reference, suite, train)
 
 
 def test_stage3_prefetches_after_recording_the_order():
@@ -29,7 +29,7 @@ def test_any_module_single_process_stage3_matches_reference():
     model = make_model()
     opt = build(model, cfg, None)
     train(model, opt, cfg, STEPS)
-    assert_weights(_full_weights(model, opt), reference(3 * MICRO_BS)[0], "single process stage 3")
+    assert_weights(full_weights(model, opt), reference(3 * MICRO_BS)[0], "single process stage 3")
 
 
 class DictBlock(nn.Module):
@@ -58,7 +58,7 @@ def test_units_returning_dicts_regather_for_backward():
     opt = build(model, cfg, None)
     assert [u.name for u in opt.units] == ["<root>", "blocks.0", "blocks.1"]
     train(model, opt, cfg, STEPS)
-    want = {n.replace(".block.", "."): w for n, w in _full_weights(model, opt).items()}
+    want = {n.replace(".block.", "."): w for n, w in full_weights(model, opt).items()}
     assert_weights(want, reference(MICRO_BS)[0], "dict-output units")
 
 

@@ -6,7 +6,7 @@
 * ``prefetch_bucket_size`` bounds what is taken *before* each segment (DeepSpeed's rule): a segment larger
   than the whole bucket is still prefetched alone. With "auto" sizes (0.9 h^2) every Llama matrix is larger
   than the bucket, so the old rule (stop when the segment would pass the bound) never prefetched anything.
-  Prefetching moves no number: the single-process run still matches the reference (``test_zero``'s 1e-6).
+  Prefetching moves no number: the single-process run still matches the reference (``zero_cases``' 1e-6).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import transformers
 
 from plait.engine_model import stage3_units
 from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
-from test_zero import MICRO_BS, STEPS, _full_weights, assert_weights, build, make_model, reference, train
+from zero_cases import MICRO_BS, STEPS, assert_weights, build, full_weights, make_model, reference, train
 
 
 def tiny_llama():
@@ -44,4 +44,4 @@ def test_a_segment_larger_than_the_prefetch_bucket_is_prefetched_alone():
     opt = build(model, cfg, None)
     train(model, opt, cfg, STEPS)
     assert opt.gatherer.stats["prefetched"] > 0
-    assert_weights(_full_weights(model, opt), reference(3 * MICRO_BS)[0], "stage 3, prefetch bucket 1")
+    assert_weights(full_weights(model, opt), reference(3 * MICRO_BS)[0], "stage 3, prefetch bucket 1")

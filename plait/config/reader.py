@@ -4,7 +4,8 @@ Keys are checked against the dataclasses in :mod:`plait.config.schema`. An unkno
 :class:`ConfigError` naming the key, its section and the closest valid key (``difflib``); a DeepSpeed key
 plait does not implement raises :class:`UnsupportedConfigError` (see :mod:`plait.config.unsupported`);
 a value of the wrong type names the key and the expected type. ``"auto"`` is kept for the fields that
-allow it and resolved in :mod:`plait.config.resolve`.
+allow it and resolved in :mod:`plait.config.resolve`; a field typed with ``Literal["auto"]``
+(``device_step_fraction``) keeps it as its value (``schema_base.takes_auto``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from plait.config.accepted import check_accepted, log
 from plait.config.resolve import build_config, resolve_auto
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
                                  PlaitConfig, SchedulerConfig)
+from plait.config.schema_base import takes_auto
 from plait.config.unsupported import (UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS, UnsupportedConfigError,
                                       check_unsupported, check_unsupported_value)
 
@@ -198,7 +200,7 @@ def _sections_with_key(key: str, cls: type = PlaitConfig, section: str = "") -> 
 
 def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
     path = _join(section, f.name)
-    if isinstance(value, str) and value == AUTO:
+    if isinstance(value, str) and value == AUTO and not takes_auto(hint):
         if f.metadata.get("auto"):
             return AUTO
         raise ConfigError(f"'{path}' does not accept \"auto\"; write {_describe(hint)}")

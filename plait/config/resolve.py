@@ -27,6 +27,10 @@ zero_optimization.stage3_gather_16bit_         False (plait checkpoints are layo
 weights_on_model_save
 =============================================  =========================================================
 
+``zero_optimization.offload_optimizer.device_step_fraction: "auto"`` is not a placeholder: it is that key's
+own value (the adaptive device share of ``plait.zero.offload.OffloadOptions``) and is kept as written, as is
+"auto" in any key whose type takes it (``schema_base.takes_auto``); no rule or Trainer argument fills it.
+
 Batch triple (DeepSpeed's rule): ``train_batch_size = train_micro_batch_size_per_gpu x
 gradient_accumulation_steps x dp``, with dp from ``dp_size`` or ``world_size / (tp x pp)``.
 All three given: checked (against dp when known). Two given and dp known: the third is derived and must
@@ -43,6 +47,7 @@ from typing import Any
 
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
                                  OptimizerConfig, PlaitConfig, SchedulerConfig, ZeroConfig)
+from plait.config.schema_base import takes_auto
 
 _TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -199,12 +204,17 @@ def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, fa
         cfg["pipeline"] = {**pipe, "micro_batches": pipe.get("micro_batches", gas)}
 
 
-def _check_no_auto(value: Any, path: str) -> None:
+def _check_no_auto(value: Any, path: str, cls: Any = PlaitConfig) -> None:
+    """No "auto" placeholder is left in ``value`` (the section of dataclass ``cls``); a key whose type takes
+    "auto" as a value of its own (``takes_auto``: ``device_step_fraction``) keeps it."""
     if value == AUTO:
         raise ConfigError(f"'{path}' is \"auto\" and no rule resolves it")  # schema/rule mismatch
     if isinstance(value, dict):
+        hints = typing.get_type_hints(cls) if is_dataclass(cls) else {}
         for k, v in value.items():
-            _check_no_auto(v, f"{path}.{k}" if path else k)
+            hint = hints.get(k)
+            if hint is None or not takes_auto(hint):
+                _check_no_auto(v, f"{path}.{k}" if path else k, _unwrap(hint) if hint is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------- build

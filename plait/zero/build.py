@@ -22,6 +22,40 @@ from plait.zero.policy import StagePolicy
 from plait.zero.stage3 import Unit, build_units
 
 
+def check_arguments(policy: StagePolicy, gradient_accumulation_steps: int, offload, options: dict) -> None:
+    """``ZeroOptimizer``'s argument checks. ``options``: name -> (value, its option class); ``offload``: the
+    ``OffloadOptions`` or None.
+
+    Raises:
+        ValueError: an option group of another type, offload at a stage that cannot hold it, GAS < 1 (the
+            value and the fix named).
+    """
+    for name, (value, cls) in options.items():
+        if value is not None and not isinstance(value, cls):
+            raise ValueError(f"ZeroOptimizer({name}={value!r}) must be a {cls.__name__} or None; "
+                             f"pass {name}={cls.__name__}(...)")
+    if offload is not None and (offload.optimizer and not policy.optimizer_states or
+                                offload.param and not policy.parameters):
+        raise ValueError(f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {policy.stage} "
+                         f"with optimizer={offload.optimizer}, param={offload.param}; change the stage")
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+
+
+def grad_dtypes(host: bool, gradient_accumulation_steps: int, groups: list[FlatGroup], world: int,
+                reduce_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """``(gradient shard dtype, dtype reduced gradients land in)``.
+
+    ZeRO-Offload (``host``) with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
+    rank: backward's own bf16 gradient; dp > 1 (``world``): a bf16 reduction), so the host keeps it in bf16 --
+    half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact. Else fp32
+    shards, landing in ``reduce_dtype``.
+    """
+    compact = host and gradient_accumulation_steps == 1 and all(g.key.dtype == torch.bfloat16 for g in groups) \
+        and (world == 1 or reduce_dtype == torch.bfloat16)
+    return (torch.bfloat16, torch.bfloat16) if compact else (torch.float32, reduce_dtype)
+
+
 def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """Torch-style param groups: ``weight_decay`` for matrices, 0 for biases and norm weights
     (parameters with fewer than 2 dims). Frozen parameters are left out."""

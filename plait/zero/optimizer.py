@@ -22,8 +22,9 @@ Lifecycle (the engine drives it)::
 
     opt = ZeroOptimizer(model, mesh.dp_group, stage=2, optimizer=torch.optim.AdamW,
                         optimizer_kwargs=dict(lr=1e-4), param_groups=weight_decay_groups(model, 0.1),
-                        param_dtype="bf16", gradient_accumulation_steps=4, max_grad_norm=1.0,
-                        grad_norm_groups=NormGroups(tp=mesh.tp_group, pp=mesh.pp_group))
+                        precision=PrecisionOptions(param_dtype="bf16"), gradient_accumulation_steps=4,
+                        clip=ClipOptions(max_grad_norm=1.0, norm_groups=NormGroups(tp=mesh.tp_group,
+                                                                                   pp=mesh.pp_group)))
     for micro_batch in batches:
         loss = model(micro_batch)          # stage 3 gathers parameters in forward hooks
         opt.backward(loss)                 # x loss scale / GAS; stages 2-3 reduce during backward
@@ -46,21 +47,21 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.build import layout_entries, materialize, optimizer_groups, resolve_groups, unit_segments
-from plait.zero.build import weight_decay_groups
-from plait.zero.clip import NormGroups, clip_coefficient
+from plait.zero.build import (check_arguments, grad_dtypes, layout_entries, materialize, optimizer_groups,
+                              resolve_groups, unit_segments, weight_decay_groups)
+from plait.zero.clip import clip_coefficient
 from plait.zero.edits import gathered, mark_owner
 from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
 from plait.zero.memory import held_bytes
 from plait.zero.offload import HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer
 from plait.zero.pinned import host_empty
-from plait.zero.policy import CommOptions, StagePolicy
-from plait.zero.precision import LossScaler, log_skipped_step, resolve_dtype
+from plait.zero.policy import ClipOptions, CommOptions, PrecisionOptions, StagePolicy
+from plait.zero.precision import LossScaler, log_skipped_step
 from plait.zero.stage3 import ParamGatherer
 from plait.zero.stage12 import GradReducer
-from plait.zero.stepper import DeviceStepper, Stepper, write_back
+from plait.zero.stepper import DeviceStepper, ShardSet, Stepper, write_back
 
-__all__ = ["CommOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
+__all__ = ["ClipOptions", "CommOptions", "PrecisionOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
 
 
 class ZeroOptimizer:
@@ -68,7 +69,7 @@ class ZeroOptimizer:
 
     Args:
         module: any ``nn.Module``; its trainable parameters are re-pointed into flat buffers (and
-            cast to ``param_dtype``); frozen parameters are left alone. Construct after moving the
+            cast to ``precision.param_dtype``); frozen parameters are left alone. Construct after moving the
             module to its device.
         dp_group: data-parallel ProcessGroup (e.g. ``mesh.dp_group``); None means one process
             (no communication; note None is *not* the world group here).
@@ -78,18 +79,15 @@ class ZeroOptimizer:
         optimizer_kwargs: defaults for every group (lr, betas, weight_decay, ...).
         param_groups: torch-style groups over ``module``'s parameters with per-group options (e.g.
             ``weight_decay_groups``); None: one group.
-        param_dtype: compute dtype of the model parameters ("fp32", "bf16", "fp16" or a dtype);
-            None keeps each parameter's dtype. Master weights are fp32 from the original values.
+        precision: ``PrecisionOptions`` (compute dtype, fp16 loss scaler, non-finite guard); None: the
+            defaults (parameters keep their dtype, inf/nan steps skipped).
+        clip: ``ClipOptions`` (``max_grad_norm``, the tp/pp groups the norm spans, parameters it leaves
+            out); None: no clipping, the norm over dp only.
         comm: ``CommOptions`` (reduce dtype, bucket sizes, overlap, stage-3 prefetch and persistence);
             None: the defaults.
         units: stage 3: modules gathered as one unit (e.g. transformer blocks); None: every module
             with parameters of its own (see ``stage3``).
         gradient_accumulation_steps: micro-steps per optimizer step (GAS).
-        max_grad_norm: clip the global gradient norm to this; 0 or None: no clipping.
-        loss_scaler: a ``LossScaler``; default: dynamic (``LossScaler()``) for fp16, none otherwise.
-        grad_norm_groups: ``NormGroups(tp=..., pp=...)``: the norm and the overflow flag span them.
-        skip_nonfinite: skip (on every rank) a step whose global gradient norm is inf or nan, in every
-            precision; False applies it (fp16 with a loss scaler always skips and lowers the scale).
         offload: ``OffloadOptions`` for ZeRO-Offload (``plait.zero.offload``): with ``optimizer`` the
             masters, gradient shards and optimizer state live on the host and ``optimizer`` must be
             torch.optim.Adam/AdamW or a ``HostOptimizer`` factory (stages 1-3); with ``param`` the
@@ -97,46 +95,37 @@ class ZeroOptimizer:
         weights: a ``plait.zero.weights.WeightSource`` to fill the flat buffers from instead of the
             parameters' values (placeholders from ``place_meta_parameters``): under stage 3 each rank
             reads only its shard of each segment.
-        norm_exclude: ids of parameters left out of the gradient norm (a tied copy whose twin on another
-            pipeline stage is already counted).
 
     Raises:
-        ValueError: bad stage, sizes or param groups (message names the values and the fix).
+        ValueError: bad stage, sizes, param groups or option groups (message names the values and the fix).
     """
 
     def __init__(self, module: nn.Module, dp_group=None, *, stage: int = 1, optimizer=torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, param_groups: list[dict] | None = None,
-                 param_dtype=None, comm: CommOptions | None = None, units: list[nn.Module] | None = None,
-                 gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 0.0,
-                 loss_scaler: LossScaler | None = None, grad_norm_groups: NormGroups | None = None,
-                 offload: OffloadOptions | None = None, skip_nonfinite: bool = True, weights=None,
-                 norm_exclude: set[int] | None = None):
+                 precision: PrecisionOptions | None = None, clip: ClipOptions | None = None,
+                 comm: CommOptions | None = None, units: list[nn.Module] | None = None,
+                 gradient_accumulation_steps: int = 1, offload: OffloadOptions | None = None, weights=None):
         self.policy = StagePolicy.of(stage)
-        if offload is not None and (offload.optimizer and not self.policy.optimizer_states or
-                                    offload.param and not self.policy.parameters):
-            raise ValueError(f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {stage} "
-                             f"with optimizer={offload.optimizer}, param={offload.param}; change the stage")
-        if gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        check_arguments(self.policy, gradient_accumulation_steps, offload, {
+            "precision": (precision, PrecisionOptions), "clip": (clip, ClipOptions), "comm": (comm, CommOptions),
+            "offload": (offload, OffloadOptions)})
         self.module, self.stage, self.dp_group, self.comm = module, stage, dp_group, comm or CommOptions()
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.offload_options, self._host = offload, offload is not None and offload.optimizer
-        self.norm_groups = grad_norm_groups or NormGroups()
-        self.gradient_accumulation_steps, self.max_grad_norm = gradient_accumulation_steps, max_grad_norm
-        self.skip_nonfinite = skip_nonfinite
-        group_opts = self._build_layout(param_groups, param_dtype, units)
+        self.precision, self.clip = precision or PrecisionOptions(), clip or ClipOptions()
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        group_opts = self._build_layout(param_groups, self.precision.param_dtype, units)
         self._build_masters(weights)
         self._build_optimizer(optimizer, optimizer_kwargs, group_opts)
-        if loss_scaler is None and any(g.key.dtype == torch.float16 for g in self.groups):
-            loss_scaler = LossScaler()
-        self.scaler = loss_scaler
-        self._reset_counters(norm_exclude)
+        fp16 = any(g.key.dtype == torch.float16 for g in self.groups)
+        self.scaler = self.precision.loss_scaler if self.precision.loss_scaler is not None else \
+            (LossScaler() if fp16 else None)
+        self._reset_counters()
         self._build_communication()
 
-    def _build_layout(self, param_groups, param_dtype, units) -> list[dict]:
+    def _build_layout(self, param_groups, dtype: torch.dtype | None, units) -> list[dict]:
         """Trainable parameters -> flat groups (``groups``, ZeRO Sec. 5) and stage-3 ``units``; returns the
         per-group optimizer options. Raises ValueError: no trainable parameters, bad param groups."""
-        dtype = resolve_dtype(param_dtype) if param_dtype is not None else None
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no trainable parameters")
@@ -159,15 +148,9 @@ class ZeroOptimizer:
         host_params = off is not None and off.param
         self.masters = [materialize(g, self.policy, self.device, master_device, host_params,
                                     host_params and off.pin_memory, weights) for g in self.groups]
-        # ZeRO-Offload with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
-        # rank: backward's own bf16 gradient; dp > 1: a bf16 reduction), so the host keeps it in bf16 --
-        # half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact.
-        world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]
-        compact = self._host and self.gradient_accumulation_steps == 1 and \
-            all(g.key.dtype == torch.bfloat16 for g in self.groups) and \
-            (world == 1 or self.comm.reduce_dtype == torch.bfloat16)
-        grad_dtype = torch.bfloat16 if compact else torch.float32
-        self._land_dtype = grad_dtype if compact else self.comm.reduce_dtype
+        world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]   # bf16 host shards: see grad_dtypes
+        grad_dtype, self._land_dtype = grad_dtypes(self._host, self.gradient_accumulation_steps, self.groups, world,
+                                                   self.comm.reduce_dtype)
         self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_() if self._host
                             else torch.zeros_like(m) for m in self.masters]
 
@@ -178,7 +161,7 @@ class ZeroOptimizer:
         opt_groups, self._opt_index = optimizer_groups(group_opts, self.groups, self.masters)
         self.optimizer = optimizer(opt_groups, **(optimizer_kwargs or {}))
 
-    def _reset_counters(self, norm_exclude) -> None:
+    def _reset_counters(self) -> None:
         self._in_backward = False
         self.micro_steps = 0       # micro-steps since the last optimizer step
         self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary (DeepSpeed API)
@@ -186,7 +169,6 @@ class ZeroOptimizer:
         self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
         self.consecutive_skips = 0  # of them, in a row up to the last step
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
-        self.norm_exclude: set[int] = set(norm_exclude or ())  # parameters left out of the norm (tied copies)
 
     def _build_communication(self) -> None:
         """Stage-3 gatherer, gradient hooks, the stepper and the gradient reducer (its sink: the host
@@ -203,8 +185,14 @@ class ZeroOptimizer:
                 self._note_backward, gate=ready, **extra)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params] \
             if self.policy.gradients else []
-        self.stepper: Stepper = HostStepper(self, off, ready) if self._host else \
-            DeviceStepper(self, dp if self.policy.optimizer_states else None)
+        self.shards = ShardSet(tuple(self.groups), tuple(self.masters), tuple(self.grad_shards), self.optimizer,
+                               self.clip.norm_groups, self.clip.norm_exclude)
+        self.stepper: Stepper = HostStepper(
+            self.shards, off, ready, module=self.module, device=self.device, dp_group=dp,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, is_last_micro_step=self._last_micro_step,
+            steps_as_is=not self.clip.max_grad_norm and self.scaler is None and not self.precision.skip_nonfinite,
+        ) if self._host else DeviceStepper(self.shards, dp if self.policy.optimizer_states else None, dp,
+                                           self.dp_size, comm)
         self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
                                    land=self.stepper.land if self._host else None)
@@ -247,6 +235,10 @@ class ZeroOptimizer:
             return self.boundary_override
         return self.gradient_accumulation_steps == 1 or self.micro_steps >= self.gradient_accumulation_steps
 
+    def _last_micro_step(self) -> bool:
+        """During backward (``micro_steps`` not yet counted): whether this micro-step's gradients are final."""
+        return self.micro_steps + 1 >= self.gradient_accumulation_steps or bool(self.boundary_override)
+
     def _note_backward(self) -> None:
         if not self._in_backward:
             self.synchronize()  # an overlapped offload step still reads the gradient shards
@@ -271,6 +263,13 @@ class ZeroOptimizer:
         -> skip on every rank if inf/nan (``skip_nonfinite``; fp16 overflow) -> unscale and clip to
         ``max_grad_norm`` -> the stepper updates the fp32 masters and publishes the parameters -> finish.
 
+        A non-finite norm is decided here, once, for both steppers: skipped with a loss scaler or
+        ``PrecisionOptions(skip_nonfinite=True)``; otherwise (``skip_nonfinite=False``, no fp16 scaler) the
+        step is applied with the gradients as they are (coefficient 1: an inf/nan norm gives no clip
+        factor), on the device and under offload alike, so inf/nan reach the weights and ``grad_norm`` is
+        the inf/nan norm. An offload early-mode step (``plait.zero.offload``), already applied during
+        backward, is the same step.
+
         Returns:
             True when the parameters were updated; False before the boundary or when the step was
             skipped (the same on all ranks; fp16 also lowers the loss scale).
@@ -287,21 +286,21 @@ class ZeroOptimizer:
             self.reducer.reduce_all()    # stages 0-1 reduce at the boundary
         self.micro_steps = 0
         scale = self.loss_scale
-        norm = self.stepper.grad_norm() / scale
-        if self.must_skip(norm):         # inf/nan anywhere (fp16 overflow): the same on every rank
-            return self.skip_step(norm)
+        norm = self.stepper.grad_norm() / scale   # all-reduced: the same on every rank
+        if math.isfinite(norm):
+            coef = clip_coefficient(norm, self.clip.max_grad_norm) / scale
+        elif self.precision.skip_nonfinite or self.scaler is not None:
+            return self.skip_step(norm)  # inf/nan anywhere (fp16 overflow)
+        else:
+            coef = 1.0                   # applied as is (no scaler here: the scale is 1)
         self.grad_norm = norm
-        self.stepper.apply(clip_coefficient(norm, self.max_grad_norm) / scale)
+        self.stepper.apply(coef)
         self.reducer.zero()
         if self.scaler is not None:
             self.scaler.update(False)
         self.global_steps += 1
         self.consecutive_skips = 0
         return True
-
-    def must_skip(self, norm: float) -> bool:
-        """Whether a step with this (all-reduced, so rank-independent) global norm is skipped."""
-        return not math.isfinite(norm) and (self.skip_nonfinite or self.scaler is not None)
 
     def skip_step(self, norm: float = math.nan) -> bool:
         """A non-finite gradient on some rank (``norm``: the global norm): drop this step's gradients on

@@ -1,4 +1,5 @@
-"""What a ZeRO stage partitions, and the communication knobs of ``ZeroOptimizer``.
+"""What a ZeRO stage partitions, and the option groups of ``ZeroOptimizer``: communication
+(``CommOptions``), precision (``PrecisionOptions``) and the gradient norm and clipping (``ClipOptions``).
 
 Rajbhandari et al., "ZeRO", SC'20, Sec. 5: stage 1 (P_os) partitions the optimizer states (here with
 the fp32 master weights) over the N_d data-parallel ranks, stage 2 (P_os+g) also the gradients,
@@ -6,11 +7,13 @@ stage 3 (P_os+g+p) also the parameters; stage 0 is plain data parallelism.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from plait.zero.precision import resolve_dtype
+from plait.zero.clip import NormGroups
+from plait.zero.precision import LossScaler, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,81 @@ class CommOptions:
         object.__setattr__(self, "reduce_dtype", resolve_dtype(self.reduce_dtype))
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
             object.__setattr__(self, name, int(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """Compute dtype, fp16 loss scaling and the non-finite guard of ``ZeroOptimizer``.
+
+    Args:
+        param_dtype: compute dtype of the model parameters ("fp32", "bf16", "fp16" or a torch dtype);
+            None keeps each parameter's dtype. The fp32 master weights come from the original values.
+        loss_scaler: a ``LossScaler``; None: dynamic (``LossScaler()``) when a parameter computes in fp16,
+            none otherwise.
+        skip_nonfinite: skip (on every rank) a step whose global gradient norm is inf or nan, in every
+            precision; False applies it as is (``ZeroOptimizer.step``). A loss scaler always skips such a
+            step and lowers the scale.
+
+    Raises:
+        ValueError: an unknown dtype, a ``loss_scaler`` that is not a ``LossScaler``, a non-bool
+            ``skip_nonfinite`` (the value and the fix named).
+    """
+
+    param_dtype: torch.dtype | str | None = None
+    loss_scaler: LossScaler | None = None
+    skip_nonfinite: bool = True
+
+    def __post_init__(self):
+        if self.param_dtype is not None:
+            try:
+                object.__setattr__(self, "param_dtype", resolve_dtype(self.param_dtype))
+            except ValueError as err:
+                raise ValueError(f"PrecisionOptions(param_dtype={self.param_dtype!r}): {err}") from None
+        if self.loss_scaler is not None and not isinstance(self.loss_scaler, LossScaler):
+            raise ValueError(f"PrecisionOptions(loss_scaler={self.loss_scaler!r}) must be a plait.zero.LossScaler "
+                             "or None (fp16 then gets a dynamic one); pass LossScaler(...)")
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(f"PrecisionOptions(skip_nonfinite={self.skip_nonfinite!r}) must be True or False")
+
+
+@dataclass(frozen=True)
+class ClipOptions:
+    """The global gradient norm of ``ZeroOptimizer`` (over dp x tp x pp) and clipping by it.
+
+    Args:
+        max_grad_norm: clip the global gradient norm to this (``torch.nn.utils.clip_grad_norm_``'s
+            formula); 0 or None: no clipping (the norm is still computed: ``grad_norm``, overflow).
+        norm_groups: ``NormGroups(tp=..., pp=...)``: the model-parallel groups the norm and the overflow
+            flag span besides dp.
+        norm_exclude: ids of parameters left out of the norm (a tied copy whose twin on another pipeline
+            stage is already counted); kept as a frozenset.
+
+    Raises:
+        ValueError: ``max_grad_norm`` negative, inf/nan or not a number; ``norm_groups`` not a
+            ``NormGroups``; ``norm_exclude`` not a collection of ints.
+    """
+
+    max_grad_norm: float | None = 0.0
+    norm_groups: NormGroups = NormGroups()
+    norm_exclude: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        clip = self.max_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not math.isfinite(clip) or clip < 0):
+            raise ValueError(f"ClipOptions(max_grad_norm={clip!r}) must be a finite number >= 0; "
+                             "0 or None turns clipping off")
+        object.__setattr__(self, "max_grad_norm", float(clip or 0.0))
+        if self.norm_groups is None:
+            object.__setattr__(self, "norm_groups", NormGroups())
+        if not isinstance(self.norm_groups, NormGroups):
+            raise ValueError(f"ClipOptions(norm_groups={self.norm_groups!r}) must be a plait.zero.NormGroups; "
+                             "pass NormGroups(tp=mesh.tp_group, pp=mesh.pp_group)")
+        try:
+            exclude = frozenset(self.norm_exclude or ())
+        except TypeError:
+            exclude = None
+        if exclude is None or not all(isinstance(i, int) for i in exclude):
+            raise ValueError(f"ClipOptions(norm_exclude={self.norm_exclude!r}) must be a collection of parameter "
+                             "ids (ints), e.g. {id(p) for p in tied_copies}")
+        object.__setattr__(self, "norm_exclude", exclude)

@@ -12,15 +12,51 @@ A stepper implements ``Stepper``; there are two:
   torch optimizer steps them and ``write_back`` publishes the updated weights.
 * ``plait.zero.offload.HostStepper``: ZeRO-Offload (Ren et al., USENIX ATC'21): they live on the host,
   gradients land there during backward and the CPU optimizer steps, overlapped with the next forward.
+
+Both get what they step as a ``ShardSet`` (built once by ``ZeroOptimizer``) and the rest as plain
+constructor arguments; neither holds the ``ZeroOptimizer``. Whether a step is applied, skipped or clipped is
+``ZeroOptimizer.step``'s decision alone: a stepper applies the coefficient it is given.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from plait.zero.clip import global_grad_norm
+from plait.zero.clip import NormGroups, global_grad_norm
 from plait.zero.comm import publish_segments
+from plait.zero.flat import FlatGroup, Segment
+from plait.zero.policy import CommOptions
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """This rank's flat optimizer state, built once by ``ZeroOptimizer`` (after its layout, masters and
+    optimizer) and handed to the stepper and the offload parts; the tensors are those ``ZeroOptimizer``
+    exposes under the same names, never re-bound.
+
+    Attributes:
+        groups: the ``FlatGroup`` layouts (ZeRO Sec. 5), one per flat group.
+        masters: per group the fp32 master shard ``[shard_numel]`` (host memory under offload).
+        grad_shards: per group the reduced gradient shard ``[shard_numel]`` (fp32; bf16 on the host under
+            offload with bf16 weights at GAS 1).
+        optimizer: the torch optimizer over ``masters`` (a ``HostOptimizer`` under offload).
+        norm_groups: the tp/pp groups the global gradient norm spans besides dp.
+        norm_exclude: ids of parameters left out of the norm (tied copies counted on another stage).
+    """
+
+    groups: tuple[FlatGroup, ...]
+    masters: tuple[torch.Tensor, ...]
+    grad_shards: tuple[torch.Tensor, ...]
+    optimizer: Any
+    norm_groups: NormGroups = NormGroups()
+    norm_exclude: frozenset[int] = frozenset()
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every segment of every group, in layout order."""
+        return [seg for g in self.groups for seg in g.segments]
 
 
 class Stepper(Protocol):
@@ -61,25 +97,26 @@ class DeviceStepper:
     """Steps masters that live on the module's device with the torch optimizer (``Stepper``).
 
     Args:
-        opt: the ``ZeroOptimizer`` (``groups``, ``masters``, ``grad_shards`` ``[shard_numel]`` fp32,
-            ``optimizer``, ``norm_exclude``, communication groups).
+        shards: the ``ShardSet`` (fp32 ``masters`` and ``grad_shards`` on the device).
         norm_dp_group: the dp group the norm is summed over (None at stage 0: every rank holds it whole).
+        dp_group, dp_size: the data-parallel group (None: one process) and its size, for the write-back.
+        comm: ``CommOptions`` (all-gather bucket size, ``overlap_comm``) of the write-back.
     """
 
-    def __init__(self, opt, norm_dp_group):
-        self.opt, self.norm_dp_group = opt, norm_dp_group
+    def __init__(self, shards: ShardSet, norm_dp_group, dp_group, dp_size: int, comm: CommOptions):
+        self.shards, self.norm_dp_group = shards, norm_dp_group
+        self.dp_group, self.dp_size, self.comm = dp_group, dp_size, comm
 
     def grad_norm(self) -> float:
-        opt = self.opt
+        groups = self.shards.norm_groups
         # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
-        return float(global_grad_norm(self._norm_pieces(), self.norm_dp_group, opt.norm_groups.tp,
-                                      opt.norm_groups.pp))
+        return float(global_grad_norm(self._norm_pieces(), self.norm_dp_group, groups.tp, groups.pp))
 
     def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
         """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
         ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
-        out, exclude = [], self.opt.norm_exclude
-        for g, grp in zip(self.opt.grad_shards, self.opt.groups):
+        out, exclude = [], self.shards.norm_exclude
+        for g, grp in zip(self.shards.grad_shards, self.shards.groups):
             skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
                           if id(pc.slot.param) in exclude) if exclude else []
             pos = 0
@@ -90,15 +127,16 @@ class DeviceStepper:
         return out
 
     def apply(self, coef: float) -> None:
-        opt = self.opt
-        for master, grad in zip(opt.masters, opt.grad_shards):
+        shards = self.shards
+        for master, grad in zip(shards.masters, shards.grad_shards):
             if coef != 1.0:
                 grad.mul_(coef)
             master.grad = grad
-        opt.optimizer.step()
-        for master in opt.masters:
+        shards.optimizer.step()
+        for master in shards.masters:
             master.grad = None
-        opt.write_back()
+        write_back(shards.groups, shards.masters, self.dp_group, self.dp_size, self.comm.allgather_bucket_size,
+                   self.comm.overlap_comm)
 
     def discard(self) -> None:
         pass

@@ -36,9 +36,10 @@ the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finit
 * **early** (``overlap_step`` on, ``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is
   exactly 1, no device share, see ``plait.zero.offload.device_share``, and the non-finite guard off,
   since a segment stepped during backward cannot be skipped afterwards:
-  ``ZeroOptimizer(skip_nonfinite=False)``): each
-  segment is stepped by the worker as soon as it lands, while backward computes earlier layers, and its
-  bf16 copy-back is queued right away. This is the full overlap of the ZeRO-Offload paper.
+  ``ZeroOptimizer(precision=PrecisionOptions(skip_nonfinite=False))``, which applies an inf/nan norm as
+  is on every path, ``ZeroOptimizer.step``): each segment is stepped by the worker as soon as it lands,
+  while backward computes earlier layers, and its bf16 copy-back is queued right away. This is the full
+  overlap of the ZeRO-Offload paper.
 * **deferred** (clipping on, or fp16): the segments' CPU steps start at ``step()`` with the exact
   coefficient (no speculation, no use of a stale norm), in forward order, each followed at once by
   its non-blocking host->device copy, so copies overlap the next segment's CPU step; the device->host

@@ -9,26 +9,27 @@ import torch
 
 from plait.zero.flat import Segment
 from plait.zero.pinned import host_empty
+from plait.zero.stepper import ShardSet
 
 
 class CopyBack:
     """Steps segments on the host and copies their compute-dtype shards to the device.
 
     Args:
-        opt: the ``ZeroOptimizer`` (host fp32 ``masters``, ``grad_shards``, ``HostOptimizer``, ``groups``).
+        shards: the ``ShardSet`` (host fp32 ``masters``, ``grad_shards``, ``HostOptimizer``, ``groups``).
         device: the module's device.
         param_offload: stage-3 parameter shards live on the host (``OffloadOptions.param``): the kernel
             writes them directly and nothing is copied to the device.
         pin: page-lock the bf16/fp16 copy-out buffers (``[shard_numel]`` per flat group).
     """
 
-    def __init__(self, opt, device: torch.device, param_offload: bool, pin: bool):
-        self.opt, self.param_offload = opt, param_offload
+    def __init__(self, shards: ShardSet, device: torch.device, param_offload: bool, pin: bool):
+        self.shards, self.param_offload = shards, param_offload
         self.device, self.cuda = device, device.type == "cuda"
         # bf16/fp16 copy-out targets on the host, one per flat group (stage 3 with offload_param:
         # the kernel writes the host parameter shards directly, so none for those segments).
         self.lowp: list[torch.Tensor | None] = []
-        for g in opt.groups:
+        for g in shards.groups:
             needs = g.key.dtype != torch.float32 and any(self.dest(s) is not None for s in g.segments)
             self.lowp.append(host_empty(g.shard_numel, g.key.dtype, pin) if needs else None)
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
@@ -46,13 +47,13 @@ class CopyBack:
         device, queued on the h2d stream after ``used`` (backward's last read of the segment).
         Returns the event recorded after that copy (None without CUDA or device destination).
         Touches no per-step state of the stepper: it may run after ``step()`` returned."""
-        opt, host_opt = self.opt, self.opt.optimizer
+        shards, host_opt = self.shards, self.shards.optimizer
         event = None
         previous = self.copied.pop(id(seg), None)
         if previous is not None:
             previous.synchronize()  # last step's copy out of the bf16 host buffer has finished
         gi, lo, n = seg.group, seg.shard_offset, seg.shard_size
-        master, lowp = opt.masters[gi], self.lowp[gi]
+        master, lowp = shards.masters[gi], self.lowp[gi]
         dest = self.dest(seg)
         if seg.key.dtype == torch.float32:
             out = None
@@ -60,7 +61,7 @@ class CopyBack:
             out = seg.local            # offload_param: the host parameter shard itself
         else:
             out = lowp[lo:lo + n]
-        host_opt.step_range(master, lo, n, opt.grad_shards[gi], lowp_out=out, grad_coef=grad_coef)
+        host_opt.step_range(master, lo, n, shards.grad_shards[gi], lowp_out=out, grad_coef=grad_coef)
         self.cpu_end = time.perf_counter()
         src = master.detach()[lo:lo + n] if out is None else out
         if dest is None:

@@ -21,7 +21,7 @@ two segments' worth is allocated at a time.
 
 The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
 gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
-``device_step_adaptive`` the split moves by one segment after each step towards equal CPU and device
+``device_step_fraction="auto"`` the split moves by one segment after each step towards equal CPU and device
 times (measured: the CPU share's wall time on the worker, the device share's from CUDA events), which
 follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
 
@@ -39,13 +39,14 @@ import torch
 
 from plait.zero.flat import Segment
 from plait.zero.pinned import pin_existing
+from plait.zero.stepper import ShardSet
 
 
 class DeviceShare:
     """Steps the first ``count`` segments of ``eligible`` on the device (module docstring).
 
     Args:
-        opt: the ``ZeroOptimizer`` (its host fp32 ``masters`` and ``HostOptimizer``).
+        shards: the ``ShardSet`` (its host fp32 ``masters`` and ``HostOptimizer``).
         device: the module's device.
         dest: ``dest(seg)``: the device ``[S]`` tensor the updated compute-dtype shard of ``seg`` goes to.
         eligible: every segment the device could step (weights on the device), in forward order.
@@ -55,8 +56,9 @@ class DeviceShare:
             the gradient norm is computed on the device for every segment either way).
     """
 
-    def __init__(self, opt, device: torch.device, dest, eligible: list[Segment], count: int, adaptive: bool = False):
-        self.opt, self.dest = opt, dest
+    def __init__(self, shards: ShardSet, device: torch.device, dest, eligible: list[Segment], count: int,
+                 adaptive: bool = False):
+        self.shards, self.dest = shards, dest
         self.device, self.cuda = device, device.type == "cuda"
         self.eligible, self.count, self.adaptive = eligible, count, adaptive
         self.ids = {id(s) for s in eligible[:count]}
@@ -68,10 +70,10 @@ class DeviceShare:
         self._seconds = 0.0
         if self.cuda:
             self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
-            host = self.opt.optimizer
+            host = shards.optimizer
             chosen = eligible if adaptive else eligible[:count]
             for gi in {s.group for s in chosen}:     # page-lock the host states the device streams
-                master = self.opt.masters[gi]
+                master = shards.masters[gi]
                 pin_existing(master)
                 k = host.kernels[master]
                 for name in k._state_names:
@@ -88,9 +90,9 @@ class DeviceShare:
         """Main thread, at ``step()``: queue the update of ``seg`` (gradient multiplied by ``grad_coef``) and
         its copies; returns the event after its device weights are written (None without CUDA: all done
         on return). ``wait`` waits for the copies of the host states."""
-        opt, host = self.opt, self.opt.optimizer
+        host = self.shards.optimizer
         gi, lo, n = seg.group, seg.shard_offset, seg.shard_size
-        master = opt.masters[gi]
+        master = self.shards.masters[gi]
         k = host.kernels[master]
         dest = self.dest(seg)
         grad = self.grads.pop(id(seg))

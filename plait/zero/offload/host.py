@@ -8,8 +8,8 @@ compute-dtype shards go back to the device, overlapped with the next forward (``
 """
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,47 +21,58 @@ from plait.zero.offload.device_share import DeviceShare
 from plait.zero.offload.landing import Landing
 from plait.zero.offload.options import OffloadOptions
 from plait.zero.offload.ready import Readiness, module_needs
+from plait.zero.stepper import ShardSet
 
 
 class HostStepper:
     """Steps the host fp32 masters of a ``ZeroOptimizer`` with ``offload.optimizer`` (see the package).
 
     Args:
-        opt: the ``ZeroOptimizer``, built up to its host masters, grad shards and ``HostOptimizer``.
+        shards: the ``ShardSet``: host masters and grad shards, the ``HostOptimizer``, the norm's groups.
         options: the ``OffloadOptions``.
         ready: the ``Readiness`` the next forward consumes updated segments from (also the stage-3
             gatherer's gate); its ``order`` is the order the worker steps segments in.
+        module: the model (forward pre-hooks consume the updated segments).
+        device: the module's device. dp_group: the data-parallel group the norm is summed over.
+        gradient_accumulation_steps: micro-steps per optimizer step.
+        steps_as_is: every step applies the gradients times exactly 1 and none is skipped (no clipping, no
+            loss scale, ``skip_nonfinite`` off: ``ZeroOptimizer.step``), so a segment may be stepped as
+            soon as its gradient is final (early mode, see the package).
+        is_last_micro_step: main thread, during backward: whether this micro-step's gradients are final.
 
     Raises:
         ValueError: ``device_step_fraction > 0`` where it cannot apply (``device_share``).
     """
 
-    def __init__(self, opt, options: OffloadOptions, ready: Readiness):
-        self.opt, self.options, self.ready = opt, options, ready
-        self.device = opt.device
-        self.segments = [seg for g in opt.groups for seg in g.segments]
+    def __init__(self, shards: ShardSet, options: OffloadOptions, ready: Readiness, *, module: torch.nn.Module,
+                 device: torch.device, dp_group, gradient_accumulation_steps: int, steps_as_is: bool,
+                 is_last_micro_step: Callable[[], bool]):
+        self.shards, self.options, self.ready = shards, options, ready
+        self.module, self.device, self.dp_group = module, device, dp_group
+        self.segments = shards.segments
         self.order = ready.order
-        self.writer = CopyBack(opt, self.device, options.param, options.pin_memory)
-        init = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.device.type == "cuda" else {}
+        self.writer = CopyBack(shards, device, options.param, options.pin_memory)
+        init = {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
         self.futures: list[Future] = []
-        self.share = self._device_share(0.0 if options.adaptive else options.device_step_fraction, options.adaptive)
+        self.share = self._device_share(0.0 if options.adaptive else options.device_step_fraction, options.adaptive,
+                                        gradient_accumulation_steps)
         # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
         # the CPU and the device step their shares at the same time)
-        self.early = options.overlap_step and not opt.max_grad_norm and opt.scaler is None and \
-            not opt.skip_nonfinite and self.share is None
-        self.landing = Landing(opt, self.device, options.pin_memory, self.segments, self.share, self._submit,
-                               self.synchronize, self._early_step if self.early else None)
+        self.early = options.overlap_step and steps_as_is and self.share is None
+        self.landing = Landing(shards, device, options.pin_memory, self.segments, self.share, self._submit,
+                               self.synchronize, gradient_accumulation_steps, is_last_micro_step,
+                               self._early_step if self.early else None)
         self.land = self.landing.land           # GradReducer's sink
         self._cpu_start = self._last_split = None   # timing of the CPU share (adaptive split)
         self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
         self._ran: set[int] = set()      # modules whose forward ran (module_needs)
         self._needs: dict[int, int] = {}
         self._needs_for = -1             # len(self._ran) when _needs was computed
-        self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in opt.module.modules()]
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in module.modules()]
         self._reset()
 
-    def _device_share(self, fraction: float, adaptive: bool) -> DeviceShare | None:
+    def _device_share(self, fraction: float, adaptive: bool, gas: int) -> DeviceShare | None:
         """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order (None at 0).
 
         Raises:
@@ -69,16 +80,16 @@ class HostStepper:
         """
         if fraction <= 0.0 and not adaptive:
             return None
-        opt, problems = self.opt, []
-        if getattr(opt.optimizer, "kind", None) not in ("adam", "adamw"):
-            problems.append(f"optimizer {getattr(opt.optimizer, 'kind', type(opt.optimizer).__name__)} (needs Adam/AdamW)")
-        if opt.gradient_accumulation_steps != 1:
-            problems.append(f"gradient_accumulation_steps={opt.gradient_accumulation_steps} (needs 1)")
+        optimizer, problems = self.shards.optimizer, []
+        if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
+            problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
+        if gas != 1:
+            problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
         if problems:
-            what = "device_step_fraction 'auto' (device_step_adaptive)" if adaptive else "device_step_fraction > 0"
+            what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
         total, count, acc = sum(s.shard_size for s in self.order), 0, 0
         for s in eligible:
@@ -86,7 +97,7 @@ class HostStepper:
                 break
             count += 1
             acc += s.shard_size
-        return DeviceShare(opt, self.device, self.writer.dest, eligible, count, adaptive)
+        return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, adaptive)
 
     def _reset(self) -> None:
         self.landing.reset()
@@ -122,7 +133,7 @@ class HostStepper:
     def _early_step(self, seg, used) -> None:
         """Worker, early mode: step ``seg`` as soon as its gradient is final (coefficient 1)."""
         if not self.begun:
-            self.opt.optimizer.begin_step()
+            self.shards.optimizer.begin_step()
             self.begun = True
         self.writer.step_segment(seg, 1.0, used)
         self.stepped.add(id(seg))
@@ -131,7 +142,6 @@ class HostStepper:
     def grad_norm(self) -> float:
         """Global L2 norm of the (loss-scaled) final gradients over dp x tp x pp, in float64 partials;
         inf/nan when any element is. Waits for every landing. Collective."""
-        opt = self.opt
         self.synchronize()
         self._last_split = None   # (CPU seconds, device seconds) of the previous step, for the adaptive split
         if self.share is not None and self._cpu_start is not None:
@@ -140,24 +150,16 @@ class HostStepper:
         self.landing.finalize_rest()
         self.drain()
         total = self.landing.squares()
-        for group in (opt.dp_group, opt.norm_groups.tp, opt.norm_groups.pp):
+        for group in (self.dp_group, self.shards.norm_groups.tp, self.shards.norm_groups.pp):
             if group is not None and group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return float(total.sqrt())
 
     def apply(self, coef: float) -> None:
         """Queue the host step of every segment in forward order (gradients times ``coef``) and hand
-        the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``.
-
-        Raises:
-            FloatingPointError: ``coef`` is 0 or its inverse not finite (inf/nan gradients applied).
-        """
-        opt = self.opt
-        if not (coef > 0 and math.isfinite(1.0 / coef)):
-            raise FloatingPointError(f"gradient norm {opt.grad_norm} gives clip coefficient {coef}: the gradients "
-                                     "are inf/nan; train with fp16 loss scaling or look for the source")
+        the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``."""
         if not self.begun:
-            opt.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
+            self.shards.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
             self.begun = True
         tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
         self._cpu_start, self.writer.cpu_end = time.perf_counter(), None
@@ -170,7 +172,7 @@ class HostStepper:
                 tickets.append(self.worker.submit(self.writer.step_segment, seg, coef,
                                                   self.landing.used.get(id(seg))))
         if self._needs_for != len(self._ran):
-            self._needs = module_needs(opt.module, self._in_place, self.ready.pos, self._ran)
+            self._needs = module_needs(self.module, self._in_place, self.ready.pos, self._ran)
             self._needs_for = len(self._ran)
         self.ready.start(tickets)
         if self._last_split is not None:

@@ -6,10 +6,12 @@ worker thread copies or (GAS > 1) adds it into the host gradient shard, and once
 squared norm is known: at GAS 1 on the device before the copy (``clip.sum_squares64``: float64, an
 order fixed by the segment length, so the norm does not depend on which side steps ``G``), at
 GAS > 1 on the host once accumulated (numba, float64). Only landings of the last micro-step
-(``micro_steps + 1 == GAS`` during backward; stage 1 reduces at the boundary) are final; segments
-not yet final at ``step()`` are finalized there (``finalize_rest``).
+(``is_last_micro_step()`` during backward: ``micro_steps + 1 == GAS``; stage 1 reduces at the boundary)
+are final; segments not yet final at ``step()`` are finalized there (``finalize_rest``).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,30 +20,34 @@ from plait.parallel.collectives import group_rank
 from plait.zero.clip import sum_squares64
 from plait.zero.flat import Segment
 from plait.zero.pinned import host_empty
+from plait.zero.stepper import ShardSet
 
 
 class Landing:
     """Takes reduced gradient segments to the host shard and keeps their squared norms.
 
     Args:
-        opt: the ``ZeroOptimizer`` (``grad_shards``, ``norm_groups``, ``norm_exclude``, micro-step count).
+        shards: the ``ShardSet`` (host ``grad_shards``; ``norm_groups`` and ``norm_exclude`` of the norm).
         device: the module's device. pin: page-lock staging buffers.
         segments: every segment of the layout.
         share: the ``DeviceShare`` (segments it steps keep their gradient on the device), or None.
         submit: ``submit(fn, *args)`` queues work on the stepper's worker thread.
         synchronize: waits for the previous step still in flight (it reads the gradient shards).
+        gradient_accumulation_steps: micro-steps per optimizer step (1: norms taken on the device).
+        is_last_micro_step: main thread, during backward: whether this micro-step's gradients are final.
         on_final: worker: ``on_final(seg, used)`` once ``seg``'s gradient is final (early host step), or None.
     """
 
-    def __init__(self, opt, device: torch.device, pin: bool, segments: list[Segment], share, submit,
-                 synchronize, on_final=None):
-        self.opt, self.device, self.cuda, self.pin = opt, device, device.type == "cuda", pin
+    def __init__(self, shards: ShardSet, device: torch.device, pin: bool, segments: list[Segment], share, submit,
+                 synchronize, gradient_accumulation_steps: int, is_last_micro_step: Callable[[], bool],
+                 on_final=None):
+        self.shards, self.device, self.cuda, self.pin = shards, device, device.type == "cuda", pin
         self.segments, self.share, self.submit = segments, share, submit
-        self.synchronize, self.on_final = synchronize, on_final
-        self.tp_skip = group_rank(opt.norm_groups.tp) != 0
+        self.synchronize, self.is_last_micro_step, self.on_final = synchronize, is_last_micro_step, on_final
+        self.tp_skip = group_rank(shards.norm_groups.tp) != 0
         # GAS 1: every landing is a segment's whole final gradient, so its norm is taken on the device
         # (float64, fixed order) for every segment, whichever side steps it
-        self.device_norms = opt.gradient_accumulation_steps == 1
+        self.device_norms = gradient_accumulation_steps == 1
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.reset()
 
@@ -55,9 +61,8 @@ class Landing:
         """Main thread (``GradReducer``'s sink): a reduced segment gradient ``out`` (``[S]``, reduce dtype, on
         the device; None: already packed into the host shard) is ready: start its copy to the host and
         queue its host work. ``fresh``: first landing of this step (copy, not add)."""
-        opt = self.opt
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
-        last = opt.micro_steps + 1 >= opt.gradient_accumulation_steps or bool(opt.boundary_override)
+        last = self.is_last_micro_step()
         if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
             self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
@@ -111,7 +116,7 @@ class Landing:
 
     def grad(self, seg: Segment) -> torch.Tensor:
         """The host gradient ``[S]`` of ``seg`` (a view of its grad shard)."""
-        return self.opt.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
+        return self.shards.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
 
     def finalize(self, seg: Segment, used=None) -> None:
         """Worker: norm partials of a segment's final gradient (and the early step)."""
@@ -143,7 +148,7 @@ class Landing:
 
     def excluded(self, seg: Segment) -> list[tuple[int, int]]:
         """``(start, end)`` ranges of ``seg``'s slice left out of the norm (``norm_exclude``: tied copies)."""
-        exclude = self.opt.norm_exclude
+        exclude = self.shards.norm_exclude
         if not exclude:
             return []
         return [(pc.shard_offset - seg.shard_offset, pc.shard_offset - seg.shard_offset + pc.length)

@@ -15,8 +15,8 @@ per-tensor norms summed over the dp ranks that share a tensor (see ``plait.optim
 
 Stepping (``plait.zero.offload.HostStepper`` drives it)::
 
-    opt.begin_step()                                  # every master: step += 1, hyper-parameters read
-    opt.step_range(i, offset, length, grad, lowp_out, grad_coef)   # any order, each range once
+    host.begin_step()                                 # every master: step += 1, hyper-parameters read
+    host.step_range(i, offset, length, grad, lowp_out, grad_coef)  # any order, each range once
 """
 from __future__ import annotations
 
