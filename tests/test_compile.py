@@ -170,3 +170,20 @@ def test_engine_compile_is_deepspeeds_api(caplog):
         assert not plain.is_compiled
         plain.compile(backend="eager", compile_kwargs={"dynamic": False})
     assert plain.is_compiled
+
+
+def test_rope_tables_are_computed_once_per_forward(monkeypatch):
+    """The model computes RoPE's cos/sin once for all its blocks (inside a compiled block they would be
+    recomputed in every rotary kernel, forward and backward); the result equals per-block tables."""
+    import plait.layers.attention as attention
+    import plait.layers.model as model_module
+    calls = []
+    for module in (attention, model_module):
+        monkeypatch.setattr(module, "rope_cos_sin", lambda *a, _f=module.rope_cos_sin: calls.append(1) or _f(*a))
+    model = TransformerModel(tiny(), None, seed=5)
+    batch = helpers.micro_batch(0, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ)
+    once = model(**batch)
+    assert len(calls) == 1
+    monkeypatch.setattr(TransformerModel, "_rope_tables", lambda self, batch, hidden: None)
+    per_block = model(**batch)
+    assert len(calls) == 1 + tiny().num_layers and torch.equal(once, per_block)

@@ -87,3 +87,30 @@ def test_an_inf_norm_with_the_guard_is_skipped_on_every_path(where):
     assert not applied and norm is None
     initial = torch.cat([model.bias.detach(), model.weight.detach().flatten()])
     assert torch.equal(masters.sort().values, initial.sort().values)
+
+
+def _clipped_run(fused: bool, max_norm: float = 0.05):
+    """Three steps (clipped: the norm is far above 0.05) of an MLP with torch AdamW. Returns the weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = ZeroOptimizer(model, None, stage=2, optimizer=functools.partial(torch.optim.AdamW, fused=fused),
+                        optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, clip=ClipOptions(max_norm))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        opt.backward(model(torch.randn(5, 8, generator=g)).square().mean() * 50)
+        assert opt.step() and opt.grad_norm > 0.05
+        assert getattr(opt.optimizer, "grad_scale", None) is None     # the folded scale is taken back
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_fused_adamw_takes_the_clip_coefficient_inside_its_kernel():
+    """torch's fused AdamW divides by ``grad_scale`` = 1 / coef in its kernel instead of a separate
+    ``grad.mul_(coef)`` pass: the same weights as the foreach AdamW with the multiplied gradients, to 1e-6
+    relative (one rounding of grad * coef against grad / (1 / coef): a few ulps, and Adam's update divides
+    by sqrt(v), so the weights move by ~1e-7 relative). The unclipped run differs by far more."""
+    from plait.zero.stepper import folds_grad_scale
+    fused, plain = _clipped_run(True), _clipped_run(False)
+    assert ((fused - plain).norm() / plain.norm()).item() < 1e-6
+    assert ((_clipped_run(True, 0.0) - plain).norm() / plain.norm()).item() > 1e-4
+    assert folds_grad_scale(torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True))
+    assert not folds_grad_scale(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]))

@@ -37,7 +37,9 @@ class Attention(nn.Module):
             2022, Sec. 5); dropout masks replay exactly through the tracker.
 
     Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
-    ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``.
+    ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``; ``rope``:
+    the tables ``(cos, sin)`` of ``rope_cos_sin`` for these positions (``[b or 1, 1, s, head_dim]``),
+    computed from ``position_ids`` (default ``0..s-1``) when not given.
     Returns the same shape as ``x``.
 
     Raises:
@@ -69,15 +71,16 @@ class Attention(nn.Module):
                                         init_std=output_init_std or init_std, **kw)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)           # [b, s, h]
         q, k, v = (rearrange(t, "b s (n d) -> b n s d", d=self.head_dim)
                    for t in fused_column_forward((self.q_proj, self.k_proj, self.v_proj), x))
         if self.rope_theta is not None:
-            if position_ids is None:
-                position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-            cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if rope is None:
+                if position_ids is None:
+                    position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+                rope = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         mask = None
         if attention_mask is not None and not self.causal:
             mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]

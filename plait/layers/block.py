@@ -28,7 +28,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, rng, sequence_parallel: b
 class TransformerBlock(nn.Module):
     """One transformer layer. ``forward(hidden, batch)`` maps ``[b, s, h]`` (``[b, s/tp, h]`` with
     sequence parallelism) to the same shape; ``batch`` may hold ``attention_mask [b, s]`` and
-    ``position_ids [b, s]``.
+    ``position_ids [b, s]`` and ``rope``, the RoPE tables ``(cos, sin)`` (``rope_cos_sin``; the model
+    computes them once per forward for all its blocks).
 
     Args:
         config: architecture. group / sequence_parallel / rng: tp group, sequence parallelism,
@@ -57,18 +58,18 @@ class TransformerBlock(nn.Module):
     def _drop(self, x):
         return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 
-    def _body(self, x, attention_mask, position_ids):
+    def _body(self, x, attention_mask, position_ids, rope):
         if self.config.post_norm:
-            x = self.attn_norm(x + self._drop(self.attn(x, attention_mask, position_ids)))
+            x = self.attn_norm(x + self._drop(self.attn(x, attention_mask, position_ids, rope)))
             return self.mlp_norm(x + self._drop(self.mlp(x)))
-        x = x + self._drop(self.attn(self.attn_norm(x), attention_mask, position_ids))
+        x = x + self._drop(self.attn(self.attn_norm(x), attention_mask, position_ids, rope))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
-        mask, pos = batch.get("attention_mask"), batch.get("position_ids")
+        mask, pos, rope = batch.get("attention_mask"), batch.get("position_ids"), batch.get("rope")
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             # the tracker replays dropout masks; without dropout it is not needed (and a plain
             # checkpoint traces under torch.compile)
             dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
-            return checkpoint(self._body, hidden, mask, pos, tracker=self.rng if dropout else None)
-        return self._body(hidden, mask, pos)
+            return checkpoint(self._body, hidden, mask, pos, rope, tracker=self.rng if dropout else None)
+        return self._body(hidden, mask, pos, rope)

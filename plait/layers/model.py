@@ -23,6 +23,7 @@ from plait.layers.fused_cross_entropy import fused_linear_cross_entropy
 from plait.layers.init import TIED_ATTR, init_parameters
 from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, replicated_param, sharded_param
 from plait.layers.norm import make_norm
+from plait.layers.rope import rope_cos_sin
 from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
 from plait.parallel.random import RNGTracker
 from plait.parallel.sharding import shard_of
@@ -195,6 +196,22 @@ class TransformerModel(nn.Module):
         init_parameters(self, seed)
 
     @property
+    def _has_blocks(self) -> bool:
+        return any(0 < i <= self.config.num_layers for i in self.layer_indices)
+
+    def _rope_tables(self, batch: dict, hidden):
+        """RoPE's ``(cos, sin)`` for every block of this forward, computed once (``[b or 1, 1, s, head_dim]``
+        float32): from ``position_ids``, else for positions ``0..s-1`` of the whole sequence."""
+        pos = batch.get("position_ids")
+        if pos is None:
+            ids = batch.get("input_ids")
+            seq = ids.shape[1] if ids is not None else hidden.shape[1] * (group_size(self.mesh.tp_group)
+                                                                          if self.sequence_parallel else 1)
+            device = ids.device if ids is not None else hidden.device
+            pos = torch.arange(seq, device=device).unsqueeze(0)
+        return rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+
+    @property
     def has_head(self) -> bool:
         return str(self.config.num_layers + 1) in self.layers
 
@@ -207,6 +224,8 @@ class TransformerModel(nn.Module):
         batch = {k: v for k, v in dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
                                        position_ids=position_ids, token_type_ids=token_type_ids).items()
                  if v is not None}
+        if self.config.rope_theta is not None and self._has_blocks:
+            batch["rope"] = self._rope_tables(batch, hidden)
         for layer in self.layers.values():
             hidden = layer(hidden, batch)
         return hidden

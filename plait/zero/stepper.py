@@ -20,6 +20,7 @@ constructor arguments; neither holds the ``ZeroOptimizer``. Whether a step is ap
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Protocol
 
 import torch
@@ -80,6 +81,13 @@ class Stepper(Protocol):
         """Release threads and hooks."""
 
 
+def folds_grad_scale(optimizer) -> bool:
+    """Whether ``optimizer`` is torch's Adam or AdamW with ``fused=True`` in every group: its ``step``
+    then divides each gradient by ``optimizer.grad_scale`` (a 0-dim tensor) inside the update kernel."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and \
+        all(g.get("fused") for g in optimizer.param_groups)
+
+
 def write_back(groups, masters, dp_group, dp_size: int, bucket_numel: int, async_op: bool) -> None:
     """Copy every fp32 master shard (``[shard_numel]`` per flat group) into the model parameters' own
     ``[S]`` slices (compute dtype) and publish them (``comm.publish_segments``). Collective over dp."""
@@ -128,11 +136,20 @@ class DeviceStepper:
 
     def apply(self, coef: float) -> None:
         shards = self.shards
+        # torch's fused Adam/AdamW divide the gradient by ``grad_scale`` inside their kernel (the protocol
+        # GradScaler uses): the clip coefficient rides along instead of a separate pass over every gradient
+        folded = coef != 1.0 and folds_grad_scale(shards.optimizer) and coef > 0 and math.isfinite(1.0 / coef)
         for master, grad in zip(shards.masters, shards.grad_shards):
-            if coef != 1.0:
+            if coef != 1.0 and not folded:
                 grad.mul_(coef)
             master.grad = grad
-        shards.optimizer.step()
+        if folded:
+            shards.optimizer.grad_scale = torch.full((), 1.0 / coef, device=shards.masters[0].device)
+        try:
+            shards.optimizer.step()
+        finally:
+            if folded:
+                shards.optimizer.grad_scale = None
         for master in shards.masters:
             master.grad = None
         write_back(shards.groups, shards.masters, self.dp_group, self.dp_size, self.comm.allgather_bucket_size,
