@@ -193,4 +193,8 @@ def fused_column_forward(layers: Sequence, x: torch.Tensor) -> list[torch.Tensor
     biases = [layer.bias for layer in layers]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("fused column-parallel layers must all have a bias or none")
+    if torch.compiler.is_compiling():
+        # traced, the fused weight is a torch.cat of the parameters that AOT autograd keeps for backward
+        # (one copy of every fused weight per block until its backward); separate matmuls keep none
+        return [layer.local_forward(x) for layer in layers]
     return fused_linear(x, [layer.weight for layer in layers], None if biases[0] is None else biases)
