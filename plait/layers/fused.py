@@ -8,11 +8,12 @@ the weight gradient in backward (Megatron-LM's ``linear_qkv`` / ``linear_fc1`` d
 one stored fused parameter). Here the parameters stay separate (names, ``TPShard`` marks and
 checkpoints unchanged) and the fused weight is built on the fly:
 
-* zero-copy when the weights lie back to back in one storage, in any order: ZeRO's flat buffers
-  (``plait.zero.flat``) pack a flat group's parameters consecutively with padding only at the end
-  of a segment, so a module's weights of one param group and segment are adjacent (reversed at
-  stages 0-2, in registration order inside a stage-3 unit). The fused weight is then a view, and
-  the outputs are computed in that memory order and handed back in the caller's order;
+* zero-copy when the weights lie back to back in one storage in the caller's order (q, k, v):
+  ZeRO's flat buffers (``plait.zero.flat``) pack a flat group's parameters consecutively with
+  padding only at the end of a segment, in registration order inside a stage-3 unit (reversed at
+  stages 0-2, which therefore copy). The fused weight is then a view. Another memory order is not
+  used as is: the input gradient's sum over the fused rows would follow it, and the bits would
+  depend on the layout;
 * otherwise ``torch.cat`` (a transient copy, freed after the matmul); always under ``torch.compile``
   (pointer checks do not trace).
 
@@ -48,12 +49,13 @@ def _back_to_back(parts: Sequence[torch.Tensor]) -> bool:
 
 
 def adjacent_order(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
-    """The order (indices into ``tensors``) in which they lie back to back in memory, or None (also
-    under ``torch.compile``)."""
+    """``(0, 1, ...)`` when ``tensors`` lie back to back in memory in the caller's order, else None (also
+    under ``torch.compile``). Only that order: the input gradient sums over the fused rows, so a fused
+    weight in another row order would round differently, and two layouts of one model (ZeRO stages,
+    offload) would train to different bits."""
     if torch.compiler.is_compiling() or any(type(t) not in _PLAIN or t.is_meta or t.numel() == 0 for t in tensors):
         return None
-    order = tuple(sorted(range(len(tensors)), key=lambda i: tensors[i].data_ptr()))
-    return order if _back_to_back([tensors[i] for i in order]) else None
+    return tuple(range(len(tensors))) if _back_to_back(tensors) else None
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
