@@ -8,14 +8,11 @@ the weight gradient in backward (Megatron-LM's ``linear_qkv`` / ``linear_fc1`` d
 one stored fused parameter). Here the parameters stay separate (names, ``TPShard`` marks and
 checkpoints unchanged) and the fused weight is built on the fly:
 
-* zero-copy when the weights lie back to back in one storage in the caller's order (q, k, v):
-  ZeRO's flat buffers (``plait.zero.flat``) pack a flat group's parameters consecutively with
-  padding only at the end of a segment, in registration order inside a stage-3 unit (reversed at
-  stages 0-2, which therefore copy). The fused weight is then a view. Another memory order is not
-  used as is: the input gradient's sum over the fused rows would follow it, and the bits would
-  depend on the layout;
-* otherwise ``torch.cat`` (a transient copy, freed after the matmul); always under ``torch.compile``
-  (pointer checks do not trace).
+* as a ``torch.cat`` copy in the caller's order, for every layout. A zero-copy view of weights that lie
+  back to back in a ZeRO flat buffer would save the copy, but the GEMM's rounding then depends on
+  where the layout put them (row order, pointer alignment), and two layouts of one model (device
+  ZeRO-2 and ZeRO-Offload) train to different bits. Under ``torch.compile`` the layers run separate
+  matmuls instead (``fused_column_forward``).
 
 Backward saves only ``x`` and the separate parameters, never a fused copy, and rebuilds the fused
 weight. The zero-bubble pipeline's weight pass (``plait.parallel.weight_grad.plan``) computes this
@@ -30,55 +27,15 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)   # not meta, fake or other subclasses: no real pointers
-
-
-def _back_to_back(parts: Sequence[torch.Tensor]) -> bool:
-    """True when ``parts`` are plain contiguous tensors of one dtype, each starting where the previous
-    ends in one storage."""
-    first = parts[0]
-    if any(type(t) not in _PLAIN or t.is_meta or t.numel() == 0 for t in parts):
-        return False
-    end, base = first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in parts:
-        if (t.data_ptr() != end or not t.is_contiguous() or t.dtype != first.dtype
-                or t.untyped_storage().data_ptr() != base):
-            return False
-        end += t.numel() * t.element_size()
-    return True
-
-
-def adjacent_order(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
-    """``(0, 1, ...)`` when ``tensors`` lie back to back in memory in the caller's order, else None (also
-    under ``torch.compile``). Only that order: the input gradient sums over the fused rows, so a fused
-    weight in another row order would round differently, and two layouts of one model (ZeRO stages,
-    offload) would train to different bits."""
-    if torch.compiler.is_compiling() or any(type(t) not in _PLAIN or t.is_meta or t.numel() == 0 for t in tensors):
-        return None
-    return tuple(range(len(tensors))) if _back_to_back(tensors) else None
-
-
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The copying path (a function of its own so tests can count the copies)."""
     return torch.cat(parts)
 
 
 def fuse_rows(tensors: Sequence[torch.Tensor], order: Sequence[int]) -> torch.Tensor:
-    """``tensors[order[0]], tensors[order[1]], ...`` stacked along dim 0.
-
-    A view of their memory (``data_ptr`` of ``tensors[order[0]]``) when they lie back to back in
-    that order, else a ``torch.cat`` copy. Shapes: ``[r_i, *rest]`` each -> ``[sum r_i, *rest]``.
-    """
-    parts = [tensors[i] for i in order]
-    if torch.compiler.is_compiling() or not _back_to_back(parts):
-        return _cat_rows(parts)
-    first = parts[0]
-    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return first.as_strided(shape, tuple(reversed(strides)), first.storage_offset())
+    """``tensors[order[0]], tensors[order[1]], ...`` stacked along dim 0 (a ``torch.cat`` copy).
+    Shapes: ``[r_i, *rest]`` each -> ``[sum r_i, *rest]``."""
+    return _cat_rows([tensors[i] for i in order])
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -170,7 +127,7 @@ def fused_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
     Shapes: ``x [..., in]``, ``weights[i] [out_i, in]``, ``biases[i] [out_i]``; returns one
     ``[..., out_i]`` per weight, in the given order (column views of one ``[..., sum out_i]``).
     """
-    order = adjacent_order(weights) or tuple(range(len(weights)))
+    order = tuple(range(len(weights)))
     y = FusedColumnLinear.apply(x, order, *weights, *(biases or ()))
     out: list[torch.Tensor | None] = [None] * len(weights)
     for i, part in zip(order, y.split([weights[i].shape[0] for i in order], dim=-1)):
