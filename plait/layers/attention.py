@@ -1,8 +1,7 @@
 """Self-attention with heads split over tp: MHA and GQA, causal or bidirectional, RoPE or none.
 
 q/k/v projections are column-parallel (each rank computes ``heads/tp`` query heads and
-``kv_heads/tp`` key/value heads) and run as one fused matmul (``plait.layers.fused``; the three
-parameters stay separate), the output projection is row-parallel (Shoeybi et al.,
+``kv_heads/tp`` key/value heads), the output projection is row-parallel (Shoeybi et al.,
 "Megatron-LM", 2019, Sec. 3, Fig. 3b). Grouped-query attention: Ainslie et al., 2023.
 The core is ``torch.nn.functional.scaled_dot_product_attention``.
 """
@@ -15,7 +14,6 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from plait.layers.fused import fused_column_forward
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, enter_tp_region
 from plait.layers.rope import apply_rope, rope_cos_sin
 from plait.parallel.collectives import group_size
@@ -73,8 +71,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)           # [b, s, h]
-        q, k, v = (rearrange(t, "b s (n d) -> b n s d", d=self.head_dim)
-                   for t in fused_column_forward((self.q_proj, self.k_proj, self.v_proj), x))
+        q = rearrange(self.q_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        k = rearrange(self.k_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        v = rearrange(self.v_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
         if self.rope_theta is not None:
             if rope is None:
                 if position_ids is None:

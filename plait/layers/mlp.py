@@ -1,13 +1,11 @@
 """Feed-forward block with the hidden dim split over tp: GELU (Hendrycks & Gimpel, 2016) or
-SwiGLU (Shazeer, "GLU Variants Improve Transformer", 2020, Eq. 6), whose gate and up projections
-run as one fused matmul (``plait.layers.fused``; the two parameters stay separate)."""
+SwiGLU (Shazeer, "GLU Variants Improve Transformer", 2020, Eq. 6)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.layers.fused import fused_column_forward
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -37,10 +35,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)
+        up = self.up_proj.local_forward(x)
         if self.activation == "swiglu":
-            gate, up = fused_column_forward((self.gate_proj, self.up_proj), x)
-            inner = F.silu(gate) * up
+            inner = F.silu(self.gate_proj.local_forward(x)) * up
         else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            inner = F.gelu(self.up_proj.local_forward(x), approximate=approximate)
+            inner = F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down_proj(inner)

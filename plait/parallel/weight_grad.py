@@ -12,10 +12,7 @@ reduced and cast as the engine's ``validate_outputs`` would (``sum_to`` the inpu
 its dtype).
 
 Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0`` (RMSNorm weight),
-``AddBackward0`` (bias add), ``NativeLayerNormBackward0``. Real, strided tensors only. A custom
-``torch.autograd.Function`` whose class defines ``weight_side(node, side) -> (fn, eager) | None``
-supplies its own formula (``plait.layers.fused.FusedColumnLinear``: fused QKV and gate/up); it must
-then leave those gradients out of its own backward, which the input-gradient pass runs.
+``AddBackward0`` (bias add), ``NativeLayerNormBackward0``. Real, strided tensors only.
 
 :func:`plan` is called before the input-gradient pass: when none of the saved tensors it needs
 has saved-tensor hooks (activation checkpointing, offload), it reads them at once (*eager*), so
@@ -139,9 +136,6 @@ def plan(node, side: list) -> tuple[Callable, bool] | None:
         like that child's input); ``eager`` when the saved tensors were read now, so the graph
         need not be retained for ``fn``. None when the node type or its tensors are not covered.
     """
-    own = getattr(getattr(node, "_forward_cls", None), "weight_side", None)
-    if own is not None:
-        return own(node, side)
     name = type(node).__name__
     if name == _LAYER_NORM:
         needs = _LAYER_NORM_NEEDS
