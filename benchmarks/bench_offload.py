@@ -113,7 +113,7 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
         if fraction and os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") != "1":   # plait.zero.offload.device_share
             conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
         if os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") == "1":
-            conf["zero_optimization"]["offload_optimizer"]["device_step_adaptive"] = True
+            conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = "auto"
         import plait
         from plait.parallel import ParallelMesh
         engine = plait.initialize(model, conf, mesh=ParallelMesh())
