@@ -102,15 +102,14 @@ class Trainer(transformers.Trainer):
         """Raises ConfigError: the engine's micro-batch or accumulation differs from the arguments'."""
         args = self.args
         config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps)
-        optimizer = scheduler = None
-        if not config.get("optimizer"):
-            optimizer = self.create_optimizer()
-        if not config.get("scheduler"):
-            def scheduler(opt):
-                return transformers.get_scheduler(args.lr_scheduler_type, opt,
-                                                  num_warmup_steps=args.get_warmup_steps(max_steps),
-                                                  num_training_steps=max_steps,
-                                                  scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+        optimizer = self.create_optimizer() if not config.get("optimizer") else None
+
+        def hf_scheduler(opt):
+            return transformers.get_scheduler(args.lr_scheduler_type, opt,
+                                              num_warmup_steps=args.get_warmup_steps(max_steps),
+                                              num_training_steps=max_steps,
+                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+        scheduler = hf_scheduler if not config.get("scheduler") else None
         if dist.is_initialized():
             launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
         weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
