@@ -14,6 +14,7 @@ and zero gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 from plait.parallel.collectives import group_size
@@ -109,6 +110,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         label_smoothing: eps in [0, 1).
 
     Returns: ``[...]`` float32 loss per token, identical on every tp rank (0 where ignored).
+    With the whole vocabulary on one rank (``group`` of one) this is torch's ``F.cross_entropy`` on the
+    float32 logits of the real columns: the same formula, in its fused log-softmax kernels.
 
     Raises:
         ValueError: label_smoothing outside [0, 1) or mismatched shapes.
@@ -118,5 +121,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree "
                          "on the leading dims")
+    if group_size(group) == 1 and vocab_start == 0:
+        real = logits[..., :vocab_size].float()
+        return F.cross_entropy(real.reshape(-1, vocab_size), target.reshape(-1), ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, vocab_start, group,
                                             ignore_index, float(label_smoothing))
