@@ -312,3 +312,26 @@ def test_summed_reduction_equals_the_sum_of_the_per_token_losses():
         assert rel_err(a, b) <= TOL, name
     with pytest.raises(ValueError, match="reduction must be"):
         fused_linear_cross_entropy(hidden, weight, bias, target, vocab_size=V, reduction="mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_summed_weight_gradient_is_scaled_before_the_cast(dtype):
+    """The head's mean over 4096 tokens of one target: the weight gradient's sum over tokens (~-1.2e5)
+    is beyond fp16's range, its mean is not. The sums stay float32 until backward has multiplied them by
+    the mean's 1/N, so the fp16 / bf16 gradient equals the float32 one to the dtype's rounding (one
+    rounding of values of order 30: 2^-10 relative for fp16, 2^-7 for bf16, bounded here by 2x that).
+    Cast before scaling, the fp16 gradient would be inf."""
+    n, h, v = 4096, 4, 8
+    hidden = torch.full((n, h), 30.0)
+    weight = torch.linspace(-0.01, 0.01, v * h).reshape(v, h)
+    target = torch.zeros(n, dtype=torch.long)
+    grads = []
+    for dt in (torch.float32, dtype):
+        w = weight.to(dt).detach().clone().requires_grad_()
+        loss = fused_linear_cross_entropy(hidden.to(dt), w, None, target, vocab_size=v, chunk_tokens=1000,
+                                          reduction="sum")
+        (loss / n).backward()
+        grads.append(w.grad.float())
+    ref, low = grads
+    assert torch.isfinite(low).all()
+    assert rel_err(low, ref) <= 2 * (2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7)

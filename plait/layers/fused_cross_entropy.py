@@ -63,8 +63,10 @@ def _chunked_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Returns ``(loss, grad_x, grad_weight, grad_bias)``: the per-token loss ``[N]`` float32 and, for
     the inputs flagged in ``need`` (x, weight, bias; else None), the gradients of
-    ``sum_t w_t * loss_t`` in the inputs' dtypes, ``w_t = token_weight[t]`` (1 when None), 0 for
-    ignored tokens. Weight and bias gradients are summed over chunks in float32, then cast.
+    ``sum_t w_t * loss_t``, ``w_t = token_weight[t]`` (1 when None), 0 for ignored tokens: the input
+    gradient in ``x``'s dtype, the weight and bias gradients summed over chunks in float32 (the caller
+    scales them there and casts after, so a sum over many tokens cannot overflow fp16 before the mean's
+    factor applies).
     Runs two all-reduces over ``o.group`` per chunk: every tp rank must make the same call.
     """
     n = x.shape[0]
@@ -90,8 +92,6 @@ def _chunked_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             grad_x[rows] = grad @ weight
         if grad_w is not None:
             grad_w.add_(grad.t() @ xc)
-    grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-    grad_b = None if grad_b is None else grad_b.to(bias.dtype)
     return loss, grad_x, grad_w, grad_b
 
 
@@ -101,9 +101,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         wants = ctx.needs_input_grad
         need = (wants[0], wants[1], bias is not None and wants[2])
         loss, grad_x, grad_w, grad_b = _chunked_pass(x, weight, bias, target, opts, need)
-        ctx.opts, ctx.need = opts, need
-        # x, weight and bias only for a token-weighted loss (backward's recomputation); no [N, V] tensor.
-        ctx.save_for_backward(grad_x, grad_w, grad_b, target, x, weight, bias)
+        ctx.opts, ctx.need, ctx.dtypes = opts, need, (weight.dtype, None if bias is None else bias.dtype)
+        # x, weight and bias only for a token-weighted per-token loss (backward's recomputation);
+        # no [N, V] tensor either way.
+        kept = (x, weight, bias) if not opts.summed else (None, None, None)
+        ctx.save_for_backward(grad_x, grad_w, grad_b, target, *kept)
         return loss.sum() if opts.summed else loss
 
     @staticmethod
@@ -111,21 +113,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w, grad_b, target, x, weight, bias = ctx.saved_tensors
         g = grad_loss.float()
         if ctx.opts.summed:      # one factor for every token: no check, no host sync
-            return (None if grad_x is None else (grad_x * g).to(grad_x.dtype),
-                    None if grad_w is None else grad_w * g.to(grad_w.dtype),
-                    None if grad_b is None else grad_b * g.to(grad_b.dtype), None, None)
+            return _scaled(grad_x, g, grad_w, grad_b, g, ctx.dtypes)
         kept = g[target != ctx.opts.ignore_index]
         if kept.numel() and not bool((kept == kept[0]).all()):
             # Tokens weighted unequally: the forward's gradients (weight 1 per token) do not apply.
             _, grad_x, grad_w, grad_b = _chunked_pass(x, weight, bias, target, ctx.opts, ctx.need, g)
-            return grad_x, grad_w, grad_b, None, None
+            return _scaled(grad_x, None, grad_w, grad_b, None, ctx.dtypes)
         factor = kept[0] if kept.numel() else g.new_ones(())
-        # Out of place: the zero-bubble split may run this node twice on the same saved gradients.
-        if grad_x is not None:
-            grad_x = (grad_x * g.unsqueeze(-1)).to(grad_x.dtype)
-        grad_w = None if grad_w is None else grad_w * factor
-        grad_b = None if grad_b is None else grad_b * factor
-        return grad_x, grad_w, grad_b, None, None
+        return _scaled(grad_x, g.unsqueeze(-1), grad_w, grad_b, factor, ctx.dtypes)
+
+
+def _scaled(grad_x, x_factor, grad_w, grad_b, factor, dtypes):
+    """The gradients for autograd: ``grad_x * x_factor`` (float32 math, ``x``'s dtype) and the float32
+    weight and bias sums times ``factor``, cast to the parameters' dtypes after scaling. Out of place:
+    the zero-bubble split may run the node twice on the same saved gradients."""
+    if grad_x is not None and x_factor is not None:
+        grad_x = (grad_x * x_factor).to(grad_x.dtype)
+    if grad_w is not None:
+        grad_w = (grad_w if factor is None else grad_w * factor).to(dtypes[0])
+    if grad_b is not None:
+        grad_b = (grad_b if factor is None else grad_b * factor).to(dtypes[1])
+    return grad_x, grad_w, grad_b, None, None
 
 
 def _check(hidden, weight, bias, target, label_smoothing, chunk_tokens) -> None:
