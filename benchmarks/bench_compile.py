@@ -45,8 +45,6 @@ from _common import BETAS, CLIP, LR, MICRO, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch
 from _common import engine_step, init_single_process, model_flops_per_token, run_child  # noqa: E402
 from _common import single_process_env  # noqa: E402
 
-#: Extra plait TransformerConfig fields for the plait arms (fused linear + cross entropy, fused qkv and
-#: gate/up projections), applied with dataclasses.replace to the preset unless --no-plait-fused.
 #: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused); the environment
 #: variable PLAIT_MODEL_OVERRIDES (JSON) replaces the default
 PLAIT_MODEL_OVERRIDES: dict = json.loads(os.environ.get("PLAIT_MODEL_OVERRIDES", '{"fused_loss_chunk_tokens": 2048}'))

@@ -24,7 +24,7 @@ from torch import nn
 
 from plait.batch import check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
-from plait.engine_compile import compile_regions, is_compiled
+from plait.engine_compile import compile_regions, compiled_backend, is_compiled
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
@@ -247,10 +247,20 @@ class Engine(EngineFacts):
         Raises:
             ValueError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not implemented: the
                 backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
+            ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
         """
         if schedule is not None or compiled_autograd_enabled:
             raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
                              "call engine.compile(backend, compile_kwargs) without them")
+        if self.pipeline is not None and str(self.pipeline.schedule).startswith("zb"):
+            raise ConfigError(f"compile with pipeline schedule {self.pipeline.schedule!r}: a compiled block "
+                              "is one autograd node, which the zero-bubble split would run whole in both its "
+                              "input- and weight-gradient passes; use schedule '1f1b' or 'interleaved', or "
+                              "compile off")
+        before = compiled_backend(self.module)
+        if before is not None and before != backend:
+            logging.getLogger("plait").warning("engine.compile: the model is compiled with backend %r already; "
+                                               "backend %r is not applied", before, backend)
         if self.config.compile.deepcompile:
             logging.getLogger("plait").warning(
                 "config: compile.deepcompile = true is accepted: plait compiles each transformer block with "

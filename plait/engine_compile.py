@@ -5,8 +5,10 @@ the pipeline schedule inside the traced region, where data-dependent Python and 
 graph. Compiling each transformer block instead (torchtitan's ``apply_compile``; Ansel et al.,
 "PyTorch 2", ASPLOS'24 for dynamo/inductor) gives inductor the fusions that matter -- norms, RoPE, the
 SwiGLU product, residual adds, dropout, the loss's softmax -- while the module hooks ZeRO-3 and ZeRO-Offload register on a
-block run eagerly around it: the block's ``forward`` is replaced by its compiled version, so
-``nn.Module.__call__`` still runs the hooks, and parameter names (checkpoints) do not change.
+block run eagerly around it: the block's ``forward`` is replaced by its compiled version (a method
+bound to the block, so ``copy.deepcopy`` gives a copy that computes with its own weights; pickling a
+whole compiled model is not supported, save its ``state_dict``), so ``nn.Module.__call__`` still runs
+the hooks, and parameter names (checkpoints) do not change.
 Activation checkpointing around a block (``recompute="full"``) stays outside the region and replays the
 compiled forward. All blocks share one compiled graph: dynamo treats a block's parameters as inputs.
 
@@ -19,6 +21,7 @@ eager code between them: the results are the same, only the fusions across the b
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 from torch import nn
@@ -57,12 +60,16 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     kwargs = dict(kwargs or {})
     if "backend" in kwargs:
         raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
-    done = []
+    done, compiled = [], {}   # one compiled function per region class, bound to each region
     for region in compile_targets(module):
         if getattr(region, COMPILED_ATTR, False):
             continue
-        region.forward = torch.compile(region.forward, backend=backend, **kwargs)
-        setattr(region, COMPILED_ATTR, True)
+        cls = type(region)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, backend=backend, **kwargs)
+        # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
+        region.forward = types.MethodType(compiled[cls], region)
+        setattr(region, COMPILED_ATTR, backend)
         done.append(region)
     if done:
         logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
@@ -70,6 +77,11 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     return done
 
 
+def compiled_backend(module: nn.Module):
+    """The backend ``compile_regions`` compiled ``module``'s regions with, or None."""
+    return next((getattr(m, COMPILED_ATTR) for m in module.modules() if getattr(m, COMPILED_ATTR, False)), None)
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``compile_regions`` compiled any region of ``module``."""
-    return any(getattr(m, COMPILED_ATTR, False) for m in module.modules())
+    return compiled_backend(module) is not None

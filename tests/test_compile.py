@@ -187,3 +187,49 @@ def test_rope_tables_are_computed_once_per_forward(monkeypatch):
     monkeypatch.setattr(TransformerModel, "_rope_tables", lambda self, batch, hidden: None)
     per_block = model(**batch)
     assert len(calls) == 1 + tiny().num_layers and torch.equal(once, per_block)
+
+
+def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_weights():
+    """The compiled forward is a method bound to its block: ``copy.deepcopy`` (EMA or reference copies)
+    rebinds it to the copy, which then computes with the copy's weights."""
+    import copy
+    model = TransformerModel(tiny(), None, seed=5)
+    compile_regions(model, backend="eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    x = torch.randn(MICRO, SEQ, 64)
+    block, twin_block = model.layers["1"], twin.layers["1"]
+    assert twin_block.forward.__self__ is twin_block and is_compiled(twin)
+    assert torch.equal(twin_block(x, {}), x)            # zero weights: the residual stream passes unchanged
+    assert not torch.equal(block(x, {}), x)
+
+
+def _zero_bubble_refused():
+    from plait.layers.stages import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+    mesh = ParallelMesh(tp=1, pp=2)
+    pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="zb-h1", micro_batches=2)
+    cfg = ds_config(1, {"enabled": True, "backend": "eager"})
+    cfg.update(gradient_accumulation_steps=2, pipeline={"size": 2, "schedule": "zb-h1"})
+    try:
+        plait.initialize(pipe, cfg, mesh=mesh)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_compile_with_a_zero_bubble_schedule_is_refused():
+    """The zero-bubble split cannot split a compiled block (one autograd node): it would run its whole
+    backward in both passes. Refused naming the schedule and the fix."""
+    for message in run_distributed(_zero_bubble_refused, 2):
+        assert message is not None and "'zb-h1'" in message and "use schedule '1f1b'" in message
+
+
+def test_compiling_again_with_another_backend_says_so(caplog):
+    engine = plait.initialize(TransformerModel(tiny(), None, seed=5), ds_config(2, {"enabled": True,
+                                                                                    "backend": "eager"}),
+                              mesh=ParallelMesh())
+    engine.compile(backend="aot_eager")
+    assert "compiled with backend 'eager' already" in caplog.text

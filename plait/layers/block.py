@@ -70,6 +70,6 @@ class TransformerBlock(nn.Module):
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             # the tracker replays dropout masks; without dropout it is not needed (and a plain
             # checkpoint traces under torch.compile)
-            dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
-            return checkpoint(self._body, hidden, mask, pos, rope, tracker=self.rng if dropout else None)
+            has_dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
+            return checkpoint(self._body, hidden, mask, pos, rope, tracker=self.rng if has_dropout else None)
         return self._body(hidden, mask, pos, rope)
