@@ -9,6 +9,7 @@ defaults, clip 1.0, bf16 where the config leaves the precision "auto", 2 warm-up
 optimizer section the Trainer's own torch AdamW is passed in, as the Trainer does.
 """
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,14 @@ def test_the_collection_is_large_and_every_file_has_a_source():
     assert len(TRAINS) >= 30
 
 
-@pytest.mark.parametrize("name", TRAINS)
+#: configs with a "compile" section: their decoder layers are compiled with inductor
+COMPILES = {"deepspeed__ds_config_z3_deepcompile_no_persist.json", "axolotl__zero1_torch_compile.json"}
+INDUCTOR_AVX2 = pytest.mark.xfail(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", strict=False,
+                                  reason="torch 2.13's inductor CPU code gives non-finite attention gradients under "
+                                         "ATEN_CPU_CAPABILITY=avx2 (eager is finite); see tests/test_compile.py")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=INDUCTOR_AVX2) if n in COMPILES else n for n in TRAINS])
 def test_a_real_config_trains_as_written(name, capsys):
     config = json.loads((CORPUS / name).read_text())
     before = {n: p.detach().float().clone() for n, p in llama().named_parameters()}
