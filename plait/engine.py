@@ -63,6 +63,8 @@ class Engine(EngineFacts):
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
                  model_parameters, pipeline=None, weights=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
+        if config.compile.on:   # first: a refused combination builds nothing
+            self.compile(config.compile.backend, config.compile.kwargs)
         apply_activation_checkpointing(module, config.activation_checkpointing)
         z = config.zero_optimization
         offload = offload_options(config, pipeline, optimizer)
@@ -116,8 +118,6 @@ class Engine(EngineFacts):
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
                                  mesh.device, config.gradient_accumulation_steps,
                                  build_monitors(config, self.global_rank))
-        if config.compile.on:
-            self.compile(config.compile.backend, config.compile.kwargs)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -136,7 +136,9 @@ def _scaled(grad_x, x_factor, grad_w, grad_b, factor, dtypes):
     return grad_x, grad_w, grad_b, None, None
 
 
-def _check(hidden, weight, bias, target, label_smoothing, chunk_tokens) -> None:
+def _check(hidden, weight, bias, target, label_smoothing, chunk_tokens, reduction) -> None:
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction must be 'none' or 'sum', got {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if hidden.shape[:-1] != target.shape:
@@ -175,7 +177,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         label_smoothing: eps in [0, 1) (over the V real classes).
         chunk_tokens: tokens per chunk (a positive int; need not divide the token count). Each chunk
             runs two all-reduces over tp: larger chunks mean fewer collectives, more memory.
-
         reduction: "none": the loss per token; "sum": their sum, a scalar (backward then scales the
             gradients by one number without looking at them: no host sync on CUDA).
 
@@ -188,9 +189,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         ValueError: label_smoothing outside [0, 1), hidden/target/weight/bias shapes that disagree,
             chunk_tokens not a positive int, or reduction not "none" / "sum".
     """
-    _check(hidden, weight, bias, target, label_smoothing, chunk_tokens)
-    if reduction not in ("none", "sum"):
-        raise ValueError(f"reduction must be 'none' or 'sum', got {reduction!r}")
+    _check(hidden, weight, bias, target, label_smoothing, chunk_tokens, reduction)
     opts = _Options(vocab_size, vocab_start, group, ignore_index, float(label_smoothing), chunk_tokens,
                     reduction == "sum")
     x, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
