@@ -68,7 +68,7 @@ def test_device_step_adaptive_is_a_deprecated_spelling_of_auto(caplog):
     engine.optimizer.close()
 
 
-@pytest.mark.parametrize("fraction", [1.0, -0.1, "half"])
+@pytest.mark.parametrize("fraction", [1.0, -0.1, "half", True])
 def test_a_config_fraction_outside_the_range_is_refused(fraction):
     with pytest.raises(ConfigError, match="device_step_fraction"):
         load_config(offload_config(device_step_fraction=fraction), dp_size=1)
@@ -79,7 +79,7 @@ def test_adaptive_with_a_fraction_is_refused_naming_both():
         plait.initialize(torch.nn.Linear(4, 4), offload_config(device_step_fraction=0.3, device_step_adaptive=True))
 
 
-@pytest.mark.parametrize("fraction", ["0.3", 1.0, -0.1])
+@pytest.mark.parametrize("fraction", ["0.3", 1.0, -0.1, True])
 def test_a_fraction_outside_the_range_is_a_value_error(fraction):
     with pytest.raises(ValueError, match="device_step_fraction"):
         OffloadOptions(device_step_fraction=fraction)

@@ -75,8 +75,9 @@ def test_an_inf_norm_without_the_guard_is_applied_as_is_on_every_path(where, cli
     applied, norm, masters = _poisoned_step(OFFLOADS[where], clip, skip=False)
     assert applied and norm == math.inf
     assert 0 < int(masters.isnan().sum()) < masters.numel()   # the inf column's weights only
-    _, _, want = _poisoned_step(None, 0.0, skip=False)        # the device step, unclipped
-    torch.testing.assert_close(masters, want, rtol=0, atol=0, equal_nan=True)
+    if (where, clip) != ("device", 0.0):                      # that one is the reference itself
+        _, _, want = _poisoned_step(None, 0.0, skip=False)    # the device step, unclipped
+        torch.testing.assert_close(masters, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("where", list(OFFLOADS))

@@ -44,7 +44,7 @@ class OffloadOptions:
         return self.device_step_fraction == "auto"
 
     def __post_init__(self):
-        if not self.adaptive and not (isinstance(self.device_step_fraction, (int, float))
-                                      and 0.0 <= self.device_step_fraction < 1.0):
+        f = self.device_step_fraction
+        if not self.adaptive and not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
             raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
                              "optimizer step the device computes; 0 = all on the CPU)")
