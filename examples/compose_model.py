@@ -25,7 +25,6 @@ let the engine, the pipeline and checkpoints handle any such model:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from plait.layers.attention import scaled_init_std
 from plait.layers.init import init_parameters
 from plait.layers.norm import make_norm
 from plait.parallel.random import RNGTracker
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_numel
 
 
 class ParallelBlock(nn.Module):
@@ -146,7 +145,7 @@ def main(argv=None) -> None:
 
     engine = train_loop.build_engine(args, mesh, cfg, arch, chunk_factory=chunk)
     whole = ComposedDecoder(arch, mesh, device="meta")      # all layers, nothing allocated
-    params = sum(math.prod(shard_of(p).logical_shape) for p in whole.parameters())
+    params = logical_numel(whole)
     progress = common.Progress(out_dir / "metrics.jsonl", rank0, mesh.world_size, mesh.device,
                                common.flops_per_token(params, arch.num_layers, arch.hidden_size, args.seq_len),
                                common.peak_flops(mesh.device, args.peak_tflops))

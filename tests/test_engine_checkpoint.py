@@ -35,16 +35,17 @@ def batches(step, dp_rank, dp):
     return iter(out)
 
 
-def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1):
+def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1, fused=True, arch="gpt2"):
     mesh = ParallelMesh(tp=tp, pp=pp)
+    shape = tiny(arch, vocab_size=1001, hidden_size=64, fused_projections=fused)
     cfg = config(stage, tp, mesh.dp)
     if pp > 1:
         from plait.layers.stages import build_stage_modules
         from plait.parallel.pipeline import PipelineParallel
         cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
-        model = PipelineParallel(build_stage_modules(tiny("gpt2", vocab_size=1001, hidden_size=64), mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
+        model = PipelineParallel(build_stage_modules(shape, mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
     else:
-        model = TransformerModel(tiny("gpt2", vocab_size=1001, hidden_size=64), mesh, seed=2)
+        model = TransformerModel(shape, mesh, seed=2)
     engine = plait.initialize(model, cfg, mesh=mesh)
     if load:
         _, client = engine.load_checkpoint(root)
@@ -83,4 +84,21 @@ def test_resume_in_another_layout_continues_the_curve(tmp_path, saved, loaded):
     full = losses_of(run_distributed(run, s_world, s_stage, s_tp, 2 * N, 0, None, False, False, s_pp))
     run_distributed(run, s_world, s_stage, s_tp, N, 0, root, True, False, s_pp)
     second = losses_of(run_distributed(run, l_world, l_stage, l_tp, N, N, root, False, True, l_pp))
+    assert second == pytest.approx(full[N:], rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("saved,loaded", [
+    ((3, 2, True), (1, 1, False)),    # (zero stage, tp, fused projections) at world 4
+    ((2, 1, False), (3, 2, True)),
+])
+def test_fused_and_unfused_models_resume_each_others_checkpoints(tmp_path, arch, saved, loaded):
+    """A fused model's (``qkv_proj``, ``gate_up_proj``) checkpoint holds the logical q/k/v and gate/up
+    tensors, with their masters and Adam moments, so an unfused model in another layout resumes it and
+    continues the curve, and the reverse (GPT-2: q/k/v with biases; Llama: GQA q/k/v and SwiGLU gate/up)."""
+    root = str(tmp_path / "ckpt")
+    (s_stage, s_tp, s_fused), (l_stage, l_tp, l_fused) = saved, loaded
+    full = run_distributed(run, 4, s_stage, s_tp, 2 * N, 0, None, False, False, 1, s_fused, arch)[0]
+    run_distributed(run, 4, s_stage, s_tp, N, 0, root, True, False, 1, s_fused, arch)
+    second = run_distributed(run, 4, l_stage, l_tp, N, N, root, False, True, 1, l_fused, arch)[0]
     assert second == pytest.approx(full[N:], rel=1e-5)

@@ -22,7 +22,7 @@ from plait.checkpoint.model_io import (
 )
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
-from plait.parallel.sharding import gather_full, shard_of
+from plait.parallel.sharding import gather_logical_state, shard_of
 from plait.testing import run_distributed
 from helpers import make_config
 
@@ -32,7 +32,7 @@ ARCHES = ("gpt2", "llama")
 
 def whole(model, group=None) -> dict:
     """Logical (unpadded) whole tensors of every parameter."""
-    return {n: gather_full(p.detach(), shard_of(p), group).clone() for n, p in model.named_parameters()}
+    return {n: t.clone() for n, t in gather_logical_state(model, group).items()}
 
 
 def reference(arch: str) -> dict:

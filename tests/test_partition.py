@@ -1,14 +1,13 @@
 """Partitioning the layer list over pipeline stages: uniform, by parameter count, explicit
 boundaries, the error messages, and that a stage builds only its own layers (no processes)."""
 import itertools
-import math
 
 import pytest
 
 from plait.layers import TransformerModel, preset
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel.partition import partition_layers, stage_layers
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_numel
 
 
 def sizes(parts):
@@ -46,7 +45,7 @@ def test_parameter_counts_from_config_without_materializing():
     block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
     assert counts == [1001 * h + 256 * h, block, block, block, 2 * h + 1001 * h]
     full = TransformerModel(cfg, None, device="meta")
-    tied_once = sum(math.prod(shard_of(p).logical_shape) for p in full.parameters())
+    tied_once = logical_numel(full)
     assert sum(counts) == tied_once + 1001 * h   # the head's copy of the tied weight counted on its stage
     llama = preset("llama-tiny", vocab_size=1001, num_layers=2)
     assert len(layer_parameter_counts(llama)) == 4

@@ -28,7 +28,7 @@ from plait.parallel import ParallelMesh
 from plait.parallel.partition import partition_layers
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.schedules import get_schedule
-from plait.parallel.sharding import gather_full, shard_of
+from plait.parallel.sharding import gather_logical, gather_logical_state
 from plait.parallel.simulate import simulate
 from plait.testing import run_distributed
 
@@ -65,8 +65,8 @@ def make_microbatches(count: int, seed: int) -> list[dict]:
 def reference(arch: str, batches: list[dict]):
     """(loss, {name: grad}) of the float64 single-process model: mean of the micro-batch losses."""
     cfg = make_config(arch)
-    weights = {n: gather_full(p.detach(), shard_of(p), None).double().requires_grad_()
-               for n, p in TransformerModel(cfg, None, seed=11).named_parameters()}  # vocab padding dropped
+    weights = {n: t.double().requires_grad_()          # logical names and shapes: vocab padding dropped
+               for n, t in gather_logical_state(TransformerModel(cfg, None, seed=11)).items()}
     loss = sum(reference_loss(cfg, weights, b["input_ids"], b["labels"]) for b in batches) / len(batches)
     loss.backward()
     return loss.item(), {n: w.grad for n, w in weights.items()}
@@ -115,13 +115,12 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
     loss_err = abs(loss.item() - ref_loss) / abs(ref_loss)
     assert loss_err <= RTOL, f"loss {loss.item()} vs reference {ref_loss} (rel {loss_err:.2e})"
     worst = (0.0, "")
-    for name, p in params.items():
-        full = gather_full(p.grad, shard_of(p), mesh.tp_group)
+    for pname, p in params.items():
         tied = getattr(p, TIED_ATTR, None)
-        ref = ref_grads[tied if tied is not None else name]
-        err = rel_err(full, ref, floor=1e-3)
-        worst = max(worst, (err, name))
-        assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
+        for name, full in gather_logical(tied or pname, p, mesh.tp_group, p.grad).items():
+            err = rel_err(full, ref_grads[name], floor=1e-3)
+            worst = max(worst, (err, name))
+            assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
     if cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
         for name, p in params.items():
             if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
-from plait.parallel.sharding import gather_full, shard_of
+from plait.parallel.sharding import gather_logical_state
 from plait.testing import run_distributed
 from reference_models import reference_loss
 from helpers import make_config, rel_err
@@ -45,14 +45,10 @@ def parity_body(arch: str, tp: int, sequence_parallel: bool, device: str = "cpu"
     batch = {k: v.to(device) for k, v in make_batch(arch).items()}
     loss = model(**batch)
     loss.backward()
-    full_w, full_g = {}, {}
-    for name, p in model.named_parameters():
-        spec = shard_of(p)
-        full_w[name] = gather_full(p.detach(), spec, mesh.tp_group).cpu()
-        full_g[name] = gather_full(p.grad, spec, mesh.tp_group).cpu()
+    full_w = {n: t.cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()}
+    full_g = {n: t.cpu() for n, t in gather_logical_state(model, mesh.tp_group, grads=True).items()}
     # Layout-invariant initialization: whole weights equal a single-process build's.
-    single = {n: gather_full(p.detach(), shard_of(p), None).cpu()
-              for n, p in TransformerModel(cfg, None, seed=11, device=device).named_parameters()}
+    single = {n: t.cpu() for n, t in gather_logical_state(TransformerModel(cfg, None, seed=11, device=device)).items()}
     for name, w in full_w.items():
         assert torch.equal(w, single[name]), f"{name} differs from the tp=1 initialization"
     batch = {k: v.cpu() for k, v in batch.items()}

@@ -17,6 +17,7 @@ the boxes this rank's new layout needs, so tp, pp, dp, ZeRO stage all may change
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -30,7 +31,7 @@ from plait.checkpoint.meta import tensor_from_json, tensor_to_json
 from plait.checkpoint.model_io import checkpoint_name, load_model_weights, model_meta, model_shard_items
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.writer import CheckpointWriter, ShardItem
-from plait.parallel.sharding import TPShard, shard_of
+from plait.parallel.sharding import TPShard, logical_parts, split_flat
 from plait.zero.flat import ShardState
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
@@ -41,7 +42,7 @@ def _chunks(engine) -> list:
 
 
 def _param_table(engine) -> dict:
-    """ZeRO slot name -> (checkpoint name, TPShard, parameter)."""
+    """ZeRO slot name -> (the ``LogicalPart``s under their checkpoint names, parameter)."""
     table = {}
     strip = engine.pipeline is not None
     chunk_params = {}
@@ -50,7 +51,7 @@ def _param_table(engine) -> dict:
             chunk_params[id(p)] = (name, chunk)
     for name, p in engine.optimizer.module.named_parameters():
         own, chunk = chunk_params.get(id(p), (_CHUNK_PREFIX.sub("", name) if strip else name, engine.module))
-        table[name] = (checkpoint_name(own, p, chunk), shard_of(p), p)
+        table[name] = (logical_parts(checkpoint_name(own, p, chunk), p), p)
     return table
 
 
@@ -85,20 +86,27 @@ def _optimizer_items(engine, state: ShardState) -> list[ShardItem]:
     table = _param_table(engine)
     items = []
     for sl in state.slices:
-        name, spec, param = table[sl.name]
-        if (spec.dim is None and mesh.tp_rank != 0) or getattr(param, "plait_tied_to", None):
+        parts, param = table[sl.name]
+        if getattr(param, "plait_tied_to", None):
             continue
-        for kind, flat in [("master", sl.master)] + sorted(sl.state.items()):
-            key = optimizer_key(kind, name)
-            for pos, offsets, lengths, keep in _logical_boxes(spec, sl.start, sl.length):
-                n = 1
-                for s in lengths:
-                    n *= s
-                box = flat[pos:pos + n].view(lengths)
-                if spec.dim is not None:
-                    box = box.narrow(spec.dim, 0, keep[spec.dim])
-                if box.numel():
-                    items.append(ShardItem(key, box.detach(), spec.logical_shape, offsets))
+        for part, start, length, pos in split_flat(parts, sl.start, sl.length):
+            if part.spec.dim is None and mesh.tp_rank != 0:
+                continue
+            for kind, flat in [("master", sl.master)] + sorted(sl.state.items()):
+                items += _part_items(optimizer_key(kind, part.name), part.spec, flat[pos:pos + length], start)
+    return items
+
+
+def _part_items(key: str, spec: TPShard, flat: torch.Tensor, start: int) -> list[ShardItem]:
+    """``flat``, the local-shard elements ``[start, start + len(flat))`` of logical tensor ``key``'s
+    shard ``spec``, as ``ShardItem`` boxes (padding rows dropped)."""
+    items = []
+    for pos, offsets, lengths, keep in _logical_boxes(spec, start, flat.numel()):
+        box = flat[pos:pos + math.prod(lengths)].view(lengths)
+        if spec.dim is not None:
+            box = box.narrow(spec.dim, 0, keep[spec.dim])
+        if box.numel():
+            items.append(ShardItem(key, box.detach(), spec.logical_shape, offsets))
     return items
 
 
@@ -173,20 +181,27 @@ def _flat_reader(reader: CheckpointReader, table: dict, load_optimizer_states: b
     names = set(reader.names())
 
     def read(slot: str, kind: str, start: int, length: int) -> torch.Tensor:
-        name, spec, _ = table[slot]
-        key = optimizer_key(kind, name)
-        if kind == "master" and key not in names:
-            key = name                              # no master saved (e.g. a converted checkpoint)
-        parts = []
-        for _, offsets, lengths, keep in _logical_boxes(spec, start, length):
-            got = reader.read(key, offsets, keep, dtype=torch.float32)
-            if keep != lengths:
-                d = spec.dim
-                got = F.pad(got, [0, 0] * (got.dim() - 1 - d) + [0, lengths[d] - keep[d]])
-            parts.append(got.reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0)
+        parts, _ = table[slot]
+        out = [_read_part(reader, names, kind, part, lo, n) for part, lo, n, _ in split_flat(parts, start, length)]
+        return torch.cat(out) if out else torch.zeros(0)
 
     return read
+
+
+def _read_part(reader: CheckpointReader, names: set, kind: str, part, start: int, length: int) -> torch.Tensor:
+    """float32 elements ``[start, start + length)`` of ``part``'s local shard, padding rows zero."""
+    spec = part.spec
+    key = optimizer_key(kind, part.name)
+    if kind == "master" and key not in names:
+        key = part.name                             # no master saved (e.g. a converted checkpoint)
+    out = []
+    for _, offsets, lengths, keep in _logical_boxes(spec, start, length):
+        got = reader.read(key, offsets, keep, dtype=torch.float32)
+        if keep != lengths:
+            d = spec.dim
+            got = F.pad(got, [0, 0] * (got.dim() - 1 - d) + [0, lengths[d] - keep[d]])
+        out.append(got.reshape(-1))
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def _saved_state(meta: dict) -> ShardState:

@@ -36,7 +36,7 @@ from plait.checkpoint.writer import CheckpointWriter, SaveHandle
 from plait.layers.config import TransformerConfig
 from plait.layers.init import TIED_ATTR
 from plait.layers.model import EMBEDDING_WEIGHT
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_parts
 
 #: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
 MODEL_CONFIG_KEY = "model_config"
@@ -94,12 +94,12 @@ def model_shard_items(model: nn.Module, mesh=None) -> list:
     for name, param in model.named_parameters():
         if checkpoint_name(name, param, model) != name:
             continue                        # a tied copy: the embedding's stage saves it
-        spec = shard_of(param)
-        if spec.dim is None and coords["tp_rank"] != 0:
-            continue
-        item = tp_shard_item(name, param.detach(), spec)
-        if item is not None:
-            items.append(item)
+        for part in logical_parts(name, param):
+            if part.spec.dim is None and coords["tp_rank"] != 0:
+                continue
+            item = tp_shard_item(part.name, part.local(param.detach()), part.spec)
+            if item is not None:
+                items.append(item)
     return items
 
 
@@ -235,41 +235,45 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
 def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadReport]:
     """Match every parameter of ``model`` to its checkpoint tensor, checking logical shapes.
 
-    Returns the ``(param, key, spec)`` triples to read and the ``LoadReport`` of missing and unexpected
+    Returns the ``(param, LogicalPart)`` pairs to read and the ``LoadReport`` of missing and unexpected
     names; changes nothing. Raises CheckpointError on the first logical shape that differs.
     """
     stored = set(reader.names())
     plan, report, wanted = [], LoadReport(), set()
     for name, param in model.named_parameters():
-        key = checkpoint_name(name, param, model)
-        wanted.add(key)
-        spec = shard_of(param)
-        if key not in stored:
-            report.missing.append(name if key == name else f"{name} (tied to {key})")
-            continue
-        have = reader.shape(key)
-        if tuple(have) != tuple(spec.logical_shape):
-            raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
-                                  f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
-                                  f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])")
-        plan.append((param, key, spec))
+        for part in logical_parts(checkpoint_name(name, param, model), param):
+            key, spec = part.name, part.spec
+            wanted.add(key)
+            if key not in stored:
+                where = "" if key == name else f" ({key})" if part.fused else f" (tied to {key})"
+                report.missing.append(name + where)
+                continue
+            have = reader.shape(key)
+            if tuple(have) != tuple(spec.logical_shape):
+                raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
+                                      f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
+                                      f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])")
+            plan.append((param, part))
     report.unexpected = sorted(n for n in stored - wanted
                                if _is_model_weight(n) and not _elsewhere(n, model))
     return plan, report
 
 
 def _fill_parameters(model: nn.Module, reader: CheckpointReader, plan: list, device) -> None:
-    """Read each planned parameter's box: in place, or into a new parameter on ``device`` for one on
-    the meta device (then registered wherever the old one was). Called under ``torch.no_grad``."""
+    """Read each planned part's box: in place, or into a new parameter on ``device`` for one on the
+    meta device (then registered wherever the old one was). Called under ``torch.no_grad``."""
     fresh = {}
-    for param, key, spec in plan:
+    for param, part in plan:
+        target = param
         if param.is_meta:
-            new = nn.Parameter(read_tp_shard(reader, key, spec, dtype=param.dtype, device=device),
-                               requires_grad=param.requires_grad)
-            new.__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
-            fresh[id(param)] = new
-        else:
-            param.copy_(read_tp_shard(reader, key, spec, dtype=param.dtype, device=param.device))
+            if id(param) not in fresh:
+                new = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device),
+                                   requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
+                fresh[id(param)] = new
+            target = fresh[id(param)]
+        local = part.local(target)
+        local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
     if fresh:
         _replace_parameters(model, fresh)
 

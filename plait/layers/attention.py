@@ -33,6 +33,9 @@ class Attention(nn.Module):
         recompute_core: selective activation recomputation: keep only q/k/v and recompute the
             attention core (scores, softmax, dropout, weighted sum) in backward (Korthikanti et al.,
             2022, Sec. 5); dropout masks replay exactly through the tracker.
+        fused: q/k/v as one column-parallel matmul (``qkv_proj``, each rank's q, k and v rows side
+            by side) instead of ``q_proj``, ``k_proj``, ``v_proj``; same logical weights and
+            checkpoints either way.
 
     Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
     ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``; ``rope``:
@@ -48,7 +51,8 @@ class Attention(nn.Module):
                  head_dim: int | None = None, causal: bool = True, rope_theta: float | None = None,
                  bias: bool = False, attention_dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
-                 output_init_std: float | None = None, recompute_core: bool = False, device=None, dtype=None):
+                 output_init_std: float | None = None, recompute_core: bool = False, fused: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         tp = group_size(group)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -59,11 +63,15 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden_size // num_heads
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, attention_dropout
         self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
-        self.recompute_core = recompute_core
+        self.recompute_core, self.fused = recompute_core, fused
         kw = dict(group=group, device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * self.head_dim, bias, init_std=init_std, **kw)
-        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * self.head_dim, bias, init_std=init_std, **kw)
-        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * self.head_dim, bias, init_std=init_std, **kw)
+        sizes = (num_heads * self.head_dim, num_kv_heads * self.head_dim, num_kv_heads * self.head_dim)
+        if fused:
+            self.qkv_proj = ColumnParallelLinear(hidden_size, sizes, bias, parts=("q_proj", "k_proj", "v_proj"),
+                                                 init_std=init_std, **kw)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(hidden_size, n, bias, init_std=init_std, **kw)
+                                                     for n in sizes)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, bias,
                                         sequence_parallel=sequence_parallel,
                                         init_std=output_init_std or init_std, **kw)
@@ -71,9 +79,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)           # [b, s, h]
-        q = rearrange(self.q_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
-        k = rearrange(self.k_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
-        v = rearrange(self.v_proj.local_forward(x), "b s (n d) -> b n s d", d=self.head_dim)
+        if self.fused:
+            q, k, v = self.qkv_proj.split(self.qkv_proj.local_forward(x))
+        else:
+            q, k, v = (proj.local_forward(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (rearrange(t, "b s (n d) -> b n s d", d=self.head_dim) for t in (q, k, v))
         if self.rope_theta is not None:
             if rope is None:
                 if position_ids is None:

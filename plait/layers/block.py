@@ -50,10 +50,10 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
                               rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
                               rng=rng, init_std=c.init_std, output_init_std=out_std,
-                              recompute_core=recompute == "selective", **kw)
+                              recompute_core=recompute == "selective", fused=c.fused_projections, **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
-                       output_init_std=out_std, **kw)
+                       output_init_std=out_std, fused=c.fused_projections, **kw)
 
     def _drop(self, x):
         return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)

@@ -12,7 +12,7 @@ import hashlib
 import torch
 from torch import nn
 
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_parts
 
 INIT_ATTR = "plait_init"
 TIED_ATTR = "plait_tied_to"
@@ -36,7 +36,8 @@ def seed_for(seed: int, name: str) -> int:
 def init_parameters(module: nn.Module, seed: int) -> None:
     """Initialize every parameter of ``module`` from its logical name (see the module docstring).
 
-    A parameter that mirrors another (``plait_tied_to``, e.g. the output head tied to the
+    A fused parameter (``FusedShard``) initializes each logical tensor it holds from that tensor's
+    name, as the unfused layers would. A parameter that mirrors another (``plait_tied_to``, e.g. the output head tied to the
     input embedding on another pipeline stage) is seeded with the other's name, so the two
     copies start equal. Parameters on the meta device are skipped.
 
@@ -49,16 +50,21 @@ def init_parameters(module: nn.Module, seed: int) -> None:
         kind, std = getattr(param, INIT_ATTR, (None, 0.0))
         if kind is None:
             raise ValueError(f"parameter {name} has no initializer; call plait.layers.init.set_init on it")
-        spec = shard_of(param)
-        if kind == "zeros":
-            param.zero_()
-            continue
-        if kind == "ones":
-            # Padding rows (vocab) stay zero: build the logical tensor, then shard it.
-            param.copy_(spec.shard(torch.ones(spec.logical_shape, dtype=param.dtype, device=param.device)))
-            continue
-        gen = torch.Generator(device=param.device)
-        gen.manual_seed(seed_for(seed, getattr(param, TIED_ATTR, name)))
-        full = torch.empty(spec.logical_shape, dtype=torch.float32, device=param.device)
-        full.normal_(0.0, std, generator=gen)
-        param.copy_(spec.shard(full).to(param.dtype))
+        for part in logical_parts(getattr(param, TIED_ATTR, name), param):
+            _init_part(part.local(param), part.spec, kind, std, seed, part.name)
+
+
+def _init_part(local: torch.Tensor, spec, kind: str, std: float, seed: int, name: str) -> None:
+    """Fill ``local``, this rank's shard ``spec`` of logical tensor ``name``."""
+    if kind == "zeros":
+        local.zero_()
+        return
+    if kind == "ones":
+        # Padding rows (vocab) stay zero: build the logical tensor, then shard it.
+        local.copy_(spec.shard(torch.ones(spec.logical_shape, dtype=local.dtype, device=local.device)))
+        return
+    gen = torch.Generator(device=local.device)
+    gen.manual_seed(seed_for(seed, name))
+    full = torch.empty(spec.logical_shape, dtype=torch.float32, device=local.device)
+    full.normal_(0.0, std, generator=gen)
+    local.copy_(spec.shard(full).to(local.dtype))

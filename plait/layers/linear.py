@@ -16,7 +16,7 @@ from torch import nn
 from plait.layers.init import set_init
 from plait.parallel.collectives import (copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
                                         group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
-from plait.parallel.sharding import TPShard, mark
+from plait.parallel.sharding import FusedShard, TPShard, mark
 
 
 def divide(value: int, tp: int, what: str) -> int:
@@ -57,35 +57,69 @@ def sharded_param(logical_shape: tuple[int, ...], dim: int, group, kind: str, st
     return set_init(p, kind, std)
 
 
+def fused_param(names: tuple[str, ...], logical_shapes: list[tuple[int, ...]], group, kind: str,
+                std: float = 0.0, device=None, dtype=None) -> nn.Parameter:
+    """One parameter holding the tp shards (split along dim 0) of the logical tensors ``names``,
+    stacked along dim 0 in that order (``FusedShard``); initialized part by part under their names."""
+    parts = tuple(TPShard(tuple(shape), 0, None, group_rank(group), group_size(group)) for shape in logical_shapes)
+    spec = FusedShard(tuple(names), parts)
+    p = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
+    mark(p, spec)
+    return set_init(p, kind, std)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by output rows over tp.
 
+    A fused layer (``out_features`` a tuple, ``parts`` the logical layers' names) runs several
+    column-parallel layers sharing one input as one matmul (q/k/v; SwiGLU's gate and up): each rank
+    holds its rows of every part side by side (``FusedShard``), and ``split`` cuts the output into
+    the parts' ``[..., out_i/tp]``. Checkpoints, initialization and conversion see the parts'
+    logical tensors (``q_proj.weight``...), so fused and unfused models share checkpoints.
+
     Args:
-        in_features, out_features: logical sizes; ``out_features`` must divide by tp.
+        in_features, out_features: logical sizes; ``out_features`` (each part's, if a tuple) must
+            divide by tp.
+        parts: with a tuple ``out_features``, the module names of the logical layers it fuses.
         bias: add a bias (split like the output).
         gather_output: all-gather the output to ``[..., out]``; else return ``[..., out/tp]``.
         sequence_parallel: input is ``[b, s/tp, in]``; all-gather it along seq first.
         group: tp process group (None: one process). init_std: weight init std.
 
     Shapes: input ``[b, s, in]`` (``[b, s/tp, in]`` with sequence_parallel), output
-    ``[b, s, out/tp]`` (``[b, s, out]`` with gather_output).
+    ``[b, s, out/tp]`` (``[b, s, out]`` with gather_output); fused: ``[b, s, sum(out_i)/tp]``.
 
     Raises:
-        ValueError: ``out_features`` not divisible by tp.
+        ValueError: an ``out_features`` not divisible by tp (names it and the valid tp sizes);
+            ``parts`` not one name per entry of a tuple ``out_features``, or a fused layer with
+            ``gather_output``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 gather_output: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
-                 device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int | tuple[int, ...], bias: bool = True, *,
+                 group=None, parts: tuple[str, ...] | None = None, gather_output: bool = False,
+                 sequence_parallel: bool = False, init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
         tp = group_size(group)
-        divide(out_features, tp, "out_features")
+        fused = isinstance(out_features, (tuple, list))
+        sizes = tuple(out_features) if fused else (out_features,)
+        if fused != (parts is not None) or (fused and (len(parts) != len(sizes) or gather_output)):
+            raise ValueError(f"a fused ColumnParallelLinear takes one name in parts per entry of out_features "
+                             f"and no gather_output; got out_features={out_features}, parts={parts}")
+        names = [f"out_features of {name}" for name in parts] if fused else ["out_features"]
+        self.local_sizes = [divide(n, tp, what) for n, what in zip(sizes, names)]
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = sharded_param((out_features, in_features), 0, group, "normal", init_std,
-                                    device=device, dtype=dtype)
-        self.bias = sharded_param((out_features,), 0, group, "zeros", device=device,
-                                  dtype=dtype) if bias else None
+        self.in_features, self.out_features, self.parts = in_features, out_features, parts
+        kw = dict(device=device, dtype=dtype)
+        if parts is None:
+            self.weight = sharded_param((out_features, in_features), 0, group, "normal", init_std, **kw)
+            self.bias = sharded_param((out_features,), 0, group, "zeros", **kw) if bias else None
+        else:
+            self.weight = fused_param(parts, [(n, in_features) for n in sizes], group, "normal", init_std, **kw)
+            self.bias = fused_param(parts, [(n,) for n in sizes], group, "zeros", **kw) if bias else None
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A fused layer's local output ``[..., sum(out_i)/tp]`` as the parts' ``[..., out_i/tp]`` (views)."""
+        return y.split(self.local_sizes, dim=-1)
 
     def local_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul alone, for an input already made ready by ``enter_tp_region``."""
@@ -96,7 +130,8 @@ class ColumnParallelLinear(nn.Module):
         return self.local_forward(enter_tp_region(x, self.group, self.sequence_parallel))
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.group)}, "
+        fused = f", parts={self.parts}" if self.parts else ""
+        return (f"in={self.in_features}, out={self.out_features}{fused}, tp={group_size(self.group)}, "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 

@@ -15,29 +15,39 @@ class MLP(nn.Module):
     """``down(act(up(x)))`` or, for SwiGLU, ``down(silu(gate(x)) * up(x))``.
 
     Shapes: ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism) -> same; the inner
-    ``[b, s, ffn/tp]`` lives on each rank. Raises ValueError: ffn_hidden_size not divisible by
-    tp or unknown activation.
+    ``[b, s, ffn/tp]`` lives on each rank. With ``fused`` (default), SwiGLU's gate and up run as one
+    column-parallel matmul (``gate_up_proj``, each rank's gate and up rows side by side); same logical
+    weights and checkpoints (``gate_proj``, ``up_proj``) either way. Raises ValueError:
+    ffn_hidden_size not divisible by tp or unknown activation.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  bias: bool = True, group=None, sequence_parallel: bool = False, init_std: float = 0.02,
-                 output_init_std: float | None = None, device=None, dtype=None):
+                 output_init_std: float | None = None, fused: bool = True, device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS}")
         self.activation, self.group, self.sequence_parallel = activation, group, sequence_parallel
         kw = dict(group=group, device=device, dtype=dtype)
-        self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
-        self.gate_proj = (ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
-                          if activation == "swiglu" else None)
+        self.fused = fused and activation == "swiglu"
+        if self.fused:
+            self.gate_up_proj = ColumnParallelLinear(hidden_size, (ffn_hidden_size, ffn_hidden_size), bias,
+                                                     parts=("gate_proj", "up_proj"), init_std=init_std, **kw)
+        else:
+            self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
+            self.gate_proj = (ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
+                              if activation == "swiglu" else None)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
                                            init_std=output_init_std or init_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)
-        up = self.up_proj.local_forward(x)
-        if self.activation == "swiglu":
-            inner = F.silu(self.gate_proj.local_forward(x)) * up
+        if self.fused:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj.local_forward(x))
+            inner = F.silu(gate) * up
+        elif self.activation == "swiglu":
+            inner = F.silu(self.gate_proj.local_forward(x)) * self.up_proj.local_forward(x)
         else:
+            up = self.up_proj.local_forward(x)
             inner = F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down_proj(inner)

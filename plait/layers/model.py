@@ -26,7 +26,7 @@ from plait.layers.norm import make_norm
 from plait.layers.rope import rope_cos_sin
 from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
 from plait.parallel.random import RNGTracker
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_parts
 
 EMBEDDING_WEIGHT = "layers.0.word_embeddings.weight"
 
@@ -236,4 +236,5 @@ def logical_shapes(config: TransformerConfig, layers: Iterable[int] | None = Non
     global layer indices ``layers``; built on the meta device, so nothing is allocated. A tied
     output weight built with its embedding appears once (under the embedding's name)."""
     model = TransformerModel(config, layers=layers, device="meta")
-    return {n: tuple(shard_of(p).logical_shape) for n, p in model.named_parameters()}
+    return {part.name: tuple(part.spec.logical_shape) for n, p in model.named_parameters()
+            for part in logical_parts(n, p)}

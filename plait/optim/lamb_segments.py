@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.optim.lamb import Lamb
-from plait.parallel.sharding import shard_of
+from plait.parallel.sharding import logical_parts, split_flat
 
 if TYPE_CHECKING:
     from plait.parallel.mesh import ParallelMesh
@@ -24,15 +24,16 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
     Args:
         lamb: the torch optimizer ZeRO built over its master shards (``zero.optimizer``).
         zero: the ``ZeroOptimizer`` whose ``groups`` / ``masters`` hold the flat shards.
-        module: the model ``zero`` wraps (its trainable parameters, in order, are the tensor indices).
+        module: the model ``zero`` wraps (the logical tensors of its trainable parameters, in order, are
+            the tensor indices: a fused parameter's each count as one, as in the unfused model).
         mesh: the ``ParallelMesh`` (dp and tp groups, device).
     """
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    index = {n: i for i, n in enumerate(names)}
-    params = dict(module.named_parameters())
-    tp_split = torch.tensor([shard_of(params[n]).dim is not None for n in names], dtype=torch.float64,
-                            device=mesh.device)
-    segments = {id(master): [(pc.shard_offset, pc.length, index[pc.slot.name]) for pc in group.pieces()]
+    parts = {n: logical_parts(n, p) for n, p in module.named_parameters() if p.requires_grad}
+    flat = [part for ps in parts.values() for part in ps]          # a fused parameter's logical tensors each
+    index = {part.name: i for i, part in enumerate(flat)}
+    tp_split = torch.tensor([part.spec.dim is not None for part in flat], dtype=torch.float64, device=mesh.device)
+    segments = {id(master): [(pc.shard_offset + pos, n, index[part.name]) for pc in group.pieces()
+                             for part, _, n, pos in split_flat(parts[pc.slot.name], pc.start, pc.length)]
                 for group, master in zip(zero.groups, zero.masters)}
 
     def reduce(sq: torch.Tensor) -> torch.Tensor:
@@ -44,4 +45,4 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
             sq = split + sq * (1 - tp_split)
         return sq
 
-    lamb.set_segments(segments, len(names), reduce)
+    lamb.set_segments(segments, len(flat), reduce)

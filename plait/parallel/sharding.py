@@ -5,9 +5,15 @@ which dim is split over tp (None: replicated on every tp rank) and the *logical*
 the whole tensor as a single-process model has it, with no vocabulary padding. Padding
 lives only in the local shards, so checkpoints, initialization and Hugging Face export
 see logical tensors, and a shard converts to and from any other tp layout.
+
+A fused parameter (q/k/v as one column-parallel weight, SwiGLU's gate and up as one) carries a
+``FusedShard`` instead: the tp shards of several logical tensors stacked along dim 0. Code that
+reads or writes logical tensors goes through ``logical_parts``, so checkpoints, initialization and
+Hugging Face conversion keep the logical names (``q_proj.weight``...) whatever the module holds.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,23 +86,112 @@ class TPShard:
         return local.narrow(self.dim, 0, stop - start)
 
 
-def shard_of(param: torch.Tensor) -> TPShard:
-    """The ``TPShard`` of a parameter; a parameter without one is replicated with its own shape."""
+@dataclass(frozen=True)
+class FusedShard:
+    """Several logical tensors' tp shards side by side along dim 0 of one parameter.
+
+    Attributes:
+        names: the logical tensors' module names, in the order their rows are stacked (e.g.
+            ``("q_proj", "k_proj", "v_proj")``): parameter ``a.qkv_proj.weight`` holds
+            ``a.q_proj.weight``, ``a.k_proj.weight`` and ``a.v_proj.weight``.
+        parts: each logical tensor's ``TPShard``, split along dim 0 over the same tp group.
+
+    Raises:
+        ValueError: a part not split along dim 0, or parts whose other dims differ.
+    """
+
+    names: tuple[str, ...]
+    parts: tuple[TPShard, ...]
+    dim = 0                     # class constant, not a field: the stacked dim
+
+    def __post_init__(self):
+        trailing = {tuple(p.local_shape[1:]) for p in self.parts}
+        if len(self.names) != len(self.parts) or len(trailing) != 1 or any(p.dim != 0 for p in self.parts):
+            raise ValueError(f"a fused parameter stacks tp shards split along dim 0 with equal trailing dims; "
+                             f"got {list(zip(self.names, self.parts))}")
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        rows = sum(p.local_shape[0] for p in self.parts)
+        return (rows,) + tuple(self.parts[0].local_shape[1:])
+
+
+@dataclass(frozen=True)
+class LogicalPart:
+    """One logical tensor inside a parameter's local tensor: rows ``[row, row + spec.local_shape[0])``
+    of dim 0 (the whole tensor for an unfused parameter, ``row`` 0), named ``name``, placed by ``spec``."""
+
+    name: str
+    spec: TPShard
+    row: int = 0
+    fused: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.spec.local_shape)
+
+    @property
+    def flat_start(self) -> int:
+        """Where this part starts in the flattened local tensor."""
+        return self.row * math.prod(self.spec.local_shape[1:])
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of ``tensor`` (the parameter, its gradient or a buffer laid out like it)."""
+        return tensor.narrow(0, self.row, self.spec.local_shape[0]) if self.fused else tensor
+
+
+def logical_parts(name: str, param: torch.Tensor) -> list[LogicalPart]:
+    """The logical tensors ``param`` (registered as ``name``) holds: one, named ``name``, for a plain
+    parameter; one per fused tensor for a ``FusedShard`` (``a.qkv_proj.weight`` ->
+    ``a.q_proj.weight``, ...)."""
+    return _parts(name, shard_of(param))
+
+
+def _parts(name: str, spec: TPShard | FusedShard) -> list[LogicalPart]:
+    if not isinstance(spec, FusedShard):
+        return [LogicalPart(name, spec)]
+    owner, _, leaf = name.rpartition(".")
+    prefix = owner.rpartition(".")[0]
+    out, row = [], 0
+    for module, part in zip(spec.names, spec.parts):
+        out.append(LogicalPart(".".join(x for x in (prefix, module, leaf) if x), part, row, True))
+        row += part.local_shape[0]
+    return out
+
+
+def split_flat(parts: list[LogicalPart], start: int, length: int):
+    """Split the flattened local elements ``[start, start + length)`` of one parameter over its parts:
+    yields ``(part, part_start, n, pos)``: ``n`` elements from ``part_start`` in the part's own flat
+    order, found at ``pos`` from ``start``."""
+    for part in parts:
+        lo = max(start, part.flat_start)
+        hi = min(start + length, part.flat_start + part.numel)
+        if hi > lo:
+            yield part, lo - part.flat_start, hi - lo, lo - start
+
+
+def shard_of(param: torch.Tensor) -> TPShard | FusedShard:
+    """The ``TPShard`` (or ``FusedShard``) of a parameter; a parameter without one is replicated with
+    its own shape."""
     spec = getattr(param, ATTR, None)
     return spec if spec is not None else TPShard(tuple(param.shape))
 
 
-def mark(param: torch.Tensor, spec: TPShard) -> torch.Tensor:
+def mark(param: torch.Tensor, spec: TPShard | FusedShard) -> torch.Tensor:
     """Attach ``spec`` to ``param`` after checking the local shape matches it."""
     if tuple(param.shape) != spec.local_shape:
         raise ValueError(f"parameter shape {tuple(param.shape)} does not match its shard "
-                         f"{spec.local_shape} of logical {spec.logical_shape}")
+                         f"{spec.local_shape} ({spec})")
     setattr(param, ATTR, spec)
     return param
 
 
-def gather_full(local: torch.Tensor, spec: TPShard, group) -> torch.Tensor:
-    """All-gather a tp shard into the whole logical tensor (padding removed). Collective over tp."""
+def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group) -> torch.Tensor:
+    """All-gather a tp shard into the whole logical tensor (padding removed). Collective over tp.
+    A ``FusedShard`` gives its whole logical tensors concatenated along dim 0 (``gather_logical``
+    names them)."""
+    if isinstance(spec, FusedShard):
+        return torch.cat([gather_full(p.local(local), p.spec, group) for p in _parts("", spec)])
     if spec.dim is None or group_size(group) == 1:
         return spec.unpad(local) if spec.dim is not None else local
     moved = local.detach().movedim(spec.dim, 0).contiguous()
@@ -105,3 +200,29 @@ def gather_full(local: torch.Tensor, spec: TPShard, group) -> torch.Tensor:
     all_gather_flat(out, moved, group=group)
     full = out.movedim(0, spec.dim)
     return full.narrow(spec.dim, 0, spec.logical_shape[spec.dim]).contiguous()
+
+
+def gather_logical(name: str, param: torch.Tensor, group, tensor: torch.Tensor | None = None) -> dict:
+    """``{logical name: whole tensor}`` of what ``param`` (registered as ``name``) holds, or of
+    ``tensor`` laid out like it (e.g. ``param.grad``). Collective over tp."""
+    local = param.detach() if tensor is None else tensor
+    return {p.name: gather_full(p.local(local), p.spec, group) for p in logical_parts(name, param)}
+
+
+def gather_logical_state(module, group=None, grads: bool = False) -> dict:
+    """``{logical name: whole tensor}`` of every parameter of ``module`` (or of its gradient, None
+    entries left out with ``grads``): what a single-process model of the same architecture holds under
+    those names, whatever the tp layout and fusion. Collective over the tp ``group``."""
+    out = {}
+    for name, p in module.named_parameters():
+        if grads and p.grad is None:
+            continue
+        out.update(gather_logical(name, p, group, p.grad if grads else None))
+    return out
+
+
+def logical_numel(module) -> int:
+    """Elements of the logical tensors of ``module``'s parameters (no vocabulary padding, any tp
+    layout or fusion; a parameter shared by several modules counted once). Works on the meta device."""
+    return sum(math.prod(part.spec.logical_shape) for name, p in module.named_parameters()
+               for part in logical_parts(name, p))
