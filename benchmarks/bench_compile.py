@@ -18,8 +18,9 @@ wd 0.1 betas 0.9/0.95, clipping 1.0, no activation checkpointing) in a child pro
 - torchtitan / torchtitan-nocg: torchtitan 0.3's Trainer at this shape (``_titan.py`` says how), with
   and without its CUDA graphs.
 - plait-z{1,2,3} and plait-z{1,2,3}-compile: plait's TransformerModel through ``plait.initialize``,
-  the ds_config of ``plait_config`` (``"compile"`` on for -compile); ``PLAIT_MODEL_OVERRIDES`` are
-  applied to the preset unless --no-plait-fused.
+  the ds_config of ``plait_config`` (``"compile"`` on for -compile), plait's defaults (one matmul per
+  projection, unfused loss); ``PLAIT_MODEL_OVERRIDES`` (JSON, e.g. ``{"fused_projections":
+  false}`` or ``{"fused_loss_chunk_tokens": 2048}``) are applied to the preset unless --no-plait-fused.
 
 Reported per arm: tokens/s, MFU = tokens/s x (6N + 6 x layers x hidden x seq) / 989e12, peak GiB
 (torch.cuda.max_memory_allocated over the timed steps), mean step time after the warm-up steps (5
@@ -45,9 +46,9 @@ from _common import BETAS, CLIP, LR, MICRO, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch
 from _common import engine_step, init_single_process, model_flops_per_token, run_child  # noqa: E402
 from _common import single_process_env  # noqa: E402
 
-#: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused); the environment
-#: variable PLAIT_MODEL_OVERRIDES (JSON) replaces the default
-PLAIT_MODEL_OVERRIDES: dict = json.loads(os.environ.get("PLAIT_MODEL_OVERRIDES", '{"fused_loss_chunk_tokens": 2048}'))
+#: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused): the environment
+#: variable PLAIT_MODEL_OVERRIDES (JSON); none by default
+PLAIT_MODEL_OVERRIDES: dict = json.loads(os.environ.get("PLAIT_MODEL_OVERRIDES", "{}"))
 
 PRESET = "llama-886m"
 ARMS = ("hand-eager", "hand-compile", "fsdp2", "fsdp2-compile", "ds-z2", "ds-z3", "torchtitan", "torchtitan-nocg",

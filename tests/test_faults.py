@@ -377,7 +377,7 @@ def test_a_skipped_step_is_logged_with_its_number_and_norm(caplog):
     mesh = ParallelMesh()
     model = TransformerModel(tiny(), mesh, seed=5)
     engine = plait.initialize(model, ds_config(2), mesh=mesh)
-    dict(model.named_parameters())["layers.1.attn.qkv_proj.weight"].register_hook(lambda g: g * math.nan)
+    dict(model.named_parameters())["layers.1.attn.q_proj.weight"].register_hook(lambda g: g * math.nan)
     with caplog.at_level("WARNING", logger="plait"):
         for j in range(GAS):
             engine.backward(engine(**micro_batch(0, j, 0)))

@@ -68,7 +68,7 @@ def test_fused_rows_in_another_order_fail_the_bound():
     order) is far outside the 1e-6 bound, so the parity test above can fail."""
     batch = make_batch("llama")
     _, p_loss, p_grads = loss_and_grads("llama", ParallelMesh(), False, False, batch)
-    model = TransformerModel(make_config("llama"), ParallelMesh(), seed=11)
+    model = TransformerModel(make_config("llama", fused_projections=True), ParallelMesh(), seed=11)
     with torch.no_grad():
         for i in range(1, 4):
             w = model.layers[str(i)].attn.qkv_proj.weight       # rows: q [0, 64), k [64, 96), v [96, 128)
@@ -135,9 +135,9 @@ def test_fused_and_unfused_models_share_checkpoints(tmp_path, save_fused):
 
 def test_meta_fused_model_loads_from_a_checkpoint(tmp_path):
     """A fused parameter on the meta device is materialized once and filled part by part."""
-    model = TransformerModel(make_config("llama"), None, seed=3)
+    model = TransformerModel(make_config("llama", fused_projections=True), None, seed=3)
     save_model_weights(model, None, str(tmp_path), "w").wait()
-    meta = TransformerModel(make_config("llama"), None, device="meta")
+    meta = TransformerModel(make_config("llama", fused_projections=True), None, device="meta")
     load_model_weights(meta, str(tmp_path), tag="w")
     want, got = gather_logical_state(model), gather_logical_state(meta)
     assert all(torch.equal(want[k], got[k]) for k in want)

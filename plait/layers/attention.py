@@ -51,7 +51,7 @@ class Attention(nn.Module):
                  head_dim: int | None = None, causal: bool = True, rope_theta: float | None = None,
                  bias: bool = False, attention_dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
-                 output_init_std: float | None = None, recompute_core: bool = False, fused: bool = True,
+                 output_init_std: float | None = None, recompute_core: bool = False, fused: bool = False,
                  device=None, dtype=None):
         super().__init__()
         tp = group_size(group)

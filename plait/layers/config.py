@@ -30,9 +30,10 @@ class TransformerConfig:
     chunk's float32 logits exist at a time. Same loss and gradients up to float rounding. Without
     labels the head returns the logits either way.
 
-    ``fused_projections`` (default True) runs q/k/v as one column-parallel matmul and SwiGLU's gate and
+    ``fused_projections`` (default False) runs q/k/v as one column-parallel matmul and SwiGLU's gate and
     up as another (``Attention.qkv_proj``, ``MLP.gate_up_proj``); False keeps one layer per projection.
-    The logical weights, their names in checkpoints and the computation are the same either way.
+    The logical weights, their names in checkpoints and the computation (up to float rounding) are the
+    same either way, so a checkpoint of one loads into the other.
 
     Raises:
         ValueError: unknown ``arch``, sizes that do not divide (names both numbers), or a negative
@@ -62,7 +63,7 @@ class TransformerConfig:
     vocab_alignment: int = 128
     label_smoothing: float = 0.0
     fused_loss_chunk_tokens: int = 0
-    fused_projections: bool = True
+    fused_projections: bool = False
 
     def __post_init__(self):
         from plait.models.registry import get_family  # local: plait.models imports this module

@@ -15,7 +15,7 @@ class MLP(nn.Module):
     """``down(act(up(x)))`` or, for SwiGLU, ``down(silu(gate(x)) * up(x))``.
 
     Shapes: ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism) -> same; the inner
-    ``[b, s, ffn/tp]`` lives on each rank. With ``fused`` (default), SwiGLU's gate and up run as one
+    ``[b, s, ffn/tp]`` lives on each rank. With ``fused``, SwiGLU's gate and up run as one
     column-parallel matmul (``gate_up_proj``, each rank's gate and up rows side by side); same logical
     weights and checkpoints (``gate_proj``, ``up_proj``) either way. Raises ValueError:
     ffn_hidden_size not divisible by tp or unknown activation.
@@ -23,7 +23,7 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  bias: bool = True, group=None, sequence_parallel: bool = False, init_std: float = 0.02,
-                 output_init_std: float | None = None, fused: bool = True, device=None, dtype=None):
+                 output_init_std: float | None = None, fused: bool = False, device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS}")
