@@ -109,7 +109,7 @@ class Segment:
         device = device if device is not None else self.slots[0].param.device
         if out is None:
             out = torch.empty(self.padded, dtype=dtype, device=device)
-        pos = 0
+        pos, dests, values = 0, [], []
         for slot in self.slots:
             if slot.offset > pos:
                 out[pos:slot.offset].zero_()
@@ -118,10 +118,15 @@ class Segment:
             if value is None:
                 dest.zero_()
             else:
-                dest.copy_(value.reshape(-1))
+                dests.append(dest)
+                values.append(value.reshape(-1))
             pos = slot.offset + slot.numel
         if pos < self.padded:
             out[pos:].zero_()
+        # one multi-tensor launch for every copy (a casting copy, bf16 -> fp32, is vectorized there and
+        # not in Tensor.copy_); exact either way
+        if dests:
+            torch._foreach_copy_(dests, values)
         return out
 
     def set_views(self, full: torch.Tensor) -> None:
