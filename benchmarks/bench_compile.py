@@ -20,7 +20,7 @@ wd 0.1 betas 0.9/0.95, clipping 1.0, no activation checkpointing) in a child pro
 - plait-z{1,2,3} and plait-z{1,2,3}-compile: plait's TransformerModel through ``plait.initialize``,
   the ds_config of ``plait_config`` (``"compile"`` on for -compile), plait's defaults (one matmul per
   projection, unfused loss); ``PLAIT_MODEL_OVERRIDES`` (JSON, e.g. ``{"fused_projections":
-  false}`` or ``{"fused_loss_chunk_tokens": 2048}``) are applied to the preset unless --no-plait-fused.
+  true}`` or ``{"fused_loss_chunk_tokens": 2048}``) are applied to the preset unless --no-plait-fused.
 
 Reported per arm: tokens/s, MFU = tokens/s x (6N + 6 x layers x hidden x seq) / 989e12, peak GiB
 (torch.cuda.max_memory_allocated over the timed steps), mean step time after the warm-up steps (5

@@ -151,12 +151,13 @@ def test_misspelt_key_fails_with_suggestion():
         plait.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_acumulation_steps": 2})
 
 
-def lamb_body(tp):
-    """LAMB's per-tensor trust ratio must survive ZeRO flattening and tp sharding."""
+def lamb_body(tp, fused):
+    """LAMB's per-tensor trust ratio must survive ZeRO flattening and tp sharding (and, with ``fused``, the
+    fused q/k/v and gate/up parameters: each logical tensor keeps its own ratio)."""
     out = {}
     for stage in (0, 2, 3):
         mesh = ParallelMesh(tp=tp)
-        model = TransformerModel(tiny(), mesh, seed=5)
+        model = TransformerModel(tiny(fused_projections=fused), mesh, seed=5)
         cfg = ds_config(stage, tp)
         cfg.update(optimizer={"type": "LAMB", "params": {"lr": 1e-2, "weight_decay": 0.01}}, scheduler=None,
                    gradient_clipping=0.0)
@@ -169,7 +170,8 @@ def lamb_body(tp):
     return out if dist.get_rank() == 0 else None
 
 
-def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
+@pytest.mark.parametrize("fused", [False, True])
+def test_lamb_under_zero_and_tp_matches_per_tensor_lamb(fused):
     from plait.optim.lamb import Lamb
     # Unfused: torch-style LAMB takes one trust ratio per logical tensor (q, k, v each), as the engine does
     model = TransformerModel(tiny(fused_projections=False), None, seed=5)
@@ -181,7 +183,7 @@ def test_lamb_under_zero_and_tp_matches_per_tensor_lamb():
         opt.step()
         opt.zero_grad()
     ref = gather_logical_state(model)
-    for stage, whole in run_distributed(lamb_body, 4, 2)[0].items():
+    for stage, whole in run_distributed(lamb_body, 4, 2, fused)[0].items():
         for name, w in ref.items():
             err = helpers.rel_err(whole[name], w)
             assert err <= 1e-6, f"LAMB stage {stage}: {name} off by {err:.2e}"

@@ -35,7 +35,7 @@ def batches(step, dp_rank, dp):
     return iter(out)
 
 
-def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1, fused=True, arch="gpt2"):
+def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1, fused=False, arch="gpt2"):
     mesh = ParallelMesh(tp=tp, pp=pp)
     shape = tiny(arch, vocab_size=1001, hidden_size=64, fused_projections=fused)
     cfg = config(stage, tp, mesh.dp)

@@ -241,13 +241,15 @@ def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadRe
     stored = set(reader.names())
     plan, report, wanted = [], LoadReport(), set()
     for name, param in model.named_parameters():
-        for part in logical_parts(checkpoint_name(name, param, model), param):
+        parts = logical_parts(checkpoint_name(name, param, model), param)
+        wanted.update(part.name for part in parts)
+        absent = [part.name for part in parts if part.name not in stored]
+        if absent:          # a fused parameter is read whole or not at all (no half-filled rows)
+            report.missing += [name + ("" if key == name else f" ({key})" if parts[0].fused else f" (tied to {key})")
+                               for key in absent]
+            continue
+        for part in parts:
             key, spec = part.name, part.spec
-            wanted.add(key)
-            if key not in stored:
-                where = "" if key == name else f" ({key})" if part.fused else f" (tied to {key})"
-                report.missing.append(name + where)
-                continue
             have = reader.shape(key)
             if tuple(have) != tuple(spec.logical_shape):
                 raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
@@ -264,16 +266,18 @@ def _fill_parameters(model: nn.Module, reader: CheckpointReader, plan: list, dev
     meta device (then registered wherever the old one was). Called under ``torch.no_grad``."""
     fresh = {}
     for param, part in plan:
-        target = param
-        if param.is_meta:
-            if id(param) not in fresh:
-                new = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device),
-                                   requires_grad=param.requires_grad)
-                new.__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
-                fresh[id(param)] = new
-            target = fresh[id(param)]
-        local = part.local(target)
-        local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
+        if not param.is_meta:
+            local = part.local(param)
+            local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
+            continue
+        if id(param) not in fresh:      # a fused parameter: allocated once, every part then read into it
+            data = read_tp_shard(reader, part.name, part.spec, dtype=param.dtype, device=device) if not part.fused \
+                else torch.empty(param.shape, dtype=param.dtype, device=device)
+            fresh[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            fresh[id(param)].__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
+        if part.fused:
+            local = part.local(fresh[id(param)])
+            local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
     if fresh:
         _replace_parameters(model, fresh)
 

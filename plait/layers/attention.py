@@ -81,7 +81,8 @@ class Attention(nn.Module):
         x = enter_tp_region(x, self.group, self.sequence_parallel)           # [b, s, h]
         if self.fused:
             q, k, v = self.qkv_proj.split(self.qkv_proj.local_forward(x))
-            v = v.contiguous()      # attention saves v: a view would keep q and k's columns alive too
+            if self.rope_theta is not None:
+                v = v.contiguous()  # attention saves v; a view would keep the q/k columns RoPE replaced alive
         else:
             q, k, v = (proj.local_forward(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = (rearrange(t, "b s (n d) -> b n s d", d=self.head_dim) for t in (q, k, v))

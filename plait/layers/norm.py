@@ -47,10 +47,10 @@ class LayerNorm(_Norm):
 
 
 class RMSNorm(_Norm):
-    """RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich, 2019, Eq. 4) by torch's
-    ``F.rms_norm``: fp32 accumulation for bf16/fp16 inputs, one fused kernel where torch has one (CUDA).
-    Hugging Face's Llama computes the same formula in fp32 and rounds before multiplying by ``w``; the
-    two agree exactly in fp32 and to within one rounding of ``x``'s dtype otherwise.
+    """RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich, 2019, Eq. 4): the normalization by
+    torch's ``F.rms_norm`` (fp32 accumulation for bf16/fp16 inputs, one fused kernel on CUDA), rounded to
+    ``x``'s dtype, then the product with ``w``, as Hugging Face's Llama rounds it. The weight stays a
+    separate product so the zero-bubble weight pass (``plait.parallel.weight_grad``) computes its gradient.
     Shapes: ``[..., h] -> [..., h]``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, group=None,
@@ -59,7 +59,7 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, _ = self._params()
-        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), None, self.eps) * weight
 
 
 def make_norm(kind: str, hidden_size: int, eps: float, bias: bool = True, **kw) -> nn.Module:

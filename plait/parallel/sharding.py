@@ -14,6 +14,7 @@ Hugging Face conversion keep the logical names (``q_proj.weight``...) whatever t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +107,11 @@ class FusedShard:
 
     def __post_init__(self):
         trailing = {tuple(p.local_shape[1:]) for p in self.parts}
-        if len(self.names) != len(self.parts) or len(trailing) != 1 or any(p.dim != 0 for p in self.parts):
-            raise ValueError(f"a fused parameter stacks tp shards split along dim 0 with equal trailing dims; "
-                             f"got {list(zip(self.names, self.parts))}")
+        groups = {(p.rank, p.world) for p in self.parts}
+        if len(self.names) != len(self.parts) or len(trailing) != 1 or len(groups) != 1 or \
+                any(p.dim != 0 for p in self.parts):
+            raise ValueError(f"a fused parameter stacks tp shards split along dim 0 over one tp group, with "
+                             f"equal trailing dims; got {list(zip(self.names, self.parts))}")
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -127,7 +130,8 @@ class LogicalPart:
     fused: bool = False
 
     @property
-    def numel(self) -> int:
+    def local_numel(self) -> int:
+        """Elements of this part in the local tensor."""
         return math.prod(self.spec.local_shape)
 
     @property
@@ -159,13 +163,13 @@ def _parts(name: str, spec: TPShard | FusedShard) -> list[LogicalPart]:
     return out
 
 
-def split_flat(parts: list[LogicalPart], start: int, length: int):
+def split_flat(parts: list[LogicalPart], start: int, length: int) -> Iterator[tuple[LogicalPart, int, int, int]]:
     """Split the flattened local elements ``[start, start + length)`` of one parameter over its parts:
     yields ``(part, part_start, n, pos)``: ``n`` elements from ``part_start`` in the part's own flat
     order, found at ``pos`` from ``start``."""
     for part in parts:
         lo = max(start, part.flat_start)
-        hi = min(start + length, part.flat_start + part.numel)
+        hi = min(start + length, part.flat_start + part.local_numel)
         if hi > lo:
             yield part, lo - part.flat_start, hi - lo, lo - start
 

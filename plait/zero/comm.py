@@ -100,7 +100,7 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     collective and the tensor that holds the result after ``wait()``. With ``world == 1`` and an
     ``out`` of ``[padded]`` elements (a grad-shard slice), the gradients are packed straight into it.
     """
-    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None)
+    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None, batched=True)
     if release:
         for slot in seg.slots:
             slot.param.grad = None

@@ -102,10 +102,14 @@ class Segment:
         return out
 
     def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype,
-             out: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, device: torch.device | None = None,
+             batched: bool = False) -> torch.Tensor:
         """A ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot, zero elsewhere
         (``None``: zero), on ``device`` (default: the first parameter's). Written into ``out`` when given;
-        only the gaps are zero-filled, so each element is written once."""
+        only the gaps are zero-filled, so each element is written once. ``batched``: one
+        ``torch._foreach_copy_`` for all slots (a casting copy, bf16 -> fp32, is vectorized there and not in
+        ``Tensor.copy_``); only for a ``get`` returning tensors that exist anyway (gradients), since every
+        value is held until the end."""
         device = device if device is not None else self.slots[0].param.device
         if out is None:
             out = torch.empty(self.padded, dtype=dtype, device=device)
@@ -117,14 +121,14 @@ class Segment:
             dest = out[slot.offset:slot.offset + slot.numel]
             if value is None:
                 dest.zero_()
-            else:
+            elif batched:
                 dests.append(dest)
                 values.append(value.reshape(-1))
+            else:
+                dest.copy_(value.reshape(-1))
             pos = slot.offset + slot.numel
         if pos < self.padded:
             out[pos:].zero_()
-        # one multi-tensor launch for every copy (a casting copy, bf16 -> fp32, is vectorized there and
-        # not in Tensor.copy_); exact either way
         if dests:
             torch._foreach_copy_(dests, values)
         return out
