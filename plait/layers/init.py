@@ -37,9 +37,9 @@ def init_parameters(module: nn.Module, seed: int) -> None:
     """Initialize every parameter of ``module`` from its logical name (see the module docstring).
 
     A fused parameter (``FusedShard``) initializes each logical tensor it holds from that tensor's
-    name, as the unfused layers would. A parameter that mirrors another (``plait_tied_to``, e.g. the output head tied to the
-    input embedding on another pipeline stage) is seeded with the other's name, so the two
-    copies start equal. Parameters on the meta device are skipped.
+    name, as the unfused layers would. A parameter that mirrors another (``plait_tied_to``, e.g. the
+    output head tied to the input embedding on another pipeline stage) is seeded with the other's
+    name, so the two copies start equal. Parameters on the meta device are skipped.
 
     Raises:
         ValueError: a parameter has no declared initializer.
