@@ -245,8 +245,8 @@ def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadRe
         wanted.update(part.name for part in parts)
         absent = [part.name for part in parts if part.name not in stored]
         if absent:          # a fused parameter is read whole or not at all (no half-filled rows)
-            report.missing += [name + ("" if key == name else f" ({key})" if parts[0].fused else f" (tied to {key})")
-                               for key in absent]
+            how = "" if parts[0].fused else "tied to "
+            report.missing += [name if key == name else f"{name} ({how}{key})" for key in absent]
             continue
         for part in parts:
             key, spec = part.name, part.spec

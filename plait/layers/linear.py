@@ -40,21 +40,23 @@ def leave_tp_region(y: torch.Tensor, group, sequence_parallel: bool) -> torch.Te
     return reduce_scatter_to_sp(y, group) if sequence_parallel else reduce_from_tp(y, group)
 
 
+def _new_param(spec: TPShard | FusedShard, kind: str, std: float, device, dtype) -> nn.Parameter:
+    """An uninitialized parameter of ``spec``'s local shape, marked with ``spec``, initializer declared."""
+    p = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
+    return set_init(mark(p, spec), kind, std)
+
+
 def replicated_param(shape: tuple[int, ...], kind: str, std: float = 0.0, device=None,
                      dtype=None) -> nn.Parameter:
     """A parameter every tp rank holds whole (norm weights, row-parallel bias)."""
-    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    mark(p, TPShard(tuple(shape)))
-    return set_init(p, kind, std)
+    return _new_param(TPShard(tuple(shape)), kind, std, device, dtype)
 
 
 def sharded_param(logical_shape: tuple[int, ...], dim: int, group, kind: str, std: float = 0.0,
                   padded: int | None = None, device=None, dtype=None) -> nn.Parameter:
     """A parameter split along ``dim`` over the tp group (padded to ``padded`` rows if given)."""
     spec = TPShard(tuple(logical_shape), dim, padded, group_rank(group), group_size(group))
-    p = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
-    mark(p, spec)
-    return set_init(p, kind, std)
+    return _new_param(spec, kind, std, device, dtype)
 
 
 def fused_param(names: tuple[str, ...], logical_shapes: list[tuple[int, ...]], group, kind: str,
@@ -62,10 +64,7 @@ def fused_param(names: tuple[str, ...], logical_shapes: list[tuple[int, ...]], g
     """One parameter holding the tp shards (split along dim 0) of the logical tensors ``names``,
     stacked along dim 0 in that order (``FusedShard``); initialized part by part under their names."""
     parts = tuple(TPShard(tuple(shape), 0, None, group_rank(group), group_size(group)) for shape in logical_shapes)
-    spec = FusedShard(tuple(names), parts)
-    p = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
-    mark(p, spec)
-    return set_init(p, kind, std)
+    return _new_param(FusedShard(tuple(names), parts), kind, std, device, dtype)
 
 
 class ColumnParallelLinear(nn.Module):
