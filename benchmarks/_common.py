@@ -78,11 +78,13 @@ def _error_line(text: str) -> str:
     return exc[-1] if exc else " | ".join(lines[-3:]) or "no output"
 
 
-def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: str | None = None) -> dict:
-    """Run ``script --one arm *args`` in its own process group; its ``RESULT {json}`` line, or a row
-    ``{"arm", "error"}`` when it fails, prints no result, or runs past ``timeout`` seconds (then the
-    whole group is killed: compile workers too)."""
-    cmd = [sys.executable, script, "--one", arm, *args]
+def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: str | None = None,
+              launcher: list[str] = ()) -> dict:
+    """Run ``python *launcher script --one arm *args`` in its own process group (``launcher``: e.g.
+    ``-m torch.distributed.run --nproc-per-node 2``); its ``RESULT {json}`` line, or a row ``{"arm",
+    "error"}`` when it fails, prints no result, or runs past ``timeout`` seconds (then the whole group is
+    killed: compile workers and torchrun's ranks too)."""
+    cmd = [sys.executable, *launcher, script, "--one", arm, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -98,7 +98,8 @@ class Engine(EngineFacts):
                 # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
                 reduce_bucket_size=max(1, z.reduce_bucket_size), allgather_bucket_size=max(1, z.allgather_bucket_size),
                 overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-                param_persistence_threshold=z.stage3_param_persistence_threshold),
+                param_persistence_threshold=z.stage3_param_persistence_threshold,
+                reshard_after_forward=z.reshard_after_forward),
             units=stage3_units(module) if z.stage == 3 else None,
             gradient_accumulation_steps=config.gradient_accumulation_steps, offload=offload, weights=weights,
             precision=PrecisionOptions(param_dtype, scaler, skip_nonfinite=config.nonfinite_guard.enabled),

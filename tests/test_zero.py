@@ -54,6 +54,23 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_follows_hysteresis():
                        f"stage {stage} skipped steps", 0.0)
 
 
+def test_bf16_reduction_accumulates_in_fp32():
+    """communication_data_type bf16 at dp=2, 3 micro-steps, stages 2 and 3 (they reduce every micro-step;
+    stage 1 sums the micro-steps in param.grad and reduces once): each rank's grad shard equals the bf16 sum of the
+    ranks' bf16-rounded halves, accumulated in fp32 (to 1e-6 relative: float32 addition in another order). Kept
+    in bf16 instead, the sums drift by bf16's 2^-9 relative rounding per step, which the same bound rejects."""
+    for stage in (2, 3):
+        for per_param in ok([r["bf16_reduce"][stage] for r in suite(2)]):
+            assert per_param, stage
+            for name, pieces in per_param.items():
+                got, want, bf16_sum = (torch.cat([p[k] for p in pieces]) for k in (1, 2, 3))
+                tol = dict(rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+                torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+                if name == "blocks.0.fc1.weight":
+                    with pytest.raises(AssertionError):
+                        torch.testing.assert_close(bf16_sum, want, **tol)
+
+
 def test_bf16_tracks_fp32_loss():
     """bf16 compute (8 mantissa bits) with fp32 masters: each of 10 steps' loss within 1% of fp32."""
     for stage in (2, 3):

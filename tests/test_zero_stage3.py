@@ -23,6 +23,19 @@ def test_stage3_prefetches_after_recording_the_order():
                 assert r["stats"]["prefetched"] > 0, cfg
 
 
+def test_reshard_after_forward_frees_what_autograd_saved():
+    """dp=2, units = blocks: eager autograd saves views of the gathered weights (``weight.t()``), so releasing a
+    unit must free the buffer's storage, not only point the parameters elsewhere. When the forward ends, the
+    storages autograd holds for backward are smaller by exactly the blocks' gathered segments with resharding
+    (FSDP2's ``reshard_after_forward``) than without; both train to the same weights. Replacing each gathered
+    buffer with a new one instead of freeing its storage (the old scheme) held both amounts equal."""
+    per_rank = [ok([r["saved_bytes"][flag] for r in suite(2)]) for flag in (True, False)]
+    for on, off in zip(*per_rank):
+        assert on["blocks"] > 0
+        assert off["held"] - on["held"] == on["blocks"], (on["held"], off["held"], on["blocks"])
+        assert_weights(on["module"], off["module"], "reshard_after_forward on/off", 0.0)
+
+
 def test_any_module_single_process_stage3_matches_reference():
     """dp_group=None runs without torch.distributed; stage 3 with persistence on a plain model."""
     cfg = dict(stage=3, gas=3, persist=50, prefetch=10_000)

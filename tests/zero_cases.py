@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from plait.testing import run_distributed
 from plait.zero import (
@@ -67,10 +68,14 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
+    #: recompute each block in backward the Hugging Face way (``checkpoint(block.__call__, ...)``: the
+    #: block's hooks run again inside backward)
+    checkpoint_blocks = False
+
     def forward(self, ids, targets):
         x = self.embed(ids) + self.pos[: ids.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -128,7 +133,7 @@ def build(model, cfg: dict, group) -> ZeroOptimizer:
         comm=CommOptions(overlap_comm=cfg.get("overlap", False), reduce_bucket_size=cfg.get("bucket", 10_000_000),
                          allgather_bucket_size=cfg.get("gather_bucket", 10_000_000),
                          prefetch_bucket_size=cfg.get("prefetch", 0), param_persistence_threshold=cfg.get("persist", 0),
-                         reduce_dtype=cfg.get("reduce", "fp32")),
+                         reduce_dtype=cfg.get("reduce", "fp32"), reshard_after_forward=cfg.get("reshard", True)),
         units=units, clip=ClipOptions(max_grad_norm=cfg.get("max_norm", 0.0)),
         precision=PrecisionOptions(param_dtype=cfg.get("dtype"), loss_scaler=cfg.get("scaler")))
 
@@ -164,6 +169,7 @@ def full_weights(model, opt):
 
 def _parity(cfg):
     model = make_model()
+    model.checkpoint_blocks = cfg.get("ckpt", False)
     opt = build(model, cfg, _dp()[0])
     seen = {}
     if cfg["stage"] == 3:  # parameters are whole inside forward
@@ -208,6 +214,64 @@ def _bf16(stage):
         assert all(p.dtype == (dtype and torch.bfloat16 or torch.float32) for p in model.parameters())
         assert all(m.dtype == torch.float32 for m in opt.masters)
     return logs
+
+
+def _bf16_reduce(stage, gas=3):
+    """bf16 reduction (DeepSpeed's ``communication_data_type``) of fp32 gradients, accumulated over
+    ``gas`` micro-steps in the fp32 grad shard. Returns, per parameter element this rank owns, the shard
+    after the last backward (``got``), the exact expectation from every rank's own gradients (``want``:
+    each micro-step's gradient (of the loss / GAS) rounded to bf16 and halved (exact), the two ranks' halves summed with one
+    bf16 rounding, then added in fp32) and the same with the sum kept in bf16 (``bf16_sum``, the
+    broken variant the test must tell apart)."""
+    group, dp, rank = _dp()
+    cfg = dict(stage=stage, gas=gas, reduce="bf16", overlap=True, bucket=300)
+    model, plain = make_model(), make_model()
+    opt = build(model, cfg, group)
+    want = {n: torch.zeros(p.numel()) for n, p in plain.named_parameters()}
+    bf16_sum = {n: torch.zeros_like(w, dtype=torch.bfloat16) for n, w in want.items()}
+    for j in range(gas):
+        batch = micro_batch(0, dp, gas, rank, j)
+        opt.backward(model(*batch))
+        if j < gas - 1:
+            assert not opt.step()
+        plain.zero_grad()
+        (plain(*batch) / gas).backward()          # ZeroOptimizer.backward scales by 1/GAS the same way
+        for n, p in plain.named_parameters():
+            halves = [torch.empty(p.numel(), dtype=torch.bfloat16) for _ in range(dp)]
+            dist.all_gather(halves, p.grad.reshape(-1).bfloat16() / dp, group=group)
+            reduced = halves[0] + halves[1]        # bf16 + bf16: one rounding of the exact sum
+            want[n] += reduced.float()
+            bf16_sum[n] += reduced
+    got = {}
+    for g, flat in enumerate(opt.groups):
+        for seg in flat.segments:
+            for piece in seg.pieces():
+                at = slice(piece.start, piece.start + piece.length)
+                value = opt.grad_shards[g][piece.shard_offset:piece.shard_offset + piece.length].clone()
+                got.setdefault(piece.slot.name, []).append((at, value, want[piece.slot.name][at].clone(),
+                                                            bf16_sum[piece.slot.name][at].float()))
+    opt.step()
+    return got
+
+
+def _saved_bytes(reshard: bool):
+    """Stage 3, units = blocks, eager: bytes of the distinct storages autograd holds for backward when the
+    forward ends, and the bytes of the blocks' gathered segments (what resharding after forward frees)."""
+    model = make_model()
+    opt = build(model, dict(stage=3, units="blocks", reshard=reshard), _dp()[0])
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*micro_batch(0, _dp()[1], 1, _dp()[2], 0))
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved}
+    blocks = {id(seg): seg.padded * 4 for u in opt.units if u.module is not model for seg in u.segments}
+    opt.backward(loss)
+    opt.step()
+    return {"held": sum(storages.values()), "blocks": sum(blocks.values()), "module": full_weights(model, opt)}
 
 
 def _memory(stage, dp):
@@ -302,6 +366,8 @@ def _suite(dp: int, saved_dp2=None):
     if dp == 2:
         out["fp16"] = {s: _guard(_fp16_overflow, s) for s in (1, 2, 3)}
         out["bf16"] = {s: _guard(_bf16, s) for s in (2, 3)}
+        out["bf16_reduce"] = {s: _guard(_bf16_reduce, s) for s in (2, 3)}
+        out["saved_bytes"] = {r: _guard(_saved_bytes, r) for r in (True, False)}
         out["save"] = _guard(_save, dict(stage=1, gas=2), 3)
     if dp == 4:
         out["memory"] = {s: _guard(_memory, s, dp) for s in (1, 2, 3)}
@@ -370,6 +436,9 @@ def parity_cfgs(dp: int) -> list[dict]:
         cfgs += [dict(stage=s, gas=1 + 2 * (s % 2), max_norm=MAX_NORM, overlap=s > 1) for s in (0, 1, 2, 3)]
     if dp == 2:
         cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, max_norm=MAX_NORM),
+                 dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, reshard=False),
+                 dict(stage=3, gas=1, units="blocks", prefetch=5000, overlap=True, ckpt=True, max_norm=MAX_NORM),
+                 dict(stage=3, gas=1, ckpt=True, reshard=False),
                  dict(stage=2, gas=1, opt="sgd", bucket=500), dict(stage=3, gas=1, opt="sgd", persist=20)]
     return cfgs
 

@@ -63,7 +63,9 @@ class OffloadConfig:
 class ZeroConfig:
     """``zero_optimization`` (Rajbhandari et al. SC'20). ``stage`` 0: plain data parallel; 1: optimizer
     states partitioned over dp; 2: + gradients; 3: + parameters. Bucket sizes and thresholds count
-    *elements* (parameters), not bytes, as in DeepSpeed."""
+    *elements* (parameters), not bytes, as in DeepSpeed. ``reshard_after_forward`` (plait; stage 3, FSDP2's
+    option of that name): release each unit's gathered parameters when its forward ends and gather them again
+    for its backward (default), or keep them from forward to backward (one all-gather per step, more memory)."""
 
     stage: int = 0
     allgather_partitions: bool = True
@@ -82,6 +84,7 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = _auto(
         False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     ignore_unused_parameters: bool = True
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.overlap_comm is None:

@@ -97,8 +97,9 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
     ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
     ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
-    collective and the tensor that holds the result after ``wait()``. With ``world == 1`` and an
-    ``out`` of ``[padded]`` elements (a grad-shard slice), the gradients are packed straight into it.
+    collective and the tensor that holds the result after ``wait()``. ``out`` (a grad-shard slice of
+    ``reduce_dtype``, or None) receives the result in place: with ``world == 1`` the gradients are packed
+    straight into it (``[padded]``), else the reduce-scatter writes it (``[S]``; not for stage 0).
     """
     buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None, batched=True)
     if release:
@@ -111,7 +112,7 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     if seg.world == 1:
         work = dist.all_reduce(buf, group=group, async_op=async_op)
         return Pending([work] if async_op else [], keep=[buf]), buf
-    out = torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
+    out = out if out is not None else torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
     work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
     return Pending([work] if async_op else [], keep=[buf]), out
 

@@ -182,7 +182,7 @@ class ZeroOptimizer:
             extra = {"device": self.device} if off is not None and off.param else {}
             self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
                 self.module, self.units, dp, self.dp_size, comm.allgather_bucket_size, comm.prefetch_bucket_size,
-                self._note_backward, gate=ready, **extra)
+                self._note_backward, gate=ready, reshard_after_forward=comm.reshard_after_forward, **extra)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params] \
             if self.policy.gradients else []
         self.shards = ShardSet(tuple(self.groups), tuple(self.masters), tuple(self.grad_shards), self.optimizer,

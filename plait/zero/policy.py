@@ -57,6 +57,8 @@ class CommOptions:
         overlap_comm: asynchronous collectives (reduction overlaps backward; all-gathers overlap each other).
         prefetch_bucket_size: stage 3: elements all-gathered ahead of use (0: no prefetch).
         param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every rank.
+        reshard_after_forward: stage 3: release a unit's gathered parameters when its forward ends and
+            gather them again for its backward; False keeps them gathered in between (``stage3.ParamGatherer``).
 
     Raises:
         ValueError: a bucket size below 1 element.
@@ -68,6 +70,7 @@ class CommOptions:
     overlap_comm: bool = False
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         for name in ("reduce_bucket_size", "allgather_bucket_size"):

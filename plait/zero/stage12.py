@@ -73,20 +73,30 @@ class GradReducer:
     def _slice(self, seg: Segment) -> torch.Tensor:
         return self.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
 
+    def _direct(self, seg: Segment) -> torch.Tensor | None:
+        """The grad-shard slice the reduction may write in place: the first of the step (nothing to add
+        to), in the shard's dtype and on its device; with several ranks, a reduce-scatter (stages 1-3) to a
+        device stepper (no ``land``). None otherwise."""
+        shard = self.grad_shards[seg.group]
+        if id(seg) not in self._fresh or self.reduce_dtype != shard.dtype or \
+                shard.device != seg.slots[0].param.device:
+            return None
+        if self.dp_size > 1 and (seg.world == 1 or self.land is not None):
+            return None
+        return self._slice(seg)
+
     def _launch(self, seg: Segment) -> None:
         self._launched.add(id(seg))
-        direct = None
-        shard = self.grad_shards[seg.group]
-        if self.dp_size == 1 and id(seg) in self._fresh and self.reduce_dtype == shard.dtype and \
-                shard.device == seg.slots[0].param.device:
-            direct = self._slice(seg)                  # one process: pack straight into the shard
+        direct = self._direct(seg)
         pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
                                             release=True, async_op=self.overlap, out=direct)
         if direct is not None:
-            self._fresh.discard(id(seg))
-            if self.land is not None:
-                self.land(seg, None, True)
-            return
+            self._fresh.discard(id(seg))       # written in place: landing adds nothing
+            if self.dp_size == 1:
+                if self.land is not None:
+                    self.land(seg, None, True)
+                return
+            out = None
         self._in_flight.append((pending, out, seg))
         limit = MAX_IN_FLIGHT if self.overlap else 0
         while len(self._in_flight) > limit:
@@ -95,6 +105,8 @@ class GradReducer:
     def _land_oldest(self) -> None:
         pending, out, seg = self._in_flight.popleft()
         pending.wait()
+        if out is None:
+            return                             # reduce-scattered into the grad shard itself
         if self.land is not None:
             fresh = id(seg) in self._fresh
             self._fresh.discard(id(seg))

@@ -20,6 +20,22 @@ whole on every rank and never gathered; their gradients are reduce-scattered lik
 updated slices all-gathered after the step (the traffic of one all-reduce, with the optimizer
 state still sharded).
 
+Buffers. Each sharded segment all-gathers into one ``[padded]`` buffer kept for the whole run; releasing
+it resizes the buffer's storage to zero bytes, and gathering it again restores the storage and all-gathers
+into it (FSDP2's scheme). Autograd may hold views of a gathered parameter for backward (``weight.t()``
+saved by the matmul in eager mode); those views share the storage, so a release frees their bytes too
+and the re-gather before the unit's backward fills them again. With one dp rank the shard itself is the
+buffer: nothing is copied or freed.
+
+Reshard after forward. By default a unit is released when its forward ends (ZeRO-3; FSDP2's
+``reshard_after_forward=True``) and all-gathered again for its backward. ``reshard_after_forward=False``
+keeps it gathered from its forward to the end of its backward (one all-gather per step instead of two, at
+the memory of gathered parameters; DeepSpeed's stage 2 traffic with stage 3's sharded storage). Either
+way the root module's unit stays gathered from forward into backward when gradients are enabled (its
+backward starts right after its forward), a forward without gradients releases every unit, and a forward
+run again inside backward (activation checkpointing's recomputation) releases nothing: the unit's
+backward still needs it.
+
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
 all-gather the next units' segments asynchronously while fewer than ``prefetch_bucket_size`` elements are
 taken (as DeepSpeed's ``stage3_prefetch_bucket_size``: the segment that crosses the bound is still taken, so
@@ -132,6 +148,8 @@ class ParamGatherer:
         dp_group, dp_size: the data-parallel group and its size.
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
+        reshard_after_forward: release each unit when its forward ends (module docstring); False keeps
+            it gathered until its backward has produced every gradient.
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
         gate: ZeRO-Offload's ``plait.zero.offload.ready.Readiness`` (None otherwise): ``gather`` first
             calls ``gate.wait_for(segments)`` so a host optimizer step still in flight has written them,
@@ -139,8 +157,12 @@ class ParamGatherer:
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], dp_group, dp_size: int, allgather_bucket_size: int,
-                 prefetch_bucket_size: int, on_backward: Callable[[], None], gate=None):
+                 prefetch_bucket_size: int, on_backward: Callable[[], None], gate=None,
+                 reshard_after_forward: bool = True, device: torch.device | None = None):
         self.root, self.units = root, units
+        self.reshard_after_forward = reshard_after_forward
+        self.device = device          # where gathered buffers live (None: beside each shard)
+        self.buffers: dict[int, torch.Tensor] = {}   # id(segment) -> its [padded] gather buffer
         self.dp_group, self.dp_size = dp_group, dp_size
         self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
         self.on_backward = on_backward
@@ -170,18 +192,49 @@ class ParamGatherer:
                     out.append(seg)
         return out
 
+    def _buffer(self, seg: Segment) -> torch.Tensor:
+        """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank)."""
+        device = self.device if self.device is not None else seg.local.device
+        if self.dp_size == 1 and seg.local.device == device:
+            return seg.local
+        buf = self.buffers.get(id(seg))
+        if buf is None:
+            buf = self.buffers[id(seg)] = torch.empty(seg.padded, dtype=seg.local.dtype, device=device)
+        elif buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        return buf
+
+    def _drop(self, seg: Segment) -> None:
+        """Release ``seg``: parameters empty, its gather buffer's storage (and every view of it) freed. A
+        buffer whose storage was handed to numpy (``Tensor.numpy()`` makes it fixed-size: a checkpoint
+        write) is dropped instead, and the next gather makes a new one."""
+        seg.free()
+        buf = self.buffers.get(id(seg))
+        if buf is None:
+            return
+        if buf.untyped_storage().resizable():
+            buf.untyped_storage().resize_(0)
+        else:
+            del self.buffers[id(seg)]
+
+    def _sources(self, segs: list[Segment]) -> list[torch.Tensor]:
+        """The shards the all-gather reads (on the device of the buffers)."""
+        return [s.local for s in segs]
+
     def _fetch(self, segs: list[Segment], async_op: bool) -> None:
         if not segs:
             return
         self.stats["prefetched" if async_op else "fetched"] += len(segs)
-        outs = [torch.empty(s.padded, dtype=s.local.dtype, device=s.local.device) for s in segs]
-        launched = gather_segments(outs, [s.local for s in segs], self.dp_group, self.dp_size,
-                                   self.allgather_bucket_size, async_op=async_op)
+        outs = [self._buffer(s) for s in segs]
+        ins = self._sources(segs)
+        launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
+                                   async_op=async_op)
         if not async_op or not launched:
             for s, out in zip(segs, outs):
                 s.set_views(out)
             return
         for pending, run in launched:
+            pending.keep.extend(ins[k] for k in run)
             record = (pending, [segs[k] for k in run], [outs[k] for k in run])
             for k in run:
                 self.in_flight[id(segs[k])] = record
@@ -220,7 +273,7 @@ class ParamGatherer:
         for seg in u.segments:
             self.refs[id(seg)] -= 1
             if self.refs[id(seg)] == 0 and id(seg) not in self.in_flight:
-                seg.free()
+                self._drop(seg)
 
     def _prefetch(self, upcoming: list[int]) -> None:
         if self.prefetch_bucket_size <= 0 or not upcoming:
@@ -244,7 +297,7 @@ class ParamGatherer:
             self._land(seg)
         for seg in self._segments():
             if self.refs.get(id(seg), 0) == 0 and seg.full is not None:
-                seg.free()
+                self._drop(seg)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args):
@@ -260,9 +313,18 @@ class ParamGatherer:
             self._prefetch(self.fwd.advance(u.index))
         return pre_forward
 
+    def _keeps_after_forward(self, u: Unit) -> bool:
+        """Whether ``u`` stays gathered when its forward ends (module docstring, "Reshard after forward")."""
+        if torch._C._current_graph_task_id() != -1:
+            return True            # recomputed inside backward: the unit's backward comes next
+        if not torch.is_grad_enabled():
+            return False
+        return not self.reshard_after_forward or u.module is self.root
+
     def _make_post(self, u: Unit):
         def post_forward(module, args, output):
-            self.release(u)
+            if not self._keeps_after_forward(u):
+                self.release(u)
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
@@ -303,6 +365,10 @@ class ParamGatherer:
             self.gather(u)
 
     def release_all(self) -> None:
+        """Release every unit. The gathered buffers are let go rather than freed in place: tensors taken
+        from the whole parameters (a ``state_dict()`` inside ``gathered_parameters``) keep their values,
+        and their memory goes when they do; the next gather allocates new buffers."""
+        self.buffers.clear()
         for u in self.units:
             self.release(u)
         self._free_unheld()
