@@ -1,0 +1,291 @@
+"""Issue 14: plait ZeRO-2/3 against FSDP2 and DeepSpeed ZeRO-3, data parallel over any number of GPUs.
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/bench_zero.py --nproc 2 [--model llama-886m] [--micro 4]
+        [--ac] [--arms a,b,...] [--steps 10] [--warmup N] [--timeout 400] [--out bench_zero.jsonl]
+    python benchmarks/bench_zero.py --report a.jsonl b.jsonl        # tables of earlier runs, together
+
+Each arm runs under ``torch.distributed.run --standalone --nproc-per-node N`` in a process group of its
+own (fresh CUDA memory statistics; a failure or a run past --timeout becomes a row with its error). Every
+rank trains the preset's shape (``plait.layers.preset(--model)``), sequence 2048, ``--micro`` sequences
+per rank, bf16, AdamW lr 1e-4 wd 0.1 betas 0.9/0.95, clipping 1.0; ``--ac`` recomputes every block in
+backward (activation checkpointing per block):
+
+- fsdp2 / fsdp2-compile: ``hand_llama.HandLlama`` (plain torch) with ``fully_shard`` per block and on the
+  root (MixedPrecisionPolicy bf16 parameters, fp32 reduce; reshard after forward, FSDP2's default), fused
+  torch AdamW on the sharded fp32 parameters; -compile compiles each block first (regional, as torchtitan);
+  --ac wraps each block in torch's ``checkpoint_wrapper`` first.
+- ds-z3 / ds-z2: DeepSpeed 0.19.8 on the same model (bf16, torch AdamW; ``benchmarks/_common.ds_like_config``).
+- plait-z3 / plait-z2 and -compile: plait's TransformerModel through ``plait.initialize`` with the same
+  ds_config (``"compile"`` on for -compile; ``activation_checkpointing`` for --ac); plait-z3-keep: ZeRO-3
+  with ``reshard_after_forward: false``; plait-z3-bf16reduce: ZeRO-3 with ``communication_data_type: bf16``.
+
+Reported per arm: tokens/s per GPU (rank 0's mean step time after the warm-up), MFU = tokens/s x (6N + 6 x
+layers x hidden x seq) / 989e12, peak GiB (the largest ``torch.cuda.max_memory_allocated`` over the ranks,
+over the timed steps), and rank 0's parts of the peak (``_memory.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
+from _common import model_flops_per_token, run_child  # noqa: E402
+
+ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
+        "plait-z3-keep", "plait-z3-bf16reduce")
+PART_KEYS = ("params", "grads", "master", "optimizer_state", "activations", "resident")
+
+
+def init_distributed() -> torch.device:
+    """NCCL over the ranks torchrun started; this rank's GPU."""
+    import torch.distributed as dist
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def torch_model(cfg, device, ac: bool, compiled: bool):
+    """``HandLlama`` at ``cfg``'s shape (same parameter count as plait's), blocks wrapped for AC and compiled."""
+    from hand_llama import HandLlama, llama_shape
+    with torch.device(device):
+        model = HandLlama(**{k: getattr(cfg, k) for k in llama_shape}, init_std=cfg.init_std)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == cfg.num_parameters(), f"hand-written model has {n:,} parameters, plait's {cfg.num_parameters():,}"
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    if compiled:
+        for block in model.blocks:
+            block.compile(fullgraph=True)
+    return model, n
+
+
+def fsdp2_arm(arm, cfg, device, args):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from _memory import tensor_parts
+    model, n = torch_model(cfg, device, args.ac, arm.endswith("-compile"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True)
+
+    def step(i, probe=None):
+        loss = model(**batch(cfg, device, i, micro=args.micro))
+        loss.backward()
+        if probe is not None:
+            probe()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step, lambda: tensor_parts(model.parameters(), [opt]), n
+
+
+def run_config(arm, args, num_layers: int) -> dict:
+    """The ds_config of the DeepSpeed and plait arms."""
+    conf = ds_like_config(int(arm.split("-")[1][1]))
+    conf["train_micro_batch_size_per_gpu"] = args.micro
+    if args.ac:
+        conf["activation_checkpointing"] = {"number_checkpoints": num_layers}   # every block
+    if arm.endswith("-compile"):
+        conf["compile"] = {"enabled": True, "backend": "inductor", "kwargs": {}}
+    if arm.endswith("-keep"):
+        conf["zero_optimization"]["reshard_after_forward"] = False
+    if arm.endswith("-bf16reduce"):
+        conf["communication_data_type"] = "bf16"
+    return conf
+
+
+def ds_arm(arm, cfg, device, args):
+    import deepspeed
+
+    from _memory import tensor_parts
+    model, n = torch_model(cfg, device, args.ac, False)
+    conf = run_config(arm, args, cfg.num_layers)
+    conf.pop("activation_checkpointing", None)       # the blocks are wrapped already
+    conf["zero_allow_untested_optimizer"] = True
+    del conf["optimizer"]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return micro_step(engine, cfg, device, args), lambda: tensor_parts(engine.module.parameters(), [inner]), n
+
+
+def micro_step(engine, cfg, device, args):
+    """``_common.engine_step`` with ``--micro`` sequences per step."""
+    def step(i, probe=None):
+        loss = engine(**batch(cfg, device, i, micro=args.micro))
+        engine.backward(loss)
+        if probe is not None:
+            probe()
+        engine.step()
+        return loss
+    return step
+
+
+def plait_arm(arm, cfg, device, args):
+    import plait
+    from plait.layers import TransformerModel
+    from plait.parallel import ParallelMesh
+
+    from _memory import plait_parts
+    model = TransformerModel(cfg, None, seed=0, device=device)
+    engine = plait.initialize(model, run_config(arm, args, cfg.num_layers), mesh=ParallelMesh())
+    return micro_step(engine, cfg, device, args), lambda: plait_parts(engine), cfg.num_parameters()
+
+
+def make_arm(arm, cfg, device, args):
+    if arm.startswith("fsdp2"):
+        return fsdp2_arm(arm, cfg, device, args)
+    if arm.startswith("ds-"):
+        return ds_arm(arm, cfg, device, args)
+    if arm.startswith("plait-"):
+        return plait_arm(arm, cfg, device, args)
+    raise ValueError(f"unknown arm {arm!r}; use one of {ARMS}")
+
+
+def run_arm(arm: str, args) -> dict | None:
+    """On every rank: warm up, time ``--steps`` steps, one more step for the parts; rank 0's row."""
+    import torch.distributed as dist
+
+    import _memory
+    from plait.layers import preset
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device, cfg = init_distributed(), preset(args.model)
+    warmup = args.warmup if args.warmup is not None else (5 if "compile" in arm else 3)
+    step, parts_fn, n_params = make_arm(arm, cfg, device, args)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + args.steps):
+        loss = step(i)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.steps
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
+    tokens = args.micro * SEQ / dt
+    return {"arm": arm, "model": args.model, "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
+            "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
+            "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
+            "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
+            "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+
+
+def ratio(row, base) -> str:
+    if base is None or "tokens_per_s_gpu" not in row or "tokens_per_s_gpu" not in base:
+        return ""
+    return f"{row['tokens_per_s_gpu'] / base['tokens_per_s_gpu']:.3f}"
+
+
+def report(rows) -> str:
+    """Markdown: throughput and memory per (model, micro, ac, world), ratios against FSDP2 and DeepSpeed
+    ZeRO-3 of the same run; then the parts of each peak."""
+    out = []
+    keys = []
+    for r in rows:
+        key = (r.get("model"), r.get("micro"), r.get("ac"), r.get("world"))
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        group = [r for r in rows if (r.get("model"), r.get("micro"), r.get("ac"), r.get("world")) == key]
+        ok = [r for r in group if "device" in r]
+        by = {r["arm"]: r for r in ok}
+        out += [f"{key[0]}, seq {SEQ}, micro-batch {key[1]} per GPU, activation checkpointing {'on' if key[2] else 'off'}, "
+                f"dp={key[3]}, bf16, AdamW, clip 1.0; {ok[0]['device'] if ok else '?'} x {key[3]}; "
+                f"torch {ok[0]['torch'] if ok else '?'}", "",
+                "| arm | tokens/s/GPU | MFU | peak GiB | step s | x fsdp2 | x fsdp2-compile | x ds-z3 |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in group:
+            if "error" in r:
+                out.append(f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | |")
+                continue
+            out.append(f"| {r['arm']} | {r['tokens_per_s_gpu'] / 1e3:.2f}k | {100 * r['mfu']:.1f}% | "
+                       f"{r['peak_gib']:.2f} | {r['step_s']:.3f} | {ratio(r, by.get('fsdp2'))} | "
+                       f"{ratio(r, by.get('fsdp2-compile'))} | {ratio(r, by.get('ds-z3'))} |")
+        out += ["", "Parts of rank 0's peak, GiB (activations: the peak minus the four before it, buffers "
+                "included; resident: allocated between steps)", "",
+                "| arm | peak | " + " | ".join(PART_KEYS) + " |", "|---" * (len(PART_KEYS) + 2) + "|"]
+        for r in ok:
+            out.append(f"| {r['arm']} | {r['peak_gib']:.2f} | "
+                       + " | ".join(f"{r['parts'][k] / 2**30:.2f}" for k in PART_KEYS) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default="fsdp2,ds-z3,plait-z3,plait-z2")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) per arm")
+    p.add_argument("--model", default="llama-886m", help="a plait preset, e.g. llama-886m or llama-5.9b")
+    p.add_argument("--micro", type=int, default=4, help="sequences of 2048 tokens per GPU per step")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=400, help="seconds per arm")
+    p.add_argument("--out", default="bench_zero.jsonl")
+    p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
+    p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def child_args(args) -> list[str]:
+    out = ["--model", args.model, "--micro", str(args.micro), "--steps", str(args.steps)]
+    out += [] if args.warmup is None else ["--warmup", str(args.warmup)]
+    return out + (["--ac"] if args.ac else [])
+
+
+def main():
+    args = parse_args()
+    if args.one:
+        row = run_arm(args.one, args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+        return
+    if args.report:
+        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
+        return
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    for folder in (args.logs, os.path.dirname(args.out)):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    rows = []
+    with open(args.out, "a") as f:
+        for arm in arms:
+            t0 = time.perf_counter()
+            log = os.path.join(args.logs, f"{arm}.log") if args.logs else f"{args.out}.{arm}.log"
+            row = run_child(__file__, arm, child_args(args), args.timeout, log_path=log, launcher=launcher)
+            row.update({k: v for k, v in (("model", args.model), ("micro", args.micro), ("ac", args.ac),
+                                          ("world", args.nproc)) if k not in row})
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(json.dumps({k: v for k, v in row.items() if k != "parts"}), flush=True)
+    print("\n" + report(rows))
+
+
+if __name__ == "__main__":
+    main()
