@@ -29,6 +29,13 @@ def memory_body(stage):
         if _ == 0:
             opt.step()
     held = opt.memory_bytes()
+    # the fp32 grad shards exist from the first reduction into them (stage 1: at the step) to the end of
+    # the step: read them when the optimizer applies the update
+    apply, at_step = opt.stepper.apply, {}
+    opt.stepper.apply = lambda coef: at_step.update(opt.memory_bytes()) or apply(coef)
+    opt.step()
+    held["grad_shards"] = max(held["grad_shards"], at_step["grad_shards"])
+    assert opt.memory_bytes()["grad_shards"] == 0          # given back after the step
     segments = sum(len(g.segments) for g in opt.groups)
     return numel, segments, held
 

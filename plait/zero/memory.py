@@ -218,7 +218,7 @@ def held_bytes(opt) -> dict[str, int]:
     out = {
         "params": params,
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None),
-        "grad_shards": sum(g.numel() * g.element_size() for g in opt.grad_shards),
+        "grad_shards": sum(g.untyped_storage().nbytes() for g in opt.grad_shards),   # 0 between steps on the device
         "master": sum(m.numel() * m.element_size() for m in opt.masters),
         "optimizer_state": sum(v.numel() * v.element_size() for st in opt.optimizer.state.values()
                                for v in st.values() if torch.is_tensor(v)),

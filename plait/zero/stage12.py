@@ -62,7 +62,8 @@ class GradReducer:
         # Segments whose shard slice holds no gradient yet this step: the first reduction lands by
         # copy (no zero-fill, no read-modify-write), later micro-steps add. Every segment lands at
         # least once per backward pass (``flush``/``reduce_all`` launch all), so no stale values.
-        self._fresh: set[int] = {id(seg) for seg in self.segments}
+        self._fresh: set[int] = set()
+        self.zero()
         self._reset_counts()
 
     # ---- launching and landing ----------------------------------------------------------
@@ -87,6 +88,9 @@ class GradReducer:
 
     def _launch(self, seg: Segment) -> None:
         self._launched.add(id(seg))
+        shard = self.grad_shards[seg.group]
+        if shard.untyped_storage().nbytes() == 0:    # given back after the last step; every slice lands anew
+            shard.untyped_storage().resize_(shard.numel() * shard.element_size())
         direct = self._direct(seg)
         pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
                                             release=True, async_op=self.overlap, out=direct)
@@ -118,9 +122,14 @@ class GradReducer:
             self._slice(seg).add_(out)
 
     def wait(self) -> None:
-        """Wait for every launched reduction and add it into the grad shards."""
+        """Wait for every launched reduction and add it into the grad shards. A shard nothing landed in
+        since ``zero()`` (a step without backward) reads as zeros."""
         while self._in_flight:
             self._land_oldest()
+        for shard in self.grad_shards:
+            if shard.untyped_storage().nbytes() == 0:
+                shard.untyped_storage().resize_(shard.numel() * shard.element_size())
+                shard.zero_()
 
     # ---- stage 0/1: at the boundary --------------------------------------------------------
     def reduce_all(self) -> None:
@@ -150,5 +159,12 @@ class GradReducer:
         self._reset_counts()
 
     def zero(self) -> None:
-        """Start a new step: the next reduction into each slice overwrites it (see ``_fresh``)."""
+        """Start a new step: the next reduction into each slice overwrites it (see ``_fresh``), so the
+        device grad shards give their memory back until then (their storage is resized to 0 bytes, as
+        ``zero_grad(set_to_none=True)`` frees gradients; the first landing of the next backward restores
+        it). Host shards under offload stay (their landing is the stepper's)."""
         self._fresh = {id(seg) for seg in self.segments}
+        if self.land is None:
+            for shard in self.grad_shards:
+                if shard.untyped_storage().resizable():
+                    shard.untyped_storage().resize_(0)
