@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -59,11 +60,11 @@ def ds_like_config(stage: int) -> dict:
                                   "stage3_param_persistence_threshold": 100_000}}
 
 
-def engine_step(engine, cfg, device):
-    """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's); ``probe`` (if
-    given) runs between backward and the optimizer step."""
+def engine_step(engine, cfg, device, micro: int = MICRO):
+    """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's), ``micro`` sequences
+    per step; ``probe`` (if given) runs between backward and the optimizer step."""
     def step(i, probe=None):
-        loss = engine(**batch(cfg, device, i))
+        loss = engine(**batch(cfg, device, i, micro=micro))
         engine.backward(loss)
         if probe is not None:
             probe()
@@ -102,3 +103,26 @@ def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: 
     if timed_out:
         return {"arm": arm, "error": f"timeout after {timeout:.0f} s (last: {_error_line(out)[:200]})"}
     return {"arm": arm, "error": f"exit {proc.returncode}: {_error_line(out)}"}
+
+
+def run_arms(script: str, arms: list[str], args, child_args: list[str], launcher: list[str] = (),
+             tags: dict | None = None) -> list[dict]:
+    """Run each arm with ``run_child`` (``args``: ``timeout``, ``out``, ``logs``); append each row, with
+    ``tags`` filled in where the row lacks them and the wall time, to ``args.out`` as a JSON line and print
+    it (without its ``parts``). Returns the rows."""
+    for folder in (args.logs, os.path.dirname(args.out)):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+    rows = []
+    with open(args.out, "a") as f:
+        for arm in arms:
+            t0 = time.perf_counter()
+            log = os.path.join(args.logs, f"{arm}.log") if args.logs else f"{args.out}.{arm}.log"
+            row = run_child(script, arm, child_args, args.timeout, log_path=log, launcher=launcher)
+            row.update({k: v for k, v in (tags or {}).items() if k not in row})
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(json.dumps({k: v for k, v in row.items() if k != "parts"}), flush=True)
+    return rows

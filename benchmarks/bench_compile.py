@@ -43,7 +43,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, CLIP, LR, MICRO, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
-from _common import engine_step, init_single_process, model_flops_per_token, run_child  # noqa: E402
+from _common import engine_step, init_single_process, model_flops_per_token, run_arms  # noqa: E402
 from _common import single_process_env  # noqa: E402
 
 #: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused): the environment
@@ -311,21 +311,9 @@ def main():
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
-    rows = []
-    for folder in (args.logs, os.path.dirname(args.out)):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-    with open(args.out, "w") as f:
-        for arm in arms:
-            t0 = time.perf_counter()
-            log = os.path.join(args.logs, f"{arm}.log") if args.logs else f"{args.out}.{arm}.log"
-            row = run_child(__file__, arm, child_args(args), args.timeout, log_path=log)
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            print(json.dumps({k: v for k, v in row.items() if k != "parts"}), flush=True)
-    print("\n" + report(rows))
+    if os.path.exists(args.out):
+        os.remove(args.out)                   # this script's --out holds one run
+    print("\n" + report(run_arms(__file__, arms, args, child_args(args))))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
-from _common import model_flops_per_token, run_child  # noqa: E402
+from _common import engine_step, model_flops_per_token, run_arms  # noqa: E402
 
 ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
         "plait-z3-keep", "plait-z3-bf16reduce")
@@ -120,19 +120,8 @@ def ds_arm(arm, cfg, device, args):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    return micro_step(engine, cfg, device, args), lambda: tensor_parts(engine.module.parameters(), [inner]), n
-
-
-def micro_step(engine, cfg, device, args):
-    """``_common.engine_step`` with ``--micro`` sequences per step."""
-    def step(i, probe=None):
-        loss = engine(**batch(cfg, device, i, micro=args.micro))
-        engine.backward(loss)
-        if probe is not None:
-            probe()
-        engine.step()
-        return loss
-    return step
+    parts = lambda: tensor_parts(engine.module.parameters(), [inner])  # noqa: E731
+    return engine_step(engine, cfg, device, args.micro), parts, n
 
 
 def plait_arm(arm, cfg, device, args):
@@ -143,7 +132,7 @@ def plait_arm(arm, cfg, device, args):
     from _memory import plait_parts
     model = TransformerModel(cfg, None, seed=0, device=device)
     engine = plait.initialize(model, run_config(arm, args, cfg.num_layers), mesh=ParallelMesh())
-    return micro_step(engine, cfg, device, args), lambda: plait_parts(engine), cfg.num_parameters()
+    return engine_step(engine, cfg, device, args.micro), lambda: plait_parts(engine), cfg.num_parameters()
 
 
 def make_arm(arm, cfg, device, args):
@@ -156,14 +145,19 @@ def make_arm(arm, cfg, device, args):
     raise ValueError(f"unknown arm {arm!r}; use one of {ARMS}")
 
 
+def model_config(args):
+    """The preset ``--model``, with ``--layers`` blocks when given (to find the largest model that fits)."""
+    from plait.layers import preset
+    return preset(args.model, num_layers=args.layers) if args.layers else preset(args.model)
+
+
 def run_arm(arm: str, args) -> dict | None:
     """On every rank: warm up, time ``--steps`` steps, one more step for the parts; rank 0's row."""
     import torch.distributed as dist
 
     import _memory
-    from plait.layers import preset
     torch.backends.cuda.matmul.allow_tf32 = True
-    device, cfg = init_distributed(), preset(args.model)
+    device, cfg = init_distributed(), model_config(args)
     warmup = args.warmup if args.warmup is not None else (5 if "compile" in arm else 3)
     step, parts_fn, n_params = make_arm(arm, cfg, device, args)
     t0 = time.perf_counter()
@@ -182,11 +176,15 @@ def run_arm(arm: str, args) -> dict | None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
     tokens = args.micro * SEQ / dt
-    return {"arm": arm, "model": args.model, "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
+    return {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
             "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+
+
+def model_name(args) -> str:
+    return f"{args.model} with {args.layers} layers" if args.layers else args.model
 
 
 def ratio(row, base) -> str:
@@ -208,7 +206,9 @@ def report(rows) -> str:
         group = [r for r in rows if (r.get("model"), r.get("micro"), r.get("ac"), r.get("world")) == key]
         ok = [r for r in group if "device" in r]
         by = {r["arm"]: r for r in ok}
-        out += [f"{key[0]}, seq {SEQ}, micro-batch {key[1]} per GPU, activation checkpointing {'on' if key[2] else 'off'}, "
+        params = f" ({ok[0]['params'] / 1e9:.2f}B parameters)" if ok else ""
+        ac = "on" if key[2] else "off"
+        out += [f"{key[0]}{params}, seq {SEQ}, micro-batch {key[1]} per GPU, activation checkpointing {ac}, "
                 f"dp={key[3]}, bf16, AdamW, clip 1.0; {ok[0]['device'] if ok else '?'} x {key[3]}; "
                 f"torch {ok[0]['torch'] if ok else '?'}", "",
                 "| arm | tokens/s/GPU | MFU | peak GiB | step s | x fsdp2 | x fsdp2-compile | x ds-z3 |",
@@ -235,6 +235,7 @@ def parse_args():
     p.add_argument("--arms", default="fsdp2,ds-z3,plait-z3,plait-z2")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) per arm")
     p.add_argument("--model", default="llama-886m", help="a plait preset, e.g. llama-886m or llama-5.9b")
+    p.add_argument("--layers", type=int, default=None, help="blocks instead of the preset's number")
     p.add_argument("--micro", type=int, default=4, help="sequences of 2048 tokens per GPU per step")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     p.add_argument("--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise")
@@ -249,6 +250,7 @@ def parse_args():
 
 def child_args(args) -> list[str]:
     out = ["--model", args.model, "--micro", str(args.micro), "--steps", str(args.steps)]
+    out += ["--layers", str(args.layers)] if args.layers else []
     out += [] if args.warmup is None else ["--warmup", str(args.warmup)]
     return out + (["--ac"] if args.ac else [])
 
@@ -267,24 +269,9 @@ def main():
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
-    for folder in (args.logs, os.path.dirname(args.out)):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    rows = []
-    with open(args.out, "a") as f:
-        for arm in arms:
-            t0 = time.perf_counter()
-            log = os.path.join(args.logs, f"{arm}.log") if args.logs else f"{args.out}.{arm}.log"
-            row = run_child(__file__, arm, child_args(args), args.timeout, log_path=log, launcher=launcher)
-            row.update({k: v for k, v in (("model", args.model), ("micro", args.micro), ("ac", args.ac),
-                                          ("world", args.nproc)) if k not in row})
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            print(json.dumps({k: v for k, v in row.items() if k != "parts"}), flush=True)
-    print("\n" + report(rows))
+    tags = {"model": model_name(args), "micro": args.micro, "ac": args.ac, "world": args.nproc}
+    print("\n" + report(run_arms(__file__, arms, args, child_args(args), launcher, tags)))
 
 
 if __name__ == "__main__":

@@ -82,13 +82,14 @@ def test_bf16_tracks_fp32_loss():
 
 def test_memory_follows_zero_accounting():
     """dp=4, bf16 params (b=2), AdamW (K=12): bytes per parameter held by one rank after backward (ZeRO
-    Fig. 1). Stage 1 reduces at the step, so its fp32 grad shard is not allocated yet (0 instead of 4/dp)."""
+    Fig. 1). Stage 1 reduces at the step, so its fp32 grad shard is not allocated yet (0 instead of 4/dp); stage 3
+    casts its bf16 weight shard from the fp32 master at each gather, so none is kept (0 instead of 2/dp)."""
     psi = sum(p.numel() for p in make_model().parameters())  # tied weight counted once
     dp = 4
     expect = {  # (params, grads, grad_shards, master + optimizer_state)
         1: (2 * psi, 2 * psi, 0, 12 * psi / dp),
         2: (2 * psi, 0, 4 * psi / dp, 12 * psi / dp),
-        3: (2 * psi / dp, 0, 4 * psi / dp, 12 * psi / dp),
+        3: (0, 0, 4 * psi / dp, 12 * psi / dp),
     }
     for stage, want in expect.items():
         for mem in ok([r["memory"][stage] for r in suite(dp)]):

@@ -148,6 +148,17 @@ def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, mas
     return keep_from_children(nn.Parameter(torch.cat(slices)))   # host masters: not copied into forked workers
 
 
+def derive_shards(groups: list[FlatGroup], masters) -> None:
+    """Stage 3 with each master beside its parameters (no offload): a sharded segment's compute-dtype shard is no longer
+    kept but cast from its fp32 master slice right before each all-gather (``Segment.shard``), as FSDP2
+    casts its sharded fp32 parameters: 2 bytes per parameter / dp less held, one cast per gather more."""
+    for group, master in zip(groups, masters):
+        for seg in group.segments:
+            if seg.local is not None and seg.local.device == master.device:
+                seg.source = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
+                seg.drop_shard()
+
+
 def read_shard(seg, weights, device: torch.device) -> torch.Tensor:
     """This rank's ``[S]`` slice of ``seg`` in float32, read piece by piece from ``weights`` (zero padding)."""
     out = torch.zeros(seg.shard_size, dtype=torch.float32, device=device)

@@ -126,14 +126,17 @@ def publish_segments(segments, dp_group, dp_size: int, bucket_numel: int, async_
     persistent; ``seg.world > 1``) are all-gathered over ``dp_group`` (ZeRO Sec. 5.1: the parameter
     all-gather after the update). Waits for every collective. Collective over ``dp_group``.
     """
-    outs, ins = [], []
+    outs, ins, made = [], [], []
     for seg in segments:
         if seg.local is not None:
             if seg.full is not None:
                 outs.append(seg.full)
-                ins.append(seg.local.to(seg.full.device))
+                ins.append(seg.shard().to(seg.full.device))
+                made += [seg] if seg.full is not seg.local else []    # one rank: the shard is the buffer
         elif seg.world > 1:
             outs.append(seg.full)
             ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
     for pending, _ in gather_segments(outs, ins, dp_group, dp_size, bucket_numel, async_op=async_op):
         pending.wait()
+    for seg in made:
+        seg.drop_shard()

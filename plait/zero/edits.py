@@ -76,5 +76,5 @@ def adopt_edits(opt, modifier_rank: int) -> None:
             mine = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
             edited = own != mine.to(own.dtype)   # elements the edit changed: the rest keep their fp32 bits
             mine[edited] = own[edited].to(mine.dtype)
-            if seg.local is not None:
+            if seg.local is not None and seg.source is None:
                 seg.local.copy_(own)

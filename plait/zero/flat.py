@@ -64,7 +64,9 @@ class Segment:
 
     Runtime fields: ``full`` is the whole padded buffer ``[padded]`` in the compute dtype while it
     exists (always for stages 0-2 and stage-3 persistent segments; only while gathered for other
-    stage-3 segments); ``local`` is this rank's ``[S]`` slice in the compute dtype (stage 3 only).
+    stage-3 segments); ``local`` is this rank's ``[S]`` slice in the compute dtype (stage 3 only);
+    ``source``, when set, is the fp32 master ``[S]`` slice that ``local`` is made from on demand
+    (``shard()``; stage 3 with the masters beside the parameters), ``local`` holding no storage otherwise.
     """
 
     key: GroupKey
@@ -77,6 +79,7 @@ class Segment:
     unit: int | None = None  # stage 3: index of the unit that owns these parameters
     full: torch.Tensor | None = field(default=None, repr=False)
     local: torch.Tensor | None = field(default=None, repr=False)
+    source: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def padded(self) -> int:
@@ -132,6 +135,20 @@ class Segment:
         if dests:
             torch._foreach_copy_(dests, values)
         return out
+
+    def shard(self) -> torch.Tensor:
+        """``local`` holding this rank's current values: cast from ``source`` when it is derived."""
+        if self.source is not None:
+            storage = self.local.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self.local.numel() * self.local.element_size())
+            self.local.copy_(self.source)
+        return self.local
+
+    def drop_shard(self) -> None:
+        """Give back ``local``'s storage when it is derived from ``source`` (``shard()`` makes it again)."""
+        if self.source is not None and self.local.untyped_storage().resizable():
+            self.local.untyped_storage().resize_(0)
 
     def set_views(self, full: torch.Tensor) -> None:
         """Point every parameter's ``.data`` at its place in ``full`` (``[padded]``)."""

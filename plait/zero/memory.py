@@ -24,10 +24,12 @@ moves each rank's weight partition to the host as well (ZeRO-Infinity's CPU tier
 
 ``accounting="plait"`` gives what plait's ``ZeroOptimizer`` actually holds instead of the paper's
 idealisation: the reduced gradient partition is kept in fp32 (4 bytes/element, so gradient accumulation does
-not round, as DeepSpeed also does), and at stage 1 it exists beside the full compute-dtype gradients:
+not round, as DeepSpeed also does), and at stage 1 it exists beside the full compute-dtype gradients; at
+stage 3 the compute-dtype weight partition is cast from the fp32 master when gathered, not kept (unless the
+optimizer is offloaded):
 
     stage 1:  2 * Psi (weights) + 2 * Psi (grads) + 4 * Psi / N (fp32 grad partition) + K * Psi / N
-    stage 2:  2 * Psi + (4 + K) * Psi / N            stage 3:  (2 + 4 + K) * Psi / N
+    stage 2:  2 * Psi + (4 + K) * Psi / N            stage 3:  (4 + K) * Psi / N
 
 Exception not modelled here: with offload_optimizer, bf16 weights and gradient accumulation 1, the host
 gradient partition stays bf16 (2 bytes/element, exact since nothing is accumulated; ``plait.zero.offload``),
@@ -125,6 +127,8 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
     gpu_grads = (part if stage >= 2 else full) * low
     if accounting == "plait" and stage >= 1:
         gpu_grads = part * 4 + (full * low if stage == 1 else 0)
+    if accounting == "plait" and stage == 3 and not offload_optimizer:
+        gpu_params = 0                                     # cast from the fp32 master at each gather
     gpu_optim = (part if stage >= 1 else full) * k_gpu
     host_params = host_grads = host_optim = 0
     if offload_optimizer:
@@ -214,7 +218,7 @@ def held_bytes(opt) -> dict[str, int]:
             for t in (seg.full, seg.local):
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
-                    params += t.numel() * t.element_size()
+                    params += t.untyped_storage().nbytes()
     out = {
         "params": params,
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None),

@@ -47,8 +47,8 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.build import (check_arguments, grad_dtypes, layout_entries, materialize, optimizer_groups,
-                              resolve_groups, unit_segments, weight_decay_groups)
+from plait.zero.build import (check_arguments, derive_shards, grad_dtypes, layout_entries, materialize,
+                              optimizer_groups, resolve_groups, unit_segments, weight_decay_groups)
 from plait.zero.clip import clip_coefficient
 from plait.zero.edits import gathered, mark_owner
 from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
@@ -58,7 +58,7 @@ from plait.zero.pinned import host_empty
 from plait.zero.policy import ClipOptions, CommOptions, PrecisionOptions, StagePolicy
 from plait.zero.precision import LossScaler, log_skipped_step
 from plait.zero.stage3 import ParamGatherer
-from plait.zero.stage12 import GradReducer
+from plait.zero.stage12 import GradReducer, gives_back
 from plait.zero.stepper import DeviceStepper, ShardSet, Stepper, write_back
 
 __all__ = ["ClipOptions", "CommOptions", "PrecisionOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
@@ -148,6 +148,8 @@ class ZeroOptimizer:
         host_params = off is not None and off.param
         self.masters = [materialize(g, self.policy, self.device, master_device, host_params,
                                     host_params and off.pin_memory, weights) for g in self.groups]
+        if not (self._host or host_params):   # offload: the host stepper writes the (host) shards itself
+            derive_shards(self.groups, self.masters)
         world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]   # bf16 host shards: see grad_dtypes
         grad_dtype, self._land_dtype = grad_dtypes(self._host, self.gradient_accumulation_steps, self.groups, world,
                                                    self.comm.reduce_dtype)
@@ -195,7 +197,8 @@ class ZeroOptimizer:
                                            self.dp_size, comm)
         self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
-                                   land=self.stepper.land if self._host else None)
+                                   land=self.stepper.land if self._host else None,
+                                   give_back=gives_back(self.device, self._host))
         mark_owner(self.params, self)
 
     @property

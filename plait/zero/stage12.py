@@ -22,6 +22,7 @@ order), as with DistributedDataParallel; otherwise collectives pair up wrongly.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -30,6 +31,20 @@ from plait.zero.comm import Pending, reduce_segment_grads
 from plait.zero.flat import FlatGroup, Segment
 
 MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (bounds buffer memory)
+
+
+def gives_back(device: torch.device, host: bool) -> bool:
+    """Whether device grad shards should free their storage between steps: not on the host (offload: the
+    host stepper owns them), and on CUDA only with the allocator's expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Without them a whole-group shard (one block of
+    4 bytes x parameters / dp) must find one free block again each backward, among the activations that took
+    its place meanwhile, and a model that fits with the shard kept can run out of memory."""
+    if host:
+        return False
+    if device.type != "cuda":
+        return True
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 class GradReducer:
@@ -47,11 +62,12 @@ class GradReducer:
         land: ZeRO-Offload hook ``land(seg, out, fresh)`` that takes over each landing (``out``: the
             reduced ``[S]`` slice on the device, or None when it was packed straight into the
             grad shard; ``fresh``: first landing of the step); see ``plait.zero.offload``.
+        give_back: free the grad shards' storage between steps (``zero``); see ``gives_back``.
     """
 
     def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], dp_group, dp_size: int,
-                 reduce_dtype: torch.dtype, overlap: bool, eager: bool, land=None):
-        self.groups, self.grad_shards, self.land = groups, grad_shards, land
+                 reduce_dtype: torch.dtype, overlap: bool, eager: bool, land=None, give_back: bool = False):
+        self.groups, self.grad_shards, self.land, self.give_back = groups, grad_shards, land, give_back
         self.dp_group, self.dp_size = dp_group, dp_size
         self.reduce_dtype, self.overlap, self.eager = reduce_dtype, overlap, eager
         self.segments: list[Segment] = [seg for g in groups for seg in g.segments]
@@ -159,12 +175,12 @@ class GradReducer:
         self._reset_counts()
 
     def zero(self) -> None:
-        """Start a new step: the next reduction into each slice overwrites it (see ``_fresh``), so the
-        device grad shards give their memory back until then (their storage is resized to 0 bytes, as
+        """Start a new step: the next reduction into each slice overwrites it (see ``_fresh``), so with
+        ``give_back`` the grad shards free their memory until then (their storage is resized to 0 bytes, as
         ``zero_grad(set_to_none=True)`` frees gradients; the first landing of the next backward restores
-        it). Host shards under offload stay (their landing is the stepper's)."""
+        it)."""
         self._fresh = {id(seg) for seg in self.segments}
-        if self.land is None:
+        if self.give_back:
             for shard in self.grad_shards:
                 if shard.untyped_storage().resizable():
                     shard.untyped_storage().resize_(0)

@@ -24,8 +24,9 @@ Buffers. Each sharded segment all-gathers into one ``[padded]`` buffer kept for 
 it resizes the buffer's storage to zero bytes, and gathering it again restores the storage and all-gathers
 into it (FSDP2's scheme). Autograd may hold views of a gathered parameter for backward (``weight.t()``
 saved by the matmul in eager mode); those views share the storage, so a release frees their bytes too
-and the re-gather before the unit's backward fills them again. With one dp rank the shard itself is the
-buffer: nothing is copied or freed.
+and the re-gather before the unit's backward fills them again. The all-gather's input, the rank's
+compute-dtype shard, is itself cast from the fp32 master slice just before (``Segment.shard``, unless ZeRO-Offload
+keeps shards on the host) and freed after; with one dp rank that shard is the buffer.
 
 Reshard after forward. By default a unit is released when its forward ends (ZeRO-3; FSDP2's
 ``reshard_after_forward=True``) and all-gathered again for its backward. ``reshard_after_forward=False``
@@ -196,7 +197,7 @@ class ParamGatherer:
         """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank)."""
         device = self.device if self.device is not None else seg.local.device
         if self.dp_size == 1 and seg.local.device == device:
-            return seg.local
+            return seg.local            # filled by _sources: the gather is the shard itself
         buf = self.buffers.get(id(seg))
         if buf is None:
             buf = self.buffers[id(seg)] = torch.empty(seg.padded, dtype=seg.local.dtype, device=device)
@@ -211,6 +212,7 @@ class ParamGatherer:
         seg.free()
         buf = self.buffers.get(id(seg))
         if buf is None:
+            seg.drop_shard()            # one rank: the shard was the buffer
             return
         if buf.untyped_storage().resizable():
             buf.untyped_storage().resize_(0)
@@ -218,8 +220,16 @@ class ParamGatherer:
             del self.buffers[id(seg)]
 
     def _sources(self, segs: list[Segment]) -> list[torch.Tensor]:
-        """The shards the all-gather reads (on the device of the buffers)."""
-        return [s.local for s in segs]
+        """The shards the all-gather reads (on the device of the buffers); ``_gathered`` gives back those
+        made for it."""
+        return [s.shard() for s in segs]
+
+    def _gathered(self, segs: list[Segment], outs: list[torch.Tensor]) -> None:
+        """The all-gather into ``outs`` is complete: point the parameters there, give back derived shards."""
+        for s, out in zip(segs, outs):
+            s.set_views(out)
+            if out is not s.local:
+                s.drop_shard()
 
     def _fetch(self, segs: list[Segment], async_op: bool) -> None:
         if not segs:
@@ -230,8 +240,7 @@ class ParamGatherer:
         launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
                                    async_op=async_op)
         if not async_op or not launched:
-            for s, out in zip(segs, outs):
-                s.set_views(out)
+            self._gathered(segs, outs)
             return
         for pending, run in launched:
             pending.keep.extend(ins[k] for k in run)
@@ -245,9 +254,9 @@ class ParamGatherer:
             return
         pending, segs, outs = record
         pending.wait()
-        for s, out in zip(segs, outs):
+        for s in segs:
             self.in_flight.pop(id(s), None)
-            s.set_views(out)
+        self._gathered(segs, outs)
 
     def gather(self, u: Unit) -> None:
         """Make ``u``'s parameters whole (synchronous for what was not prefetched). Collective."""
@@ -367,8 +376,12 @@ class ParamGatherer:
     def release_all(self) -> None:
         """Release every unit. The gathered buffers are let go rather than freed in place: tensors taken
         from the whole parameters (a ``state_dict()`` inside ``gathered_parameters``) keep their values,
-        and their memory goes when they do; the next gather allocates new buffers."""
+        and their memory goes when they do; the next gather allocates new buffers (with one rank, a derived
+        shard that served as the buffer is replaced the same way)."""
         self.buffers.clear()
+        for seg in self._segments():
+            if seg.full is not None and seg.full is seg.local and seg.source is not None:
+                seg.local = seg.local.new_empty(seg.local.shape)
         for u in self.units:
             self.release(u)
         self._free_unheld()

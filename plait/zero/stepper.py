@@ -94,10 +94,12 @@ def write_back(groups, masters, dp_group, dp_size: int, bucket_numel: int, async
     segments = []
     for group, master in zip(groups, masters):
         for seg in group.segments:
+            segments.append(seg)
+            if seg.source is not None:
+                continue                  # its shard is cast from the master at the next gather
             src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
             own = seg.local if seg.local is not None else seg.full[seg.lo:seg.lo + seg.shard_size]
             own.copy_(src)
-            segments.append(seg)
     publish_segments(segments, dp_group, dp_size, bucket_numel, async_op=async_op)
 
 
