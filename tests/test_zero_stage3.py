@@ -75,6 +75,40 @@ def test_units_returning_dicts_regather_for_backward():
     assert_weights(want, reference(MICRO_BS)[0], "dict-output units")
 
 
+class Boxed:
+    """An output pytree does not look into: the unit's tensor cannot carry the re-gather hook."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+class BoxBlock(DictBlock):
+    def forward(self, x):
+        return Boxed(self.block(x))
+
+
+def test_units_with_unhookable_outputs_stay_gathered_until_their_backward():
+    """Units returning an object pytree cannot flatten: releasing them after forward would free what autograd
+    saved for their backward with nothing to gather it again (garbage or a crash); they are kept instead and
+    train as the reference does."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.blocks = nn.ModuleList([BoxBlock(b) for b in model.blocks])
+
+    def forward(ids, targets):
+        x = model.embed(ids) + model.pos[: ids.shape[1]]
+        for block in model.blocks:
+            x = block(x).hidden
+        return F.cross_entropy(model.head(model.norm(x)).float().flatten(0, 1), targets.flatten())
+
+    model.forward = forward
+    cfg = {"stage": 3, "units": "blocks", "gas": 1}
+    opt = build(model, cfg, None)
+    train(model, opt, cfg, STEPS)
+    want = {n.replace(".block.", "."): w for n, w in full_weights(model, opt).items()}
+    assert_weights(want, reference(MICRO_BS)[0], "object-output units")
+
+
 # ---- single-process unit tests ------------------------------------------------------------------------
 def test_loss_scaler_follows_deepspeed_semantics():
     s = LossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2)

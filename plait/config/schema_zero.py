@@ -65,7 +65,8 @@ class ZeroConfig:
     states partitioned over dp; 2: + gradients; 3: + parameters. Bucket sizes and thresholds count
     *elements* (parameters), not bytes, as in DeepSpeed. ``reshard_after_forward`` (plait; stage 3, FSDP2's
     option of that name): release each unit's gathered parameters when its forward ends and gather them again
-    for its backward (default), or keep them from forward to backward (one all-gather per step, more memory)."""
+    for its backward (default), or keep them from forward to backward (one all-gather per micro-step instead of
+    two, more memory)."""
 
     stage: int = 0
     allgather_partitions: bool = True

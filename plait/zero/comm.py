@@ -120,11 +120,12 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
 def publish_segments(segments, dp_group, dp_size: int, bucket_numel: int, async_op: bool = False) -> None:
     """Make the updated shards of ``segments`` visible wherever the parameters are read whole.
 
-    The caller has already written each segment's own ``[S]`` slice (``seg.local`` for stage-3 shards,
-    ``seg.full[lo:lo+S]`` otherwise). Stage-3 shards are copied into their gathered ``[padded]`` buffer
-    only while gathered (``gathered_parameters()``); segments whole on every rank (stages 1-2, stage-3
-    persistent; ``seg.world > 1``) are all-gathered over ``dp_group`` (ZeRO Sec. 5.1: the parameter
-    all-gather after the update). Waits for every collective. Collective over ``dp_group``.
+    The caller has already written each segment's own ``[S]`` slice (``seg.local`` for stage-3 shards, or
+    their fp32 master slice when ``seg.shard()`` derives them; ``seg.full[lo:lo+S]`` otherwise). Stage-3
+    shards are copied into their gathered ``[padded]`` buffer only while gathered (``gathered_parameters()``);
+    segments whole on every rank (stages 1-2, stage-3 persistent; ``seg.world > 1``) are all-gathered over
+    ``dp_group`` (ZeRO Sec. 5.1: the parameter all-gather after the update). Waits for every collective.
+    Collective over ``dp_group``.
     """
     outs, ins, made = [], [], []
     for seg in segments:

@@ -35,13 +35,14 @@ MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (b
 
 def gives_back(device: torch.device, host: bool) -> bool:
     """Whether device grad shards should free their storage between steps: not on the host (offload: the
-    host stepper owns them), and on CUDA only with the allocator's expandable segments
-    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Without them a whole-group shard (one block of
-    4 bytes x parameters / dp) must find one free block again each backward, among the activations that took
-    its place meanwhile, and a model that fits with the shard kept can run out of memory."""
-    if host:
+    host stepper owns them), always on CPU, on other accelerators never, and on CUDA only with the
+    allocator's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Without them a
+    whole-group shard (one block of 4 bytes x parameters / dp) must find one free block again each backward,
+    among the activations that took its place meanwhile, and a model that fits with the shard kept can run
+    out of memory."""
+    if host or device.type not in ("cpu", "cuda"):
         return False
-    if device.type != "cuda":
+    if device.type == "cpu":
         return True
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     return "expandable_segments:true" in conf.replace(" ", "").lower()
@@ -138,14 +139,16 @@ class GradReducer:
             self._slice(seg).add_(out)
 
     def wait(self) -> None:
-        """Wait for every launched reduction and add it into the grad shards. A shard nothing landed in
+        """Wait for every launched reduction and add it into the grad shards. A slice nothing landed in
         since ``zero()`` (a step without backward) reads as zeros."""
         while self._in_flight:
             self._land_oldest()
-        for shard in self.grad_shards:
-            if shard.untyped_storage().nbytes() == 0:
-                shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-                shard.zero_()
+        for seg in self.segments:
+            if id(seg) in self._fresh:
+                shard = self.grad_shards[seg.group]
+                if shard.untyped_storage().nbytes() == 0:
+                    shard.untyped_storage().resize_(shard.numel() * shard.element_size())
+                self._slice(seg).zero_()
 
     # ---- stage 0/1: at the boundary --------------------------------------------------------
     def reduce_all(self) -> None:
@@ -179,6 +182,10 @@ class GradReducer:
         ``give_back`` the grad shards free their memory until then (their storage is resized to 0 bytes, as
         ``zero_grad(set_to_none=True)`` frees gradients; the first landing of the next backward restores
         it)."""
+        for pending, _, _ in self._in_flight:   # a backward that raised: its reductions write nowhere later
+            pending.wait()
+        self._in_flight.clear()
+        self._reset_counts()
         self._fresh = {id(seg) for seg in self.segments}
         if self.give_back:
             for shard in self.grad_shards:

@@ -29,8 +29,9 @@ compute-dtype shard, is itself cast from the fp32 master slice just before (``Se
 keeps shards on the host) and freed after; with one dp rank that shard is the buffer.
 
 Reshard after forward. By default a unit is released when its forward ends (ZeRO-3; FSDP2's
-``reshard_after_forward=True``) and all-gathered again for its backward. ``reshard_after_forward=False``
-keeps it gathered from its forward to the end of its backward (one all-gather per step instead of two, at
+``reshard_after_forward=True``) and all-gathered again for its backward; a unit none of whose outputs is a
+tensor that can carry the re-gather hook is kept until its gradients are in. ``reshard_after_forward=False``
+keeps it gathered from its forward to the end of its backward (one all-gather per micro-step instead of two, at
 the memory of gathered parameters; DeepSpeed's stage 2 traffic with stage 3's sharded storage). Either
 way the root module's unit stays gathered from forward into backward when gradients are enabled (its
 backward starts right after its forward), a forward without gradients releases every unit, and a forward
@@ -332,12 +333,15 @@ class ParamGatherer:
 
     def _make_post(self, u: Unit):
         def post_forward(module, args, output):
-            if not self._keeps_after_forward(u):
-                self.release(u)
+            hooked = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
                         t.register_hook(lambda grad, u=u: self._pre_backward(u))
+                        hooked = True
+            # no output to re-gather from (a custom object, a leaf, a side loss): keep it until its gradients
+            if not self._keeps_after_forward(u) and (hooked or not torch.is_grad_enabled()):
+                self.release(u)
         return post_forward
 
     def _pre_backward(self, u: Unit) -> None:
@@ -382,6 +386,7 @@ class ParamGatherer:
         for seg in self._segments():
             if seg.full is not None and seg.full is seg.local and seg.source is not None:
                 seg.local = seg.local.new_empty(seg.local.shape)
+                seg.drop_shard()          # one segment at a time: no second copy of the model
         for u in self.units:
             self.release(u)
         self._free_unheld()
