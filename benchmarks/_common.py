@@ -126,3 +126,29 @@ def run_arms(script: str, arms: list[str], args, child_args: list[str], launcher
             f.flush()
             print(json.dumps({k: v for k, v in row.items() if k != "parts"}), flush=True)
     return rows
+
+
+def fsdp2_wrap(model) -> None:
+    """FSDP2 as the benchmarks run it: ``fully_shard`` on each of ``model.blocks`` and on the root,
+    bf16 parameters, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def torch_step(model, opt, cfg, device, micro: int = MICRO, autocast: bool = False):
+    """A plain torch training step (forward, backward, ``probe``, clip 1.0, optimizer step, grads to None);
+    ``autocast``: bf16 autocast around the forward (fp32 parameters; FSDP2 casts its own)."""
+    def step(i, probe=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch(cfg, device, i, micro=micro))
+        loss.backward()
+        if probe is not None:
+            probe()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step

@@ -42,9 +42,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import BETAS, CLIP, LR, MICRO, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
+from _common import BETAS, LR, MICRO, PEAK_FLOPS, SEQ, WEIGHT_DECAY, ds_like_config  # noqa: E402
 from _common import engine_step, init_single_process, model_flops_per_token, run_arms  # noqa: E402
-from _common import single_process_env  # noqa: E402
+from _common import fsdp2_wrap, single_process_env, torch_step  # noqa: E402
 
 #: TransformerConfig fields replaced in the plait arms' preset (unless --no-plait-fused): the environment
 #: variable PLAIT_MODEL_OVERRIDES (JSON); none by default
@@ -95,24 +95,10 @@ def torch_arm(arm, cfg, device):
         for block in model.blocks:
             block.compile(fullgraph=True)
     if fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         init_single_process()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        fsdp2_wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True)
-
-    def step(i, probe=None):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not fsdp):   # FSDP2 casts params itself
-            loss = model(**batch(cfg, device, i))
-        loss.backward()
-        if probe is not None:
-            probe()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = torch_step(model, opt, cfg, device, autocast=not fsdp)   # FSDP2 casts params itself
     return step, lambda: tensor_parts(model.parameters(), [opt]), n
 
 

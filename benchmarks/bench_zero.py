@@ -35,8 +35,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
-from _common import engine_step, model_flops_per_token, run_arms  # noqa: E402
+from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, ds_like_config  # noqa: E402
+from _common import engine_step, fsdp2_wrap, model_flops_per_token, run_arms, torch_step  # noqa: E402
 
 ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
         "plait-z3-keep", "plait-z3-bf16reduce")
@@ -71,26 +71,11 @@ def torch_model(cfg, device, ac: bool, compiled: bool):
 
 
 def fsdp2_arm(arm, cfg, device, args):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from _memory import tensor_parts
     model, n = torch_model(cfg, device, args.ac, arm.endswith("-compile"))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    fsdp2_wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True)
-
-    def step(i, probe=None):
-        loss = model(**batch(cfg, device, i, micro=args.micro))
-        loss.backward()
-        if probe is not None:
-            probe()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step, lambda: tensor_parts(model.parameters(), [opt]), n
+    return torch_step(model, opt, cfg, device, args.micro), lambda: tensor_parts(model.parameters(), [opt]), n
 
 
 def run_config(arm, args, num_layers: int) -> dict:

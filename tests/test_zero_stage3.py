@@ -54,27 +54,6 @@ class DictBlock(nn.Module):
         return {"hidden": self.block(x), "aux": None}
 
 
-def test_units_returning_dicts_regather_for_backward():
-    """Units whose outputs are dicts: the backward re-gather hooks sit on the tensors inside."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    model.blocks = nn.ModuleList([DictBlock(b) for b in model.blocks])
-
-    def forward(ids, targets):
-        x = model.embed(ids) + model.pos[: ids.shape[1]]
-        for block in model.blocks:
-            x = block(x)["hidden"]
-        return F.cross_entropy(model.head(model.norm(x)).float().flatten(0, 1), targets.flatten())
-
-    model.forward = forward
-    cfg = {"stage": 3, "units": "blocks", "gas": 1}
-    opt = build(model, cfg, None)
-    assert [u.name for u in opt.units] == ["<root>", "blocks.0", "blocks.1"]
-    train(model, opt, cfg, STEPS)
-    want = {n.replace(".block.", "."): w for n, w in full_weights(model, opt).items()}
-    assert_weights(want, reference(MICRO_BS)[0], "dict-output units")
-
-
 class Boxed:
     """An output pytree does not look into: the unit's tensor cannot carry the re-gather hook."""
 
@@ -87,26 +66,29 @@ class BoxBlock(DictBlock):
         return Boxed(self.block(x))
 
 
-def test_units_with_unhookable_outputs_stay_gathered_until_their_backward():
-    """Units returning an object pytree cannot flatten: releasing them after forward would free what autograd
-    saved for their backward with nothing to gather it again (garbage or a crash); they are kept instead and
-    train as the reference does."""
+@pytest.mark.parametrize("wrapper,unwrap", [(DictBlock, lambda out: out["hidden"]), (BoxBlock, lambda out: out.hidden)],
+                         ids=["dict", "object"])
+def test_units_with_container_outputs_train_as_the_reference(wrapper, unwrap):
+    """Units returning dicts: the backward re-gather hooks sit on the tensors inside. Units returning an object
+    pytree cannot flatten: releasing them after forward would free what autograd saved for their backward with
+    nothing to gather it again (garbage or a crash), so they stay gathered until their gradients are in."""
     torch.manual_seed(0)
     model = TinyLM()
-    model.blocks = nn.ModuleList([BoxBlock(b) for b in model.blocks])
+    model.blocks = nn.ModuleList([wrapper(b) for b in model.blocks])
 
     def forward(ids, targets):
         x = model.embed(ids) + model.pos[: ids.shape[1]]
         for block in model.blocks:
-            x = block(x).hidden
+            x = unwrap(block(x))
         return F.cross_entropy(model.head(model.norm(x)).float().flatten(0, 1), targets.flatten())
 
     model.forward = forward
     cfg = {"stage": 3, "units": "blocks", "gas": 1}
     opt = build(model, cfg, None)
+    assert [u.name for u in opt.units] == ["<root>", "blocks.0", "blocks.1"]
     train(model, opt, cfg, STEPS)
     want = {n.replace(".block.", "."): w for n, w in full_weights(model, opt).items()}
-    assert_weights(want, reference(MICRO_BS)[0], "object-output units")
+    assert_weights(want, reference(MICRO_BS)[0], f"{wrapper.__name__}-output units")
 
 
 # ---- single-process unit tests ------------------------------------------------------------------------
