@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from plait.layers import TransformerModel, preset
 from plait.parallel.pipeline_backward import backward_input, backward_weight
+from plait.layers.norm import _RMSNormWeight
 from plait.parallel.weight_grad import plan
 from plait.testing import run_distributed
 
@@ -46,7 +47,7 @@ def assert_bitwise(want, got):
 
 
 @pytest.mark.parametrize("case", ["linear", "linear_bias", "mat1_side", "row_major_mat2", "addmm_scaled",
-                                  "mul_broadcast", "add_alpha", "layer_norm", "layer_norm_weight_only"])
+                                  "mul_broadcast", "add_alpha", "layer_norm", "layer_norm_weight_only", "rms_norm"])
 def test_weight_grads_bitwise_equal_engine(case):
     """Each covered node type, alone: direct formula == the node run by the engine (BW's old path)."""
     g = torch.Generator().manual_seed(0)
@@ -64,6 +65,7 @@ def test_weight_grads_bitwise_equal_engine(case):
         "add_alpha": (lambda x: torch.tanh(torch.add(x, v, alpha=3.0)), [v]),
         "layer_norm": (lambda x: torch.tanh(F.layer_norm(x, (5,), v, b[:5])), [v]),
         "layer_norm_weight_only": (lambda x: torch.tanh(F.layer_norm(x, (5,), v)), [v]),
+        "rms_norm": (lambda x: torch.tanh(_RMSNormWeight.apply(x, v, 1e-6)), [v]),  # a custom Function
     }
     fn, params = fns[case]
     out_shape = fn(x0).shape

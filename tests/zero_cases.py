@@ -59,13 +59,14 @@ class TinyLM(nn.Module):
         self.head.weight = self.embed.weight
 
     #: recompute each block in backward the Hugging Face way (``checkpoint(block.__call__, ...)``: the
-    #: block's hooks run again inside backward)
-    checkpoint_blocks = False
+    #: block's hooks run again inside backward); "reentrant" as ``use_reentrant=True`` does it
+    checkpoint_blocks: bool | str = False
 
     def forward(self, ids, targets):
         x = self.embed(ids) + self.pos[: ids.shape[1]]
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+            x = checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant") if self.checkpoint_blocks \
+                else block(x)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -284,6 +285,7 @@ def parity_cfgs(dp: int) -> list[dict]:
                  dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, reshard=False),
                  dict(stage=3, gas=1, units="blocks", prefetch=5000, overlap=True, ckpt=True, max_norm=MAX_NORM),
                  dict(stage=3, gas=1, ckpt=True, reshard=False),
+                 dict(stage=3, gas=2, units="blocks", prefetch=5000, overlap=True, ckpt="reentrant"),
                  dict(stage=2, gas=1, opt="sgd", bucket=500), dict(stage=3, gas=1, opt="sgd", persist=20)]
     return cfgs
 

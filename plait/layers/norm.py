@@ -46,12 +46,53 @@ class LayerNorm(_Norm):
         return F.layer_norm(x, (self.hidden_size,), weight, bias, self.eps)
 
 
+def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * rstd rounded to x's dtype, rstd)`` with ``rstd = 1/sqrt(mean(x^2) + eps)`` in float32, shape
+    ``[..., 1]``: torch's fused RMSNorm forward, the kernel ``F.rms_norm`` runs."""
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
+
+
+def _normalize_backward(grad_y: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``dL/dx`` of ``y = x * rstd`` from ``dL/dy`` (same dtype as ``x``): torch's fused kernel on CUDA
+    (the one ``F.rms_norm``'s autograd calls); elsewhere its formula in float32,
+    ``dx = rstd * (g - y * mean(g * y))`` with ``y = x * rstd``."""
+    if x.is_cuda:
+        return torch.ops.aten._fused_rms_norm_backward(grad_y, x, [x.shape[-1]], rstd, None, [True, False])[0]
+    y, g = x.float() * rstd, grad_y.float()
+    return (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+
+
+class _RMSNormWeight(torch.autograd.Function):
+    """``rms_norm(x) * w`` saving only ``x`` and ``w``: the normalized ``x`` is recomputed in backward
+    (one more read of ``x``) instead of being kept from forward to backward as the separate product would
+    keep it, one ``[..., h]`` tensor per norm. Gradients are those of the two separate ops."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        return _normalize(x, eps)[0] * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _RMSNormWeight.gradients(ctx, ctx.saved_tensors, grad, ctx.needs_input_grad[:2]) + (None,)
+
+    @staticmethod
+    def gradients(ctx, saved, grad: torch.Tensor, needs=(False, True)) -> tuple:
+        """``(dL/dx, dL/dw)`` from ``dL/dout``, each None where ``needs`` says so; the zero-bubble weight
+        pass (``plait.parallel.weight_grad``) calls it with the default ``needs``."""
+        x, weight = saved
+        y, rstd = _normalize(x, ctx.eps)
+        dx = _normalize_backward((grad * weight).to(y.dtype), x, rstd) if needs[0] else None
+        dw = (grad * y).sum_to_size(weight.shape).to(weight.dtype) if needs[1] else None
+        return dx, dw
+
+
 class RMSNorm(_Norm):
     """RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich, 2019, Eq. 4): the normalization by
-    torch's ``F.rms_norm`` (fp32 accumulation for bf16/fp16 inputs, one fused kernel on CUDA), rounded to
-    ``x``'s dtype, then the product with ``w``, as Hugging Face's Llama rounds it. The weight stays a
-    separate product so the zero-bubble weight pass (``plait.parallel.weight_grad``) computes its gradient.
-    Shapes: ``[..., h] -> [..., h]``."""
+    torch's fused RMSNorm kernel (fp32 accumulation for bf16/fp16 inputs), rounded to ``x``'s dtype, then the
+    product with ``w``, as Hugging Face's Llama rounds it. Only ``x`` and ``w`` are kept for backward, which
+    recomputes the normalization. Shapes: ``[..., h] -> [..., h]``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
@@ -59,7 +100,7 @@ class RMSNorm(_Norm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, _ = self._params()
-        return F.rms_norm(x, (self.hidden_size,), None, self.eps) * weight
+        return _RMSNormWeight.apply(x, weight, self.eps)
 
 
 def make_norm(kind: str, hidden_size: int, eps: float, bias: bool = True, **kw) -> nn.Module:

@@ -11,8 +11,10 @@ same kernels, same operand layouts, so the result is bitwise the engine's. Resul
 reduced and cast as the engine's ``validate_outputs`` would (``sum_to`` the input's shape, then
 its dtype).
 
-Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0`` (RMSNorm weight),
-``AddBackward0`` (bias add), ``NativeLayerNormBackward0``. Real, strided tensors only.
+Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0``, ``AddBackward0`` (bias add),
+``NativeLayerNormBackward0``, and any custom ``torch.autograd.Function`` whose class defines
+``gradients(ctx, saved, grad)`` returning one gradient per forward input (plait's RMSNorm,
+``plait.layers.norm``). Real, strided tensors only.
 
 :func:`plan` is called before the input-gradient pass: when none of the saved tensors it needs
 has saved-tensor hooks (activation checkpointing, offload), it reads them at once (*eager*), so
@@ -111,6 +113,25 @@ def _layer_norm(node, side, get) -> Callable | None:
     return grads
 
 
+def _function_plan(node, function, side: list) -> tuple[Callable, bool] | None:
+    """``plan`` for a custom autograd.Function node whose class computes its own gradients from its
+    saved tensors (``function.gradients(ctx, saved, grad)``)."""
+    eager = all(r.unpack_hook is None for r in node._raw_saved_tensors)
+    if eager:
+        saved = node.saved_tensors
+        if not all(_usable(t) for t in saved):
+            return None
+        load = lambda: saved  # noqa: E731
+    else:
+        load = lambda: node.saved_tensors  # noqa: E731
+    fits = [(i, _fitter(child, k)) for i, child, k in side]
+
+    def grads(dy):
+        out = function.gradients(node, load(), dy)
+        return [fit(out[i]) for i, fit in fits]
+    return grads, eager
+
+
 def _plain(node, attr: str) -> bool:
     """True when ``_saved_<attr>`` has no saved-tensor hooks (reading it early is free)."""
     try:
@@ -137,6 +158,9 @@ def plan(node, side: list) -> tuple[Callable, bool] | None:
         need not be retained for ``fn``. None when the node type or its tensors are not covered.
     """
     name = type(node).__name__
+    function = getattr(node, "_forward_cls", None)
+    if hasattr(function, "gradients"):
+        return _function_plan(node, function, side)
     if name == _LAYER_NORM:
         needs = _LAYER_NORM_NEEDS
     elif name in _NEEDS:

@@ -175,7 +175,8 @@ class ParamGatherer:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
         self.fwd, self.bwd = _Order(), _Order()
-        self.stats = {"fetched": 0, "prefetched": 0}  # segments all-gathered on demand / ahead of use
+        # segments all-gathered on demand / ahead of use (of which inside backward)
+        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}
         self.gate = gate
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
@@ -236,6 +237,8 @@ class ParamGatherer:
         if not segs:
             return
         self.stats["prefetched" if async_op else "fetched"] += len(segs)
+        if async_op and torch._C._current_graph_task_id() != -1:
+            self.stats["prefetched_in_backward"] += len(segs)
         outs = [self._buffer(s) for s in segs]
         ins = self._sources(segs)
         launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
@@ -319,6 +322,12 @@ class ParamGatherer:
 
     def _make_pre(self, u: Unit):
         def pre_forward(module, args):
+            if torch._C._current_graph_task_id() != -1:
+                # recomputed inside backward (activation checkpointing): the unit's backward comes next.
+                # Reentrant checkpointing recomputes before the output hooks fire, so the backward order
+                # and its prefetch start here; the hooks then find the unit gathered.
+                self._pre_backward(u)
+                return
             self.gather(u)
             self._prefetch(self.fwd.advance(u.index))
         return pre_forward
