@@ -10,6 +10,7 @@ optimizer_state - grads (activations, workspaces and every other buffer).
 """
 from __future__ import annotations
 
+import os
 import pickle
 
 import torch
@@ -154,4 +155,29 @@ def top_allocations(path: str, n: int = 20) -> str:
     lines = [f"{path}: peak of live allocations {peak / 2**30:.2f} GiB in {len(blocks)} blocks; top {n}:",
              "| MiB | where (innermost torch frame <- innermost plait/benchmark frame) |", "|---|---|"]
     lines += [f"| {size / 2**20:.1f} | {_where(frames)} |" for size, frames in blocks[:n]]
+    sites: dict[str, list[int]] = {}
+    for size, frames in blocks:
+        site = sites.setdefault(_where(frames), [0, 0])
+        site[0] += size
+        site[1] += 1
+    lines += ["", f"Live at the peak by allocation site (top {n}):", "| MiB | blocks | where |", "|---|---|---|"]
+    lines += [f"| {total / 2**20:.1f} | {count} | {where} |"
+              for where, (total, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:n]]
     return "\n".join(lines)
+
+
+def snapshot_step(arm, step, i, folder) -> dict:
+    """Run step ``i`` while recording (``start_recording`` was called before the model was built); write the
+    pickle and its top allocations to ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    torch.cuda.synchronize()
+    step(i)
+    torch.cuda.synchronize()
+    path = os.path.join(folder, f"{arm}.pickle")
+    dump_recording(path)
+    top = top_allocations(path)
+    with open(os.path.join(folder, f"{arm}.top20.md"), "w") as f:
+        f.write(top + "\n")
+    print(top, flush=True)
+    return {"arm": arm, "snapshot": path, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}

@@ -182,7 +182,7 @@ def run_arm(arm: str, args) -> dict:
         raise RuntimeError(f"{arm}: no torch.compile graph after {warmup} warm-up steps (for plait: does "
                            "plait.initialize compile the blocks for the ds_config key 'compile'?)")
     if args.snapshot:
-        return snapshot_step(arm, step, warmup, args.snapshot)
+        return _memory.snapshot_step(arm, step, warmup, args.snapshot)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -206,22 +206,6 @@ def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process (dynamo's count; 0 without compilation)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
-
-
-def snapshot_step(arm, step, i, folder) -> dict:
-    import _memory
-    os.makedirs(folder, exist_ok=True)
-    torch.cuda.synchronize()
-    step(i)
-    torch.cuda.synchronize()
-    path = os.path.join(folder, f"{arm}.pickle")
-    _memory.dump_recording(path)
-    top = _memory.top_allocations(path)
-    with open(os.path.join(folder, f"{arm}.top20.md"), "w") as f:
-        f.write(top + "\n")
-    print(top, flush=True)
-    return {"arm": arm, "snapshot": path, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
 
 def ratio(row, base) -> str:

@@ -4,8 +4,8 @@
     python benchmarks/bench_offload.py --part a --steps 10
     python benchmarks/bench_offload.py --part b --sizes 1b,3b,7b
     PLAIT_OFFLOAD_THREADS=15 python benchmarks/bench_offload.py ...   # CPU optimizer threads (default: all)
-    PLAIT_DEVICE_STEP=0.5 python benchmarks/bench_offload.py --part a --arms plait  # device-assisted host step
-    PLAIT_DEVICE_STEP_ADAPTIVE=1 python benchmarks/bench_offload.py --part a       # ... with the adaptive split
+    PLAIT_DEVICE_STEP=0.5 python benchmarks/bench_offload.py --part a --arms plait  # a fixed device share
+    PLAIT_DEVICE_STEP=0 python benchmarks/bench_offload.py --part a   # all on the CPU (default on a GPU: "auto")
     python benchmarks/bench_offload.py --device cpu --part a --arms plait   # smoke test without a GPU
 
 (a) llama-886m (ANCHORS.md), sequence 2048, micro-batch 4, bf16, AdamW (lr 1e-4, wd 0.1, betas 0.9/0.95),
@@ -109,11 +109,10 @@ def make_step(framework: str, size: str, stage: int, micro: int, offload_param: 
     model = TransformerModel(cfg, None, seed=0, device=device)
     conf = ds_config(stage, micro, offload_param, clip)
     if framework == "plait":
-        fraction = float(os.environ.get("PLAIT_DEVICE_STEP", "0"))
-        if fraction and os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") != "1":   # plait.zero.offload.device_share
-            conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = fraction
-        if os.environ.get("PLAIT_DEVICE_STEP_ADAPTIVE") == "1":
-            conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = "auto"
+        share = os.environ.get("PLAIT_DEVICE_STEP")   # plait.zero.offload.device_share; unset: plait's default
+        if share is not None:
+            conf["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = \
+                share if share == "auto" else float(share)
         import plait
         from plait.parallel import ParallelMesh
         engine = plait.initialize(model, conf, mesh=ParallelMesh())

@@ -144,12 +144,17 @@ def run_arm(arm: str, args) -> dict | None:
     torch.backends.cuda.matmul.allow_tf32 = True
     device, cfg = init_distributed(), model_config(args)
     warmup = args.warmup if args.warmup is not None else (5 if "compile" in arm else 3)
+    if args.snapshot:
+        _memory.start_recording()
     step, parts_fn, n_params = make_arm(arm, cfg, device, args)
     t0 = time.perf_counter()
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if args.snapshot:
+        folder = os.path.join(args.snapshot, f"rank{dist.get_rank()}")
+        return {**_memory.snapshot_step(arm, step, warmup, folder), "model": model_name(args), "ac": args.ac}
     torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     t0 = time.perf_counter()
@@ -228,6 +233,7 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=400, help="seconds per arm")
     p.add_argument("--out", default="bench_zero.jsonl")
     p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
+    p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -237,6 +243,7 @@ def child_args(args) -> list[str]:
     out = ["--model", args.model, "--micro", str(args.micro), "--steps", str(args.steps)]
     out += ["--layers", str(args.layers)] if args.layers else []
     out += [] if args.warmup is None else ["--warmup", str(args.warmup)]
+    out += ["--snapshot", args.snapshot] if args.snapshot else []
     return out + (["--ac"] if args.ac else [])
 
 
@@ -256,7 +263,11 @@ def main():
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     tags = {"model": model_name(args), "micro": args.micro, "ac": args.ac, "world": args.nproc}
-    print("\n" + report(run_arms(__file__, arms, args, child_args(args), launcher, tags)))
+    rows = run_arms(__file__, arms, args, child_args(args), launcher, tags)
+    if args.snapshot:
+        print("\n".join(f"{r['arm']}: peak {r.get('peak_gib', 0):.2f} GiB, {r.get('snapshot', r)}" for r in rows))
+        return
+    print("\n" + report(rows))
 
 
 if __name__ == "__main__":

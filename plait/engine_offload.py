@@ -12,7 +12,8 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     """``OffloadOptions`` from ``zero_optimization.offload_optimizer`` / ``offload_param`` (None when both
     are off). ``pin_memory`` of either section pins the host buffers; the CPU optimizer's thread count
     comes from the environment variable ``PLAIT_OFFLOAD_THREADS`` (default: every core numba sees).
-    ``device_step_fraction`` (a number, or "auto": the adaptive split) is passed on as read; the deprecated
+    ``device_step_fraction`` (a number, "auto": the adaptive split, or None: "auto" where it applies) is passed
+    on as read; the deprecated
     ``device_step_adaptive`` was folded into it by the config (``plait.config.schema_zero.OffloadConfig``).
 
     Raises:

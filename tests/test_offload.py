@@ -167,7 +167,7 @@ def _body(ckpt_dir):
         out[f"device step bitwise bf16={bf16}"] = (
             train(ds_config(2, offload=True, gas=1, bf16=bf16), STEPS),
             train(ds_config(2, offload=True, gas=1, bf16=bf16, device_step=0.5), STEPS))
-    # adaptive split: the CPU share is slowed down, so the device share grows step by step
+    # adaptive split: the CPU share is slowed down, so the device share grows at every step
     with slow_host_steps(0.01):
         adaptive = ds_config(2, offload=True, gas=1, device_step="auto")
         out["device step adaptive"] = (train(ds_config(2, offload=True, gas=1), STEPS), train(adaptive, STEPS))
@@ -238,7 +238,7 @@ def test_device_step_is_bit_identical_to_cpu_step(results, bf16):
 def test_adaptive_split_moves_work_to_the_idle_side_and_changes_no_bit(results):
     cpu, adaptive = results["device step adaptive"]
     history = adaptive["split_history"]          # segments on the device, per step (starts at 0)
-    assert history[0] == 0 and history[-1] >= 3 and all(b == a + 1 for a, b in itertools.pairwise(history))
+    assert history[0] == 0 and history[-1] >= 3 and all(b > a for a, b in itertools.pairwise(history))
     for key, m in cpu["masters"].items():
         assert torch.equal(adaptive["masters"][key].view(torch.int32), m.view(torch.int32)), key
 

@@ -118,3 +118,36 @@ def test_host_masters_are_not_inherited_by_a_forked_worker():
     child.join(60)
     assert child.exitcode == -signal.SIGSEGV
     opt.close()
+
+
+def test_default_device_share_is_auto_on_a_gpu_else_none_and_never_an_error():
+    """Left out, ``device_step_fraction`` is None: no share on a CPU device, and no error where a share
+    cannot apply (Lion), while "auto" written out there names the problem. (On CUDA the default is the
+    adaptive share: ``tests/gpu/run_offload_gpu.py``.)"""
+    assert OffloadOptions().device_step_fraction is None
+    assert load_config(offload_config(), dp_size=1).zero_optimization.offload_optimizer.device_step_fraction is None
+    lion = {"type": "Lion", "params": {"lr": 1e-4}}
+    for conf in (offload_config(), {**offload_config(), "optimizer": lion}):
+        assert plait.initialize(torch.nn.Linear(4, 4), conf).optimizer.stepper.share is None
+    with pytest.raises(ValueError, match=r"device_step_fraction 'auto' cannot be used with optimizer lion"):
+        plait.initialize(torch.nn.Linear(4, 4), {**offload_config(device_step_fraction="auto"), "optimizer": lion})
+
+
+def test_auto_split_reaches_the_balanced_split_in_a_few_steps():
+    """100 segments of 10 elements; the CPU steps 1 element/s, the device 3: equal times at 750 elements on
+    the device. Moving half-way at the measured rates gets within the +-15% band in under 10 steps (one
+    segment a step, the old rule, took 72); a fixed share never moves."""
+    from types import SimpleNamespace
+
+    from plait.zero.offload.device_share import DeviceShare
+
+    def run(adaptive, steps):
+        share = DeviceShare(None, torch.device("cpu"), None, [SimpleNamespace(shard_size=10)] * 100, 0, 1000,
+                            adaptive)
+        for _ in range(steps):
+            on_device = 10 * share.count
+            share.rebalance(cpu_seconds=(1000 - on_device) / 1.0, device_seconds=on_device / 3.0)
+        return share.count
+
+    assert 72 <= run(True, 10) <= 77        # device/CPU time within [0.85, 1.15]
+    assert run(False, 10) == 0

@@ -20,26 +20,27 @@ class OffloadConfig:
     ``device_step_fraction`` (plait; ``offload_optimizer`` only): the share, in [0, 1), of the optimizer
     partition whose update the device computes from the host-resident states while the CPU steps the
     rest (``plait.zero.offload.device_share``; Adam/AdamW, GAS 1); 0 keeps the whole step on the CPU.
-    ``"auto"`` (``OffloadOptions(device_step_fraction="auto")``) starts the split at 0 and moves it each step
-    towards equal CPU and device times; this "auto" is the value itself, not a placeholder that
-    ``plait.config.resolve`` or the Hugging Face Trainer fills.
+    ``"auto"`` (``OffloadOptions(device_step_fraction="auto")``) moves the split each step towards equal CPU
+    and device times; this "auto" is the value itself, not a placeholder that ``plait.config.resolve`` or
+    the Hugging Face Trainer fills. Left out (None): "auto" where the model is on a GPU and the step allows
+    a device share, else 0.
     ``device_step_adaptive: true``: the deprecated spelling of ``device_step_fraction: "auto"`` (a warning;
     refused together with a fraction other than 0); read into ``device_step_fraction``, then None.
 
     Raises:
-        ConfigError: ``device_step_fraction`` neither "auto" nor in [0, 1); ``device_step_adaptive`` with
+        ConfigError: ``device_step_fraction`` neither None, "auto" nor in [0, 1); ``device_step_adaptive`` with
             a fraction.
     """
 
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False
-    device_step_fraction: float | Literal["auto"] = 0.0
+    device_step_fraction: float | Literal["auto"] | None = None
     device_step_adaptive: bool | None = None
 
     def __post_init__(self) -> None:
         fraction, adaptive = self.device_step_fraction, self.device_step_adaptive
         if adaptive is not None:
-            if adaptive and fraction not in (0, AUTO):
+            if adaptive and fraction not in (None, 0, AUTO):
                 raise ConfigError(f"offload_optimizer.device_step_adaptive starts the device share at 0 and moves it "
                                   f"each step; it does not take device_step_fraction={fraction}: remove one of them")
             logging.getLogger("plait").warning(
@@ -48,7 +49,7 @@ class OffloadConfig:
             object.__setattr__(self, "device_step_fraction", AUTO if adaptive else fraction)
             object.__setattr__(self, "device_step_adaptive", None)
         fraction = self.device_step_fraction
-        if fraction != AUTO and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+        if fraction not in (None, AUTO) and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
                                      and math.isfinite(fraction) and 0.0 <= fraction < 1.0):
             raise ConfigError(f"offload_optimizer.device_step_fraction = {fraction!r} must be \"auto\" or a number "
                               "in [0, 1) (the share of the optimizer step the device computes; 0: all on the CPU)")

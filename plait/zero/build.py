@@ -99,11 +99,12 @@ def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, po
     """Layout entries in packing order and the stage-3 units (empty below stage 3).
 
     Below stage 3: reverse registration order (~ the order backward produces gradients). Stage 3:
-    parameters grouped by the unit that first holds them, then the persistent ones (fewer than
-    ``persistence_threshold`` elements, whole on every rank) in reverse registration order.
+    parameters grouped by the unit that first holds them (the unit is part of their ``GroupKey``: one flat
+    group per unit), then the persistent ones (fewer than ``persistence_threshold`` elements, whole on every
+    rank) in reverse registration order.
     """
-    def key(p, persistent=False):
-        return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent)
+    def key(p, persistent=False, unit=None):
+        return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent, unit)
 
     if not policy.parameters:
         return [Entry(n, p, key(p)) for n, p in reversed(named)], []
@@ -113,7 +114,8 @@ def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, po
     for u in built:
         for p in u.params:
             owner.setdefault(id(p), u.index)
-    entries = sorted((Entry(n, p, key(p), owner[id(p)]) for n, p in named if id(p) in owner), key=lambda e: e.unit)
+    entries = sorted((Entry(n, p, key(p, unit=owner[id(p)]), owner[id(p)]) for n, p in named if id(p) in owner),
+                     key=lambda e: e.unit)
     entries += [Entry(n, p, key(p, True)) for n, p in reversed(named) if id(p) in persistent]
     return entries, built
 

@@ -34,6 +34,8 @@ class GroupKey(NamedTuple):
     dtype: torch.dtype        # compute dtype of the model parameters
     tp_replicated: bool       # ``plait_shard.dim is None``: counted once over tp in the grad norm
     persistent: bool = False  # stage 3: kept whole on every rank (numel < persistence threshold)
+    unit: int | None = None   # stage 3: the unit holding these parameters (one flat group, master and
+    #                           gradient shard per unit, as FSDP2 keeps one per fully_shard module)
 
 
 @dataclass(eq=False)

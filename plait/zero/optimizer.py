@@ -198,7 +198,7 @@ class ZeroOptimizer:
         self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
                                    land=self.stepper.land if self._host else None,
-                                   give_back=gives_back(self.device, self._host))
+                                   give_back=gives_back(self.device, self._host, self.policy.parameters))
         mark_owner(self.params, self)
 
     @property

@@ -8,6 +8,7 @@ Checks, printed one line each (exit status 1 on any failure):
   (``is_pinned``) and grows the resident set by 1.25 GiB +- 5%, not by the 2 GiB that torch's
   power-of-two caching host allocator would take; asynchronous copies through it round-trip.
 * ``adam_update_`` (the device share's update) equals the numba CPU kernel bit for bit on CUDA.
+* ``device_step_fraction`` left out: the adaptive device share, bit-identical to the all-host step.
 * Every case of ``tests/test_offload.CASES`` (stages 1-3, offload_param, early and deferred host steps,
   bf16 with bf16 host gradients) on CUDA (TF32 off): after 5 steps every whole weight equals the
   non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6; device-step cases 1e-5, see
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import rel_err
-from test_offload import CASES, STEPS, train
+from test_offload import CASES, STEPS, ds_config, train
 
 from plait.parallel import init_distributed
 from plait.zero.pinned import host_empty
@@ -75,6 +76,17 @@ def check_device_update() -> str:
     return "device update: bit-identical to the CPU kernel on CUDA (Adam and AdamW, 2^20 elements) ok"
 
 
+def check_default_share() -> str:
+    """Collective. ``device_step_fraction`` left out on CUDA: the adaptive device share, bit-identical to the
+    all-host step (``device_step_fraction: 0``)."""
+    host = train(ds_config(2, offload=True, gas=1), STEPS, device="cuda")
+    auto = train(ds_config(2, offload=True, gas=1, device_step=None), STEPS, device="cuda")
+    bad = sum(int((auto["masters"][k].cpu() != m.cpu()).sum()) for k, m in host["masters"].items())
+    ok = bad == 0 and auto["split_history"] and max(auto["split_history"]) > 0
+    return (f"default device share on CUDA: segments on the device per step {auto['split_history']}, "
+            f"{bad} master elements differ from the all-host step {'ok' if ok else 'FAILED'}")
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -101,6 +113,8 @@ def main() -> int:
         failures += not ok
         lines.append(f"{case} dp={info.world_size}: weights {w_err:.1e} (tol {tol:.0e}), masters {m_err:.1e}, "
                      f"losses {l_err:.1e}, host grads {got['grad_dtype']} {'ok' if ok else 'FAILED'}")
+    lines.append(check_default_share())
+    failures += "FAILED" in lines[-1]
     if info.rank == 0:
         print("\n".join(lines), flush=True)
     dist.destroy_process_group()

@@ -21,9 +21,9 @@ two segments' worth is allocated at a time.
 
 The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
 gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
-``device_step_fraction="auto"`` the split moves by one segment after each step towards equal CPU and device
-times (measured: the CPU share's wall time on the worker, the device share's from CUDA events), which
-follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
+``device_step_fraction="auto"`` (the default on a GPU where it applies) the split moves after each step
+half-way towards equal CPU and device times at the element rates just measured (the CPU share's wall
+time on the worker, the device share's from CUDA events), which follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
 
 Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradient accumulation 1, and
 segments whose compute-dtype weights live on the device (stages 1-2, stage 3 without offload_param).
@@ -51,16 +51,17 @@ class DeviceShare:
         dest: ``dest(seg)``: the device ``[S]`` tensor the updated compute-dtype shard of ``seg`` goes to.
         eligible: every segment the device could step (weights on the device), in forward order.
         count: how many of the first ``eligible`` it steps.
-        adaptive: after every step, move the boundary by one segment towards equal CPU and device
-            times (``rebalance``); results do not depend on it (the two updates are bit-identical and
+        total: elements of the whole partition (the CPU steps those the device does not).
+        adaptive: after every step, move the boundary towards equal CPU and device times
+            (``rebalance``); results do not depend on it (the two updates are bit-identical and
             the gradient norm is computed on the device for every segment either way).
     """
 
     def __init__(self, shards: ShardSet, device: torch.device, dest, eligible: list[Segment], count: int,
-                 adaptive: bool = False):
+                 total: int, adaptive: bool = False):
         self.shards, self.dest = shards, dest
         self.device, self.cuda = device, device.type == "cuda"
-        self.eligible, self.count, self.adaptive = eligible, count, adaptive
+        self.eligible, self.count, self.total, self.adaptive = eligible, count, total, adaptive
         self.ids = {id(s) for s in eligible[:count]}
         self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
         self.events: list = []                      # copies back to the host still in flight
@@ -142,14 +143,25 @@ class DeviceShare:
         return out
 
     def rebalance(self, cpu_seconds: float, device_seconds: float) -> None:
-        """Adaptive: one segment more for the device when it finished well before the CPU share (< 0.85x
-        its time), one fewer when well after (> 1.15x); takes effect from the next backward."""
-        if not self.adaptive:
+        """Adaptive: when the device share finished well before the CPU share (< 0.85x its time) or well
+        after (> 1.15x), move the boundary half-way to the split that equalizes the two at the element
+        rates just measured (at least one segment; one segment first when the device has none). Takes
+        effect from the next backward."""
+        if not self.adaptive or 0.85 * cpu_seconds <= device_seconds <= 1.15 * cpu_seconds:
             return
-        if device_seconds < 0.85 * cpu_seconds and self.count < len(self.eligible):
-            self.count += 1
-        elif device_seconds > 1.15 * cpu_seconds and self.count > 0:
-            self.count -= 1
+        sizes = [s.shard_size for s in self.eligible]
+        on_device = sum(sizes[:self.count])
+        if self.count == 0 or device_seconds <= 0 or cpu_seconds <= 0:
+            target = self.count + (1 if device_seconds < cpu_seconds else -1)
+        else:
+            device_rate, cpu_rate = on_device / device_seconds, (self.total - on_device) / cpu_seconds
+            want, acc, balanced = self.total * device_rate / (device_rate + cpu_rate), 0, 0
+            while balanced < len(sizes) and acc + sizes[balanced] / 2 < want:
+                acc += sizes[balanced]
+                balanced += 1
+            diff = balanced - self.count
+            target = self.count + (int(math.copysign(max(1, abs(diff) // 2), diff)) if diff else 0)
+        self.count = min(max(target, 0), len(sizes))
         self.ids = {id(s) for s in self.eligible[:self.count]}
         self.history.append(self.count)
 

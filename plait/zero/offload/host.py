@@ -41,7 +41,7 @@ class HostStepper:
         is_last_micro_step: main thread, during backward: whether this micro-step's gradients are final.
 
     Raises:
-        ValueError: ``device_step_fraction > 0`` where it cannot apply (``device_share``).
+        ValueError: ``device_step_fraction`` > 0 or "auto" where it cannot apply (``_device_share``).
     """
 
     def __init__(self, shards: ShardSet, options: OffloadOptions, ready: Readiness, *, module: torch.nn.Module,
@@ -55,8 +55,7 @@ class HostStepper:
         init = {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
         self.futures: list[Future] = []
-        self.share = self._device_share(0.0 if options.adaptive else options.device_step_fraction, options.adaptive,
-                                        gradient_accumulation_steps)
+        self.share = self._device_share(options.device_step_fraction, gradient_accumulation_steps)
         # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
         # the CPU and the device step their shares at the same time)
         self.early = options.overlap_step and steps_as_is and self.share is None
@@ -72,13 +71,17 @@ class HostStepper:
         self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in module.modules()]
         self._reset()
 
-    def _device_share(self, fraction: float, adaptive: bool, gas: int) -> DeviceShare | None:
-        """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order (None at 0).
+    def _device_share(self, fraction, gas: int) -> DeviceShare | None:
+        """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order, adaptive for
+        "auto"; None (default): "auto" on a CUDA device where the step allows it, else no share.
 
         Raises:
-            ValueError: a fraction > 0 with Lion, GAS > 1, or no segment whose weights live on the device.
+            ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, or no segment whose weights live on
+                the device.
         """
-        if fraction <= 0.0 and not adaptive:
+        by_default = fraction is None
+        adaptive = fraction == "auto" or (by_default and self.device.type == "cuda")
+        if not adaptive and not fraction:
             return None
         optimizer, problems = self.shards.optimizer, []
         if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
@@ -88,16 +91,19 @@ class HostStepper:
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
+        if problems and by_default:
+            return None
         if problems:
             what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
-        total, count, acc = sum(s.shard_size for s in self.order), 0, 0
+        total = sum(s.shard_size for s in self.order)
+        count, acc = 0, 0
         for s in eligible:
-            if acc >= fraction * total:
+            if adaptive or acc >= fraction * total:
                 break
             count += 1
             acc += s.shard_size
-        return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, adaptive)
+        return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive)
 
     def _reset(self) -> None:
         self.landing.reset()

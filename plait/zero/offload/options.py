@@ -23,12 +23,13 @@ class OffloadOptions:
             False: ``step()`` steps every segment after backward and waits for all of them.
         device_step_fraction: in [0, 1): the first this fraction of the optimizer partition (elements, in
             forward order) is updated by the device from the host-resident states while the CPU steps
-            the rest (``plait.zero.offload.device_share``); 0: everything on the CPU. ``"auto"``: start
-            at 0 and, after every step, move the split by one segment towards equal CPU and device times
-            (exact either way). Adam/AdamW, GAS 1.
+            the rest (``plait.zero.offload.device_share``); 0: everything on the CPU. ``"auto"``: after
+            every step, move the split towards equal CPU and device times (exact either way). Adam/AdamW,
+            GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device
+            and those conditions hold, else 0.
 
     Raises:
-        ValueError: ``device_step_fraction`` neither "auto" nor in [0, 1).
+        ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1).
     """
 
     optimizer: bool = True
@@ -36,7 +37,7 @@ class OffloadOptions:
     pin_memory: bool = True
     num_threads: int | None = None
     overlap_step: bool = True
-    device_step_fraction: float | str = 0.0
+    device_step_fraction: float | str | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -45,6 +46,6 @@ class OffloadOptions:
 
     def __post_init__(self):
         f = self.device_step_fraction
-        if not self.adaptive and not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
+        if f is not None and not self.adaptive and not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
             raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
                              "optimizer step the device computes; 0 = all on the CPU)")
