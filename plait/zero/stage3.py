@@ -42,7 +42,7 @@ Prefetch. The order units run forward (and backward) is recorded on the first pa
 all-gather the next units' segments asynchronously while fewer than ``prefetch_bucket_size`` elements are
 taken (as DeepSpeed's ``stage3_prefetch_bucket_size``: the segment that crosses the bound is still taken, so
 a segment larger than the bucket is prefetched alone). A pass that departs from the recorded order simply
-stops prefetching.
+stops prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
 Limits (documented, not detected): a parameter used by code outside the forward of every unit
 holding it (``F.linear(x, self.embed.weight)`` in the root's forward when ``embed`` is its own
@@ -175,8 +175,7 @@ class ParamGatherer:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
         self.fwd, self.bwd = _Order(), _Order()
-        # segments all-gathered on demand / ahead of use (of which inside backward)
-        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}
+        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
         self.gate = gate
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
@@ -322,11 +321,8 @@ class ParamGatherer:
 
     def _make_pre(self, u: Unit):
         def pre_forward(module, args):
-            if torch._C._current_graph_task_id() != -1:
-                # recomputed inside backward (activation checkpointing): the unit's backward comes next.
-                # Reentrant checkpointing recomputes before the output hooks fire, so the backward order
-                # and its prefetch start here; the hooks then find the unit gathered.
-                self._pre_backward(u)
+            if torch._C._current_graph_task_id() != -1:   # recomputed in backward: its backward is next
+                self._pre_backward(u)   # (reentrant checkpointing recomputes before the output hooks fire)
                 return
             self.gather(u)
             self._prefetch(self.fwd.advance(u.index))

@@ -12,18 +12,19 @@ step ends when the slower of the two does. The first segments in forward order a
 their gradients land last in backward (no device->host copy is then waiting at the end of backward)
 and the next forward needs them first.
 
-The update is the CPU kernel's formula (``plait.kernels.cpu_adam``, torch.optim.Adam/AdamW) in
-float32 torch ops with the kernel's roundings (``adam_update_``), so a segment stepped here is bit-identical
-to the all-host step (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``). Two CUDA streams alternate between segments so one segment's host->device copies
-overlap the previous one's device->host copies; a segment's temporaries (about 20 bytes/element:
-weights, moments, fp32 gradient, denominator) are freed as soon as its copies are queued, so at most
-two segments' worth is allocated at a time.
+The update is the CPU kernel's formula (``plait.kernels.cpu_adam``, torch.optim.Adam/AdamW) in float32 torch
+ops with the kernel's roundings (``adam_update_``), so a segment stepped here is bit-identical to the all-host
+step (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``). Two CUDA streams alternate between
+segments so one segment's host->device copies overlap the previous one's device->host copies; a segment's
+temporaries (about 20 bytes/element: weights, moments, fp32 gradient, denominator) are freed as soon as its
+copies are queued, so at most two segments' worth is allocated at a time.
 
 The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
 gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
 ``device_step_fraction="auto"`` (the default on a GPU where it applies) the split moves after each step
 half-way towards equal CPU and device times at the element rates just measured (the CPU share's wall
-time on the worker, the device share's from CUDA events), which follows the host's memory bandwidth and the PCIe link as they are on the machine at hand.
+time on the worker, the device share's from CUDA events), which follows the host's memory bandwidth and
+the PCIe link as they are on the machine at hand.
 
 Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradient accumulation 1, and
 segments whose compute-dtype weights live on the device (stages 1-2, stage 3 without offload_param).

@@ -90,7 +90,8 @@ class HostStepper:
             problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
         if not eligible:
-            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the host)")
+            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
+                            "host)")
         if problems and by_default:
             return None
         if problems:

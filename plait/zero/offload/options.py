@@ -46,6 +46,7 @@ class OffloadOptions:
 
     def __post_init__(self):
         f = self.device_step_fraction
-        if f is not None and not self.adaptive and not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
+        number = isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0
+        if f is not None and not self.adaptive and not number:
             raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
                              "optimizer step the device computes; 0 = all on the CPU)")
