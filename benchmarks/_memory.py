@@ -171,6 +171,7 @@ def snapshot_step(arm, step, i, folder) -> dict:
     pickle and its top allocations to ``folder``."""
     os.makedirs(folder, exist_ok=True)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     step(i)
     torch.cuda.synchronize()
     path = os.path.join(folder, f"{arm}.pickle")

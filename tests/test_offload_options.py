@@ -151,3 +151,33 @@ def test_auto_split_reaches_the_balanced_split_in_a_few_steps():
 
     assert 72 <= run(True, 10) <= 77        # device/CPU time within [0.85, 1.15]
     assert run(False, 10) == 0
+
+
+def test_auto_split_tries_a_slower_device_once():
+    """A device share so slow (0.002 against 1 element/s) that one segment of 10 elements outlasts the CPU's
+    990 is tried once, then the split stays at 0: the measured device rate is remembered instead of probing
+    again every other step."""
+    from types import SimpleNamespace
+
+    from plait.zero.offload.device_share import DeviceShare
+    share = DeviceShare(None, torch.device("cpu"), None, [SimpleNamespace(shard_size=10)] * 100, 0, 1000, True)
+    for _ in range(6):
+        on_device = 10 * share.count
+        share.rebalance(cpu_seconds=(1000 - on_device) / 1.0, device_seconds=on_device / 0.002)
+    assert list(share.history) == [0, 1, 0, 0, 0, 0, 0]
+
+
+def test_default_share_is_no_error_where_it_cannot_apply_on_a_gpu():
+    """The default (None) on a CUDA device steps on the CPU where a share cannot apply (Lion, GAS 2) or where
+    pin_memory is off, instead of raising as "auto" written out does. (``_device_share`` only reads the
+    device's type before building a share, so a CPU run can take the CUDA branch.)"""
+    lion = {"type": "Lion", "params": {"lr": 1e-4}}
+    cases = [({**offload_config(pin_memory=True), "optimizer": lion}, 1),
+             (offload_config(pin_memory=True), 2), (offload_config(pin_memory=False), 1)]
+    for conf, gas in cases:
+        stepper = plait.initialize(torch.nn.Linear(4, 4), conf).optimizer.stepper
+        stepper.device = torch.device("cuda")
+        assert stepper._device_share(None, gas) is None, (conf, gas)
+        if gas == 2:
+            with pytest.raises(ValueError, match=r"'auto' cannot be used with gradient_accumulation_steps=2"):
+                stepper._device_share("auto", gas)

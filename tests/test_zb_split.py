@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from plait.layers import TransformerModel, preset
-from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.layers.norm import _RMSNormWeight
+from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.parallel.weight_grad import plan
 from plait.testing import run_distributed
 

@@ -45,3 +45,25 @@ def test_a_segment_larger_than_the_prefetch_bucket_is_prefetched_alone():
     train(model, opt, cfg, STEPS)
     assert opt.gatherer.stats["prefetched"] > 0
     assert_weights(full_weights(model, opt), reference(3 * MICRO_BS)[0], "stage 3, prefetch bucket 1")
+
+
+def test_each_stage3_unit_has_its_own_master_and_gradient_shard():
+    """One flat group per unit (and one for the persistent parameters): a unit's gradient shard is allocated
+    when its gradients land and given back after the step, one unit at a time, so on CUDA it is given back
+    without expandable segments; a whole-model shard (stages 1-2, or stage 3 with one unit) is not."""
+    import torch
+
+    from plait.zero.stage12 import gives_back
+    model = tiny_llama()
+    opt = ZeroOptimizer(model, None, stage=3, optimizer_kwargs={"lr": 1e-3},
+                        param_groups=weight_decay_groups(model, 0.0), units=stage3_units(model),
+                        comm=CommOptions(param_persistence_threshold=0))
+    units = [g.key.unit for g in opt.groups]   # a unit with norms has two (weight decay and none)
+    assert sorted(set(units)) == [u.index for u in opt.units] and units == sorted(units)
+    assert all(seg.unit == g.key.unit for g in opt.groups for seg in g.segments)
+    assert len(opt.masters) == len(opt.grad_shards) == len(opt.groups)
+    assert opt.reducer.give_back   # on CPU always; the rule for CUDA:
+    cuda = torch.device("cuda")
+    assert gives_back(cuda, False, per_unit=True) and not gives_back(cuda, True, per_unit=True)
+    stage2 = ZeroOptimizer(tiny_llama(), None, stage=2, optimizer_kwargs={"lr": 1e-3})
+    assert len(stage2.groups) == 1 and stage2.groups[0].key.unit is None

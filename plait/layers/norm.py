@@ -75,12 +75,14 @@ class _RMSNormWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _RMSNormWeight.gradients(ctx, ctx.saved_tensors, grad, ctx.needs_input_grad[:2]) + (None,)
+        return _RMSNormWeight.plait_gradients(ctx, ctx.saved_tensors, grad, ctx.needs_input_grad) + (None,)
 
     @staticmethod
-    def gradients(ctx, saved, grad: torch.Tensor, needs=(False, True)) -> tuple:
-        """``(dL/dx, dL/dw)`` from ``dL/dout``, each None where ``needs`` says so; the zero-bubble weight
-        pass (``plait.parallel.weight_grad``) calls it with the default ``needs``."""
+    def plait_gradients(ctx, saved, grad: torch.Tensor, needs) -> tuple:
+        """``(dL/dx, dL/dw)`` from ``dL/dout``, each None where ``needs`` (per forward input) is False; the
+        zero-bubble weight pass (``plait.parallel.weight_grad``) calls it for ``dL/dw`` alone. (The input
+        pass before it also computes ``dL/dw``, as a custom Function cannot tell which outputs the engine
+        needs, and discards it.)"""
         x, weight = saved
         y, rstd = _normalize(x, ctx.eps)
         dx = _normalize_backward((grad * weight).to(y.dtype), x, rstd) if needs[0] else None

@@ -13,8 +13,8 @@ its dtype).
 
 Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0``, ``AddBackward0`` (bias add),
 ``NativeLayerNormBackward0``, and any custom ``torch.autograd.Function`` whose class defines
-``gradients(ctx, saved, grad)`` returning one gradient per forward input (plait's RMSNorm,
-``plait.layers.norm``). Real, strided tensors only.
+``plait_gradients(ctx, saved, grad, needs)`` returning one gradient per forward input, None where ``needs``
+is False (plait's RMSNorm, ``plait.layers.norm``). Real, strided tensors only.
 
 :func:`plan` is called before the input-gradient pass: when none of the saved tensors it needs
 has saved-tensor hooks (activation checkpointing, offload), it reads them at once (*eager*), so
@@ -115,7 +115,7 @@ def _layer_norm(node, side, get) -> Callable | None:
 
 def _function_plan(node, function, side: list) -> tuple[Callable, bool] | None:
     """``plan`` for a custom autograd.Function node whose class computes its own gradients from its
-    saved tensors (``function.gradients(ctx, saved, grad)``)."""
+    saved tensors (``function.plait_gradients(ctx, saved, grad, needs)``)."""
     eager = all(r.unpack_hook is None for r in node._raw_saved_tensors)
     if eager:
         saved = node.saved_tensors
@@ -125,9 +125,10 @@ def _function_plan(node, function, side: list) -> tuple[Callable, bool] | None:
     else:
         load = lambda: node.saved_tensors  # noqa: E731
     fits = [(i, _fitter(child, k)) for i, child, k in side]
+    needs = tuple(any(i == j for i, _, _ in side) for j in range(len(node.next_functions)))
 
     def grads(dy):
-        out = function.gradients(node, load(), dy)
+        out = function.plait_gradients(node, load(), dy, needs)
         return [fit(out[i]) for i, fit in fits]
     return grads, eager
 
@@ -159,7 +160,7 @@ def plan(node, side: list) -> tuple[Callable, bool] | None:
     """
     name = type(node).__name__
     function = getattr(node, "_forward_cls", None)
-    if hasattr(function, "gradients"):
+    if hasattr(function, "plait_gradients"):
         return _function_plan(node, function, side)
     if name == _LAYER_NORM:
         needs = _LAYER_NORM_NEEDS

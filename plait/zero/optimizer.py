@@ -198,7 +198,8 @@ class ZeroOptimizer:
         self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
                                    land=self.stepper.land if self._host else None,
-                                   give_back=gives_back(self.device, self._host, self.policy.parameters))
+                                   give_back=gives_back(self.device, self._host,
+                                                        per_unit=len({g.key.unit for g in self.groups}) > 1))
         mark_owner(self.params, self)
 
     @property
@@ -370,8 +371,8 @@ class ZeroOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: ``params`` (model parameter storage, compute dtype;
         stage-3 shards, persistent and currently gathered params), ``grads`` (``param.grad`` tensors),
-        ``grad_shards`` (reduced gradients: fp32; bf16 under offload at GAS 1), ``master`` (fp32 weights), ``optimizer_state``
-        (torch optimizer state tensors), and ``total``."""
+        ``grad_shards`` (reduced gradients: fp32; bf16 under offload at GAS 1), ``master`` (fp32 weights),
+        ``optimizer_state`` (torch optimizer state tensors), and ``total``."""
         return held_bytes(self)
 
     def shard_state(self) -> ShardState:

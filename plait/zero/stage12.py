@@ -34,13 +34,13 @@ MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (b
 
 
 def gives_back(device: torch.device, host: bool, per_unit: bool) -> bool:
-    """Whether device grad shards should free their storage between steps: not on the host (offload: the
-    host stepper owns them), always on CPU, on other accelerators never; on CUDA with one shard per stage-3
-    unit (``per_unit``: blocks of 4 bytes x a unit's parameters / dp, taken back one unit at a time as
+    """Whether device grad shards should free their storage between steps: not on the host (offload: the host
+    stepper owns them), always on CPU, on other accelerators never; on CUDA with one shard per stage-3 unit
+    (``per_unit``, more than one unit: blocks of 4 bytes x a unit's parameters / dp, taken back one at a time as
     backward reaches it, as FSDP2's sharded gradients), or else with the allocator's expandable segments
-    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Without them a whole-model shard (stages 1-2)
-    must find one free block again each backward, among the activations that took its place meanwhile, and
-    a model that fits with the shard kept can run out of memory."""
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``). Without them a whole-model shard (stages 1-2) must
+    find one free block again each backward, among the activations that took its place meanwhile, and a model
+    that fits with the shard kept can run out of memory."""
     if host or device.type not in ("cpu", "cuda"):
         return False
     if device.type == "cpu" or per_unit:

@@ -68,6 +68,7 @@ class DeviceShare:
         self.events: list = []                      # copies back to the host still in flight
         self.turn = 0
         self.history = deque([count], maxlen=1024)  # segments on the device, last steps (adaptive)
+        self.device_rate: float | None = None       # elements/s of the device share, last measured
         self._start = None                          # timing of the device share of the last step
         self._seconds = 0.0
         if self.cuda:
@@ -146,16 +147,18 @@ class DeviceShare:
     def rebalance(self, cpu_seconds: float, device_seconds: float) -> None:
         """Adaptive: when the device share finished well before the CPU share (< 0.85x its time) or well
         after (> 1.15x), move the boundary half-way to the split that equalizes the two at the element
-        rates just measured (at least one segment; one segment first when the device has none). Takes
-        effect from the next backward."""
+        rates just measured (at least one segment; one segment first while no device rate was ever measured,
+        so a device slower than the CPU is tried once). Takes effect from the next backward."""
         if not self.adaptive or 0.85 * cpu_seconds <= device_seconds <= 1.15 * cpu_seconds:
             return
         sizes = [s.shard_size for s in self.eligible]
         on_device = sum(sizes[:self.count])
-        if self.count == 0 or device_seconds <= 0 or cpu_seconds <= 0:
+        if self.count > 0 and device_seconds > 0:
+            self.device_rate = on_device / device_seconds      # remembered: no probing again from 0
+        if self.device_rate is None or cpu_seconds <= 0 or self.total <= on_device:
             target = self.count + (1 if device_seconds < cpu_seconds else -1)
         else:
-            device_rate, cpu_rate = on_device / device_seconds, (self.total - on_device) / cpu_seconds
+            device_rate, cpu_rate = self.device_rate, (self.total - on_device) / cpu_seconds
             want, acc, balanced = self.total * device_rate / (device_rate + cpu_rate), 0, 0
             while balanced < len(sizes) and acc + sizes[balanced] / 2 < want:
                 acc += sizes[balanced]

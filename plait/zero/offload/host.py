@@ -73,14 +73,16 @@ class HostStepper:
 
     def _device_share(self, fraction, gas: int) -> DeviceShare | None:
         """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order, adaptive for
-        "auto"; None (default): "auto" on a CUDA device where the step allows it, else no share.
+        "auto"; None (default): "auto" on a CUDA device where the step allows it and ``pin_memory`` is on (and
+        the host states could be page-locked), else no share.
 
         Raises:
             ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, or no segment whose weights live on
                 the device.
         """
         by_default = fraction is None
-        adaptive = fraction == "auto" or (by_default and self.device.type == "cuda")
+        # the default streams page-locked host states: only where the config lets plait page-lock (pin_memory)
+        adaptive = fraction == "auto" or (by_default and self.device.type == "cuda" and self.options.pin_memory)
         if not adaptive and not fraction:
             return None
         optimizer, problems = self.shards.optimizer, []
@@ -104,7 +106,12 @@ class HostStepper:
                 break
             count += 1
             acc += s.shard_size
-        return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive)
+        try:
+            return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive)
+        except RuntimeError:   # page-locking refused (pinned.pin_existing): the default steps on the CPU
+            if not by_default:
+                raise
+            return None
 
     def _reset(self) -> None:
         self.landing.reset()

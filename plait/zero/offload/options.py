@@ -19,14 +19,16 @@ class OffloadOptions:
         num_threads: numba threads of the CPU optimizer (None: numba's pool, i.e. every core).
         overlap_step: overlap the host step with the device (``plait.zero.offload``): ``step()`` returns
             before the host step ends and the next forward waits per segment; and where the clip
-            coefficient is exactly 1 (early mode) segments are stepped during backward as they land.
+            coefficient is exactly 1 and no device share is taken (early mode) segments are stepped during
+            backward as they land.
             False: ``step()`` steps every segment after backward and waits for all of them.
         device_step_fraction: in [0, 1): the first this fraction of the optimizer partition (elements, in
             forward order) is updated by the device from the host-resident states while the CPU steps
             the rest (``plait.zero.offload.device_share``); 0: everything on the CPU. ``"auto"``: after
             every step, move the split towards equal CPU and device times (exact either way). Adam/AdamW,
-            GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device
-            and those conditions hold, else 0.
+            GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device,
+            those conditions hold and ``pin_memory`` is on, else 0. A device share keeps its segments'
+            reduced gradients on the device until the step (the share x the partition x 4 bytes, fp32).
 
     Raises:
         ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1).
@@ -41,7 +43,8 @@ class OffloadOptions:
 
     @property
     def adaptive(self) -> bool:
-        """``device_step_fraction == "auto"``: the device share moves each step."""
+        """``device_step_fraction == "auto"`` written out (the default may become "auto" on a GPU:
+        ``HostStepper``)."""
         return self.device_step_fraction == "auto"
 
     def __post_init__(self):

@@ -1,0 +1,286 @@
+"""Context parallelism: attention over a sequence split across the ``cp`` ranks of a group.
+
+Sharding. The sequence ``[s]`` is cut into ``2 cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+``2 cp - 1 - r`` (in that order): under a causal mask the early chunks attend to few keys and the late
+ones to many, so pairing them gives every rank the same work (the load-balanced "zigzag" / head-tail
+sharding of Megatron-Core and torchtitan). Bidirectional attention uses the same sharding, so the rest
+of the model, the positions (RoPE) and the loss never depend on the method. ``s`` must divide by
+``2 cp`` (``shard_sequence`` raises otherwise, naming the numbers; pad the batch to the next multiple).
+
+Two methods, both on the local blocks of torch's fused attention kernels (flash on CUDA for bf16/fp16,
+memory-efficient for float32, the CPU flash kernel elsewhere), which return the log-sum-exp of each row:
+
+* ``ring_attention`` (Liu et al., "Ring Attention with Blockwise Transformers", 2023): K/V travel round
+  the ring of cp ranks (``cp - 1`` exchanges, each posted before the current block is computed so the
+  transfer overlaps it); every local query chunk attends to every K/V chunk it may see (causal: chunks
+  before it in full, its own chunk causally, later chunks not at all) and the partial results are merged
+  by their log-sum-exp (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; as in
+  FlashAttention, Dao et al. 2022, Alg. 1). Backward sends K/V round once more with their gradients
+  travelling beside them, and each block's gradients come from the kernel's backward given the *merged*
+  output and log-sum-exp (the probabilities of a block are ``exp(q k^T scale - lse)`` with the row's
+  total ``lse``), so no block's forward is recomputed twice.
+* ``all_to_all_attention`` (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all turns the sequence
+  shards of all heads into the whole sequence of ``heads / cp`` heads, attention runs as usual, and the
+  inverse all-to-all restores the sequence shards. Heads (and kv heads) must divide by cp.
+
+Shapes: ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` (grouped-query attention when
+``kv_heads < heads``), this rank's two chunks side by side along the sequence; the output is shaped as
+``q``. ``group`` None (or one rank) is plain attention.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.parallel.collectives import group_size
+
+
+# ---- sharding --------------------------------------------------------------------------------------
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two sequence chunks (of ``2 cp``) rank ``rank`` holds: ``(rank, 2 cp - 1 - rank)``."""
+    return rank, 2 * cp - 1 - rank
+
+
+def check_sequence(seq: int, cp: int) -> int:
+    """Chunk length ``seq / (2 cp)``. Raises ValueError (naming the numbers) when it does not divide."""
+    if seq % (2 * cp):
+        pad = -seq % (2 * cp)
+        raise ValueError(f"sequence length {seq} is not a multiple of 2 x cp = {2 * cp} (context parallelism "
+                         f"splits it into 2 x cp equal chunks); pad each sequence by {pad} tokens (to "
+                         f"{seq + pad}) or choose a cp that divides it")
+    return seq // (2 * cp)
+
+
+def positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions ``[s/cp]`` of the tokens rank ``rank`` holds (for RoPE and the labels)."""
+    c = check_sequence(seq, cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of ``x`` along ``dim`` (``[..., s, ...] -> [..., s/cp, ...]``), a copy."""
+    c = check_sequence(x.shape[dim], cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(cp, rank)], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence`` given every rank's shard (``parts[r]``), in natural order."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[r], chunks[2 * cp - 1 - r] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+# ---- one block: torch's fused kernels with their log-sum-exp ------------------------------------------
+def _block_forward(q, k, v, causal: bool, scale: float):
+    """``(out [b, n, sq, d], lse [b, n, sq] float32)`` of softmax attention of q over k, v (same heads)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    elif q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[2]].float()
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # dense inputs: no cumulative sequence lengths (the forward returns None); no dropout: no RNG state
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    if q.is_cuda:
+        pad = -lse.shape[-1] % 32   # the memory-efficient kernel keeps its lse padded to 32 rows
+        lse = F.pad(lse, (0, pad))
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _merge(out, lse, part, part_lse):
+    """Combine two partial softmax results over disjoint keys (float32 ``out``, ``lse``), in place."""
+    new = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(part.float() * torch.exp(part_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads repeated to ``heads`` (grouped-query attention)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum a gradient of repeated kv heads back to ``kv_heads``."""
+    b, n, s, d = grad.shape
+    return grad if n == kv_heads else grad.view(b, kv_heads, n // kv_heads, s, d).sum(2)
+
+
+def _pairs(cp: int, rank: int, source: int, causal: bool):
+    """``(local chunk slot, kv chunk slot, causal block?)`` for this rank's query chunks against the K/V
+    chunks of rank ``source``: causal keeps earlier chunks whole, its own chunk causal, later ones out."""
+    for a, qi in enumerate(chunk_ids(cp, rank)):
+        for c, ki in enumerate(chunk_ids(cp, source)):
+            if not causal or ki < qi:
+                yield a, c, False
+            elif ki == qi:
+                yield a, c, True
+
+
+def _shift(t: torch.Tensor, group):
+    """Post the send of ``t`` to the next rank of the ring and the receive from the previous one;
+    returns ``(requests, received)``."""
+    cp, rank = group_size(group), dist.get_rank(group)
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + 1) % cp), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _arrive(posted) -> torch.Tensor:
+    requests, received = posted
+    for r in requests:
+        r.wait()
+    return received
+
+
+def forward_step(qs, kv, outs, lses, cp: int, rank: int, source: int, causal: bool, scale: float) -> None:
+    """One ring step of the forward: this rank's query chunks ``qs`` (two ``[b, heads, c, d]``) against the
+    K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source``, merged into ``outs``/``lses`` (float32)."""
+    heads = qs[0].shape[1]
+    ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+    for a, c, diagonal in _pairs(cp, rank, source, causal):
+        part, part_lse = _block_forward(qs[a], _expand(ks[c], heads).contiguous(),
+                                        _expand(vs[c], heads).contiguous(), diagonal, scale)
+        _merge(outs[a], lses[a], part, part_lse)
+
+
+def backward_step(douts, qs, outs, lses, kv, dqs, dkv, cp: int, rank: int, source: int, causal: bool,
+                  scale: float) -> None:
+    """One ring step of the backward: adds this rank's blocks' gradients into ``dqs`` (its query chunks)
+    and ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V)."""
+    heads, kv_heads = qs[0].shape[1], kv.shape[2]
+    ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+    dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+    for a, c, diagonal in _pairs(cp, rank, source, causal):
+        gq, gk, gv = _block_backward(douts[a], qs[a], _expand(ks[c], heads).contiguous(),
+                                     _expand(vs[c], heads).contiguous(), outs[a], lses[a], diagonal, scale)
+        dqs[a].add_(gq)
+        dks[c].add_(_fold(gk.float(), kv_heads))
+        dvs[c].add_(_fold(gv.float(), kv_heads))
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    return [c.contiguous() for c in t.chunk(2, dim=2)]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal: bool, scale: float):
+        cp, rank = group_size(group), dist.get_rank(group)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        qs, outs, lses = _chunks(q), out.chunk(2, dim=2), lse.chunk(2, dim=2)
+        kv = torch.stack([k, v])
+        for t in range(cp):
+            posted = _shift(kv, group) if t < cp - 1 else None   # next K/V travel while this block computes
+            forward_step(qs, kv, outs, lses, cp, rank, (rank - t) % cp, causal, scale)
+            if posted is not None:
+                kv = _arrive(posted)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        cp, rank = group_size(group), dist.get_rank(group)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        chunks = (_chunks(dout), _chunks(q), _chunks(out), _chunks(lse))
+        for t in range(cp):
+            posted = _shift(kv, group) if t < cp - 1 else None
+            backward_step(*chunks, kv, dq.chunk(2, dim=2), dkv, cp, rank, (rank - t) % cp, causal, scale)
+            dkv = _arrive(_shift(dkv, group))   # the gradients travel with their K/V; after cp moves, home
+            if posted is not None:
+                kv = _arrive(posted)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's query chunks over the whole sequence's keys (module docstring).
+
+    Raises:
+        ValueError: heads not a multiple of kv heads, or a local sequence of odd length (two chunks).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_heads(q, k)
+    if group_size(group) == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[2] % 2:
+        raise ValueError(f"local sequence length {q.shape[2]} is odd: each cp rank holds two equal chunks "
+                         "(plait.parallel.context.shard_sequence)")
+    return _RingAttention.apply(q, k, v, group, causal, scale)
+
+
+def _check_heads(q, k) -> None:
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+
+
+# ---- all-to-all (Ulysses) ---------------------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``x`` into cp parts along ``scatter_dim``, send part ``i`` to rank ``i``, and concatenate
+    the received parts (rank order) along ``gather_dim``."""
+    cp = group_size(group)
+    send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention with heads scattered and the sequence gathered over the cp group (module docstring).
+
+    Raises:
+        ValueError: heads or kv heads not divisible by cp (the message names the numbers).
+    """
+    cp = group_size(group)
+    _check_heads(q, k)
+    gqa = q.shape[1] != k.shape[1]
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    for name, n in (("heads", q.shape[1]), ("kv heads", k.shape[1])):
+        if n % cp:
+            raise ValueError(f"all-to-all context parallelism scatters attention heads over cp ranks: this "
+                             f"rank's {name} ({n}) do not divide by cp ({cp}); use method 'ring' or a cp that "
+                             f"divides {n}")
+    seq = q.shape[2] * cp
+    order = torch.cat([positions(seq, cp, r, q.device) for r in range(cp)])   # gathered slot -> token
+    natural = torch.argsort(order)
+    q, k, v = (_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return _AllToAll.apply(out.index_select(2, order), group, 2, 1)
