@@ -26,6 +26,25 @@ def test_mesh_rank_layout_tp_fastest_then_dp_then_pp():
         assert info["first"] == (pp == 0) and info["last"] == (pp == 1)
 
 
+def cp_mesh_body():
+    m = ParallelMesh(tp=2, cp=2)   # dp inferred: 8 / (2*2) = 2
+    return dict(coords=(m.dp_rank, m.cp_rank, m.tp_rank), cp=m.ranks("cp"), dp=m.ranks("dp"),
+                dp_cp=dist.get_process_group_ranks(m.group("dp_cp")), dp_cp_rank=m.rank("dp_cp"),
+                sizes=(m.size("dp"), m.size("cp"), m.size("dp_cp"), m.world_size))
+
+
+def test_mesh_rank_layout_with_context_parallel_tp_then_cp_then_dp():
+    """(pp, dp, cp, tp) with tp fastest; ZeRO's dp x cp group holds the ranks of one tp rank across dp and cp,
+    in dp-major order (its rank is dp_rank * cp + cp_rank)."""
+    for r, info in enumerate(run_distributed(cp_mesh_body, 8)):
+        dp, cp, tp = r // 4, (r // 2) % 2, r % 2
+        assert info["coords"] == (dp, cp, tp) and info["sizes"] == (2, 2, 4, 8)
+        assert info["cp"] == [dp * 4 + c * 2 + tp for c in range(2)]
+        assert info["dp"] == [d * 4 + cp * 2 + tp for d in range(2)]
+        assert info["dp_cp"] == [d * 4 + c * 2 + tp for d in range(2) for c in range(2)]
+        assert info["dp_cp_rank"] == dp * 2 + cp
+
+
 def bad_mesh_body(tp, pp, dp):
     with pytest.raises(ValueError) as err:
         ParallelMesh(tp=tp, pp=pp, dp=dp)
@@ -34,9 +53,9 @@ def bad_mesh_body(tp, pp, dp):
 
 def test_world_not_divisible_by_tp_pp_names_numbers():
     msg = run_distributed(bad_mesh_body, 6, 4, 1, None)[0]
-    assert "world size (6)" in msg and "tp x pp = 4 x 1" in msg
+    assert "world size (6)" in msg and "tp x pp x cp = 4 x 1 x 1" in msg
     msg = run_distributed(bad_mesh_body, 4, 2, 1, 4)[0]
-    assert "2 x 1 x 4 = 8" in msg and "world size is 4" in msg and "dp=2" in msg
+    assert "2 x 1 x 1 x 4 = 8" in msg and "world size is 4" in msg and "dp=2" in msg
 
 
 def test_single_process_mesh_without_process_group():

@@ -3,7 +3,9 @@
 q/k/v projections are column-parallel (each rank computes ``heads/tp`` query heads and
 ``kv_heads/tp`` key/value heads), the output projection is row-parallel (Shoeybi et al.,
 "Megatron-LM", 2019, Sec. 3, Fig. 3b). Grouped-query attention: Ainslie et al., 2023.
-The core is ``torch.nn.functional.scaled_dot_product_attention``.
+The core is ``torch.nn.functional.scaled_dot_product_attention``; under context parallelism (a ``cp_group``
+of more than one rank) it is ``plait.parallel.context``'s ring or all-to-all attention over the sequence
+split across those ranks.
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from torch import nn
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, enter_tp_region
 from plait.layers.rope import apply_rope, rope_cos_sin
+from plait.parallel import context
 from plait.parallel.collectives import group_size
 from plait.parallel.random import checkpoint
+
+CP_METHODS = ("ring", "all_to_all")
 
 
 class Attention(nn.Module):
@@ -36,6 +41,9 @@ class Attention(nn.Module):
         fused: q/k/v as one column-parallel matmul (``qkv_proj``, each rank's q, k and v rows side
             by side) instead of ``q_proj``, ``k_proj``, ``v_proj``; same logical weights and
             checkpoints either way.
+        cp_group, cp_method: context parallelism (``plait.parallel.context``): the ranks that split each
+            sequence (this rank holds the two chunks of ``context.shard_sequence``) and "ring" or
+            "all_to_all". Not with an ``attention_mask`` or attention dropout.
 
     Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
     ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``; ``rope``:
@@ -44,7 +52,8 @@ class Attention(nn.Module):
     Returns the same shape as ``x``.
 
     Raises:
-        ValueError: head counts not divisible by tp, or num_heads not a multiple of num_kv_heads.
+        ValueError: head counts not divisible by tp, num_heads not a multiple of num_kv_heads, an unknown
+            cp_method; in forward, a padding mask or attention dropout under context parallelism.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, *,
@@ -52,8 +61,11 @@ class Attention(nn.Module):
                  bias: bool = False, attention_dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
                  output_init_std: float | None = None, recompute_core: bool = False, fused: bool = False,
-                 device=None, dtype=None):
+                 cp_group=None, cp_method: str = "ring", device=None, dtype=None):
         super().__init__()
+        if cp_method not in CP_METHODS:
+            raise ValueError(f"unknown context-parallel method {cp_method!r}; use one of {CP_METHODS}")
+        self.cp_group, self.cp_method, self.cp = cp_group, cp_method, group_size(cp_group)
         tp = group_size(group)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
@@ -89,20 +101,30 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             if rope is None:
                 if position_ids is None:
-                    position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+                    position_ids = context.positions(x.shape[1] * self.cp, self.cp, self._cp_rank(),
+                                                     x.device).expand(x.shape[0], -1)
                 rope = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         mask = None
         if attention_mask is not None and not self.causal:
             mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]
+        if self.cp > 1 and (mask is not None or (self.dropout > 0 and self.training)):
+            raise ValueError("context parallelism (cp > 1) takes neither an attention_mask (pad to whole "
+                             "sequences instead) nor attention dropout (set attention_dropout 0)")
         if self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, mask, tracker=self.rng if self.dropout > 0 else None)
         else:
             out = self._core(q, k, v, mask)
         return self.o_proj(rearrange(out, "b n s d -> b s (n d)"))
 
+    def _cp_rank(self) -> int:
+        return 0 if self.cp == 1 else torch.distributed.get_rank(self.cp_group)
+
     def _core(self, q, k, v, mask):
         """Scaled dot-product attention on this rank's heads: ``[b, heads/tp, s, head_dim]``."""
+        if self.cp > 1:
+            core = context.ring_attention if self.cp_method == "ring" else context.all_to_all_attention
+            return core(q, k, v, self.cp_group, causal=self.causal)
         p = self.dropout if self.training else 0.0
         gqa = self.local_heads != self.local_kv_heads
         if p > 0.0:

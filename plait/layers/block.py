@@ -35,10 +35,12 @@ class TransformerBlock(nn.Module):
         config: architecture. group / sequence_parallel / rng: tp group, sequence parallelism,
             ``RNGTracker``. recompute: None, "full" (recompute the whole block in backward) or
             "selective" (recompute only the attention core; Korthikanti et al., 2022, Sec. 5).
+            cp_group / cp_method: context parallelism of the attention (``Attention``).
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel: bool = False,
-                 rng=None, recompute: str | None = None, device=None, dtype=None):
+                 rng=None, recompute: str | None = None, cp_group=None, cp_method: str = "ring",
+                 device=None, dtype=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute mode {recompute!r}; use one of {RECOMPUTE}")
@@ -50,7 +52,8 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
                               rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
                               rng=rng, init_std=c.init_std, output_init_std=out_std,
-                              recompute_core=recompute == "selective", fused=c.fused_projections, **kw)
+                              recompute_core=recompute == "selective", fused=c.fused_projections,
+                              cp_group=cp_group, cp_method=cp_method, **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
                        output_init_std=out_std, fused=c.fused_projections, **kw)

@@ -24,6 +24,7 @@ from plait.layers.init import TIED_ATTR, init_parameters
 from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, replicated_param, sharded_param
 from plait.layers.norm import make_norm
 from plait.layers.rope import rope_cos_sin
+from plait.parallel import context
 from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
 from plait.parallel.random import RNGTracker
 from plait.parallel.sharding import logical_parts
@@ -88,14 +89,17 @@ class LMHead(nn.Module):
     ``config.fused_loss_chunk_tokens`` > 0 the loss comes from ``fused_linear_cross_entropy``: the
     ``[b, s, V_pad/tp]`` logits never exist at once, only one token chunk of them. The output weight is
     the embedding's when tied and both are on this rank; a tied head on a different pipeline stage
-    owns a copy marked ``plait_tied_to``, initialized identically.
+    owns a copy marked ``plait_tied_to``, initialized identically. Under context parallelism (``cp_group``
+    of cp ranks, each with its part of every sequence) the loss is ``cp x`` this rank's summed loss over
+    the tokens counted on all cp ranks: its mean over the cp ranks (what averaging gradients over the
+    dp x cp ranks takes) is the sequences' mean loss.
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False,
-                 tied_weight: nn.Parameter | None = None, device=None, dtype=None):
+                 tied_weight: nn.Parameter | None = None, cp_group=None, device=None, dtype=None):
         super().__init__()
         c = config
-        self.config, self.group, self.sequence_parallel = c, group, sequence_parallel
+        self.config, self.group, self.sequence_parallel, self.cp_group = c, group, sequence_parallel, cp_group
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         wiring = c.family.wiring
         self.dense = (ReplicatedLinear(c.hidden_size, c.hidden_size, True, init_std=c.init_std, **kw)
@@ -130,8 +134,12 @@ class LMHead(nn.Module):
                                                reduction="sum", **kw)
         else:
             total = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw).sum()
-        count = (labels != -100).sum().clamp(min=1)
-        return total / count
+        count = (labels != -100).sum()
+        cp = group_size(self.cp_group)
+        if cp > 1:
+            torch.distributed.all_reduce(count, group=self.cp_group)
+            total = total * cp
+        return total / count.clamp(min=1)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[b, s, V_pad/tp]`` -> whole ``[b, s, V]`` (all-gather over tp, padding dropped)."""
@@ -155,6 +163,9 @@ class TransformerModel(nn.Module):
         layers: global layer indices to build (default all: ``0 .. num_layers + 1``).
         seed: initialization and dropout seed (layout-invariant; see ``plait.layers.init``).
         recompute: activation recomputation per block (None, "full" or "selective").
+        cp_method: "ring" or "all_to_all" attention where ``mesh.cp`` > 1 (context parallelism: each rank
+            gets the two sequence chunks of ``plait.parallel.context.shard_sequence`` of every input; the
+            default positions follow them).
         device, dtype: where and in what dtype to build; "meta" skips initialization.
 
     ``forward(input_ids=..., labels=..., attention_mask=..., position_ids=..., token_type_ids=...,
@@ -167,9 +178,10 @@ class TransformerModel(nn.Module):
 
     def __init__(self, config: TransformerConfig, mesh=None, *, sequence_parallel: bool = False,
                  layers: Iterable[int] | None = None, seed: int = 1234, recompute: str | None = None,
-                 device=None, dtype=None):
+                 cp_method: str = "ring", device=None, dtype=None):
         super().__init__()
         group = None if mesh is None else mesh.tp_group
+        cp_group = None if mesh is None else mesh.cp_group
         tp = group_size(group)
         check_tensor_parallel(config, tp)
         self.config, self.mesh, self.sequence_parallel = config, mesh, sequence_parallel and tp > 1
@@ -190,26 +202,30 @@ class TransformerModel(nn.Module):
             elif i == total - 1:
                 tied = (self.layers["0"].word_embeddings.weight
                         if config.tie_embeddings and "0" in self.layers else None)
-                self.layers[str(i)] = LMHead(config, tied_weight=tied, **kw)
+                self.layers[str(i)] = LMHead(config, tied_weight=tied, cp_group=cp_group, **kw)
             else:
-                self.layers[str(i)] = TransformerBlock(config, rng=self.rng, recompute=recompute, **kw)
+                self.layers[str(i)] = TransformerBlock(config, rng=self.rng, recompute=recompute, cp_group=cp_group,
+                                                       cp_method=cp_method, **kw)
         init_parameters(self, seed)
 
     @property
     def _has_blocks(self) -> bool:
         return any(0 < i <= self.config.num_layers for i in self.layer_indices)
 
+    def _positions(self, batch: dict, hidden) -> torch.Tensor:
+        """``[1, s]`` positions of this rank's tokens when ``position_ids`` is not given: ``0..s-1`` of the
+        whole sequence, or under context parallelism those of this rank's chunks."""
+        ids = batch.get("input_ids")
+        seq = ids.shape[1] if ids is not None else hidden.shape[1] * (group_size(self.mesh.tp_group)
+                                                                      if self.sequence_parallel else 1)
+        cp = 1 if self.mesh is None else self.mesh.cp
+        device = ids.device if ids is not None else hidden.device
+        return context.positions(seq * cp, cp, 0 if cp == 1 else self.mesh.cp_rank, device).unsqueeze(0)
+
     def _rope_tables(self, batch: dict, hidden):
         """RoPE's ``(cos, sin)`` for every block of this forward, computed once (``[b or 1, 1, s, head_dim]``
-        float32): from ``position_ids``, else for positions ``0..s-1`` of the whole sequence."""
-        pos = batch.get("position_ids")
-        if pos is None:
-            ids = batch.get("input_ids")
-            seq = ids.shape[1] if ids is not None else hidden.shape[1] * (group_size(self.mesh.tp_group)
-                                                                          if self.sequence_parallel else 1)
-            device = ids.device if ids is not None else hidden.device
-            pos = torch.arange(seq, device=device).unsqueeze(0)
-        return rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+        float32), from ``position_ids``."""
+        return rope_cos_sin(batch["position_ids"], self.config.head_dim, self.config.rope_theta)
 
     @property
     def has_head(self) -> bool:
@@ -224,6 +240,9 @@ class TransformerModel(nn.Module):
         batch = {k: v for k, v in dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
                                        position_ids=position_ids, token_type_ids=token_type_ids).items()
                  if v is not None}
+        if "position_ids" not in batch and (self.config.rope_theta is not None or self.mesh is not None
+                                            and self.mesh.cp > 1):
+            batch["position_ids"] = self._positions(batch, hidden)   # learned positions take them too under cp
         if self.config.rope_theta is not None and self._has_blocks:
             batch["rope"] = self._rope_tables(batch, hidden)
         for layer in self.layers.values():

@@ -1,8 +1,12 @@
-"""ParallelMesh: the (pp, dp, tp) grid of ranks and its process groups.
+"""ParallelMesh: the (pp, dp, cp, tp) grid of ranks and its process groups.
 
 Rank layout follows Megatron-LM and torchtitan: tp varies fastest (neighbouring
-ranks, same node, fastest links), then dp, then pp. For world size W = pp*dp*tp,
-global rank r sits at ``(pp_rank, dp_rank, tp_rank) = (r // (dp*tp), (r // tp) % dp, r % tp)``.
+ranks, same node, fastest links), then cp (context parallel: ranks that split each sequence,
+``plait.parallel.context``), then dp, then pp. For world size W = pp*dp*cp*tp, global rank r sits at
+``(pp_rank, dp_rank, cp_rank, tp_rank) = (r // (dp*cp*tp), (r // (cp*tp)) % dp, (r // tp) % cp, r % tp)``.
+The cp ranks of a dp rank see the same samples (each its part of every sequence), so their parameter
+gradients add up like those of dp ranks: ZeRO shards and reduces over the ``dp x cp`` ranks together
+(``group("dp_cp")``, FSDP's ``dp_shard_cp``); with cp = 1 that group is the dp group.
 
 The mesh is an ordinary object passed explicitly to every layer, optimizer and
 schedule that needs it; plait keeps no module-level process-group state.
@@ -14,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-DIM_NAMES = ("pp", "dp", "tp")
+DIM_NAMES = ("pp", "dp", "cp", "tp")
+GROUP_NAMES = DIM_NAMES + ("dp_cp",)
 
 
 def check_divisible(value: int, divisor: int, what: str, by: str, fix: str) -> None:
@@ -25,43 +30,46 @@ def check_divisible(value: int, divisor: int, what: str, by: str, fix: str) -> N
 
 @dataclass
 class ParallelMesh:
-    """Tensor x pipeline x data parallel grid over ``torch.distributed.device_mesh``.
+    """Tensor x context x data x pipeline parallel grid over ``torch.distributed.device_mesh``.
 
     Args:
         tp: tensor-parallel size (ranks that split each layer's weights).
         pp: pipeline-parallel size (ranks that split the layer list into stages).
-        dp: data-parallel size; inferred as ``world_size // (tp*pp)`` when None.
+        dp: data-parallel size; inferred as ``world_size // (tp*pp*cp)`` when None.
+        cp: context-parallel size (ranks that split each sequence).
         device_type: "cpu" (gloo) or "cuda" (NCCL); defaults from the backend.
 
-    With no process group initialized and ``tp = pp = dp = 1`` the mesh is a
+    With no process group initialized and ``tp = pp = dp = cp = 1`` the mesh is a
     single-process mesh: every group is None and every rank is 0, so the same
     model code runs as a plain ``nn.Module``.
 
     Raises:
-        ValueError: world size not divisible by ``tp*pp``, or ``tp*pp*dp`` not
+        ValueError: world size not divisible by ``tp*pp*cp``, or ``tp*pp*cp*dp`` not
             equal to the world size; the message names the numbers and the fix.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    cp: int = 1
     device_type: str | None = None
     device_mesh: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        check_divisible(world, self.tp * self.pp, "world size", f"tp x pp = {self.tp} x {self.pp}",
-                        "launch a multiple of tp*pp processes or change tp/pp")
-        inferred = world // (self.tp * self.pp)
+        split = self.tp * self.pp * self.cp
+        check_divisible(world, split, "world size", f"tp x pp x cp = {self.tp} x {self.pp} x {self.cp}",
+                        "launch a multiple of tp*pp*cp processes or change tp/pp/cp")
+        inferred = world // split
         if self.dp is None:
             self.dp = inferred
         elif self.dp != inferred:
             raise ValueError(
-                f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = {self.tp * self.pp * self.dp} "
+                f"tp x pp x cp x dp = {self.tp} x {self.pp} x {self.cp} x {self.dp} = {split * self.dp} "
                 f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
         if not dist.is_initialized():   # one process, no group: compute where a GPU is, as DeepSpeed does
             if self.device_type is None:
@@ -71,22 +79,28 @@ class ParallelMesh:
             self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         from torch.distributed.device_mesh import init_device_mesh
         self.device_mesh = init_device_mesh(
-            self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES)
+            self.device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=DIM_NAMES)
+        if self.cp > 1:
+            self.device_mesh["dp", "cp"]._flatten("dp_cp")
 
     # ---- groups, ranks and sizes per dim -------------------------------------------------
     def group(self, dim: str):
-        """ProcessGroup of this rank along ``dim`` ("tp", "pp" or "dp"); None in one process."""
-        if dim not in DIM_NAMES:
-            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {DIM_NAMES}")
+        """ProcessGroup of this rank along ``dim`` ("tp", "pp", "dp", "cp" or "dp_cp"); None in one process."""
+        if dim not in GROUP_NAMES:
+            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {GROUP_NAMES}")
+        if dim == "dp_cp" and self.cp == 1:
+            dim = "dp"
         return None if self.device_mesh is None else self.device_mesh.get_group(dim)
 
     def size(self, dim: str) -> int:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}[dim]
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp}[dim]
 
     def rank(self, dim: str) -> int:
-        """This process's coordinate along ``dim``."""
+        """This process's coordinate along ``dim`` (``dp_cp``: ``dp_rank * cp + cp_rank``)."""
         if self.device_mesh is None:
             return 0
+        if dim == "dp_cp":
+            return self.rank("dp") * self.cp + self.rank("cp")
         return self.device_mesh.get_local_rank(dim)
 
     def ranks(self, dim: str) -> list[int]:
@@ -97,7 +111,7 @@ class ParallelMesh:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def global_rank(self) -> int:
@@ -106,6 +120,8 @@ class ParallelMesh:
     tp_group = property(lambda self: self.group("tp"))
     pp_group = property(lambda self: self.group("pp"))
     dp_group = property(lambda self: self.group("dp"))
+    cp_group = property(lambda self: self.group("cp"))
+    cp_rank = property(lambda self: self.rank("cp"))
     tp_rank = property(lambda self: self.rank("tp"))
     pp_rank = property(lambda self: self.rank("pp"))
     dp_rank = property(lambda self: self.rank("dp"))
@@ -126,5 +142,5 @@ class ParallelMesh:
         return torch.device("cpu")
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, rank={self.global_rank}, "
-                f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank}))")
+        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}, rank={self.global_rank}, "
+                f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, cp={self.cp_rank}, tp={self.tp_rank}))")

@@ -130,14 +130,14 @@ class PipelineParallel:
         params = [t for chunk in chunks for t in chunk.tied_parameters()]
         group = None
         if self.p > 1:
-            grid = self.mesh.device_mesh.mesh  # [pp, dp, tp] global ranks
+            grid = self.mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
             me = dist.get_rank()
-            for d in range(grid.shape[1]):
-                for t in range(grid.shape[2]):
-                    pair = [int(grid[0, d, t]), int(grid[-1, d, t])]
-                    g = dist.new_group(pair)
-                    if me in pair:
-                        group = g
+            columns = grid.reshape(grid.shape[0], -1)   # every (dp, cp, tp) coordinate: its first and last stage
+            for c in range(columns.shape[1]):
+                pair = [int(columns[0, c]), int(columns[-1, c])]
+                g = dist.new_group(pair)
+                if me in pair:
+                    group = g
         return params, group
 
     @torch.no_grad()
