@@ -25,6 +25,7 @@ from torch import nn
 from plait.batch import check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_compile import compile_regions, compiled_backend, is_compiled
+from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
@@ -92,7 +93,7 @@ class Engine(EngineFacts):
         reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.communication_data_type,
                                                                             torch.float32)
         self.optimizer = ZeroOptimizer(
-            module, mesh.dp_group, stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
+            module, mesh.group("dp_cp"), stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
             param_groups=groups, comm=CommOptions(
                 reduce_dtype=reduce_dtype,
                 # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
@@ -114,7 +115,7 @@ class Engine(EngineFacts):
         self._step_applied = False
         self.global_samples = 0
         vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
-        self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.dp_group, mesh.pp_group,
+        self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.group("dp_cp"), mesh.pp_group,
                                                        getattr(pipeline, "tied_group", None)), vocab)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
                                  mesh.device, config.gradient_accumulation_steps,
@@ -128,7 +129,7 @@ class Engine(EngineFacts):
         """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
         (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync);
         with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
-        kwargs = self.guard.screen(kwargs)
+        kwargs = shard_batch(self.guard.screen(kwargs), self.mesh)   # context parallel: this rank's chunks
         self.optimizer.rebind_views()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)
@@ -230,14 +231,14 @@ class Engine(EngineFacts):
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a scalar over the data-parallel ranks (collective; the value itself at dp 1), as
-        a float32 tensor of shape ``[]`` on the engine's device (no host sync)."""
-        group = self.mesh.dp_group
-        if group is None or self.mesh.dp == 1:
+        """The mean of a scalar over the data-parallel (x context-parallel) ranks (collective; the value
+        itself at dp x cp 1), as a float32 tensor of shape ``[]`` on the engine's device (no host sync)."""
+        group, size = self.mesh.group("dp_cp"), self.mesh.size("dp_cp")
+        if group is None or size == 1:
             return loss
         out = loss.detach().to(self.mesh.device, torch.float32).reshape(1)
         dist.all_reduce(out, group=group)
-        return (out / self.mesh.dp).reshape(())
+        return (out / size).reshape(())
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
@@ -375,7 +376,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
             **config_facts)
-        mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size)
+        mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size, cp=raw.context_parallel.size)
     if not isinstance(config, PlaitConfig):
         config = load_config(config, dp_size=mesh.dp, **config_facts)
     if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
@@ -394,4 +395,5 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         if pipeline.m != config.gradient_accumulation_steps:
             raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
                               f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
+    check_context_parallel(config, mesh, model, pipeline)
     return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights)

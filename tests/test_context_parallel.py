@@ -171,3 +171,60 @@ def test_model_with_context_parallel_matches_one_process(arch, method, cp):
         grad = sum(r[1][name] for r in results) / cp
         err = rel_err(grad, p.grad, floor=1e-4)
         assert err <= 1e-5, (name, err)
+
+
+# ---- through the engine: ZeRO over the dp x cp ranks, the engine sharding each batch --------------------
+def engine_cp_body(tp, cp, method, stages):
+    import plait
+    from plait.layers import TransformerModel
+    from plait.parallel import ParallelMesh
+    from plait.parallel.sharding import gather_logical_state
+    from test_engine import GAS, STEPS, ds_config, micro_batch, tiny
+    results = {}
+    for stage in stages:
+        mesh = ParallelMesh(tp=tp, cp=cp)
+        model = TransformerModel(tiny(), mesh, seed=5, cp_method=method)
+        cfg = {**ds_config(stage, tp), "context_parallel": {"size": cp, "method": method}}
+        engine = plait.initialize(model, cfg, mesh=mesh)
+        losses = []
+        for step in range(STEPS):   # whole sequences; the engine keeps this cp rank's chunks
+            losses.append(engine.train_batch(iter([micro_batch(step, g, mesh.dp_rank) for g in range(GAS)])).item())
+        with engine.optimizer.gathered_parameters():
+            whole = {n: t.float().cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()}
+        results[stage] = (whole, losses, engine.global_steps, engine.get_lr()[0])
+    return results if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("tp, cp, method, stages", [(1, 2, "ring", (0, 1, 2, 3)), (2, 2, "ring", (1, 3)),
+                                                    (1, 2, "all_to_all", (3,)), (1, 4, "ring", (3,))])
+def test_engine_with_context_parallel_matches_single_process_adamw(tp, cp, method, stages):
+    """5 AdamW steps (GAS 2, clipping, warm-up) through ``plait.initialize`` with ``context_parallel``: the loss
+    curve and every weight equal one process on whole sequences (test_engine's contract, 1e-6 on weights and
+    1e-5 on losses), with tensor parallelism and over ZeRO stages 0-3."""
+    from test_engine import check_engine_results, reference
+    ref_weights, ref_losses = reference(1)
+    results = run_distributed(engine_cp_body, tp * cp, tp, cp, method, stages)[0]
+    check_engine_results(results, ref_weights, ref_losses, tp, 1)
+
+
+def test_engine_refuses_a_context_parallel_config_the_model_was_not_built_for():
+    import plait
+    from plait.config import ConfigError
+    from plait.layers import TransformerModel
+    from test_engine import ds_config, tiny
+    with pytest.raises(ConfigError, match=r"context_parallel.size=2 but the mesh has cp=1"):
+        plait.initialize(TransformerModel(tiny(), None), {**ds_config(1, 1), "context_parallel": {"size": 2}},
+                         mesh=__import__("plait.parallel", fromlist=["ParallelMesh"]).ParallelMesh())
+
+
+def all_to_all_heads_body():
+    from plait.layers.attention import Attention
+    group = dist.new_group([0, 1])
+    with pytest.raises(ValueError) as err:
+        Attention(64, 4, 1, cp_group=group, cp_method="all_to_all")
+    return str(err.value)
+
+
+def test_all_to_all_needs_heads_divisible_by_tp_times_cp():
+    msg = run_distributed(all_to_all_heads_body, 2)[0]
+    assert "num_kv_heads (1) divisible by tp x cp = 1 x 2" in msg and "cp_method='ring'" in msg

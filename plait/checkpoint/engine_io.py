@@ -81,7 +81,7 @@ def _logical_boxes(spec: TPShard, start: int, length: int):
 
 def _optimizer_items(engine, state: ShardState) -> list[ShardItem]:
     mesh = engine.mesh
-    if state.replicated and mesh.dp_rank != 0:
+    if state.replicated and mesh.rank("dp_cp") != 0:
         return []
     table = _param_table(engine)
     items = []

@@ -82,7 +82,8 @@ def checkpoint_name(name: str, param: torch.Tensor, model: nn.Module | None = No
 def _mesh_coords(mesh) -> dict[str, int]:
     if mesh is None:
         return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "dp_rank": 0}
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "tp_rank": mesh.tp_rank, "dp_rank": mesh.dp_rank}
+    # dp_rank: whether this rank writes the model's shards (one writer per tp x pp coordinate, cp ranks included)
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "tp_rank": mesh.tp_rank, "dp_rank": mesh.rank("dp_cp")}
 
 
 def model_shard_items(model: nn.Module, mesh=None) -> list:

@@ -9,13 +9,14 @@ Modules: ``schema`` (the frozen dataclasses), ``reader`` (key and type checks, `
 """
 from plait.config.reader import load_config, read_raw
 from plait.config.schema import (AUTO, ActivationCheckpointingConfig, AdamParams, BF16Config, ConfigError,
-                                 FP16Config, LambParams, LionParams, OffloadConfig, OptimizerConfig,
+                                 ContextParallelConfig, FP16Config, LambParams, LionParams, OffloadConfig, OptimizerConfig,
                                  PipelineConfig, PlaitConfig, SchedulerConfig, SGDParams, TensorParallelConfig,
                                  WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, ZeroConfig)
 from plait.config.unsupported import UnsupportedConfigError
 
 __all__ = [
-    "AUTO", "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "ConfigError", "FP16Config",
+    "AUTO", "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "ConfigError", "ContextParallelConfig",
+    "FP16Config",
     "LambParams", "LionParams", "OffloadConfig", "OptimizerConfig", "PipelineConfig", "PlaitConfig",
     "SchedulerConfig", "SGDParams", "TensorParallelConfig", "UnsupportedConfigError", "WarmupCosineLRParams",
     "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config", "read_raw",

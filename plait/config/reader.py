@@ -44,7 +44,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
         source: path of a JSON file or an already-parsed dict (not modified).
         dp_size: data-parallel size (ranks holding model replicas). Needed to derive a missing member of
             ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp``.
-        world_size: total ranks; gives ``dp = world_size / (tensor_parallel.size x pipeline.size)``.
+        world_size: total ranks; gives ``dp = world_size / (tensor_parallel.size x pipeline.size x
+            context_parallel.size)``.
         model_hidden_size: hidden size h, for the ZeRO "auto" bucket sizes.
         micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
         mixed_precision: "fp16", "bf16", "fp32" or None: resolves ``fp16.enabled``/``bf16.enabled`` "auto".

@@ -32,7 +32,7 @@ own value (the adaptive device share of ``plait.zero.offload.OffloadOptions``) a
 "auto" in any key whose type takes it (``schema_base.takes_auto``); no rule or Trainer argument fills it.
 
 Batch triple (DeepSpeed's rule): ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x dp``, with dp from ``dp_size`` or ``world_size / (tp x pp)``.
+gradient_accumulation_steps x dp``, with dp from ``dp_size`` or ``world_size / (tp x pp x cp)``.
 All three given: checked (against dp when known). Two given and dp known: the third is derived and must
 come out a positive integer. Only the micro-batch or only train_batch_size given: gradient accumulation
 steps = 1 and the other is derived. ``pipeline.micro_batches``, when given, stands for
@@ -128,18 +128,21 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
 def _dp(cfg: dict, dp_size: int | None, world_size: int | None) -> int | None:
     tp = cfg.get("tensor_parallel", {}).get("size", 1)
     pp = cfg.get("pipeline", {}).get("size", 1)
+    cp = cfg.get("context_parallel", {}).get("size", 1)
     for name, value in (("dp_size", dp_size), ("world_size", world_size)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if world_size is None:
         return dp_size
-    if world_size % (tp * pp) != 0:
+    split = tp * pp * cp
+    if world_size % split != 0:
         raise ConfigError(f"world_size ({world_size}) is not divisible by tensor_parallel.size ({tp}) x "
-                          f"pipeline.size ({pp}); launch a multiple of {tp * pp} ranks or change tp/pp")
-    derived = world_size // (tp * pp)
+                          f"pipeline.size ({pp}) x context_parallel.size ({cp}); launch a multiple of {split} "
+                          "ranks or change tp/pp/cp")
+    derived = world_size // split
     if dp_size is not None and dp_size != derived:
-        raise ConfigError(f"dp_size ({dp_size}) != world_size ({world_size}) / (tp {tp} x pp {pp}) = {derived}; "
-                          "pass one of them or make them agree")
+        raise ConfigError(f"dp_size ({dp_size}) != world_size ({world_size}) / (tp {tp} x pp {pp} x cp {cp}) = "
+                          f"{derived}; pass one of them or make them agree")
     return derived
 
 

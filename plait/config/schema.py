@@ -121,6 +121,25 @@ class TensorParallelConfig:
             raise ConfigError(f"tensor_parallel.size must be >= 1, got {self.size}")
 
 
+CP_METHODS = ("ring", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """``context_parallel``: ``size`` ranks split each sequence (``plait.parallel.context``); ``method``
+    "ring" (ring attention, Liu et al. 2023) or "all_to_all" (DeepSpeed-Ulysses, Jacobs et al. 2023). The
+    model must be built with the same method (``TransformerModel(..., cp_method=...)``)."""
+
+    size: int = 1
+    method: Literal["ring", "all_to_all"] = "ring"
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"context_parallel.size must be >= 1, got {self.size}")
+        if self.method not in CP_METHODS:
+            raise ConfigError(f"context_parallel.method {self.method!r} is not one of {CP_METHODS}")
+
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -232,6 +251,7 @@ class PlaitConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     comm: CommConfig = field(default_factory=CommConfig)

@@ -47,7 +47,8 @@ UNSUPPORTED_KEYS = MappingProxyType({
         "fp32_allreduce": ((False,), "use \"communication_data_type\": \"fp32\""),
         "dataloader_drop_last": ((False,), "build the DataLoader yourself"),
         "use_data_before_expert_parallelism": ((False,), "remove it (no mixture-of-experts support)"),
-        "sequence_parallel_size": ((1,), "Ulysses sequence parallelism is not implemented; remove it (or 1)"),
+        "sequence_parallel_size": ((1,), "DeepSpeed's Ulysses sequence parallelism is plait's context parallelism: "
+                                          "write context_parallel: {size: N, method: all_to_all} instead"),
     }),
     "fp16": _table({
         "fp16_master_weights_and_grads": ((False,), "plait keeps fp32 master weights; remove it"),

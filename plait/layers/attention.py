@@ -72,6 +72,11 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.local_heads = divide(num_heads, tp, "num_heads")
         self.local_kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
+        if cp_method == "all_to_all" and self.cp > 1:   # heads are scattered over the cp ranks of each tp rank
+            for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+                if n % (tp * self.cp):
+                    raise ValueError(f"all-to-all context parallelism needs {name} ({n}) divisible by tp x cp = "
+                                     f"{tp} x {self.cp}; use cp_method='ring' or other tp/cp sizes")
         self.head_dim = head_dim or hidden_size // num_heads
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, attention_dropout
         self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
