@@ -174,7 +174,7 @@ def test_model_with_context_parallel_matches_one_process(arch, method, cp):
 
 
 # ---- through the engine: ZeRO over the dp x cp ranks, the engine sharding each batch --------------------
-def engine_cp_body(tp, cp, method, stages):
+def engine_cp_body(tp, cp, method, stages, mlp_tiles=0):
     import plait
     from plait.layers import TransformerModel
     from plait.parallel import ParallelMesh
@@ -183,7 +183,7 @@ def engine_cp_body(tp, cp, method, stages):
     results = {}
     for stage in stages:
         mesh = ParallelMesh(tp=tp, cp=cp)
-        model = TransformerModel(tiny(), mesh, seed=5, cp_method=method)
+        model = TransformerModel(tiny(mlp_chunk_tokens=mlp_tiles), mesh, seed=5, cp_method=method)
         cfg = {**ds_config(stage, tp), "context_parallel": {"size": cp, "method": method}}
         engine = plait.initialize(model, cfg, mesh=mesh)
         losses = []
@@ -195,15 +195,17 @@ def engine_cp_body(tp, cp, method, stages):
     return results if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("tp, cp, method, stages", [(1, 2, "ring", (0, 1, 2, 3)), (2, 2, "ring", (1, 3)),
-                                                    (1, 2, "all_to_all", (3,)), (1, 4, "ring", (3,))])
-def test_engine_with_context_parallel_matches_single_process_adamw(tp, cp, method, stages):
+@pytest.mark.parametrize("tp, cp, method, stages, mlp_tiles", [
+    (1, 2, "ring", (0, 1, 2, 3), 0), (2, 2, "ring", (1, 3), 0), (1, 2, "all_to_all", (3,), 0), (1, 4, "ring", (3,), 0),
+    (1, 2, "ring", (3,), 3)])
+def test_engine_with_context_parallel_matches_single_process_adamw(tp, cp, method, stages, mlp_tiles):
     """5 AdamW steps (GAS 2, clipping, warm-up) through ``plait.initialize`` with ``context_parallel``: the loss
     curve and every weight equal one process on whole sequences (test_engine's contract, 1e-6 on weights and
-    1e-5 on losses), with tensor parallelism and over ZeRO stages 0-3."""
+    1e-5 on losses), with tensor parallelism, over ZeRO stages 0-3, and with the MLP in tiles of 3 positions
+    (``mlp_chunk_tokens``; the reference runs it whole)."""
     from test_engine import check_engine_results, reference
     ref_weights, ref_losses = reference(1)
-    results = run_distributed(engine_cp_body, tp * cp, tp, cp, method, stages)[0]
+    results = run_distributed(engine_cp_body, tp * cp, tp, cp, method, stages, mlp_tiles)[0]
     check_engine_results(results, ref_weights, ref_losses, tp, 1)
 
 

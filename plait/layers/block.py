@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
                               cp_group=cp_group, cp_method=cp_method, **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
-                       output_init_std=out_std, fused=c.fused_projections, **kw)
+                       output_init_std=out_std, fused=c.fused_projections, chunk_tokens=c.mlp_chunk_tokens, **kw)
 
     def _drop(self, x):
         return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)

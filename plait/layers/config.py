@@ -30,6 +30,11 @@ class TransformerConfig:
     chunk's float32 logits exist at a time. Same loss and gradients up to float rounding. Without
     labels the head returns the logits either way.
 
+    ``mlp_chunk_tokens`` (positions, default 0) runs each block's MLP over tiles of that many sequence
+    positions, keeping only its input for backward and recomputing each tile there
+    (``plait.layers.tiled``, Arctic Long Sequence Training's TiledMLP): for long sequences, whose
+    ``[b, s, ffn/tp]`` activations would otherwise be kept per block. Same results up to float rounding.
+
     ``fused_projections`` (default False) runs q/k/v as one column-parallel matmul and SwiGLU's gate and
     up as another (``Attention.qkv_proj``, ``MLP.gate_up_proj``); False keeps one layer per projection.
     The logical weights, their names in checkpoints and the computation (up to float rounding) are the
@@ -37,7 +42,7 @@ class TransformerConfig:
 
     Raises:
         ValueError: unknown ``arch``, sizes that do not divide (names both numbers), or a negative
-            ``fused_loss_chunk_tokens``.
+            ``fused_loss_chunk_tokens`` or ``mlp_chunk_tokens``.
     """
 
     arch: str
@@ -63,6 +68,7 @@ class TransformerConfig:
     vocab_alignment: int = 128
     label_smoothing: float = 0.0
     fused_loss_chunk_tokens: int = 0
+    mlp_chunk_tokens: int = 0
     fused_projections: bool = False
 
     def __post_init__(self):
@@ -77,10 +83,12 @@ class TransformerConfig:
             raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})")
-        chunk = self.fused_loss_chunk_tokens
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"fused_loss_chunk_tokens must be an int >= 0 (0: unfused loss; > 0: tokens per "
-                             f"chunk of the fused head + loss, e.g. 1024), got {chunk!r}")
+        for name, what in (("fused_loss_chunk_tokens", "unfused loss; > 0: tokens per chunk of the fused head + "
+                                                       "loss, e.g. 1024"),
+                           ("mlp_chunk_tokens", "the MLP over the whole sequence; > 0: positions per MLP tile")):
+            chunk = getattr(self, name)
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: {what}), got {chunk!r}")
 
     @property
     def family(self):

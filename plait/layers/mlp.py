@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from plait.layers.tiled import sequence_tiles
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -17,16 +18,19 @@ class MLP(nn.Module):
     Shapes: ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism) -> same; the inner
     ``[b, s, ffn/tp]`` lives on each rank. With ``fused``, SwiGLU's gate and up run as one
     column-parallel matmul (``gate_up_proj``, each rank's gate and up rows side by side); same logical
-    weights and checkpoints (``gate_proj``, ``up_proj``) either way. Raises ValueError:
-    ffn_hidden_size not divisible by tp or unknown activation.
+    weights and checkpoints (``gate_proj``, ``up_proj``) either way. With ``chunk_tokens`` > 0 a longer
+    sequence runs in tiles of that many positions and only the input is kept for backward
+    (``plait.layers.tiled``). Raises ValueError: ffn_hidden_size not divisible by tp or unknown activation.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
                  bias: bool = True, group=None, sequence_parallel: bool = False, init_std: float = 0.02,
-                 output_init_std: float | None = None, fused: bool = False, device=None, dtype=None):
+                 output_init_std: float | None = None, fused: bool = False, chunk_tokens: int = 0,
+                 device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS}")
+        self.chunk_tokens = chunk_tokens
         self.activation, self.group, self.sequence_parallel = activation, group, sequence_parallel
         kw = dict(group=group, device=device, dtype=dtype)
         self.fused = fused and activation == "swiglu"
@@ -41,6 +45,9 @@ class MLP(nn.Module):
                                            init_std=output_init_std or init_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sequence_tiles(self._forward, x, self.chunk_tokens, self)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)
         if self.fused:
             gate, up = self.gate_up_proj.split(self.gate_up_proj.local_forward(x))
