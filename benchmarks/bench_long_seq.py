@@ -25,7 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PEAK_FLOPS, batch, ds_like_config, init_single_process, model_flops_per_token, run_child  # noqa: E402
+from _common import PEAK_FLOPS, batch, ds_like_config, init_single_process  # noqa: E402
+from _common import model_flops_per_token, run_child  # noqa: E402
 
 TILES = {"fused_loss_chunk_tokens": 4096, "mlp_chunk_tokens": 4096}
 
@@ -84,7 +85,8 @@ def main():
         for arm in args.arms.split(","):
             for seq in (int(s) for s in args.seqs.split(",")):
                 child = ["--model", args.model, "--steps", str(args.steps), "--seq", str(seq)]
-                row = {"seq": seq, "model": args.model, **run_child(__file__, arm, child, args.timeout)}
+                log = f"{args.out}.{arm}-{seq}.log"   # the child's whole output (e.g. an out-of-memory trace)
+                row = {"seq": seq, "model": args.model, **run_child(__file__, arm, child, args.timeout, log_path=log)}
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -97,7 +99,8 @@ def main():
         if "error" in r:
             print(f"| {r['arm']} | {r['seq']} | failed: {r['error'][:80]} | | |")
         else:
-            print(f"| {r['arm']} | {r['seq']} | {r['tokens_per_s'] / 1e3:.2f}k | {r['mfu']:.1%} | {r['peak_gib']:.2f} |")
+            print(f"| {r['arm']} | {r['seq']} | {r['tokens_per_s'] / 1e3:.2f}k | {r['mfu']:.1%} "
+                  f"| {r['peak_gib']:.2f} |")
 
 
 if __name__ == "__main__":
