@@ -57,7 +57,9 @@ def test_tiled_mlp_keeps_only_its_input():
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_model_with_mlp_tiles_matches_untiled(arch):
-    """``mlp_chunk_tokens`` in the config: loss and every gradient of a whole model."""
+    """``mlp_chunk_tokens`` in the config: loss and every gradient of a whole model. GPT-2's key bias has a
+    zero gradient in exact arithmetic (softmax ignores a constant added to all of a query's scores): its
+    ~1e-10 of rounding noise is measured against a norm floor of 1e-3 (the other gradients: 1e-2 to 1)."""
     def grads(chunk):
         cfg = preset(f"{arch}-tiny", num_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
                      mlp_chunk_tokens=chunk)
@@ -70,7 +72,7 @@ def test_model_with_mlp_tiles_matches_untiled(arch):
     (loss, want), (tiled_loss, got) = grads(0), grads(7)
     assert rel_err(tiled_loss, loss) <= 1e-6
     for name, g in want.items():
-        assert rel_err(got[name], g, floor=1e-4) <= 1e-6, name
+        assert rel_err(got[name], g, floor=1e-3) <= 1e-6, name
 
 
 def test_mlp_chunk_tokens_must_be_a_non_negative_int():

@@ -9,9 +9,10 @@ Modules: ``schema`` (the frozen dataclasses), ``reader`` (key and type checks, `
 """
 from plait.config.reader import load_config, read_raw
 from plait.config.schema import (AUTO, ActivationCheckpointingConfig, AdamParams, BF16Config, ConfigError,
-                                 ContextParallelConfig, FP16Config, LambParams, LionParams, OffloadConfig, OptimizerConfig,
-                                 PipelineConfig, PlaitConfig, SchedulerConfig, SGDParams, TensorParallelConfig,
-                                 WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, ZeroConfig)
+                                 ContextParallelConfig, FP16Config, LambParams, LionParams, OffloadConfig,
+                                 OptimizerConfig, PipelineConfig, PlaitConfig, SchedulerConfig, SGDParams,
+                                 TensorParallelConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams,
+                                 ZeroConfig)
 from plait.config.unsupported import UnsupportedConfigError
 
 __all__ = [

@@ -198,8 +198,7 @@ class ZeroOptimizer:
         self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
                                    land=self.stepper.land if self._host else None,
-                                   give_back=gives_back(self.device, self._host,
-                                                        per_unit=len({g.key.unit for g in self.groups}) > 1))
+                                   give_back=gives_back(self.device, self._host, per_unit=len(self.units) > 1))
         mark_owner(self.params, self)
 
     @property

@@ -165,18 +165,16 @@ class ParamGatherer:
         self.reshard_after_forward = reshard_after_forward
         self.device = device          # where gathered buffers live (None: beside each shard)
         self.buffers: dict[int, torch.Tensor] = {}   # id(segment) -> its [padded] gather buffer
-        self.dp_group, self.dp_size = dp_group, dp_size
+        self.dp_group, self.dp_size, self.on_backward = dp_group, dp_size, on_backward
         self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
-        self.on_backward = on_backward
         self.refs: dict[int, int] = {}
         self.in_flight: dict[int, tuple[Pending, list[Segment], list[torch.Tensor]]] = {}
         self.units_of: dict[int, list[Unit]] = {}
         for u in units:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
-        self.fwd, self.bwd = _Order(), _Order()
+        self.fwd, self.bwd, self.gate = _Order(), _Order(), gate
         self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
-        self.gate = gate
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in units:
