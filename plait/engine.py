@@ -129,7 +129,7 @@ class Engine(EngineFacts):
         """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
         (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync);
         with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
-        kwargs = shard_batch(self.guard.screen(kwargs), self.mesh)   # context parallel: this rank's chunks
+        kwargs = shard_batch(self.guard.screen(kwargs), self.mesh, args)   # context parallel: this rank's chunks
         self.optimizer.rebind_views()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)

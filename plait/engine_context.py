@@ -33,13 +33,17 @@ def check_context_parallel(config: PlaitConfig, mesh, module: nn.Module, pipelin
                           f"build the model with cp_method={cp.method!r}")
 
 
-def shard_batch(batch: dict, mesh) -> dict:
+def shard_batch(batch: dict, mesh, args: tuple = ()) -> dict:
     """This cp rank's part of every sequence in ``batch`` (``SEQUENCE_KEYS``; the whole batch at cp 1).
 
     Raises:
-        ValueError: a sequence length that is not a multiple of 2 x cp (``context.check_sequence``).
+        ValueError: a sequence length that is not a multiple of 2 x cp (``context.check_sequence``), or
+            tensors passed by position (``args``), whose role is unknown, under cp > 1.
     """
     if mesh.cp == 1:
         return batch
+    if any(torch.is_tensor(a) for a in args):
+        raise ValueError("under context parallelism pass the batch by keyword (input_ids=..., labels=...): the "
+                         "engine keeps each rank's chunks of the sequence entries it knows by name")
     return {k: context.shard_sequence(v, mesh.cp, mesh.cp_rank, dim=1)
             if k in SEQUENCE_KEYS and torch.is_tensor(v) and v.dim() >= 2 else v for k, v in batch.items()}

@@ -230,3 +230,63 @@ def all_to_all_heads_body():
 def test_all_to_all_needs_heads_divisible_by_tp_times_cp():
     msg = run_distributed(all_to_all_heads_body, 2)[0]
     assert "num_kv_heads (1) divisible by tp x cp = 1 x 2" in msg and "cp_method='ring'" in msg
+
+
+def lamb_cp_body():
+    """LAMB (per-tensor trust ratio from norms summed over the ZeRO shards) with ZeRO-2 over dp 1 x cp 2."""
+    import plait
+    from plait.layers import TransformerModel
+    from plait.parallel import ParallelMesh
+    from plait.parallel.sharding import gather_logical_state
+    from test_engine import GAS, ds_config, micro_batch, tiny
+    mesh = ParallelMesh(cp=2)
+    model = TransformerModel(tiny(), mesh, seed=5)
+    cfg = {k: v for k, v in ds_config(2, 1).items() if k != "scheduler"}
+    cfg.update(optimizer={"type": "LAMB", "params": {"lr": 1e-2, "weight_decay": 0.01}}, gradient_clipping=0.0,
+               context_parallel={"size": 2})
+    engine = plait.initialize(model, cfg, mesh=mesh)
+    for step in range(3):
+        engine.train_batch(iter([micro_batch(step, g, mesh.dp_rank) for g in range(GAS)]))
+    with engine.optimizer.gathered_parameters():
+        return {n: t.float() for n, t in gather_logical_state(model, mesh.tp_group).items()}
+
+
+def test_lamb_under_context_parallel_matches_per_tensor_lamb():
+    """LAMB's norms are summed over ZeRO's dp x cp ranks (over dp alone each cp rank would take its trust
+    ratio from half of every norm, and the cp ranks' shards would drift apart)."""
+    from plait.layers import TransformerModel
+    from plait.optim.lamb import Lamb
+    from plait.parallel.sharding import gather_logical_state
+    from plait.zero import weight_decay_groups
+    from test_engine import GAS, micro_batch, tiny
+    model = TransformerModel(tiny(), None, seed=5)
+    opt = Lamb(weight_decay_groups(model, 0.01), lr=1e-2, eps=1e-8)
+    for step in range(3):
+        for g in range(GAS):
+            (model(**micro_batch(step, g, 0)) / GAS).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = gather_logical_state(model)
+    for rank_weights in run_distributed(lamb_cp_body, 2):
+        for name, w in ref.items():
+            assert rel_err(rank_weights[name], w) <= 1e-6, name
+
+
+def test_context_parallel_guards():
+    """Learned positions: the whole sequence must fit max_position_embeddings; positional tensors are refused."""
+    results = run_distributed(guards_body, 2)
+    assert "sequence length 512 (256 on each of cp=2 ranks) exceeds max_position_embeddings (256)" in results[0][0]
+    assert "pass the batch by keyword" in results[0][1]
+
+
+def guards_body():
+    from plait.engine_context import shard_batch
+    from plait.layers import TransformerModel
+    from plait.parallel import ParallelMesh
+    mesh = ParallelMesh(cp=2)
+    model = TransformerModel(model_config("gpt2"), mesh, seed=3)
+    with pytest.raises(ValueError) as long_seq:
+        model(input_ids=torch.zeros(1, 256, dtype=torch.long))
+    with pytest.raises(ValueError) as positional:
+        shard_batch({}, mesh, (torch.zeros(1, 8),))
+    return str(long_seq.value), str(positional.value)

@@ -84,7 +84,7 @@ def test_stage_builds_only_its_own_layers():
     """A 64-block model cut over pp=8: each stage builds its layers and nothing else."""
 
     class FakeMesh:  # the fields build_stage_modules and TransformerModel read; one process
-        pp, tp, dp, cp, tp_group, cp_group, tp_rank = 8, 1, 1, 1, None, None, 0
+        pp, tp, dp, cp, tp_group, cp_group, tp_rank, cp_rank = 8, 1, 1, 1, None, None, 0, 0
 
         def __init__(self, rank):
             self.pp_rank = rank

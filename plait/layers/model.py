@@ -193,7 +193,9 @@ class TransformerModel(nn.Module):
         rng_device = torch.device("cpu") if device is None or torch.device(device).type == "meta" else torch.device(device)
         # Dropout streams differ per pipeline chunk (keyed by its first layer, so interleaved chunks on
         # one rank differ too) and per tp rank inside tp-split regions; see plait.parallel.random.
-        self.rng = RNGTracker(seed + 100 * indices[0], 0 if mesh is None else mesh.tp_rank, rng_device)
+        cp_rank = 0 if mesh is None else mesh.cp_rank   # cp ranks hold other positions: other dropout masks
+        self.rng = RNGTracker(seed + 100 * indices[0] + 1_000_003 * cp_rank, 0 if mesh is None else mesh.tp_rank,
+                              rng_device)
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
         self.layers = nn.ModuleDict()
         for i in indices:
@@ -219,6 +221,9 @@ class TransformerModel(nn.Module):
         seq = ids.shape[1] if ids is not None else hidden.shape[1] * (group_size(self.mesh.tp_group)
                                                                       if self.sequence_parallel else 1)
         cp = 1 if self.mesh is None else self.mesh.cp
+        if self.config.rope_theta is None and seq * cp > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq * cp} ({seq} on each of cp={cp} ranks) exceeds "
+                             f"max_position_embeddings ({self.config.max_position_embeddings})")
         device = ids.device if ids is not None else hidden.device
         return context.positions(seq * cp, cp, 0 if cp == 1 else self.mesh.cp_rank, device).unsqueeze(0)
 

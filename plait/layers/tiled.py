@@ -37,16 +37,20 @@ class _SequenceTiles(torch.autograd.Function):
                 grads = torch.autograd.grad(ctx.fn(leaf), (leaf, *params), out, allow_unused=True)
             dtile.copy_(grads[0])
             for i, g in enumerate(grads[1:]):
-                if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
-        return (None, None, dx, *dparams)
+                if g is not None:   # summed in float32 over the tiles, rounded once
+                    dparams[i] = g.float() if dparams[i] is None else dparams[i].add_(g)
+        return (None, None, dx, *(None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)))
 
 
 def sequence_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tokens: int,
                    module: nn.Module) -> torch.Tensor:
     """``fn(x)`` for a token-wise ``fn`` (``[b, s, ...] -> [b, s, ...]``), computed over tiles of ``tokens``
     positions along dim 1 and recomputed per tile in backward (module docstring). ``module``: the owner of
-    the parameters ``fn`` uses (their gradients are returned through this function, accumulated once)."""
-    if tokens <= 0 or x.shape[1] <= tokens or not torch.is_grad_enabled():
+    the parameters ``fn`` uses (their gradients are returned through this function, accumulated once).
+    Without gradients (evaluation) the tiles run one after the other as well. Under sequence parallelism
+    ``x`` is this tp rank's part of the sequence, so each tile is ``tokens x tp`` positions once gathered."""
+    if tokens <= 0 or x.shape[1] <= tokens:
         return fn(x)
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(tile) for tile in x.split(tokens, dim=1)], dim=1)
     return _SequenceTiles.apply(fn, tokens, x, *[p for p in module.parameters() if p.requires_grad])

@@ -37,8 +37,8 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
                 for group, master in zip(zero.groups, zero.masters)}
 
     def reduce(sq: torch.Tensor) -> torch.Tensor:
-        if zero.stage > 0 and mesh.dp > 1:
-            dist.all_reduce(sq, group=mesh.dp_group)
+        if zero.stage > 0 and zero.dp_size > 1:   # the shards' ranks: dp, or dp x cp under context parallelism
+            dist.all_reduce(sq, group=zero.dp_group)
         if mesh.tp > 1:
             split = sq * tp_split
             dist.all_reduce(split, group=mesh.tp_group)
