@@ -154,11 +154,9 @@ def _arrive(posted) -> torch.Tensor:
 def forward_step(qs, kv, outs, lses, cp: int, rank: int, source: int, causal: bool, scale: float) -> None:
     """One ring step of the forward: this rank's query chunks ``qs`` (two ``[b, heads, c, d]``) against the
     K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source``, merged into ``outs``/``lses`` (float32)."""
-    heads = qs[0].shape[1]
-    ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+    ks, vs = _kv_chunks(kv, qs[0].shape[1])
     for a, c, diagonal in _pairs(cp, rank, source, causal):
-        part, part_lse = _block_forward(qs[a], _expand(ks[c], heads).contiguous(),
-                                        _expand(vs[c], heads).contiguous(), diagonal, scale)
+        part, part_lse = _block_forward(qs[a], ks[c], vs[c], diagonal, scale)
         _merge(outs[a], lses[a], part, part_lse)
 
 
@@ -166,15 +164,21 @@ def backward_step(douts, qs, outs, lses, kv, dqs, dkv, cp: int, rank: int, sourc
                   scale: float) -> None:
     """One ring step of the backward: adds this rank's blocks' gradients into ``dqs`` (its query chunks)
     and ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V)."""
-    heads, kv_heads = qs[0].shape[1], kv.shape[2]
-    ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+    kv_heads = kv.shape[2]
+    ks, vs = _kv_chunks(kv, qs[0].shape[1])
     dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
     for a, c, diagonal in _pairs(cp, rank, source, causal):
-        gq, gk, gv = _block_backward(douts[a], qs[a], _expand(ks[c], heads).contiguous(),
-                                     _expand(vs[c], heads).contiguous(), outs[a], lses[a], diagonal, scale)
+        gq, gk, gv = _block_backward(douts[a], qs[a], ks[c], vs[c], outs[a], lses[a], diagonal, scale)
         dqs[a].add_(gq)
         dks[c].add_(_fold(gk.float(), kv_heads))
         dvs[c].add_(_fold(gv.float(), kv_heads))
+
+
+def _kv_chunks(kv: torch.Tensor, heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The two K and two V chunks of ``kv``, expanded to ``heads`` and contiguous once per ring step (each
+    serves up to two query chunks)."""
+    return ([_expand(t, heads).contiguous() for t in kv[0].chunk(2, dim=2)],
+            [_expand(t, heads).contiguous() for t in kv[1].chunk(2, dim=2)])
 
 
 def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
