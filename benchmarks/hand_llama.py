@@ -4,7 +4,10 @@ RMSNorm (pre-norm), rotate-half RoPE, one fused qkv Linear, SDPA causal attentio
 heads, SwiGLU with one fused gate/up Linear, untied head, no biases, mean cross entropy over all
 tokens. ``HandLlama(**shape)`` takes the sizes by keyword (``llama_shape`` lists them), so a
 benchmark can build it at the shape of any other implementation; ``blocks`` is a ModuleList, for
-regional compilation (``block.compile()``) and per-block FSDP2 wrapping.
+regional compilation (``block.compile()``) and per-block FSDP2 wrapping. ``forward(..., position_ids)``
+takes each token's global position for RoPE (context parallelism, where a rank holds only some of the
+sequence's tokens); a block with ``repeat_kv`` set copies the kv heads to every query head before SDPA
+instead of passing ``enable_gqa`` (bench_context_parallel.py's torch-cp-repkv arm).
 """
 from __future__ import annotations
 
@@ -26,10 +29,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[seq, head_dim]`` in fp32 (rotate-half layout: the two halves share frequencies)."""
+def rope_tables(seq: int, head_dim: int, theta: float, device,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[seq, head_dim]`` in fp32 (rotate-half layout: the two halves share frequencies) for the
+    positions ``0 .. seq-1``; given ``positions [b, s]`` (integer token positions), ``[b, 1, s, head_dim]``:
+    the rows of those positions, broadcasting over the heads."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    ang = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    if positions is None:
+        ang = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    else:
+        ang = (positions.to(torch.float32)[..., None] * inv).unsqueeze(1)
     ang = torch.cat((ang, ang), dim=-1)
     return ang.cos(), ang.sin()
 
@@ -45,7 +54,7 @@ class Block(nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads, ffn_hidden_size, norm_eps):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, hidden_size // num_heads
-        self.ffn = ffn_hidden_size
+        self.ffn, self.repeat_kv = ffn_hidden_size, False
         self.attn_norm = RMSNorm(hidden_size, norm_eps)
         self.qkv = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=False)
         self.o = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
@@ -59,7 +68,11 @@ class Block(nn.Module):
         q, k, v = self.qkv(x).split((nq * d, nkv * d, nkv * d), dim=-1)
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
+        gqa = nq != nkv
+        if gqa and self.repeat_kv:   # each query head gets its own copy of its kv head
+            k, v = k.repeat_interleave(nq // nkv, dim=1), v.repeat_interleave(nq // nkv, dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o(out.transpose(1, 2).reshape(b, s, nq * d))
 
     def forward(self, x, cos, sin):
@@ -69,7 +82,8 @@ class Block(nn.Module):
 
 
 class HandLlama(nn.Module):
-    """``forward(input_ids [b, s], labels [b, s] | None)``: the mean loss, or the logits without labels."""
+    """``forward(input_ids [b, s], labels [b, s] | None, position_ids [b or 1, s] | None)``: the mean loss, or
+    the logits without labels; RoPE at ``position_ids`` (default ``0 .. s-1``)."""
 
     def __init__(self, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size,
                  rope_theta=10000.0, norm_eps=1e-5, init_std=0.02):
@@ -85,8 +99,8 @@ class HandLlama(nn.Module):
                 if p.dim() == 2:
                     p.normal_(0.0, init_std)
 
-    def forward(self, input_ids, labels=None):
-        cos, sin = rope_tables(input_ids.shape[1], self.head_dim, self.theta, input_ids.device)
+    def forward(self, input_ids, labels=None, position_ids=None):
+        cos, sin = rope_tables(input_ids.shape[1], self.head_dim, self.theta, input_ids.device, position_ids)
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin)

@@ -34,6 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_common as common
+import pretrain_layout as layout
 import train_loop
 
 from plait.data import DistributedBatches, TokenDataset
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=6, help="blocks (alternating parallel / sequential)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=128)
-    common.add_parallel_args(parser, "pretrain_gpt.json")
+    layout.add_parallel_args(parser, "pretrain_gpt.json")
     parser.set_defaults(steps=100, eval_every=25, save_every=50)
     args = parser.parse_args(argv)
     args.data, args.tokenizer = None, None
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
     # Llama-style pieces (RMSNorm, RoPE, SwiGLU, GQA), untied head, vocabulary of the bundled BPE.
     arch = llama_config(vocab_size=8192, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                         num_kv_heads=2, ffn_hidden_size=int(2.75 * args.hidden), max_position_embeddings=args.seq_len)
-    info, mesh, cfg, _ = common.setup(args, arch.hidden_size)
+    info, mesh, cfg, _ = layout.setup(args, arch.hidden_size)
     rank0 = info.rank == 0
     out_dir = Path(args.out_dir)
     sp = cfg.tensor_parallel.sequence_parallel
@@ -159,7 +160,7 @@ def main(argv=None) -> None:
     kinds = ["parallel" if i % 2 else "sequential" for i in range(1, arch.num_layers + 1)]
     progress.say(f"plait compose_model: {params / 1e6:.2f}M parameters, {arch.num_layers} blocks {kinds}, hidden {arch.hidden_size}, "
                  f"tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}, schedule {cfg.pipeline.schedule}, "
-                 f"{common.zero_desc(cfg)}")
+                 f"{layout.zero_desc(cfg)}")
     train_loop.run(args, engine, loop,
                    lambda: common.EpochLoop(DistributedBatches(
                        val, common.validation_micro_batch(len(val), micro, mesh.dp), mesh.dp_rank, mesh.dp,

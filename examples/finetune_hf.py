@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_common as common
+import pretrain_layout as layout
 
 import plait
 from plait.config import load_config
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="random small model of this family")
     p.add_argument("--hf-dir", help="a saved transformers causal LM with tokenizer.json (instead of --arch)")
     p.add_argument("--config", "--deepspeed_config", dest="config",
-                   default=str(common.EXAMPLES / "configs" / "pretrain_hf_zero3.json"))
+                   default=str(layout.EXAMPLES / "configs" / "pretrain_hf_zero3.json"))
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     p.add_argument("--offload", choices=["none", "optimizer", "param", "all"])
     p.add_argument("--micro-batch", type=int)
@@ -81,7 +82,7 @@ def build_model(args, vocab: int):
 def ds_config(args) -> dict:
     with open(args.config, encoding="utf-8") as f:
         cfg = json.load(f)
-    common.apply_zero_flags(cfg, args)
+    layout.apply_zero_flags(cfg, args)
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.grad_accum:
@@ -122,7 +123,7 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters()) if cfg.zero_optimization.stage < 3 else None
     if rank0:
         size = f"{n_params / 1e6:.2f}M parameters" if n_params else "parameters sharded by ZeRO-3"
-        print(f"plait finetune_hf: {type(model).__name__} ({size}), dp={mesh.dp}, {common.zero_desc(cfg)}, "
+        print(f"plait finetune_hf: {type(model).__name__} ({size}), dp={mesh.dp}, {layout.zero_desc(cfg)}, "
               f"micro-batch {micro} x accumulation {gas} x dp {mesh.dp}, sequence {args.seq_len}", flush=True)
     losses, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):

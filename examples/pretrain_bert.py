@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_common as common
+import pretrain_layout as layout
 import train_loop
 
 from plait.data import (
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--tokenizer", help="tokenizer.json with [CLS], [SEP], [MASK] (default: the bundled one)")
     m.add_argument("--val-fraction", type=float, default=0.02)
     m.add_argument("--no-export", action="store_true")
-    common.add_parallel_args(parser, "pretrain_bert.json")
+    layout.add_parallel_args(parser, "pretrain_bert.json")
     parser.set_defaults(steps=200, eval_every=50, log_every=10)
     return parser.parse_args(argv)
 
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--model {args.model} is not a BERT preset; use examples/pretrain_gpt.py for decoders")
     if arch.max_position_embeddings < args.seq_len:
         arch = arch.replace(max_position_embeddings=args.seq_len)
-    info, mesh, cfg, _ = common.setup(args, arch.hidden_size)
+    info, mesh, cfg, _ = layout.setup(args, arch.hidden_size)
     rank0 = info.rank == 0
     progress = common.Progress(out_dir / "metrics.jsonl", rank0, mesh.world_size, mesh.device, 0.0, None,
                                unit="samples")
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
     engine.data_loader = loop
     progress.say(f"plait pretrain_bert: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters, MLM at "
                  f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
-                 f"{common.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
+                 f"{layout.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
                  f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples")
     summary = train_loop.run(args, engine, loop, lambda: loader(val, common.validation_micro_batch(len(val), micro, mesh.dp),
                                                                         shuffle=False, drop_last=True), progress,

@@ -1,9 +1,11 @@
-"""Pretrain a decoder (Llama or GPT-2 family) with tensor x pipeline x ZeRO data parallelism.
+"""Pretrain a decoder (Llama or GPT-2 family) with tensor x pipeline x context x ZeRO data parallelism.
 
     torchrun --nproc-per-node 4 examples/pretrain_gpt.py            # CPU: tp=2 x pp=2, a few minutes
     python examples/pretrain_gpt.py                                 # one process (all GPUs if there are)
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --model llama-886m --tp 2 --pp 2 \\
         --zero-stage 3 --seq-len 2048 --micro-batch 4 --global-batch 64 --steps 2000
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --model llama-886m --tp 1 --pp 1 --cp 8 \\
+        --seq-len 131072 --tile-tokens 4096 --recompute --micro-batch 1 --global-batch 1   # long sequences
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/pretrain_gpt.py ...                                # multi-node (or examples/slurm/)
     python examples/plot_metrics.py runs/pretrain_gpt/metrics.jsonl loss.png
@@ -15,7 +17,10 @@ examples/configs/pretrain_gpt.json); the flags override it. Every ``--log-every`
 validation loss; everything also goes to ``<out-dir>/metrics.jsonl``. Checkpoints go to
 ``<out-dir>/checkpoints`` every ``--save-every`` steps with the data position; a new launch with the
 same ``--out-dir`` continues from ``latest`` (also with another tp/pp/dp), which is what makes
-``torchrun --max-restarts 1`` recover from a killed rank. At the end the last checkpoint is exported
+``torchrun --max-restarts 1`` recover from a killed rank. ``--cp N`` splits every sequence over N ranks
+(context parallelism, ring attention; ``--cp-method all_to_all`` for DeepSpeed-Ulysses), and
+``--tile-tokens T`` computes the loss and the MLP in tiles of T positions, so a long sequence never holds its
+whole ``[seq, vocab]`` logits or ``[seq, ffn]`` activations. At the end the last checkpoint is exported
 to Hugging Face format (``<out-dir>/hf``) and transformers samples a few lines from it.
 """
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_common as common
+import pretrain_layout as layout
 import train_loop
 
 from plait.data import (
@@ -51,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--heads", type=int)
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn", type=int, help="MLP hidden size")
-    m.add_argument("--seq-len", type=int, default=128)
+    m.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (a multiple of 2 x cp)")
+    m.add_argument("--tile-tokens", type=int, help="loss and MLP in tiles of this many positions (long sequences)")
     m.add_argument("--data", nargs="+", help="text files (tokenized once into <out-dir>/data), or one "
                                              "pre-tokenized .npy / plait .bin; default: the bundled corpus")
     m.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: the bundled 8192-token BPE)")
@@ -59,13 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--prompt", default="In the beginning", help="text to continue after training")
     m.add_argument("--sample-tokens", type=int, default=40)
     m.add_argument("--no-export", action="store_true", help="skip the Hugging Face export and sampling")
-    common.add_parallel_args(parser, "pretrain_gpt.json")
+    layout.add_parallel_args(parser, "pretrain_gpt.json")
     return parser.parse_args(argv)
 
 
 def model_config(args, vocab: int):
     flags = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
-             "num_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn}
+             "num_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn, "fused_loss_chunk_tokens": args.tile_tokens,
+             "mlp_chunk_tokens": args.tile_tokens}
     over = {k: v for k, v in flags.items() if v is not None}
     cfg = preset(args.model, vocab_size=vocab, **over)
     if cfg.arch == "bert":
@@ -123,7 +131,7 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tokenizer_path))
     arch = model_config(args, tok.get_vocab_size(with_added_tokens=True))
-    info, mesh, cfg, _ = common.setup(args, arch.hidden_size)
+    info, mesh, cfg, _ = layout.setup(args, arch.hidden_size)
     rank0 = info.rank == 0
     progress = common.Progress(out_dir / "metrics.jsonl", rank0, mesh.world_size, mesh.device,
                                common.flops_per_token(arch.num_parameters(), arch.num_layers, arch.hidden_size,
@@ -147,8 +155,8 @@ def main(argv=None) -> None:
 
     progress.say(f"plait pretrain_gpt: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters "
                  f"({arch.num_layers} blocks, hidden {arch.hidden_size}, vocab {arch.vocab_size}), "
-                 f"tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
-                 f"schedule {cfg.pipeline.schedule if mesh.pp > 1 else '-'}, {common.zero_desc(cfg)}, {cfg.precision}; "
+                 f"tp={mesh.tp} x pp={mesh.pp} x cp={mesh.cp} x dp={mesh.dp} on {mesh.device.type}, "
+                 f"schedule {cfg.pipeline.schedule if mesh.pp > 1 else '-'}, {layout.zero_desc(cfg)}, {cfg.precision}; "
                  f"global batch {cfg.train_batch_size} x {args.seq_len} tokens (micro {micro} x accumulation "
                  f"{gas} x dp {mesh.dp}); {len(train):,} train / {len(val):,} val samples")
 

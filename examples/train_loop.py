@@ -35,12 +35,13 @@ def build_engine(args, mesh, cfg, arch, chunk_factory=None):
         chunks = [chunk_factory(layers) for layers in stage_layers(parts, mesh.pp, mesh.pp_rank)]
     elif pipelined:
         chunks = build_stage_modules(arch, mesh, v=v, method=cfg.pipeline.partition, sequence_parallel=sp,
-                                     seed=args.seed, recompute=recompute, device=mesh.device)
+                                     seed=args.seed, recompute=recompute, cp_method=cfg.context_parallel.method,
+                                     device=mesh.device)
     elif chunk_factory is not None:
         model = chunk_factory(None)
     else:
         model = TransformerModel(arch, mesh, sequence_parallel=sp, seed=args.seed, recompute=recompute,
-                                 device=mesh.device)
+                                 cp_method=cfg.context_parallel.method, device=mesh.device)
     if pipelined:
         model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps, v)
     return plait.initialize(model, cfg, mesh=mesh)

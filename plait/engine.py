@@ -210,8 +210,8 @@ class Engine(EngineFacts):
         return self.dp_mean(loss)
 
     def _pull(self, data_iter) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline each is checked here
-        (``plait.batch``), so every rank decides alike before any computes; otherwise ``forward`` screens it."""
+        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline each is checked (``plait.batch``,
+        so every rank decides alike before any computes) and cut to this cp rank's chunks here, else in ``forward``."""
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
         out, n = [], self.config.gradient_accumulation_steps
         for i in range(n):
@@ -223,6 +223,7 @@ class Engine(EngineFacts):
                                  "give train_batch an iterator with enough batches (or one that cycles)") from None
             if self.pipeline is not None:
                 check_micro_batch(batch, self.guard.vocab_size)
+                batch = shard_batch(batch, self.mesh)
             out.append(batch)
         return out
 

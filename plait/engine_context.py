@@ -14,18 +14,16 @@ SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "token_type_ids", "atten
 
 def check_context_parallel(config: PlaitConfig, mesh, module: nn.Module, pipeline) -> None:
     """Raises ConfigError when ``context_parallel`` disagrees with the mesh or with the attention layers'
-    ``cp_method``, or comes with a pipeline (not supported yet)."""
+    ``cp_method`` (a pipeline rank whose stages hold no attention layer has nothing to check)."""
     cp = config.context_parallel
     if cp.size != mesh.cp:
         raise ConfigError(f"config asks for context_parallel.size={cp.size} but the mesh has cp={mesh.cp}; build "
                           f"the mesh as ParallelMesh(..., cp={cp.size}) (or let plait.initialize build it)")
     if cp.size == 1:
         return
-    if pipeline is not None:
-        raise ConfigError("context_parallel.size > 1 with pipeline parallelism is not supported yet; use "
-                          "pipeline.size 1 or context_parallel.size 1")
     methods = {m.cp_method for m in module.modules() if hasattr(m, "cp_method") and m.cp > 1}
-    if not methods:
+    has_attention = any(hasattr(m, "cp_method") for m in module.modules())
+    if not methods and (pipeline is None or has_attention):
         raise ConfigError(f"context_parallel.size={cp.size} but no attention layer of the model splits the sequence: "
                           "build it with the mesh (TransformerModel(config, mesh, cp_method=...))")
     if methods != {cp.method}:

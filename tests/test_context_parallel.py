@@ -25,28 +25,39 @@ def inputs(seq: int, kv_heads: int):
     return q, k, v, torch.randn(B, HEADS, seq, D, generator=g)
 
 
-def reference(seq, kv_heads, causal):
+def key_mask(seq: int) -> torch.Tensor:
+    """``[B, seq]`` keys to attend to: sequence 0 padded over its second half (whole chunks of every cp
+    rank hold padding only: rows with no key in a block), sequence 1 over its last 3 tokens."""
+    keep = torch.ones(B, seq, dtype=torch.bool)
+    keep[0, seq // 2:] = False
+    keep[1, seq - 3:] = False
+    return keep
+
+
+def reference(seq, kv_heads, causal, masked=False):
     q, k, v, up = (t.requires_grad_() if i < 3 else t for i, t in enumerate(inputs(seq, kv_heads)))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
+    mask = key_mask(seq)[:, None, None, :] if masked else None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != HEADS)
     out.backward(up)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
-def cp_body(seq, kv_heads, causal, method, broken=False):
+def cp_body(seq, kv_heads, causal, method, broken=False, masked=False):
     cp, rank = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(cp)))
     q, k, v, up = (C.shard_sequence(t, cp, rank, dim=2) for t in inputs(seq, kv_heads))
+    keep = C.shard_sequence(key_mask(seq), cp, rank) if masked else None
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if broken:   # merging without the log-sum-exp rescaling: a plain sum of the partial outputs
         C._merge = lambda out, lse, part, part_lse: (out.add_(part.float()), lse.copy_(part_lse))
     fn = C.ring_attention if method == "ring" else C.all_to_all_attention
-    out = fn(q, k, v, group, causal=causal)
+    out = fn(q, k, v, group, causal=causal, key_padding_mask=keep)
     out.backward(up)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
-def check(results, seq, kv_heads, causal, what, tol=1e-5):
-    want = reference(seq, kv_heads, causal)
+def check(results, seq, kv_heads, causal, what, tol=1e-5, masked=False):
+    want = reference(seq, kv_heads, causal, masked)
     got = [C.unshard_sequence([r[i] for r in results], dim=2) for i in range(4)]
     errs = {name: rel_err(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
     assert all(e <= tol for e in errs.values()), (what, errs)
@@ -62,6 +73,17 @@ def test_context_parallel_attention_matches_whole_sequence(cp, method, causal):
     kv_heads = 2 if cp == 2 else 4     # all-to-all needs kv heads divisible by cp
     check(run_distributed(cp_body, cp, seq, kv_heads, causal, method), seq, kv_heads, causal,
           f"{method} cp={cp} causal={causal}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_key_padding_mask_matches_whole_sequence(cp, method):
+    """Bidirectional attention with padded keys (BERT's attention_mask), ``key_mask``: whole key chunks of
+    padding included, where a block's rows see no key at all (they merge with weight 0, not nan)."""
+    seq = 24 if cp == 2 else 16
+    kv_heads = 2 if cp == 2 else 4
+    check(run_distributed(cp_body, cp, seq, kv_heads, False, method, False, True), seq, kv_heads, False,
+          f"{method} cp={cp} masked", masked=True)
 
 
 def test_a_merge_without_rescaling_fails_the_tolerance():
@@ -126,11 +148,18 @@ SEQ = 16
 
 
 def model_batch(cfg):
+    """Ids and labels ``[2, SEQ]`` with ignored labels (counted over all cp ranks); for a bidirectional model
+    (BERT) also a padding mask: sequence 0 padded over its last 5 tokens (their labels ignored)."""
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=g)
-    labels[0, 3] = labels[1, 9] = -100   # ignored tokens: counted over all cp ranks
-    return ids, labels
+    labels[0, 3] = labels[1, 9] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if not cfg.causal:
+        batch["attention_mask"] = torch.ones(2, SEQ, dtype=torch.long)
+        batch["attention_mask"][0, SEQ - 5:] = 0
+        labels[0, SEQ - 5:] = -100
+    return batch
 
 
 def model_config(arch):
@@ -144,8 +173,7 @@ def model_body(arch, method):
     mesh = ParallelMesh(cp=dist.get_world_size())
     cfg = model_config(arch)
     model = TransformerModel(cfg, mesh, seed=3, cp_method=method)
-    ids, labels = (C.shard_sequence(t, mesh.cp, mesh.cp_rank) for t in model_batch(cfg))
-    loss = model(input_ids=ids, labels=labels)
+    loss = model(**{k: C.shard_sequence(t, mesh.cp, mesh.cp_rank) for k, t in model_batch(cfg).items()})
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 
@@ -153,7 +181,7 @@ def model_body(arch, method):
 @pytest.mark.parametrize("arch, method, cp", [("llama", "ring", 2), ("llama", "all_to_all", 2),
                                               ("gpt2", "ring", 4), ("bert", "ring", 2), ("bert", "all_to_all", 4)])
 def test_model_with_context_parallel_matches_one_process(arch, method, cp):
-    """Llama (RoPE, GQA), GPT-2 (learned positions) and BERT (bidirectional): the mean over cp ranks of the
+    """Llama (RoPE, GQA), GPT-2 (learned positions) and BERT (bidirectional, padded): the mean over cp ranks of the
     loss and of each parameter gradient (what averaging over dp x cp takes) equals one process on whole
     sequences, with ignored labels, to 1e-5 (module docstring). The key projection's bias has a zero
     gradient in exact arithmetic (softmax ignores a constant added to all of a query's scores), so its
@@ -161,8 +189,7 @@ def test_model_with_context_parallel_matches_one_process(arch, method, cp):
     from plait.layers import TransformerModel
     cfg = model_config(arch)
     ref = TransformerModel(cfg, None, seed=3)
-    ids, labels = model_batch(cfg)
-    loss = ref(input_ids=ids, labels=labels)
+    loss = ref(**model_batch(cfg))
     loss.backward()
     results = run_distributed(model_body, cp, arch, method)
     got_loss = sum(r[0] for r in results) / cp
@@ -207,6 +234,18 @@ def test_engine_with_context_parallel_matches_single_process_adamw(tp, cp, metho
     ref_weights, ref_losses = reference(1)
     results = run_distributed(engine_cp_body, tp * cp, tp, cp, method, stages, mlp_tiles)[0]
     check_engine_results(results, ref_weights, ref_losses, tp, 1)
+
+
+@pytest.mark.parametrize("arch, schedule, method, stages", [("llama-tied", "1f1b", "ring", (1, 3)),
+                                                            ("llama", "zb-h1", "all_to_all", (1,))])
+def test_engine_with_pipeline_and_context_parallel_matches_single_process(arch, schedule, method, stages):
+    """pp=2 x cp=2: the pipeline's micro-batches cut into each cp rank's chunks (activations travel between
+    stages at s/cp), the tied embedding/head summed per (dp, cp) column, ZeRO over dp x cp: test_engine's
+    contract against one process on whole sequences (1e-6 on weights, 1e-5 on losses)."""
+    from test_engine import check_pipeline_results, pipeline_body, reference, tiny_arch
+    ref_weights, ref_losses = reference(1, tiny_arch(arch))
+    per_rank = run_distributed(pipeline_body, 4, arch, schedule, 2, method, stages)[0]
+    check_pipeline_results(per_rank, stages, ref_weights, ref_losses, f"pp=2 cp=2 {method} {schedule} {arch}")
 
 
 def test_engine_refuses_a_context_parallel_config_the_model_was_not_built_for():

@@ -96,18 +96,20 @@ def test_engine_zero_stages_match_single_process_adamw(tp, world):
     check_engine_results(run_distributed(engine_body, world, tp)[0], ref_weights, ref_losses, tp, dp)
 
 
-def pipeline_body(arch, schedule):
-    """pp=2 x dp=2 through the engine, ZeRO stages 1-3, tied or untied embeddings."""
+def pipeline_body(arch, schedule, cp=1, method="ring", stages=None):
+    """pp=2 x dp=2 (or x cp=2 context parallel: each cp rank gets whole sequences, the engine keeps its
+    chunks) through the engine, ZeRO stages 1-3, tied or untied embeddings."""
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
     results = {}
-    for stage in STAGES_FOR[schedule]:
-        mesh = ParallelMesh(tp=1, pp=2)
+    for stage in stages or STAGES_FOR[schedule]:
+        mesh = ParallelMesh(tp=1, pp=2, cp=cp)
         v = 2 if schedule == "interleaved" else 1
-        chunks = build_stage_modules(tiny_arch(arch), mesh, v=v, seed=5)
+        chunks = build_stage_modules(tiny_arch(arch), mesh, v=v, seed=5, cp_method=method)
         pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=GAS)
         cfg = ds_config(stage, 1)
         cfg["pipeline"] = {"size": 2, "schedule": schedule, "virtual_stages": v}
+        cfg["context_parallel"] = {"size": cp, "method": method}
         engine = plait.initialize(pipe, cfg, mesh=mesh)
         losses = [engine.train_batch(iter([micro_batch(s, g, mesh.dp_rank) for g in range(GAS)])).item()
                   for s in range(STEPS)]
@@ -134,7 +136,12 @@ STAGES_FOR = {"1f1b": (1, 2, 3), "interleaved": (1, 3), "zb-h1": (1, 2)}  # zb-h
 def test_engine_with_pipeline_and_zero_matches_single_process(arch, schedule):
     ref_weights, ref_losses = reference(2, tiny_arch(arch))
     per_rank = run_distributed(pipeline_body, 4, arch, schedule)[0]
-    for stage in STAGES_FOR[schedule]:
+    check_pipeline_results(per_rank, STAGES_FOR[schedule], ref_weights, ref_losses, f"pp=2 {arch}")
+
+
+def check_pipeline_results(per_rank, stages, ref_weights, ref_losses, what):
+    """Every rank's stage weights together (and rank 0's loss curve) against the reference."""
+    for stage in stages:
         whole = {}
         for rank_results in per_rank:
             whole.update(rank_results[stage][0])
@@ -142,7 +149,7 @@ def test_engine_with_pipeline_and_zero_matches_single_process(arch, schedule):
         assert set(whole) >= set(ref_weights)
         for name, ref in ref_weights.items():
             err = helpers.rel_err(whole[name], ref, floor=1e-12)
-            assert err <= 1e-6, f"pp=2 stage {stage} {arch}: {name} off by {err:.2e}"
+            assert err <= 1e-6, f"{what} ZeRO stage {stage}: {name} off by {err:.2e}"
 
 
 def test_misspelt_key_fails_with_suggestion():

@@ -66,7 +66,7 @@ def full_run(tmp_path_factory):
 
 def test_pretrain_gpt_tp2_pp2_trains_checkpoints_exports(full_run):
     out, log, (train, val, summaries) = full_run
-    assert "tp=2 x pp=2 x dp=1" in log
+    assert "tp=2 x pp=2 x cp=1 x dp=1" in log
     assert sorted(train) == list(range(1, STEPS + 1))
     assert val[STEPS] < val[0] - 1.0, f"validation loss {val[0]:.3f} -> {val[STEPS]:.3f} did not fall by 1 nat"
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step{STEPS}"
@@ -93,12 +93,30 @@ def test_two_node_launch_matches_one_node_and_resumes_in_another_layout(full_run
 
     log = torchrun("pretrain_gpt.py", 2, *TINY, "--out-dir", str(out), "--tp", "1", "--pp", "1",
                    "--zero-stage", "2", "--resume", "--no-export")
-    assert "tp=1 x pp=1 x dp=2" in log
+    assert "tp=1 x pp=1 x cp=1 x dp=2" in log
     assert f"at step {HALF} (data epoch 0, position {HALF * 16} of" in log      # the data position came back
     train, val, _ = metrics(out)
     resumed = [train[s] for s in range(HALF + 1, STEPS + 1)]
     assert resumed == pytest.approx([ref[s] for s in range(HALF + 1, STEPS + 1)], rel=1e-5)
     assert val[STEPS] == pytest.approx(ref_val[STEPS], rel=1e-5)
+
+
+def test_context_parallel_run_matches_the_tp_run(full_run, tmp_path):
+    """``--cp 2`` with pp=2 (4 processes; each sequence of 32 tokens split over 2 ranks, ring attention) and
+    the loss and MLP in tiles of 8 positions trains the tp=2 x pp=2 run's loss curve (same global batch) to
+    1e-5: the sequence split changes only the order of float32 sums. Its checkpoint resumes as tp=2 x pp=2 and
+    continues that run's curve."""
+    _, _, (ref, _, _) = full_run
+    out = tmp_path / "cp"
+    log = torchrun("pretrain_gpt.py", 4, *TINY, "--out-dir", str(out), "--tp", "1", "--pp", "2", "--cp", "2",
+                   "--tile-tokens", "8", "--stop-at-step", str(HALF), "--no-export")
+    assert "tp=1 x pp=2 x cp=2 x dp=1" in log
+    train, _, _ = metrics(out)
+    assert [train[s] for s in range(1, HALF + 1)] == pytest.approx([ref[s] for s in range(1, HALF + 1)], rel=1e-5)
+    torchrun("pretrain_gpt.py", 4, *TINY, "--out-dir", str(out), "--tp", "2", "--pp", "2", "--resume", "--no-export")
+    train, _, _ = metrics(out)
+    assert [train[s] for s in range(HALF + 1, STEPS + 1)] == pytest.approx([ref[s] for s in range(HALF + 1, STEPS + 1)],
+                                                                           rel=1e-5)
 
 
 def test_killed_rank_restarts_from_the_latest_checkpoint(full_run, tmp_path):

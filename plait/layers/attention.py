@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -43,7 +42,7 @@ class Attention(nn.Module):
             checkpoints either way.
         cp_group, cp_method: context parallelism (``plait.parallel.context``): the ranks that split each
             sequence (this rank holds the two chunks of ``context.shard_sequence``) and "ring" or
-            "all_to_all". Not with an ``attention_mask`` or attention dropout.
+            "all_to_all". Both take the padding mask (bidirectional); attention dropout only all_to_all.
 
     Shapes: ``x [b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism); ``attention_mask``
     ``[b, s]`` with 1 for tokens to attend to (bidirectional only); ``position_ids [b, s]``; ``rope``:
@@ -53,7 +52,7 @@ class Attention(nn.Module):
 
     Raises:
         ValueError: head counts not divisible by tp, num_heads not a multiple of num_kv_heads, an unknown
-            cp_method; in forward, a padding mask or attention dropout under context parallelism.
+            cp_method; in forward, attention dropout under ring context parallelism.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, *,
@@ -110,12 +109,10 @@ class Attention(nn.Module):
                                                      x.device).expand(x.shape[0], -1)
                 rope = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        mask = None
-        if attention_mask is not None and not self.causal:
-            mask = attention_mask.bool()[:, None, None, :]                   # [b, 1, 1, s]
-        if self.cp > 1 and (mask is not None or (self.dropout > 0 and self.training)):
-            raise ValueError("context parallelism (cp > 1) takes neither an attention_mask (pad to whole "
-                             "sequences instead) nor attention dropout (set attention_dropout 0)")
+        mask = None if attention_mask is None or self.causal else attention_mask.bool()   # [b, s] keys to attend
+        if self.cp > 1 and self.cp_method == "ring" and self.dropout > 0 and self.training:
+            raise ValueError(f"ring context parallelism takes no attention dropout (attention_dropout="
+                             f"{self.dropout}): set attention_dropout 0 or use cp_method 'all_to_all'")
         if self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, mask, tracker=self.rng if self.dropout > 0 else None)
         else:
@@ -126,17 +123,20 @@ class Attention(nn.Module):
         return 0 if self.cp == 1 else torch.distributed.get_rank(self.cp_group)
 
     def _core(self, q, k, v, mask):
-        """Scaled dot-product attention on this rank's heads: ``[b, heads/tp, s, head_dim]``."""
-        if self.cp > 1:
-            core = context.ring_attention if self.cp_method == "ring" else context.all_to_all_attention
-            return core(q, k, v, self.cp_group, causal=self.causal)
+        """Scaled dot-product attention on this rank's heads: ``[b, heads/tp, s, head_dim]``; ``mask [b, s]``:
+        the keys to attend to, or None."""
+        if self.cp > 1 and self.cp_method == "ring":
+            return context.ring_attention(q, k, v, self.cp_group, causal=self.causal, key_padding_mask=mask)
         p = self.dropout if self.training else 0.0
-        gqa = self.local_heads != self.local_kv_heads
         if p > 0.0:
-            with self.rng.fork("tp"):                                      # heads differ per tp rank
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                      is_causal=self.causal, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, enable_gqa=gqa)
+            with self.rng.fork("tp"):                                      # heads differ per tp (and cp) rank
+                return self._gathered_core(q, k, v, mask, p)
+        return self._gathered_core(q, k, v, mask, 0.0)
+
+    def _gathered_core(self, q, k, v, mask, p: float):
+        """SDPA over the whole sequence: this rank's heads, or under all-to-all cp its share of them."""
+        return context.all_to_all_attention(q, k, v, self.cp_group, causal=self.causal, key_padding_mask=mask,
+                                            dropout_p=p)
 
 
 def scaled_init_std(init_std: float, num_layers: int) -> float:

@@ -79,7 +79,7 @@ def layer_parameter_counts(config) -> list[int]:
 
 def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[int] = "uniform", *,
                         sequence_parallel: bool = False, seed: int = 1234, recompute: str | None = None,
-                        device=None, dtype=None) -> list[TransformerStage]:
+                        cp_method: str = "ring", device=None, dtype=None) -> list[TransformerStage]:
     """Build this rank's ``v`` model chunks, each a ``TransformerStage`` with only its layers.
 
     Args:
@@ -87,8 +87,8 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
         v: model chunks per rank (virtual stages; 1 unless the schedule is "interleaved").
         method: see ``plait.parallel.partition.partition_layers`` ("parameters" uses
             :func:`layer_parameter_counts`).
-        sequence_parallel, seed, recompute, device, dtype: passed to every chunk; the same seed on
-            every rank gives layout-invariant weights.
+        sequence_parallel, seed, recompute, cp_method, device, dtype: passed to every chunk (``TransformerModel``);
+            the same seed on every rank gives layout-invariant weights.
 
     Returns:
         ``[chunk_0, ..., chunk_{v-1}]``; chunk ``c`` holds ``layers=range(start, stop)`` of virtual
@@ -103,5 +103,5 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
     weights = layer_parameter_counts(config) if method == "parameters" else None
     parts = partition_layers(n, p, v, method, weights)
     return [TransformerStage(config, mesh, sequence_parallel=sequence_parallel, layers=layers, seed=seed,
-                             recompute=recompute, device=device, dtype=dtype)
+                             recompute=recompute, cp_method=cp_method, device=device, dtype=dtype)
             for layers in stage_layers(parts, p, rank)]

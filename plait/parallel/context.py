@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.parallel.collectives import group_size
+from plait.parallel.collectives import all_gather_flat, group_size
 
 
 # ---- sharding --------------------------------------------------------------------------------------
@@ -75,8 +75,30 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 # ---- one block: torch's fused kernels with their log-sum-exp ------------------------------------------
-def _block_forward(q, k, v, causal: bool, scale: float):
-    """``(out [b, n, sq, d], lse [b, n, sq] float32)`` of softmax attention of q over k, v (same heads)."""
+def _key_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Additive bias ``[b, heads, sq, c]`` (an expanded view; 0 or -inf in q's dtype) from a key chunk's
+    padding mask ``keep [b, c]`` (True: attend). Its rows are 16-aligned in memory, as the memory-efficient
+    kernel needs (torch's SDPA pads its masks the same way)."""
+    b, c = keep.shape
+    bias = torch.zeros(b, 1, 1, c + (-c % 16), dtype=q.dtype, device=q.device)
+    bias[..., :c].masked_fill_(~keep[:, None, None, :], float("-inf"))
+    return bias[..., :c].expand(b, q.shape[1], q.shape[2], c)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
+    """``(out [b, n, sq, d], lse [b, n, sq] float32)`` of softmax attention of q over k, v (same heads);
+    ``keep [b, sk]`` masks padded keys (then ``causal`` is False). A row with no key to attend to gets
+    ``out`` 0 and ``lse`` -inf, whatever the kernel returns, so merging ignores it."""
+    if keep is not None:
+        bias = _key_bias(keep, q)
+        if q.is_cuda:   # the flash kernel takes no mask
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
+                                                                              scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                                  attn_mask=bias, scale=scale)
+        empty = ~keep.any(-1)[:, None, None]
+        return out.masked_fill(empty[..., None], 0.0), lse[..., :q.shape[2]].float().masked_fill(empty, -torch.inf)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
     elif q.is_cuda:
@@ -87,9 +109,11 @@ def _block_forward(q, k, v, causal: bool, scale: float):
     return out, lse[..., :q.shape[2]].float()
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring)."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
+    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring); ``keep``
+    as in ``_block_forward``."""
+    bias = None if keep is None else _key_bias(keep, q)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and bias is None:
         # dense inputs: no cumulative sequence lengths (the forward returns None); no dropout: no RNG state
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
         offset = torch.zeros((), dtype=torch.uint64, device=q.device)
@@ -100,15 +124,16 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         lse = F.pad(lse, (0, pad))
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+            dout, q, k, v, bias, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
 def _merge(out, lse, part, part_lse):
     """Combine two partial softmax results over disjoint keys (float32 ``out``, ``lse``), in place."""
     new = torch.logaddexp(lse, part_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(part.float() * torch.exp(part_lse - new).unsqueeze(-1))
+    ref = new.masked_fill(new == -torch.inf, 0.0)   # rows with no key yet: both weights 0, not nan
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(part.float() * torch.exp(part_lse - ref).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -151,24 +176,29 @@ def _arrive(posted) -> torch.Tensor:
     return received
 
 
-def forward_step(qs, kv, outs, lses, cp: int, rank: int, source: int, causal: bool, scale: float) -> None:
+def forward_step(qs, kv, outs, lses, cp: int, rank: int, source: int, causal: bool, scale: float,
+                 keep=None) -> None:
     """One ring step of the forward: this rank's query chunks ``qs`` (two ``[b, heads, c, d]``) against the
-    K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source``, merged into ``outs``/``lses`` (float32)."""
+    K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source``, merged into ``outs``/``lses`` (float32);
+    ``keep [b, 2c]``: rank ``source``'s key padding mask (True: attend), or None."""
     ks, vs = _kv_chunks(kv, qs[0].shape[1])
+    keeps = (None, None) if keep is None else keep.chunk(2, dim=-1)
     for a, c, diagonal in _pairs(cp, rank, source, causal):
-        part, part_lse = _block_forward(qs[a], ks[c], vs[c], diagonal, scale)
+        part, part_lse = _block_forward(qs[a], ks[c], vs[c], diagonal, scale, keeps[c])
         _merge(outs[a], lses[a], part, part_lse)
 
 
 def backward_step(douts, qs, outs, lses, kv, dqs, dkv, cp: int, rank: int, source: int, causal: bool,
-                  scale: float) -> None:
+                  scale: float, keep=None) -> None:
     """One ring step of the backward: adds this rank's blocks' gradients into ``dqs`` (its query chunks)
-    and ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V)."""
+    and ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V); ``keep`` as
+    in ``forward_step``."""
     kv_heads = kv.shape[2]
     ks, vs = _kv_chunks(kv, qs[0].shape[1])
+    keeps = (None, None) if keep is None else keep.chunk(2, dim=-1)
     dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
     for a, c, diagonal in _pairs(cp, rank, source, causal):
-        gq, gk, gv = _block_backward(douts[a], qs[a], ks[c], vs[c], outs[a], lses[a], diagonal, scale)
+        gq, gk, gv = _block_backward(douts[a], qs[a], ks[c], vs[c], outs[a], lses[a], diagonal, scale, keeps[c])
         dqs[a].add_(gq)
         dks[c].add_(_fold(gk.float(), kv_heads))
         dvs[c].add_(_fold(gv.float(), kv_heads))
@@ -187,25 +217,29 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, keep):
         cp, rank = group_size(group), dist.get_rank(group)
+        keeps = None if keep is None else _gather(keep, group)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         qs, outs, lses = _chunks(q), out.chunk(2, dim=2), lse.chunk(2, dim=2)
         kv = torch.stack([k, v])
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None   # next K/V travel while this block computes
-            forward_step(qs, kv, outs, lses, cp, rank, (rank - t) % cp, causal, scale)
+            source = (rank - t) % cp
+            forward_step(qs, kv, outs, lses, cp, rank, source, causal, scale, None if keep is None else keeps[source])
             if posted is not None:
                 kv = _arrive(posted)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if keep is not None:   # a sequence of padding only: its rows' gradients are 0, not nan
+            lse.masked_fill_(lse == -torch.inf, 0.0)
+        ctx.save_for_backward(q, k, v, out, lse, keeps)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, keeps = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         cp, rank = group_size(group), dist.get_rank(group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -214,28 +248,56 @@ class _RingAttention(torch.autograd.Function):
         chunks = (_chunks(dout), _chunks(q), _chunks(out), _chunks(lse))
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None
-            backward_step(*chunks, kv, dq.chunk(2, dim=2), dkv, cp, rank, (rank - t) % cp, causal, scale)
+            source = (rank - t) % cp
+            backward_step(*chunks, kv, dq.chunk(2, dim=2), dkv, cp, rank, source, causal, scale,
+                          None if keeps is None else keeps[source])
             dkv = _arrive(_shift(dkv, group))   # the gradients travel with their K/V; after cp moves, home
             if posted is not None:
                 kv = _arrive(posted)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+def _gather(keep: torch.Tensor, group) -> torch.Tensor:
+    """Every cp rank's key padding mask ``[cp, b, s/cp]`` (bool) from this rank's ``keep [b, s/cp]``."""
+    cp = group_size(group)
+    out = torch.empty((cp * keep.shape[0],) + tuple(keep.shape[1:]), dtype=torch.uint8, device=keep.device)
+    all_gather_flat(out, keep.to(torch.uint8).contiguous(), group=group)
+    return out.view((cp,) + tuple(keep.shape)).bool()
+
+
+def _check_mask(keep, q, causal: bool):
+    if keep is None:
+        return
+    if causal:
+        raise ValueError("key_padding_mask is for bidirectional attention (causal=False); a causal model "
+                         "never attends to the padding at the end of a sequence")
+    if tuple(keep.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"key_padding_mask has shape {list(keep.shape)}; it must be [b, s/cp] = "
+                         f"{[q.shape[0], q.shape[2]]}, this rank's part of the batch's attention_mask")
+
+
+def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
+                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's query chunks over the whole sequence's keys (module docstring).
+    ``key_padding_mask [b, s/cp]`` (bool, True: attend; this rank's part of the batch's attention mask,
+    bidirectional only): every rank's part is all-gathered once (``b x s`` bytes) and each block masks the
+    keys of the chunk it sees.
 
     Raises:
-        ValueError: heads not a multiple of kv heads, or a local sequence of odd length (two chunks).
+        ValueError: heads not a multiple of kv heads, a local sequence of odd length (two chunks), a key
+            padding mask of the wrong shape or with ``causal``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_heads(q, k)
+    _check_mask(key_padding_mask, q, causal)
+    keep = None if key_padding_mask is None else key_padding_mask.bool()
     if group_size(group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :],
+                                              is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[2] % 2:
         raise ValueError(f"local sequence length {q.shape[2]} is odd: each cp rank holds two equal chunks "
                          "(plait.parallel.context.shard_sequence)")
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale, keep)
 
 
 def _check_heads(q, k) -> None:
@@ -266,17 +328,24 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
-def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
+                         key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention with heads scattered and the sequence gathered over the cp group (module docstring).
+    ``key_padding_mask [b, s/cp]`` as in ``ring_attention`` (all-gathered into the whole sequence's mask);
+    ``dropout_p``: attention dropout, drawn from the caller's RNG state (each rank holds other heads).
 
     Raises:
-        ValueError: heads or kv heads not divisible by cp (the message names the numbers).
+        ValueError: heads or kv heads not divisible by cp (the message names the numbers); a key padding
+            mask of the wrong shape or with ``causal``.
     """
     cp = group_size(group)
     _check_heads(q, k)
+    _check_mask(key_padding_mask, q, causal)
     gqa = q.shape[1] != k.shape[1]
+    keep = None if key_padding_mask is None else key_padding_mask.bool()
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :],
+                                              dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
     for name, n in (("heads", q.shape[1]), ("kv heads", k.shape[1])):
         if n % cp:
             raise ValueError(f"all-to-all context parallelism scatters attention heads over cp ranks: this "
@@ -286,5 +355,7 @@ def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | Non
     order = torch.cat([positions(seq, cp, r, q.device) for r in range(cp)])   # gathered slot -> token
     natural = torch.argsort(order)
     q, k, v = (_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    mask = None if keep is None else unshard_sequence(list(_gather(keep, group).unbind(0)))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                         scale=scale, enable_gqa=gqa)
     return _AllToAll.apply(out.index_select(2, order), group, 2, 1)
