@@ -106,12 +106,13 @@ def test_sharding_round_trip_positions_and_errors():
 
 
 @torch.no_grad()   # as inside the autograd.Function
-def emulate_ring(q, k, v, up, cp: int, causal: bool):
+def emulate_ring(q, k, v, up, cp: int, causal: bool, keep=None):
     """The ring's per-step computation (``forward_step``/``backward_step``) for every rank of cp in one
     process, without communication: ``(out, dq, dk, dv)`` over the whole sequence (tests/gpu runs it on CUDA,
-    where the block kernels differ)."""
+    where the block kernels differ); ``keep [b, s]``: a key padding mask (bidirectional)."""
     scale = q.shape[-1] ** -0.5
     shard = lambda t, r: C.shard_sequence(t, cp, r, dim=2)  # noqa: E731
+    keeps = [None if keep is None else C.shard_sequence(keep, cp, j) for j in range(cp)]
     kvs = [torch.stack([shard(k, j), shard(v, j)]) for j in range(cp)]
     dkvs = [torch.zeros(kv.shape, dtype=torch.float32, device=q.device) for kv in kvs]
     outs, dqs = [], []
@@ -120,13 +121,13 @@ def emulate_ring(q, k, v, up, cp: int, causal: bool):
         out = torch.zeros(qs[0].shape[:2] + (2 * qs[0].shape[2], q.shape[3]), device=q.device)
         lse = torch.full(out.shape[:3], float("-inf"), device=q.device)
         for t in range(cp):
-            C.forward_step(qs, kvs[(r - t) % cp], out.chunk(2, dim=2), lse.chunk(2, dim=2), cp, r, (r - t) % cp,
-                           causal, scale)
+            j = (r - t) % cp
+            C.forward_step(qs, kvs[j], out.chunk(2, dim=2), lse.chunk(2, dim=2), cp, r, j, causal, scale, keeps[j])
         out = out.to(q.dtype)
         dq = torch.zeros(out.shape, dtype=torch.float32, device=q.device)
         chunks = (C._chunks(shard(up, r)), qs, C._chunks(out), C._chunks(lse))
         for j in range(cp):
-            C.backward_step(*chunks, kvs[j], dq.chunk(2, dim=2), dkvs[j], cp, r, j, causal, scale)
+            C.backward_step(*chunks, kvs[j], dq.chunk(2, dim=2), dkvs[j], cp, r, j, causal, scale, keeps[j])
         outs.append(out)
         dqs.append(dq.to(q.dtype))
     return (C.unshard_sequence(outs, dim=2), C.unshard_sequence(dqs, dim=2),
@@ -134,11 +135,12 @@ def emulate_ring(q, k, v, up, cp: int, causal: bool):
             C.unshard_sequence([d[1].to(v.dtype) for d in dkvs], dim=2))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_emulated_ring_matches_whole_sequence(causal):
-    """The same steps in one process (what tests/gpu/run_context_gpu.py runs on CUDA): cp=3, GQA."""
-    want = reference(36, 2, causal)
-    got = emulate_ring(*inputs(36, 2), 3, causal)
+@pytest.mark.parametrize("causal, masked", [(True, False), (False, False), (False, True)])
+def test_emulated_ring_matches_whole_sequence(causal, masked):
+    """The same steps in one process (what tests/gpu/run_context_gpu.py runs on CUDA): cp=3, GQA; with a key
+    padding mask when bidirectional."""
+    want = reference(36, 2, causal, masked)
+    got = emulate_ring(*inputs(36, 2), 3, causal, key_mask(36) if masked else None)
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     assert max(errs) <= 1e-5, errs
 

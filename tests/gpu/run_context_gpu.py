@@ -8,7 +8,8 @@
    memory-efficient kernel; tolerance 1e-5 as on CPU) and bfloat16 (the flash kernel, against float32
    attention on the same bf16 inputs: one rounding of the output to bf16 is 2^-8 / sqrt(3) ~ 2.3e-3
    relative in l2, the gradients take two or three such roundings; tolerance 1e-2), causal and
-   bidirectional, grouped-query attention (8 query heads, 2 kv heads), sequence 1024, head dim 64.
+   bidirectional (also with a key padding mask: the memory-efficient kernel with a bias, rows of blocks
+   that see no key), grouped-query attention (8 query heads, 2 kv heads), sequence 1024, head dim 64.
 2. ``plait.layers.RMSNorm`` against ``F.rms_norm(x) * w`` on CUDA: output, input and weight gradients
    bitwise equal (the same fused kernels), float32 and bfloat16.
 Prints one line per check; exit 1 on failure.
@@ -21,25 +22,27 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import rel_err
-from test_context_parallel import emulate_ring
+from test_context_parallel import emulate_ring, key_mask
 
 from plait.layers.norm import _RMSNormWeight
 
 
-def ring_check(cp: int, dtype, causal: bool) -> tuple[bool, str]:
+def ring_check(cp: int, dtype, causal: bool, masked: bool = False) -> tuple[bool, str]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 1024, 64, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
     up = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+    keep = key_mask(1024).cuda() if masked else None
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=None if keep is None else keep[:, None, None, :],
+                                         is_causal=causal, enable_gqa=True)
     out.backward(up.float())
     want = [out.detach()] + [t.grad for t in leaves]
-    got = emulate_ring(q, k, v, up, cp, causal)
+    got = emulate_ring(q, k, v, up, cp, causal, keep)
     errs = [rel_err(a.float(), b) for a, b in zip(got, want)]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = max(errs) <= tol
-    return ok, (f"ring cp={cp} {dtype} causal={causal}: out/dq/dk/dv rel err "
+    return ok, (f"ring cp={cp} {dtype} causal={causal} masked={masked}: out/dq/dk/dv rel err "
                 f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}")
 
 
@@ -63,6 +66,7 @@ def main() -> int:
     lines, failures = [], 0
     checks = [(ring_check, (cp, dtype, causal)) for cp in (2, 4) for dtype in (torch.float32, torch.bfloat16)
               for causal in (True, False)]
+    checks += [(ring_check, (cp, dtype, False, True)) for cp in (2, 4) for dtype in (torch.float32, torch.bfloat16)]
     checks += [(norm_check, (dtype,)) for dtype in (torch.float32, torch.bfloat16)]
     for fn, args in checks:
         ok, line = fn(*args)
