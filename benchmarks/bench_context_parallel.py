@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -59,7 +60,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, CLIP, LR, PEAK_FLOPS, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
-from _common import fsdp2_wrap, model_flops_per_token, run_child  # noqa: E402
+from _common import _error_line, fsdp2_wrap, model_flops_per_token, run_child  # noqa: E402
 
 ARMS = ("plait-cp1", "plait-ring", "plait-a2a", "torch-cp", "torch-cp-repkv", "plait-ring-tiled", "plait-tiled")
 THROUGHPUT_ARMS = "plait-cp1,plait-ring,plait-a2a,torch-cp"
@@ -179,6 +180,17 @@ def run_arm(arm: str, args) -> dict:
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
 
 
+def rank_error(row: dict, log: str) -> None:
+    """torchrun ends a failed run with its own ChildFailedError: name the rank's exception (e.g. CUDA out of
+    memory) from the child's output instead."""
+    if "ChildFailedError" not in row.get("error", ""):
+        return
+    with open(log) as f:
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", x) for x in f.read().splitlines()]
+    found = _error_line("\n".join(x for x in lines if "ChildFailedError" not in x))
+    row["error"] = f"{row['error'].split(':')[0]}: {found}"
+
+
 def run_row(arm: str, seq: int, args, tags: dict) -> dict:
     """One (arm, seq) in its own ``torch.distributed.run`` group; the row, appended to --out and printed."""
     t0 = time.perf_counter()
@@ -187,6 +199,7 @@ def run_row(arm: str, seq: int, args, tags: dict) -> dict:
     log = os.path.join(args.logs, f"{name}.log") if args.logs else f"{args.out}.{name}.log"
     child = ["--model", args.model, "--seq", str(seq), "--steps", str(args.steps)]
     row = run_child(__file__, arm, child, args.timeout, log_path=log, launcher=launcher)
+    rank_error(row, log)
     row.update({k: v for k, v in {"model": args.model, "nproc": cp_size(arm), "cp": cp_size(arm), "seq": seq,
                                   **tags}.items() if k not in row})
     row["wall_s"] = round(time.perf_counter() - t0, 1)

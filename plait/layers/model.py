@@ -90,9 +90,10 @@ class LMHead(nn.Module):
     ``[b, s, V_pad/tp]`` logits never exist at once, only one token chunk of them. The output weight is
     the embedding's when tied and both are on this rank; a tied head on a different pipeline stage
     owns a copy marked ``plait_tied_to``, initialized identically. Under context parallelism (``cp_group``
-    of cp ranks, each with its part of every sequence) the loss is ``cp x`` this rank's summed loss over
-    the tokens counted on all cp ranks: its mean over the cp ranks (what averaging gradients over the
-    dp x cp ranks takes) is the sequences' mean loss.
+    of cp ranks, each with its part of every sequence) the returned value is the whole sequences' mean
+    loss on every cp rank, and its gradient is that of ``cp x`` this rank's summed loss over the tokens
+    counted on all cp ranks: the mean of those gradients over the cp ranks (what averaging gradients over
+    the dp x cp ranks does) is the mean loss's gradient.
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel=False,
@@ -136,10 +137,12 @@ class LMHead(nn.Module):
             total = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw).sum()
         count = (labels != -100).sum()
         cp = group_size(self.cp_group)
-        if cp > 1:
-            torch.distributed.all_reduce(count, group=self.cp_group)
-            total = total * cp
-        return total / count.clamp(min=1)
+        if cp == 1:
+            return total / count.clamp(min=1)
+        sums = torch.stack([total.detach().double(), count.double()])   # the whole sequences' loss sum and count
+        torch.distributed.all_reduce(sums, group=self.cp_group)
+        local = total * cp / sums[1].clamp(min=1).to(total.dtype)
+        return local + ((sums[0] / sums[1].clamp(min=1)).to(local.dtype) - local.detach())
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[b, s, V_pad/tp]`` -> whole ``[b, s, V]`` (all-gather over tp, padding dropped)."""

@@ -16,9 +16,11 @@ memory-efficient for float32, the CPU flash kernel elsewhere), which return the 
   before it in full, its own chunk causally, later chunks not at all) and the partial results are merged
   by their log-sum-exp (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; as in
   FlashAttention, Dao et al. 2022, Alg. 1). Backward sends K/V round once more with their gradients
-  travelling beside them, and each block's gradients come from the kernel's backward given the *merged*
-  output and log-sum-exp (the probabilities of a block are ``exp(q k^T scale - lse)`` with the row's
-  total ``lse``), so no block's forward is recomputed twice.
+  travelling one step behind them (each transfer overlapping the next step's blocks), and each block's
+  gradients come from the kernel's backward given the *merged* output and log-sum-exp (the probabilities
+  of a block are ``exp(q k^T scale - lse)`` with the row's total ``lse``), so no block's forward is
+  recomputed twice. Padded keys (BERT's attention mask, bidirectional): each rank's mask part is
+  all-gathered once and each block masks the keys of its chunk (the memory-efficient kernel on CUDA).
 * ``all_to_all_attention`` (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all turns the sequence
   shards of all heads into the whole sequence of ``heads / cp`` heads, attention runs as usual, and the
   inverse all-to-all restores the sequence shards. Heads (and kv heads) must divide by cp.
@@ -244,16 +246,20 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), dist.get_rank(group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         chunks = (_chunks(dout), _chunks(q), _chunks(out), _chunks(lse))
+        travelling = None   # the K/V gradients travel with their K/V, one step behind; after cp moves, home
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None
             source = (rank - t) % cp
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # this rank's part for source's K/V
             backward_step(*chunks, kv, dq.chunk(2, dim=2), dkv, cp, rank, source, causal, scale,
                           None if keeps is None else keeps[source])
-            dkv = _arrive(_shift(dkv, group))   # the gradients travel with their K/V; after cp moves, home
+            if travelling is not None:   # the other ranks' part for source's K/V arrived during the blocks
+                dkv.add_(_arrive(travelling))
+            travelling = _shift(dkv, group)
             if posted is not None:
                 kv = _arrive(posted)
+        dkv = _arrive(travelling)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
