@@ -193,7 +193,8 @@ class TransformerModel(nn.Module):
         if not indices or indices[0] < 0 or indices[-1] >= total:
             raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
         self.layer_indices = indices
-        rng_device = torch.device("cpu") if device is None or torch.device(device).type == "meta" else torch.device(device)
+        cpu_rng = device is None or torch.device(device).type == "meta"
+        rng_device = torch.device("cpu") if cpu_rng else torch.device(device)
         # Dropout streams differ per pipeline chunk (keyed by its first layer, so interleaved chunks on
         # one rank differ too) and per tp rank inside tp-split regions; see plait.parallel.random.
         cp_rank = 0 if mesh is None else mesh.cp_rank   # cp ranks hold other positions: other dropout masks
