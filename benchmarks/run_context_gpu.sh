@@ -18,7 +18,8 @@ if [ "$MODE" != longest ]; then
 fi
 if [ "$MODE" != throughput ]; then
     SEQS_CP2=${SEQS_CP2-131072,196608,262144,393216,524288}; SEQS_CP1=${SEQS_CP1-131072,196608,262144}
-    [ -n "$SEQS_CP2" ] && $B --longest --arms plait-ring-tiled --seqs "$SEQS_CP2" --steps "${STEPS:-1}" --timeout "${TIMEOUT:-900}"
-    [ -n "$SEQS_CP1" ] && $B --longest --arms plait-tiled --seqs "$SEQS_CP1" --steps "${STEPS:-1}" --timeout "${TIMEOUT:-900}"
+    LONG="--longest --steps ${STEPS:-1} --timeout ${TIMEOUT:-900}"
+    [ -n "$SEQS_CP2" ] && $B $LONG --arms plait-ring-tiled --seqs "$SEQS_CP2"
+    [ -n "$SEQS_CP1" ] && $B $LONG --arms plait-tiled --seqs "$SEQS_CP1"
 fi
 python3 benchmarks/bench_context_parallel.py --report "$OUT/$NAME.jsonl"

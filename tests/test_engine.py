@@ -39,8 +39,10 @@ def micro_batch(step, gas, dp_rank):
     return helpers.micro_batch(step, gas, dp_rank, vocab_size=1001, micro=MICRO, seq=SEQ)
 
 
-def reference(dp, arch_config=None):
-    """Single process, plain torch AdamW on the tp=1 model, same global batch (dp x GAS micro-batches)."""
+def reference(dp, arch_config=None, batch=None):
+    """Single process, plain torch AdamW on the tp=1 model, same global batch (dp x GAS micro-batches of
+    ``batch(step, gas, dp_rank)``, default ``micro_batch``)."""
+    batch = batch or micro_batch
     model = TransformerModel(arch_config or tiny(), None, seed=5)
     opt = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
     sched = WarmupLR(opt, 0.0, 3e-3, 3, warmup_type="linear")
@@ -49,7 +51,7 @@ def reference(dp, arch_config=None):
         total = 0.0
         for gas in range(GAS):
             for r in range(dp):
-                loss = model(**micro_batch(step, gas, r)) / (GAS * dp)
+                loss = model(**batch(step, gas, r)) / (GAS * dp)
                 loss.backward()
                 total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
