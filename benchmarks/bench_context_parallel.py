@@ -25,13 +25,13 @@ labels are the next tokens, aligned to positions (``_common.batch``: neither mod
   ``torch.distributed.tensor.experimental.context_parallel`` on a 1-d mesh of its own process group (as
   torchtitan's cp mesh, apart from FSDP's): input_ids, labels and position_ids are its buffers (sequence dim
   1), sharded head-tail (torch's load balancing, on by default: rank r holds chunks r and 2cp-1-r, plait's
-  zigzag), and RoPE takes each token's global position (``HandLlama.forward(position_ids=...)``). SDPA is
-  limited to the flash backend (``sdpa_kernel([FLASH_ATTENTION])``; plait's bf16 blocks are flash too; on an
-  H100 torch would otherwise prefer cuDNN attention, and MATH does not run under CP). K/V rotate by
+  zigzag), and RoPE takes each token's global position (``HandLlama.forward(position_ids=...)``). SDPA runs
+  the kernel it picks itself (cuDNN on an H100 where it applies; the log names it), as plait's ring blocks
+  do (``plait.parallel.context._cuda_kernel``). K/V rotate by
   ``set_rotate_method("allgather")``, torch's and torchtitan's default: at cp=2 it moves the same bytes as
   "alltoall" (each rank receives the other's K/V once per attention call), posted before the first block
   is computed. Grouped-query attention (16 heads on 8 kv heads) goes in as ``enable_gqa=True``: torch's CP
-  handler runs the flash kernel on the local K/V as they are (the kernel takes fewer kv heads, its backward
+  handler runs the fused kernel on the local K/V as they are (the kernel takes fewer kv heads, its backward
   returns kv-head gradients, which the ring accumulates in K/V's shape), so K/V travel with 8 heads, as
   plait's. torch-cp-repkv (not run by default; a fallback should that fail): each block repeats K/V to all
   16 heads before SDPA (``Block.repeat_kv``; torchtitan's Llama does this), so twice the K/V bytes travel.
@@ -115,7 +115,7 @@ def torch_cp_arm(arm, cfg, device, seq):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     from bench_zero import torch_model
     from hand_llama import Block
@@ -129,6 +129,11 @@ def torch_cp_arm(arm, cfg, device, seq):
     group = dist.new_group(list(range(dist.get_world_size())))   # K/V apart from FSDP's collectives
     mesh = DeviceMesh.from_group(group, "cuda", mesh_dim_names=("cp",))
     set_rotate_method("allgather")
+    heads, kv, d = cfg.num_heads, cfg.num_heads if arm.endswith("-repkv") else cfg.num_kv_heads, cfg.head_dim
+    q, k = (torch.empty(1, n, seq // 2, d, device=device, dtype=torch.bfloat16) for n in (heads, kv))
+    choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, enable_gqa=heads != kv)
+    print(f"torch-cp: SDPA picks {SDPBackend(choice).name} for this rank's q {list(q.shape)}, k {list(k.shape)}",
+          flush=True)
 
     def step(i):
         b = same_batch(cfg, device, i, seq)
@@ -136,7 +141,7 @@ def torch_cp_arm(arm, cfg, device, seq):
         ids, labels = b["input_ids"].clone(), b["labels"].clone()
         pos = torch.arange(seq, device=device).unsqueeze(0)
         buffers = [ids, labels, pos]
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), context_parallel(
+        with context_parallel(
                 mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
             loss = model(ids, labels, position_ids=pos)   # this rank's mean; FSDP averages the 2 ranks' grads
             loss.backward()
@@ -171,7 +176,7 @@ def run_arm(arm: str, args) -> dict:
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     total = loss.detach().float().clone()
-    dist.all_reduce(total)   # the mean over the ranks (plait: cp x this rank's share; torch: this rank's mean)
+    dist.all_reduce(total)   # the mean over the ranks (plait: each rank's is the sequence's; torch: its shard's)
     n = cfg.num_parameters()
     tokens_gpu = seq * (world // cp) / dt / world        # one sequence per dp rank per step, over all GPUs
     return {"arm": arm, "model": args.model, "nproc": world, "cp": cp, "seq": seq, "tokens_per_s_gpu": tokens_gpu,

@@ -117,17 +117,15 @@ def emulate_ring(q, k, v, up, cp: int, causal: bool, keep=None):
     dkvs = [torch.zeros(kv.shape, dtype=torch.float32, device=q.device) for kv in kvs]
     outs, dqs = [], []
     for r in range(cp):
-        qs = C._chunks(shard(q, r))
-        out = torch.zeros(qs[0].shape[:2] + (2 * qs[0].shape[2], q.shape[3]), device=q.device)
+        qr = shard(q, r)
+        out = torch.zeros(qr.shape, device=q.device)
         lse = torch.full(out.shape[:3], float("-inf"), device=q.device)
-        for t in range(cp):
-            j = (r - t) % cp
-            C.forward_step(qs, kvs[j], out.chunk(2, dim=2), lse.chunk(2, dim=2), cp, r, j, causal, scale, keeps[j])
+        for j in range(cp):
+            C.forward_step(qr, kvs[j], out, lse, r, j, causal, scale, keeps[j])
         out = out.to(q.dtype)
         dq = torch.zeros(out.shape, dtype=torch.float32, device=q.device)
-        chunks = (C._chunks(shard(up, r)), qs, C._chunks(out), C._chunks(lse))
         for j in range(cp):
-            C.backward_step(*chunks, kvs[j], dq.chunk(2, dim=2), dkvs[j], cp, r, j, causal, scale, keeps[j])
+            C.backward_step(shard(up, r), qr, out, lse, kvs[j], dq, dkvs[j], r, j, causal, scale, keeps[j])
         outs.append(out)
         dqs.append(dq.to(q.dtype))
     return (C.unshard_sequence(outs, dim=2), C.unshard_sequence(dqs, dim=2),

@@ -7,13 +7,15 @@ sharding of Megatron-Core and torchtitan). Bidirectional attention uses the same
 of the model, the positions (RoPE) and the loss never depend on the method. ``s`` must divide by
 ``2 cp`` (``shard_sequence`` raises otherwise, naming the numbers; pad the batch to the next multiple).
 
-Two methods, both on the local blocks of torch's fused attention kernels (flash on CUDA for bf16/fp16,
-memory-efficient for float32, the CPU flash kernel elsewhere), which return the log-sum-exp of each row:
+Two methods, both on the local blocks of torch's fused attention kernels (on CUDA the one SDPA itself picks:
+cuDNN or flash for bf16/fp16, memory-efficient for float32; the CPU flash kernel elsewhere), which return the
+log-sum-exp of each row:
 
 * ``ring_attention`` (Liu et al., "Ring Attention with Blockwise Transformers", 2023): K/V travel round
   the ring of cp ranks (``cp - 1`` exchanges, each posted before the current block is computed so the
-  transfer overlaps it); every local query chunk attends to every K/V chunk it may see (causal: chunks
-  before it in full, its own chunk causally, later chunks not at all) and the partial results are merged
+  transfer overlaps it); each step is one kernel call, the block of this rank's queries that may see the
+  arriving K/V (causal: its own K/V causally, an earlier rank's first chunk by both query chunks, a later
+  rank's two chunks by the second query chunk; ``_step_rows``), and the partial results are merged
   by their log-sum-exp (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; as in
   FlashAttention, Dao et al. 2022, Alg. 1). Backward sends K/V round once more with their gradients
   travelling one step behind them (each transfer overlapping the next step's blocks), and each block's
@@ -87,47 +89,69 @@ def _key_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return bias[..., :c].expand(b, q.shape[1], q.shape[2], c)
 
 
+def _cuda_kernel(q, k, v, causal: bool, scale: float) -> str:
+    """The fused kernel torch's SDPA itself picks for this block: "cudnn", "flash" or "efficient" (which
+    also stands in for the math fallback: every ring block needs a kernel that returns the log-sum-exp)."""
+    choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale))
+    return {1: "flash", 3: "cudnn"}.get(choice, "efficient")
+
+
 def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
-    """``(out [b, n, sq, d], lse [b, n, sq] float32)`` of softmax attention of q over k, v (same heads);
-    ``keep [b, sk]`` masks padded keys (then ``causal`` is False). A row with no key to attend to gets
-    ``out`` 0 and ``lse`` -inf, whatever the kernel returns, so merging ignores it."""
+    """``(out [b, n, sq, d], lse [b, n, sq] float32)`` of softmax attention of q over k, v (same heads), by
+    the kernel SDPA picks (``_cuda_kernel``; the CPU flash kernel off CUDA); ``keep [b, sk]`` masks padded
+    keys (then ``causal`` is False; the memory-efficient kernel on CUDA, as only it takes a bias). A row
+    with no key to attend to gets ``out`` 0 and ``lse`` -inf, whatever the kernel returns, so merging
+    ignores it."""
+    aten = torch.ops.aten
     if keep is not None:
         bias = _key_bias(keep, q)
-        if q.is_cuda:   # the flash kernel takes no mask
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
-                                                                              scale=scale)[:2]
+        if q.is_cuda:
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)[:2]
         else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
-                                                                                  attn_mask=bias, scale=scale)
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                        scale=scale)
         empty = ~keep.any(-1)[:, None, None]
         return out.masked_fill(empty[..., None], 0.0), lse[..., :q.shape[2]].float().masked_fill(empty, -torch.inf)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
-    elif q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                          scale=scale)[:2]
+    kernel = _cuda_kernel(q, k, v, causal, scale) if q.is_cuda else "cpu"
+    if kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    elif kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    elif kernel == "efficient":
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]].float()
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.reshape(lse.shape[:3])[..., :q.shape[2]].float()   # cuDNN's is [b, n, sq, 1]
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
-    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring); ``keep``
-    as in ``_block_forward``."""
+    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring), by the
+    kernel ``_block_forward`` used; ``keep`` as there. With a padding mask in half precision on CUDA the
+    block runs in float32 (the memory-efficient kernel's half-precision backward from a merged ``out`` and
+    ``lse`` fails tests/gpu/run_context_gpu.py)."""
+    aten = torch.ops.aten
+    if keep is not None and q.is_cuda and q.dtype != torch.float32:
+        grads = _block_backward(*(t.float() for t in (dout, q, k, v, out)), lse, causal, scale, keep)
+        return tuple(g.to(q.dtype) for g in grads)
     bias = None if keep is None else _key_bias(keep, q)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and bias is None:
-        # dense inputs: no cumulative sequence lengths (the forward returns None); no dropout: no RNG state
+    kernel = "cpu" if not q.is_cuda else "efficient" if bias is not None else _cuda_kernel(q, k, v, causal, scale)
+    if kernel in ("cudnn", "flash"):
+        # dense inputs: no cumulative sequence lengths; no dropout: the RNG state is unused
+        if kernel == "cudnn":
+            zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            return aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse.unsqueeze(-1), zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0,
+                causal, scale=scale)
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
         offset = torch.zeros((), dtype=torch.uint64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
-    if q.is_cuda:
-        pad = -lse.shape[-1] % 32   # the memory-efficient kernel keeps its lse padded to 32 rows
-        lse = F.pad(lse, (0, pad))
+    if kernel == "efficient":
+        lse = F.pad(lse, (0, -lse.shape[-1] % 32))   # the memory-efficient kernel keeps its lse padded to 32 rows
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        return aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, bias, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
@@ -150,15 +174,16 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if n == kv_heads else grad.view(b, kv_heads, n // kv_heads, s, d).sum(2)
 
 
-def _pairs(cp: int, rank: int, source: int, causal: bool):
-    """``(local chunk slot, kv chunk slot, causal block?)`` for this rank's query chunks against the K/V
-    chunks of rank ``source``: causal keeps earlier chunks whole, its own chunk causal, later ones out."""
-    for a, qi in enumerate(chunk_ids(cp, rank)):
-        for c, ki in enumerate(chunk_ids(cp, source)):
-            if not causal or ki < qi:
-                yield a, c, False
-            elif ki == qi:
-                yield a, c, True
+def _step_rows(rank: int, source: int, causal: bool, local: int) -> tuple[slice, slice, bool]:
+    """``(query rows, key rows, causal?)`` of the one block a ring step computes: this rank's queries
+    against rank ``source``'s K/V, both ``local = 2c`` long (two chunks, ``chunk_ids``). Its own K/V: all
+    against all, causal when the model is (the two chunks are in sequence order, so the local causal mask is
+    the global one). Causal, an earlier rank's K/V: both query chunks see its first chunk whole and its
+    second not at all. A later rank's: only the second query chunk sees it, whole. Bidirectional: all."""
+    every, c = slice(0, local), local // 2
+    if source == rank or not causal:
+        return every, every, causal and source == rank
+    return (every, slice(0, c), False) if source < rank else (slice(c, local), every, False)
 
 
 def _shift(t: torch.Tensor, group):
@@ -178,43 +203,34 @@ def _arrive(posted) -> torch.Tensor:
     return received
 
 
-def forward_step(qs, kv, outs, lses, cp: int, rank: int, source: int, causal: bool, scale: float,
-                 keep=None) -> None:
-    """One ring step of the forward: this rank's query chunks ``qs`` (two ``[b, heads, c, d]``) against the
-    K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source``, merged into ``outs``/``lses`` (float32);
-    ``keep [b, 2c]``: rank ``source``'s key padding mask (True: attend), or None."""
-    ks, vs = _kv_chunks(kv, qs[0].shape[1])
-    keeps = (None, None) if keep is None else keep.chunk(2, dim=-1)
-    for a, c, diagonal in _pairs(cp, rank, source, causal):
-        part, part_lse = _block_forward(qs[a], ks[c], vs[c], diagonal, scale, keeps[c])
-        _merge(outs[a], lses[a], part, part_lse)
+def forward_step(q, kv, out, lse, rank: int, source: int, causal: bool, scale: float, keep=None) -> None:
+    """One ring step of the forward: this rank's queries ``q`` (``[b, heads, 2c, d]``, contiguous) against
+    the K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source`` (one block, ``_step_rows``), merged into
+    ``out``/``lse`` (float32, ``[b, heads, 2c, d]`` / ``[b, heads, 2c]``); ``keep [b, 2c]``: rank ``source``'s
+    key padding mask (True: attend), or None."""
+    rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
+    k, v = (_expand(t[:, :, cols], q.shape[1]).contiguous() for t in kv)
+    part, part_lse = _block_forward(_rows(q, rows), k, v, diagonal, scale, None if keep is None else keep[:, cols])
+    _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
 
-def backward_step(douts, qs, outs, lses, kv, dqs, dkv, cp: int, rank: int, source: int, causal: bool,
-                  scale: float, keep=None) -> None:
-    """One ring step of the backward: adds this rank's blocks' gradients into ``dqs`` (its query chunks)
-    and ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V); ``keep`` as
-    in ``forward_step``."""
-    kv_heads = kv.shape[2]
-    ks, vs = _kv_chunks(kv, qs[0].shape[1])
-    keeps = (None, None) if keep is None else keep.chunk(2, dim=-1)
-    dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-    for a, c, diagonal in _pairs(cp, rank, source, causal):
-        gq, gk, gv = _block_backward(douts[a], qs[a], ks[c], vs[c], outs[a], lses[a], diagonal, scale, keeps[c])
-        dqs[a].add_(gq)
-        dks[c].add_(_fold(gk.float(), kv_heads))
-        dvs[c].add_(_fold(gv.float(), kv_heads))
+def backward_step(dout, q, out, lse, kv, dq, dkv, rank: int, source: int, causal: bool, scale: float,
+                  keep=None) -> None:
+    """One ring step of the backward: adds the block's gradients into ``dq`` (float32, shaped as ``q``) and
+    ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V); ``dout``, ``q``,
+    ``out``, ``lse`` whole and contiguous; ``keep`` as in ``forward_step``."""
+    rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
+    k, v = (_expand(t[:, :, cols], q.shape[1]).contiguous() for t in kv)
+    d, qr, o, m = (_rows(t, rows) for t in (dout, q, out, lse))
+    gq, gk, gv = _block_backward(d, qr, k, v, o, m, diagonal, scale, None if keep is None else keep[:, cols])
+    dq[:, :, rows].add_(gq)
+    dkv[0][:, :, cols].add_(_fold(gk.float(), kv.shape[2]))
+    dkv[1][:, :, cols].add_(_fold(gv.float(), kv.shape[2]))
 
 
-def _kv_chunks(kv: torch.Tensor, heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The two K and two V chunks of ``kv``, expanded to ``heads`` and contiguous once per ring step (each
-    serves up to two query chunks)."""
-    return ([_expand(t, heads).contiguous() for t in kv[0].chunk(2, dim=2)],
-            [_expand(t, heads).contiguous() for t in kv[1].chunk(2, dim=2)])
-
-
-def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
-    return [c.contiguous() for c in t.chunk(2, dim=2)]
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Sequence rows ``rows`` (dim 2) of ``t``: ``t`` itself when all, else a contiguous copy."""
+    return t if rows.start == 0 and rows.stop == t.shape[2] else t[:, :, rows].contiguous()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -224,12 +240,11 @@ class _RingAttention(torch.autograd.Function):
         keeps = None if keep is None else _gather(keep, group)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        qs, outs, lses = _chunks(q), out.chunk(2, dim=2), lse.chunk(2, dim=2)
-        kv = torch.stack([k, v])
+        qc, kv = q.contiguous(), torch.stack([k, v])
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None   # next K/V travel while this block computes
             source = (rank - t) % cp
-            forward_step(qs, kv, outs, lses, cp, rank, source, causal, scale, None if keep is None else keeps[source])
+            forward_step(qc, kv, out, lse, rank, source, causal, scale, None if keep is None else keeps[source])
             if posted is not None:
                 kv = _arrive(posted)
         out = out.to(q.dtype)
@@ -246,14 +261,13 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), dist.get_rank(group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        chunks = (_chunks(dout), _chunks(q), _chunks(out), _chunks(lse))
+        whole = (dout.contiguous(), q.contiguous(), out, lse)
         travelling = None   # the K/V gradients travel with their K/V, one step behind; after cp moves, home
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None
             source = (rank - t) % cp
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # this rank's part for source's K/V
-            backward_step(*chunks, kv, dq.chunk(2, dim=2), dkv, cp, rank, source, causal, scale,
-                          None if keeps is None else keeps[source])
+            backward_step(*whole, kv, dq, dkv, rank, source, causal, scale, None if keeps is None else keeps[source])
             if travelling is not None:   # the other ranks' part for source's K/V arrived during the blocks
                 dkv.add_(_arrive(travelling))
             travelling = _shift(dkv, group)
