@@ -4,8 +4,8 @@
     python examples/pretrain_gpt.py                                 # one process (all GPUs if there are)
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --model llama-886m --tp 2 --pp 2 \\
         --zero-stage 3 --seq-len 2048 --micro-batch 4 --global-batch 64 --steps 2000
-    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --model llama-886m --tp 1 --pp 1 --cp 8 \\
-        --seq-len 131072 --tile-tokens 4096 --recompute --micro-batch 1 --global-batch 1   # long sequences
+    torchrun --nproc-per-node 2 examples/pretrain_gpt.py --model llama-886m --tp 1 --pp 1 --cp 2 \\
+        --seq-len 65536 --tile-tokens 4096 --recompute --micro-batch 1 --global-batch 1 --val-fraction 0.1
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/pretrain_gpt.py ...                                # multi-node (or examples/slurm/)
     python examples/plot_metrics.py runs/pretrain_gpt/metrics.jsonl loss.png
