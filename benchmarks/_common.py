@@ -128,6 +128,29 @@ def run_arms(script: str, arms: list[str], args, child_args: list[str], launcher
     return rows
 
 
+def child_or_report(args, run_arm, report) -> bool:
+    """The two modes besides a run of arms: ``--one ARM`` (a torchrun child: rank 0 prints its row as a
+    ``RESULT`` line) and ``--report JSONL...`` (the tables of earlier runs). True when one of them ran."""
+    if args.one:
+        row = run_arm(args.one, args)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+        return True
+    if args.report:
+        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
+        return True
+    return False
+
+
+def known_arms(text: str, arms: tuple) -> list[str]:
+    """The comma-separated arms of ``text``; SystemExit naming any not in ``arms``."""
+    chosen = [a for a in text.split(",") if a]
+    unknown = [a for a in chosen if a not in arms]
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(arms)}")
+    return chosen
+
+
 def fsdp2_wrap(model) -> None:
     """FSDP2 as the benchmarks run it: ``fully_shard`` on each of ``model.blocks`` and on the root,
     bf16 parameters, fp32 gradient reduction."""

@@ -60,7 +60,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, CLIP, LR, PEAK_FLOPS, WEIGHT_DECAY, batch, ds_like_config  # noqa: E402
-from _common import _error_line, fsdp2_wrap, model_flops_per_token, run_child  # noqa: E402
+from _common import _error_line, child_or_report, fsdp2_wrap, known_arms, model_flops_per_token, run_child  # noqa: E402
 
 ARMS = ("plait-cp1", "plait-ring", "plait-a2a", "torch-cp", "torch-cp-repkv", "plait-ring-tiled", "plait-tiled")
 THROUGHPUT_ARMS = "plait-cp1,plait-ring,plait-a2a,torch-cp"
@@ -300,18 +300,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    if args.one:
-        row = run_arm(args.one, args)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print("RESULT " + json.dumps(row), flush=True)
+    if child_or_report(args, run_arm, report):
         return
-    if args.report:
-        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
-        return
-    arms = [a for a in (args.arms or (LONGEST_ARMS if args.longest else THROUGHPUT_ARMS)).split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    arms = known_arms((args.arms or (LONGEST_ARMS if args.longest else THROUGHPUT_ARMS)), ARMS)
     for folder in (args.logs, os.path.dirname(args.out)):
         if folder:
             os.makedirs(folder, exist_ok=True)

@@ -26,7 +26,6 @@ over the timed steps), and rank 0's parts of the peak (``_memory.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,7 +35,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, ds_like_config  # noqa: E402
-from _common import engine_step, fsdp2_wrap, model_flops_per_token, run_arms, torch_step  # noqa: E402
+from _common import child_or_report, engine_step, fsdp2_wrap, known_arms, model_flops_per_token, run_arms  # noqa: E402
+from _common import torch_step  # noqa: E402
 
 ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
         "plait-z3-keep", "plait-z3-bf16reduce")
@@ -249,18 +249,9 @@ def child_args(args) -> list[str]:
 
 def main():
     args = parse_args()
-    if args.one:
-        row = run_arm(args.one, args)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print("RESULT " + json.dumps(row), flush=True)
+    if child_or_report(args, run_arm, report):
         return
-    if args.report:
-        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
-        return
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    arms = known_arms(args.arms, ARMS)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     tags = {"model": model_name(args), "micro": args.micro, "ac": args.ac, "world": args.nproc}
     rows = run_arms(__file__, arms, args, child_args(args), launcher, tags)
