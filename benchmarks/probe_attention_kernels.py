@@ -69,7 +69,8 @@ def main():
         choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale)
         want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).float()
         ms_sdpa, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale))
-        print(f"causal={causal}: SDPA picks {torch.nn.attention.SDPBackend(choice).name}; SDPA forward {ms_sdpa:.2f} ms")
+        name = torch.nn.attention.SDPBackend(choice).name
+        print(f"causal={causal}: SDPA picks {name}; SDPA forward {ms_sdpa:.2f} ms")
         for name, make in kernels(q, k, v, dout, causal, scale).items():
             try:
                 ms_f, (out, back) = timed(make)

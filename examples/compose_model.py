@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     engine.data_loader = loop
     kinds = ["parallel" if i % 2 else "sequential" for i in range(1, arch.num_layers + 1)]
     progress.say(f"plait compose_model: {params / 1e6:.2f}M parameters, {arch.num_layers} blocks {kinds}, hidden {arch.hidden_size}, "
-                 f"tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp}, schedule {cfg.pipeline.schedule}, "
+                 f"tp={mesh.tp} x pp={mesh.pp} x cp={mesh.cp} x dp={mesh.dp}, schedule {cfg.pipeline.schedule}, "
                  f"{layout.zero_desc(cfg)}")
     train_loop.run(args, engine, loop,
                    lambda: common.EpochLoop(DistributedBatches(

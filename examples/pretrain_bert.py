@@ -141,7 +141,8 @@ def main(argv=None) -> None:
     loop = loader(train, seed=args.seed)
     engine.data_loader = loop
     progress.say(f"plait pretrain_bert: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters, MLM at "
-                 f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} on {mesh.device.type}, "
+                 f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x cp={mesh.cp} x dp={mesh.dp} "
+                 f"on {mesh.device.type}, "
                  f"{layout.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
                  f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples")
     summary = train_loop.run(args, engine, loop, lambda: loader(val, common.validation_micro_batch(len(val), micro, mesh.dp),

@@ -22,8 +22,9 @@ def check_context_parallel(config: PlaitConfig, mesh, module: nn.Module, pipelin
     if cp.size == 1:
         return
     methods = {m.cp_method for m in module.modules() if hasattr(m, "cp_method") and m.cp > 1}
-    has_attention = any(hasattr(m, "cp_method") for m in module.modules())
-    if not methods and (pipeline is None or has_attention):
+    if not methods and pipeline is not None and not any(hasattr(m, "cp_method") for m in module.modules()):
+        return   # this pipeline rank's stages hold no attention layer (only the embedding or the head)
+    if not methods:
         raise ConfigError(f"context_parallel.size={cp.size} but no attention layer of the model splits the sequence: "
                           "build it with the mesh (TransformerModel(config, mesh, cp_method=...))")
     if methods != {cp.method}:

@@ -26,10 +26,11 @@ def inputs(seq: int, kv_heads: int):
 
 
 def key_mask(seq: int) -> torch.Tensor:
-    """``[B, seq]`` keys to attend to: sequence 0 padded over its second half (whole chunks of every cp
-    rank hold padding only: rows with no key in a block), sequence 1 over its last 3 tokens."""
+    """``[B, seq]`` keys to attend to: sequence 0 has only its first 2 tokens (inside rank 0's first chunk for
+    every cp and seq here, so every other rank's K/V is all padding: blocks whose rows see no key), sequence
+    1 is padded over its last 3 tokens."""
     keep = torch.ones(B, seq, dtype=torch.bool)
-    keep[0, seq // 2:] = False
+    keep[0, 2:] = False
     keep[1, seq - 3:] = False
     return keep
 
@@ -123,6 +124,8 @@ def emulate_ring(q, k, v, up, cp: int, causal: bool, keep=None):
         for j in range(cp):
             C.forward_step(qr, kvs[j], out, lse, r, j, causal, scale, keeps[j])
         out = out.to(q.dtype)
+        if keep is not None:   # as _RingAttention: a sequence of padding only gets 0 gradients, not nan
+            lse.masked_fill_(lse == -torch.inf, 0.0)
         dq = torch.zeros(out.shape, dtype=torch.float32, device=q.device)
         for j in range(cp):
             C.backward_step(shard(up, r), qr, out, lse, kvs[j], dq, dkvs[j], r, j, causal, scale, keeps[j])
@@ -358,3 +361,17 @@ def guards_body():
     with pytest.raises(ValueError) as positional:
         shard_batch({}, mesh, (torch.zeros(1, 8),))
     return str(long_seq.value), str(positional.value)
+
+
+def test_a_pipeline_rank_without_attention_passes_the_context_parallel_check():
+    """A pipeline stage may hold only the embedding or only the head: nothing to check there; without a
+    pipeline the same model is refused, naming the fix."""
+    from types import SimpleNamespace
+
+    from plait.config import ConfigError, load_config
+    from plait.engine_context import check_context_parallel
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}, dp_size=1)
+    embedding_only = torch.nn.ModuleList([torch.nn.Embedding(8, 4)])
+    check_context_parallel(config, SimpleNamespace(cp=2), embedding_only, pipeline=object())
+    with pytest.raises(ConfigError, match="no attention layer of the model splits the sequence"):
+        check_context_parallel(config, SimpleNamespace(cp=2), embedding_only, pipeline=None)

@@ -92,6 +92,7 @@ def _key_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _cuda_kernel(q, k, v, causal: bool, scale: float) -> str:
     """The fused kernel torch's SDPA itself picks for this block: "cudnn", "flash" or "efficient" (which
     also stands in for the math fallback: every ring block needs a kernel that returns the log-sum-exp)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))   # a kernel with a backward for these shapes
     choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale))
     return {1: "flash", 3: "cudnn"}.get(choice, "efficient")
 
@@ -126,13 +127,8 @@ def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
     """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring), by the
-    kernel ``_block_forward`` used; ``keep`` as there. With a padding mask in half precision on CUDA the
-    block runs in float32 (the memory-efficient kernel's half-precision backward from a merged ``out`` and
-    ``lse`` fails tests/gpu/run_context_gpu.py)."""
+    kernel ``_block_forward`` used; ``keep`` as there."""
     aten = torch.ops.aten
-    if keep is not None and q.is_cuda and q.dtype != torch.float32:
-        grads = _block_backward(*(t.float() for t in (dout, q, k, v, out)), lse, causal, scale, keep)
-        return tuple(g.to(q.dtype) for g in grads)
     bias = None if keep is None else _key_bias(keep, q)
     kernel = "cpu" if not q.is_cuda else "efficient" if bias is not None else _cuda_kernel(q, k, v, causal, scale)
     if kernel in ("cudnn", "flash"):
@@ -148,6 +144,8 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=No
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
     if kernel == "efficient":
         lse = F.pad(lse, (0, -lse.shape[-1] % 32))   # the memory-efficient kernel keeps its lse padded to 32 rows
+        # its half-precision backward reads ``out`` right only in the [b, s, n, d] memory layout its forward writes
+        out, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (out, dout))
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         return aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, bias, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]

@@ -8,7 +8,7 @@ heads: grouped-query attention, and the output's upstream gradient), computes th
 ``plait.parallel.context.ring_attention`` / ``all_to_all_attention`` on its zigzag shard
 (``shard_sequence``); the output and the q/k/v gradients of all ranks are all-gathered and put back in
 order (``unshard_sequence``). float32 (the memory-efficient kernel; tolerance 1e-5 relative l2, as on CPU)
-and bfloat16 (the flash kernel, against float32 attention on the same bf16 inputs: one rounding of the
+and bfloat16 (the kernel SDPA picks, cuDNN on an H100, against float32 attention on the same bf16 inputs: one rounding of the
 output to bf16 is 2^-8 / sqrt(3) ~ 2.3e-3 relative in l2, the gradients take two or three such roundings;
 tolerance 1e-2, as tests/gpu/run_context_gpu.py), causal and bidirectional. Unlike run_context_gpu.py (the
 ring's steps emulated in one process) the K/V and their gradients really travel between the GPUs.
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import rel_err  # noqa: E402
+from test_context_parallel import key_mask  # noqa: E402
 
 from plait.parallel import init_distributed  # noqa: E402
 from plait.parallel.context import all_to_all_attention, ring_attention, shard_sequence, unshard_sequence  # noqa: E402
@@ -40,10 +41,11 @@ def inputs(dtype, device) -> list[torch.Tensor]:
     return [t.to(dtype) for t in (q, k, v, up)]
 
 
-def reference(q, k, v, up, causal: bool) -> list[torch.Tensor]:
-    """Output and q/k/v gradients of float32 attention over the whole sequence."""
+def reference(q, k, v, up, causal: bool, keep=None) -> list[torch.Tensor]:
+    """Output and q/k/v gradients of float32 attention over the whole sequence (``keep [b, s]``: keys)."""
     leaves = [t.to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]   # copies: q, k, v stay as they are
-    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=HEADS != KV_HEADS)
+    mask = None if keep is None else keep[:, None, None, :]
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal, enable_gqa=HEADS != KV_HEADS)
     out.backward(up.float())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -55,18 +57,22 @@ def gathered(t: torch.Tensor, group) -> torch.Tensor:
     return unshard_sequence(parts, dim=2)
 
 
-def check(method: str, dtype, causal: bool, group, device) -> tuple[bool, str]:
+def check(method: str, dtype, causal: bool, group, device, masked: bool = False) -> tuple[bool, str]:
+    """One method against ``reference``; ``masked``: bidirectional with ``key_mask``'s padding (sequence 0
+    all padding past its first 2 tokens: rank 1's K/V hold none of its keys)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, up = inputs(dtype, device)
-    want = reference(q, k, v, up, causal)
+    keep = key_mask(SEQ).to(device) if masked else None
+    want = reference(q, k, v, up, causal, keep)
     ql, kl, vl = (shard_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v))
-    out = METHODS[method](ql, kl, vl, group, causal=causal)
+    local_keep = None if keep is None else shard_sequence(keep, cp, rank)
+    out = METHODS[method](ql, kl, vl, group, causal=causal, key_padding_mask=local_keep)
     out.backward(shard_sequence(up, cp, rank, dim=2))
     got = [gathered(t, group) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
     errs = [rel_err(a.float(), b) for a, b in zip(got, want)]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = max(errs) <= tol
-    return ok, (f"{method} cp={cp} {dtype} causal={causal}: out/dq/dk/dv rel err "
+    return ok, (f"{method} cp={cp} {dtype} causal={causal} masked={masked}: out/dq/dk/dv rel err "
                 f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}")
 
 
@@ -79,8 +85,8 @@ def main() -> int:
     failures = 0
     for method in METHODS:
         for dtype in (torch.float32, torch.bfloat16):
-            for causal in (True, False):
-                ok, line = check(method, dtype, causal, group, device)
+            for causal, masked in ((True, False), (False, False), (False, True)):
+                ok, line = check(method, dtype, causal, group, device, masked)
                 failures += not ok
                 if info.rank == 0:
                     print(line, flush=True)

@@ -1,0 +1,210 @@
+"""Mixture-of-experts feed-forward layer: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
+
+Router (Shazeer et al., "Outrageously Large Neural Networks", 2017): ``logits = x W_r^T`` ``[T, E]`` in
+float32, ``probs = softmax(logits)``. Two orders of the top-k:
+
+* ``"softmax_topk"`` (Mixtral, Qwen-MoE, OLMoE): the k largest ``probs``; with ``normalize_topk`` their weights
+  are divided by their sum (Mixtral's softmax over the top-k logits is exactly this).
+* ``"topk_softmax"``: the k largest logits, weights ``softmax`` over those k (always summing to 1).
+
+Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for
+Mixture-of-Experts", 2024, Eq. 3-4): a per-expert ``expert_bias`` is added to the scores only to *select* the
+experts (the weights come from the unbiased scores); ``update_expert_bias`` moves it by ``bias_update_rate`` x
+sign(mean load - load) from the tokens counted since the last update.
+
+Losses (returned, weighted by their coefficients, in ``MoEAux.loss``, for the caller to add to its loss):
+
+* balance (Switch Transformer, Fedus et al. 2021, Eq. 4, with k assignments per token): ``E * sum_i f_i P_i``,
+  ``f_i`` the fraction of the ``T`` tokens routed to expert i (each token counts once per chosen expert, so
+  ``sum_i f_i = k``), ``P_i`` the mean over tokens of ``probs[:, i]``. Equals 1 x k when perfectly balanced.
+* router z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): ``mean_x logsumexp(logits_x)^2``.
+
+Dispatch is dropless by default: every token reaches its k experts. With ``capacity_factor`` c each expert takes
+at most ``ceil(c * T * k / E)`` tokens, the earliest in the batch; later assignments are dropped (their
+contribution is 0, the other weights unchanged) and counted in ``MoEAux.dropped``.
+
+The experts run together: assignments sorted by expert, then each of the three projections is one grouped
+GEMM over the experts' contiguous row blocks (``torch._grouped_mm``), or, where it does not apply (unaligned
+sizes, a GPU or dtype without it), one matmul per expert over the same blocks. Optional shared experts (Qwen-MoE,
+DeepSeek-MoE): a dense SwiGLU MLP of ``shared_ffn_hidden_size`` every token passes through, added to the output.
+
+Shapes: ``x [..., h]`` -> ``[..., h]``; weights ``gate_proj``/``up_proj`` ``[E, ffn, h]``, ``down_proj``
+``[E, h, ffn]`` (each expert a ``Linear`` weight, stacked), ``router.weight`` ``[E, h]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.layers.linear import replicated_param
+from plait.layers.mlp import MLP
+
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
+
+
+class Routing(NamedTuple):
+    """The router's decision for ``T`` tokens: ``weights [T, k]`` float32 (combine weights), ``experts [T, k]``
+    int64, ``probs [T, E]`` and ``logits [T, E]`` float32."""
+    weights: torch.Tensor
+    experts: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+class MoEAux(NamedTuple):
+    """What a forward leaves besides its output: ``loss`` (``balance_loss_coef x balance + z_loss_coef x z``,
+    a scalar in the autograd graph), ``balance`` and ``z`` (detached scalars), ``tokens_per_expert [E]``
+    (assignments routed to each expert, before any drop) and ``dropped`` (assignments over capacity)."""
+    loss: torch.Tensor
+    balance: torch.Tensor
+    z: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+
+
+def route(logits: torch.Tensor, k: int, order: str = "softmax_topk", normalize: bool = True,
+          bias: torch.Tensor | None = None) -> Routing:
+    """Top-k routing of ``logits [T, E]`` (module docstring); ``bias [E]`` shifts only the selection."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    scores = probs if order == "softmax_topk" else logits
+    experts = (scores if bias is None else scores + bias).topk(k, dim=-1).indices
+    picked = scores.gather(-1, experts)
+    if order == "softmax_topk":
+        weights = picked / picked.sum(-1, keepdim=True) if normalize else picked
+    else:
+        weights = picked.softmax(-1)
+    return Routing(weights, experts, probs, logits)
+
+
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss ``E * sum_i f_i P_i`` (module docstring); ``probs [T, E]``,
+    ``experts [T, k]``. Differentiable through ``probs`` only."""
+    tokens, num_experts = probs.shape
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.sum(counts / tokens * probs.mean(0))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss ``mean_x logsumexp(logits_x)^2`` over ``logits [T, E]``."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """``ceil(factor * tokens * k / num_experts)``: the most assignments one expert takes."""
+    return math.ceil(factor * tokens * k / num_experts)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` whose rows come in ``len(counts)`` consecutive blocks (``counts [E]``, summing to M),
+    block e times ``weight[e]^T`` (``weight [E, N, K]``) -> ``[M, N]``. One ``torch._grouped_mm`` where it
+    applies (rows 16-byte aligned; on CUDA bf16 on compute capability >= 9), else a matmul per block."""
+    itemsize = x.element_size()
+    aligned = all(n * itemsize % 16 == 0 for n in (x.shape[1], weight.shape[1]))
+    cuda_ok = not x.is_cuda or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    if hasattr(torch, "_grouped_mm") and aligned and cuda_ok and x.dtype == weight.dtype:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    blocks = x.split(counts.tolist())
+    return torch.cat([block @ weight[e].T for e, block in enumerate(blocks)])
+
+
+def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
+    """Assignment slots (of ``experts [T, k]`` flattened) sorted by expert, token order kept within each:
+    ``(slots [M], rows_per_expert [E], dropped)``; with ``capacity`` only each expert's first ``capacity``
+    slots are kept (``dropped`` counts the rest; 0 without)."""
+    flat = experts.reshape(-1)
+    slots = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if capacity is None:
+        return slots, counts, torch.zeros((), dtype=counts.dtype, device=counts.device)
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(flat.numel(), device=flat.device) - starts[flat[slots]]
+    kept = counts.clamp(max=capacity)
+    return slots[within < capacity], kept, (counts - kept).sum()
+
+
+class MoE(nn.Module):
+    """Top-k mixture of SwiGLU experts (module docstring). ``forward(x)`` returns ``(y, MoEAux)``.
+
+    Args:
+        hidden_size, ffn_hidden_size: model width and each expert's inner width.
+        num_experts, top_k: experts and experts per token (``1 <= top_k <= num_experts``).
+        router_order: "softmax_topk" or "topk_softmax"; normalize_topk: renormalize the top-k
+            probabilities (softmax_topk only).
+        capacity_factor: None (dropless) or c > 0 (``expert_capacity``).
+        shared_ffn_hidden_size: width of the shared experts' SwiGLU MLP (0: none).
+        balance_loss_coef, z_loss_coef: weights of the two losses in ``MoEAux.loss``.
+        bias_update_rate: auxiliary-loss-free balancing step ``u`` (0: off; the bias stays 0).
+        init_std, output_init_std: normal init of the router and gate/up (and of down, default init_std).
+
+    Raises:
+        ValueError: top_k outside ``[1, num_experts]``, an unknown router_order, capacity_factor <= 0.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
+                 router_order: str = "softmax_topk", normalize_topk: bool = True, capacity_factor: float | None = None,
+                 shared_ffn_hidden_size: int = 0, balance_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 bias_update_rate: float = 0.0, init_std: float = 0.02, output_init_std: float | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+        if router_order not in ROUTER_ORDERS:
+            raise ValueError(f"unknown router_order {router_order!r}; use one of {ROUTER_ORDERS}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
+        self.num_experts, self.top_k, self.router_order = num_experts, top_k, router_order
+        self.normalize_topk, self.capacity_factor = normalize_topk, capacity_factor
+        self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
+        self.bias_update_rate = bias_update_rate
+        kw = dict(device=device, dtype=dtype)
+        self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
+        self.gate_proj = replicated_param((num_experts, ffn_hidden_size, hidden_size), "normal", init_std, **kw)
+        self.up_proj = replicated_param((num_experts, ffn_hidden_size, hidden_size), "normal", init_std, **kw)
+        self.down_proj = replicated_param((num_experts, hidden_size, ffn_hidden_size), "normal",
+                                          output_init_std or init_std, **kw)
+        self.shared = (MLP(hidden_size, shared_ffn_hidden_size, "swiglu", bias=False, init_std=init_std,
+                           output_init_std=output_init_std, **kw) if shared_ffn_hidden_size else None)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.register_buffer("tokens_seen", torch.zeros(num_experts, dtype=torch.float32, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = F.linear(flat.float(), self.router_weight.float())
+        bias = self.expert_bias if self.bias_update_rate > 0 else None
+        r = route(logits, self.top_k, self.router_order, self.normalize_topk, bias)
+        capacity = (None if self.capacity_factor is None else
+                    expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor))
+        slots, rows, dropped = dispatch(r.experts, self.num_experts, capacity)
+        tokens = slots // self.top_k
+        xs = flat[tokens]
+        inner = F.silu(grouped_mm(xs, self.gate_proj, rows)) * grouped_mm(xs, self.up_proj, rows)
+        out = grouped_mm(inner, self.down_proj, rows) * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
+        y = torch.zeros_like(flat).index_add_(0, tokens, out).view(x.shape)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        counts = torch.bincount(r.experts.reshape(-1), minlength=self.num_experts)
+        if self.training and self.bias_update_rate > 0:
+            self.tokens_seen += counts.float()
+        balance, z = balance_loss(r.probs, r.experts), z_loss(r.logits)
+        loss = self.balance_loss_coef * balance + self.z_loss_coef * z
+        return y, MoEAux(loss, balance.detach(), z.detach(), counts, dropped)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """One step of auxiliary-loss-free balancing from the tokens counted since the last call (summed
+        over ``group``, e.g. the data-parallel ranks, when given): ``b_i += u * sign(mean(c) - c_i)``; the
+        count restarts. A no-op with ``bias_update_rate`` 0."""
+        if self.bias_update_rate <= 0:
+            return
+        counts = self.tokens_seen
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        counts.zero_()
