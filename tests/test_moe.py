@@ -117,6 +117,7 @@ def test_grouped_gemm_equals_a_matmul_per_expert():
     counts = torch.tensor([4, 0, 6])
     want = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
     assert torch.allclose(grouped_mm(x, w, counts), want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(grouped_mm(x, w, counts, grouped=False), want, rtol=1e-6, atol=1e-6)
     x6, w6 = x[:, :6].contiguous(), w[..., :6].contiguous()       # 24-byte rows: the per-expert fallback
     assert torch.allclose(grouped_mm(x6, w6, counts), torch.cat([x6[:4] @ w6[0].T, x6[4:] @ w6[2].T]), atol=1e-6)
 

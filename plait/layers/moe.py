@@ -99,14 +99,15 @@ def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int
     return math.ceil(factor * tokens * k / num_experts)
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     """``x [M, K]`` whose rows come in ``len(counts)`` consecutive blocks (``counts [E]``, summing to M),
     block e times ``weight[e]^T`` (``weight [E, N, K]``) -> ``[M, N]``. One ``torch._grouped_mm`` where it
-    applies (rows 16-byte aligned; on CUDA bf16 on compute capability >= 9), else a matmul per block."""
+    applies (``grouped``; rows 16-byte aligned; on CUDA bf16 on compute capability >= 9), else a matmul per
+    block (a host sync for the block sizes)."""
     itemsize = x.element_size()
     aligned = all(n * itemsize % 16 == 0 for n in (x.shape[1], weight.shape[1]))
     cuda_ok = not x.is_cuda or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0))
-    if hasattr(torch, "_grouped_mm") and aligned and cuda_ok and x.dtype == weight.dtype:
+    if grouped and hasattr(torch, "_grouped_mm") and aligned and cuda_ok and x.dtype == weight.dtype:
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     blocks = x.split(counts.tolist())
@@ -141,6 +142,7 @@ class MoE(nn.Module):
         balance_loss_coef, z_loss_coef: weights of the two losses in ``MoEAux.loss``.
         bias_update_rate: auxiliary-loss-free balancing step ``u`` (0: off; the bias stays 0).
         init_std, output_init_std: normal init of the router and gate/up (and of down, default init_std).
+        grouped_gemm: the experts' matmuls as grouped GEMMs (``grouped_mm``); False: one matmul per expert.
 
     Raises:
         ValueError: top_k outside ``[1, num_experts]``, an unknown router_order, capacity_factor <= 0.
@@ -150,7 +152,7 @@ class MoE(nn.Module):
                  router_order: str = "softmax_topk", normalize_topk: bool = True, capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, balance_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, init_std: float = 0.02, output_init_std: float | None = None,
-                 device=None, dtype=None):
+                 grouped_gemm: bool = True, device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
@@ -161,7 +163,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.router_order = num_experts, top_k, router_order
         self.normalize_topk, self.capacity_factor = normalize_topk, capacity_factor
         self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
-        self.bias_update_rate = bias_update_rate
+        self.bias_update_rate, self.grouped_gemm = bias_update_rate, grouped_gemm
         kw = dict(device=device, dtype=dtype)
         self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
         self.gate_proj = replicated_param((num_experts, ffn_hidden_size, hidden_size), "normal", init_std, **kw)
@@ -184,8 +186,9 @@ class MoE(nn.Module):
         slots, rows, dropped = dispatch(r.experts, self.num_experts, capacity)
         tokens = slots // self.top_k
         xs = flat[tokens]
-        inner = F.silu(grouped_mm(xs, self.gate_proj, rows)) * grouped_mm(xs, self.up_proj, rows)
-        out = grouped_mm(inner, self.down_proj, rows) * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
+        g = self.grouped_gemm
+        inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(xs, self.up_proj, rows, g)
+        out = grouped_mm(inner, self.down_proj, rows, g) * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
         y = torch.zeros_like(flat).index_add_(0, tokens, out).view(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
