@@ -81,11 +81,18 @@ def route(logits: torch.Tensor, k: int, order: str = "softmax_topk", normalize: 
     return Routing(weights, experts, probs, logits)
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert ``[E]`` (int64) of ``experts [T, k]``; a scatter-add, so no host sync (CUDA's
+    ``bincount`` reads the maximum back to size its output)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Switch Transformer's load-balancing loss ``E * sum_i f_i P_i`` (module docstring); ``probs [T, E]``,
     ``experts [T, k]``. Differentiable through ``probs`` only."""
     tokens, num_experts = probs.shape
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+    counts = expert_counts(experts, num_experts).to(probs.dtype)
     return num_experts * torch.sum(counts / tokens * probs.mean(0))
 
 
@@ -114,13 +121,30 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
     return torch.cat([block @ weight[e].T for e, block in enumerate(blocks)])
 
 
+class _SelectRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for an ``index`` without repeats, whose backward scatters the gradient
+    rows back by copy (rows never selected get 0) instead of autograd's accumulating ``index_add``, which
+    needs atomics on a GPU."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows,) + tuple(grad.shape[1:])).index_copy_(0, index, grad), None
+
+
 def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
     """Assignment slots (of ``experts [T, k]`` flattened) sorted by expert, token order kept within each:
     ``(slots [M], rows_per_expert [E], dropped)``; with ``capacity`` only each expert's first ``capacity``
     slots are kept (``dropped`` counts the rest; 0 without)."""
     flat = experts.reshape(-1)
     slots = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     if capacity is None:
         return slots, counts, torch.zeros((), dtype=counts.dtype, device=counts.device)
     starts = torch.cumsum(counts, 0) - counts
@@ -184,15 +208,16 @@ class MoE(nn.Module):
         capacity = (None if self.capacity_factor is None else
                     expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor))
         slots, rows, dropped = dispatch(r.experts, self.num_experts, capacity)
-        tokens = slots // self.top_k
-        xs = flat[tokens]
+        k = self.top_k
+        xs = _SelectRows.apply(flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[-1]), slots)
         g = self.grouped_gemm
         inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(xs, self.up_proj, rows, g)
         out = grouped_mm(inner, self.down_proj, rows, g) * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
-        y = torch.zeros_like(flat).index_add_(0, tokens, out).view(x.shape)
+        y = flat.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(0, slots, out)   # slot order again
+        y = y.view(-1, k, flat.shape[1]).sum(1).view(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
-        counts = torch.bincount(r.experts.reshape(-1), minlength=self.num_experts)
+        counts = expert_counts(r.experts, self.num_experts)
         if self.training and self.bias_update_rate > 0:
             self.tokens_seen += counts.float()
         balance, z = balance_loss(r.probs, r.experts), z_loss(r.logits)
