@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from helpers import rel_err
 from plait.layers.init import init_parameters
-from plait.layers.moe import MoE, balance_loss, dispatch, expert_capacity, grouped_mm, route, z_loss
+from plait.layers import MoE
+from plait.layers.moe import balance_loss, dispatch, expert_capacity, grouped_mm, route, z_loss
 
 H, FFN, E, T = 16, 8, 4, 24
 

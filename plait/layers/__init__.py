@@ -8,13 +8,14 @@ from plait.layers.fused_cross_entropy import fused_linear_cross_entropy
 from plait.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from plait.layers.mlp import MLP
 from plait.layers.model import EmbeddingLayer, LMHead, TransformerModel, logical_shapes
+from plait.layers.moe import MoE
 from plait.layers.norm import LayerNorm, RMSNorm
 
 __all__ = [
     "Attention", "TransformerBlock", "TransformerConfig", "bert_config", "gpt2_config", "llama_config",
     "preset", "vocab_parallel_cross_entropy", "fused_linear_cross_entropy", "VocabParallelEmbedding",
     "padded_vocab_size", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear", "MLP", "EmbeddingLayer",
-    "LMHead", "TransformerModel", "LayerNorm", "RMSNorm", "logical_shapes",
+    "LMHead", "TransformerModel", "LayerNorm", "RMSNorm", "logical_shapes", "MoE",
 ]
 
 #: Re-exported from ``plait.models`` on first access (``plait.models`` imports ``plait.layers.config``).
