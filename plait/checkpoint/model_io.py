@@ -172,7 +172,7 @@ def _elsewhere(name: str, model: nn.Module) -> bool:
 # TransformerConfig fields that change what the same weights compute: a checkpoint whose recorded config
 # differs in one of them is refused unless the caller allows it (``allow_config_change``).
 COMPUTE_FIELDS = ("arch", "num_heads", "num_kv_heads", "activation", "norm", "norm_eps", "rope_theta",
-                  "tie_embeddings", "causal", "post_norm")
+                  "tie_embeddings", "causal", "post_norm", "moe_top_k", "moe_router_order", "moe_normalize_topk")
 
 
 def check_model_config(model: nn.Module, reader: CheckpointReader) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 from plait.layers.attention import Attention, scaled_init_std
 from plait.layers.config import TransformerConfig
 from plait.layers.mlp import MLP
+from plait.layers.moe import MoE
 from plait.layers.norm import make_norm
 from plait.parallel.random import checkpoint
 
@@ -55,24 +56,49 @@ class TransformerBlock(nn.Module):
                               recompute_core=recompute == "selective", fused=c.fused_projections,
                               cp_group=cp_group, cp_method=cp_method, **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
-        self.mlp = MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
-                       output_init_std=out_std, fused=c.fused_projections, chunk_tokens=c.mlp_chunk_tokens, **kw)
+        self.mlp = (_moe(c, out_std, sequence_parallel, device, dtype) if c.num_experts else
+                    MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
+                        output_init_std=out_std, fused=c.fused_projections, chunk_tokens=c.mlp_chunk_tokens, **kw))
 
     def _drop(self, x):
         return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 
-    def _body(self, x, attention_mask, position_ids, rope):
+    def _ffn(self, x, moe_losses):
+        """The MLP; a mixture of experts also appends its weighted losses to ``moe_losses`` (the model's)."""
+        if not self.config.num_experts:
+            return self.mlp(x)
+        y, aux = self.mlp(x)
+        moe_losses.append(aux.loss)
+        return y
+
+    def _body(self, x, attention_mask, position_ids, rope, moe_losses=None):
         if self.config.post_norm:
             x = self.attn_norm(x + self._drop(self.attn(x, attention_mask, position_ids, rope)))
-            return self.mlp_norm(x + self._drop(self.mlp(x)))
+            return self.mlp_norm(x + self._drop(self._ffn(x, moe_losses)))
         x = x + self._drop(self.attn(self.attn_norm(x), attention_mask, position_ids, rope))
-        return x + self._drop(self.mlp(self.mlp_norm(x)))
+        return x + self._drop(self._ffn(self.mlp_norm(x), moe_losses))
 
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         mask, pos, rope = batch.get("attention_mask"), batch.get("position_ids"), batch.get("rope")
+        # a mixture of experts leaves its losses in the forward's batch, for the head (a recomputed block
+        # appends again in backward, after the head has used the list)
+        losses = batch.setdefault("moe_losses", []) if self.config.num_experts else None
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             # the tracker replays dropout masks; without dropout it is not needed (and a plain
             # checkpoint traces under torch.compile)
             has_dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
-            return checkpoint(self._body, hidden, mask, pos, rope, tracker=self.rng if has_dropout else None)
-        return self._body(hidden, mask, pos, rope)
+            return checkpoint(self._body, hidden, mask, pos, rope, losses, tracker=self.rng if has_dropout else None)
+        return self._body(hidden, mask, pos, rope, losses)
+
+
+def _moe(c: TransformerConfig, output_init_std: float, sequence_parallel: bool, device, dtype) -> MoE:
+    """The mixture-of-experts MLP of ``c`` (its ``moe_*`` fields). Raises ValueError under sequence
+    parallelism (each tp rank would route other tokens through replicated experts)."""
+    if sequence_parallel:
+        raise ValueError("num_experts > 0 with sequence parallelism is not supported yet: use "
+                         "sequence_parallel=False (the experts run whole on every tp rank)")
+    return MoE(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, router_order=c.moe_router_order,
+               normalize_topk=c.moe_normalize_topk, capacity_factor=c.moe_capacity_factor,
+               shared_ffn_hidden_size=c.moe_shared_ffn_hidden_size, balance_loss_coef=c.moe_balance_loss_coef,
+               z_loss_coef=c.moe_z_loss_coef, init_std=c.init_std, output_init_std=output_init_std,
+               device=device, dtype=dtype)

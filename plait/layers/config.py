@@ -40,6 +40,10 @@ class TransformerConfig:
     The logical weights, their names in checkpoints and the computation (up to float rounding) are the
     same either way, so a checkpoint of one loads into the other.
 
+    ``num_experts`` > 0 makes every block's MLP a mixture of experts (``plait.layers.MoE``: ``moe_top_k``
+    SwiGLU experts of width ``moe_ffn_hidden_size``, default ``ffn_hidden_size``, per token; the ``moe_*``
+    fields are its arguments), and the loss with labels adds each block's weighted balance and z losses.
+
     Raises:
         ValueError: unknown ``arch``, sizes that do not divide (names both numbers), or a negative
             ``fused_loss_chunk_tokens`` or ``mlp_chunk_tokens``.
@@ -70,6 +74,15 @@ class TransformerConfig:
     fused_loss_chunk_tokens: int = 0
     mlp_chunk_tokens: int = 0
     fused_projections: bool = False
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_ffn_hidden_size: int = 0
+    moe_router_order: str = "softmax_topk"
+    moe_normalize_topk: bool = True
+    moe_capacity_factor: float | None = None
+    moe_balance_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         from plait.models.registry import get_family  # local: plait.models imports this module
@@ -79,6 +92,11 @@ class TransformerConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.num_experts < 0 or self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0: dense MLPs), and moe_top_k "
+                             f"({self.moe_top_k}) in [1, num_experts] when experts are used")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +133,8 @@ class TransformerConfig:
             changes["num_kv_heads"] = None
         if "ffn_hidden_size" not in changes and self.ffn_hidden_size == 4 * self.hidden_size:
             changes["ffn_hidden_size"] = None
+        if "moe_ffn_hidden_size" not in changes and self.moe_ffn_hidden_size == self.ffn_hidden_size:
+            changes["moe_ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -137,8 +137,8 @@ class LMHead(nn.Module):
             total = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw).sum()
         count = (labels != -100).sum()
         cp = group_size(self.cp_group)
-        if cp == 1:
-            return total / count.clamp(min=1)
+        if cp == 1:   # plus the blocks' mixture-of-experts losses (``TransformerBlock``), if any
+            return total / count.clamp(min=1) + sum(batch.get("moe_losses") or [])
         sums = torch.stack([total.detach().double(), count.double()])   # the whole sequences' loss sum and count
         torch.distributed.all_reduce(sums, group=self.cp_group)
         local = total * cp / sums[1].clamp(min=1).to(total.dtype)
@@ -193,6 +193,9 @@ class TransformerModel(nn.Module):
         if not indices or indices[0] < 0 or indices[-1] >= total:
             raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
         self.layer_indices = indices
+        if config.num_experts and group_size(cp_group) > 1:
+            raise ValueError("num_experts > 0 with context parallelism is not supported yet (each cp rank's "
+                             "balance loss would see only its part of every sequence): use cp 1")
         cpu_rng = device is None or torch.device(device).type == "meta"
         rng_device = torch.device("cpu") if cpu_rng else torch.device(device)
         # Dropout streams differ per pipeline chunk (keyed by its first layer, so interleaved chunks on

@@ -8,9 +8,10 @@ heads: grouped-query attention, and the output's upstream gradient), computes th
 ``plait.parallel.context.ring_attention`` / ``all_to_all_attention`` on its zigzag shard
 (``shard_sequence``); the output and the q/k/v gradients of all ranks are all-gathered and put back in
 order (``unshard_sequence``). float32 (the memory-efficient kernel; tolerance 1e-5 relative l2, as on CPU)
-and bfloat16 (the kernel SDPA picks, cuDNN on an H100, against float32 attention on the same bf16 inputs: one rounding of the
-output to bf16 is 2^-8 / sqrt(3) ~ 2.3e-3 relative in l2, the gradients take two or three such roundings;
-tolerance 1e-2, as tests/gpu/run_context_gpu.py), causal and bidirectional. Unlike run_context_gpu.py (the
+and bfloat16 (the kernel SDPA picks, cuDNN on an H100, against float32 attention on the same bf16 inputs:
+one rounding of the output to bf16 is 2^-8 / sqrt(3) ~ 2.3e-3 relative in l2, the gradients take two or
+three such roundings; tolerance 1e-2, as tests/gpu/run_context_gpu.py), causal, bidirectional, and
+bidirectional with a key padding mask (``test_context_parallel.key_mask``). Unlike run_context_gpu.py (the
 ring's steps emulated in one process) the K/V and their gradients really travel between the GPUs.
 Rank 0 prints one line per check; every rank exits 1 on any failure. Not collected by pytest (needs GPUs).
 """
