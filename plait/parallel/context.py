@@ -91,9 +91,14 @@ def _key_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _cuda_kernel(q, k, v, causal: bool, scale: float) -> str:
     """The fused kernel torch's SDPA itself picks for this block: "cudnn", "flash" or "efficient" (which
-    also stands in for the math fallback: every ring block needs a kernel that returns the log-sum-exp)."""
+    also stands in for the math fallback: every ring block needs a kernel that returns the log-sum-exp).
+    K/V with fewer heads than q ask for a kernel that takes grouped-query attention as it is."""
+    gqa = q.shape[1] != k.shape[1]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))   # a kernel with a backward for these shapes
-    choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale))
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, enable_gqa=gqa))
+    except RuntimeError:   # no enabled kernel takes these shapes (e.g. only the memory-efficient one, with GQA)
+        return "efficient"
     return {1: "flash", 3: "cudnn"}.get(choice, "efficient")
 
 
@@ -207,8 +212,9 @@ def forward_step(q, kv, out, lse, rank: int, source: int, causal: bool, scale: f
     ``out``/``lse`` (float32, ``[b, heads, 2c, d]`` / ``[b, heads, 2c]``); ``keep [b, 2c]``: rank ``source``'s
     key padding mask (True: attend), or None."""
     rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
-    k, v = (_expand(t[:, :, cols], q.shape[1]).contiguous() for t in kv)
-    part, part_lse = _block_forward(_rows(q, rows), k, v, diagonal, scale, None if keep is None else keep[:, cols])
+    qr = _rows(q, rows)
+    k, v = _block_kv(qr, kv, cols, diagonal, scale, keep)
+    part, part_lse = _block_forward(qr, k, v, diagonal, scale, None if keep is None else keep[:, cols])
     _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
 
@@ -218,12 +224,20 @@ def backward_step(dout, q, out, lse, kv, dq, dkv, rank: int, source: int, causal
     ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V); ``dout``, ``q``,
     ``out``, ``lse`` whole and contiguous; ``keep`` as in ``forward_step``."""
     rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
-    k, v = (_expand(t[:, :, cols], q.shape[1]).contiguous() for t in kv)
     d, qr, o, m = (_rows(t, rows) for t in (dout, q, out, lse))
+    k, v = _block_kv(qr, kv, cols, diagonal, scale, keep)
     gq, gk, gv = _block_backward(d, qr, k, v, o, m, diagonal, scale, None if keep is None else keep[:, cols])
     dq[:, :, rows].add_(gq)
     dkv[0][:, :, cols].add_(_fold(gk.float(), kv.shape[2]))
     dkv[1][:, :, cols].add_(_fold(gv.float(), kv.shape[2]))
+
+
+def _block_kv(q, kv, cols: slice, causal: bool, scale: float, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's K and V (rows ``cols`` of ``kv``), contiguous: with their own kv heads where SDPA's
+    kernel for them takes grouped-query attention as it is (cuDNN, flash), else repeated to q's heads."""
+    k, v = (t[:, :, cols] for t in kv)
+    native = q.is_cuda and keep is None and _cuda_kernel(q, k, v, causal, scale) in ("cudnn", "flash")
+    return tuple(t.contiguous() if native else _expand(t, q.shape[1]).contiguous() for t in (k, v))
 
 
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
