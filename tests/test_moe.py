@@ -204,11 +204,21 @@ def engine_moe_body(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_trains_a_mixture_of_experts_model_as_one_process(tp):
     """5 AdamW steps through ``plait.initialize`` over 2 ranks (dp 2, or tp 2 with the experts whole on both),
-    ZeRO-1/2/3: test_engine's contract against one process (1e-6 on weights, 1e-5 on losses)."""
+    ZeRO-1/2/3, against one process: losses to 1e-5 and every weight to 3e-6 (test_engine's 1e-6 x 3). The
+    router adds a path from every block's balance and z losses into the embedding, whose rare tokens' rows
+    get gradients near 0 that Adam scales up with their rounding: the word embedding is the worst weight,
+    measured at 4e-7 (AVX-512 kernels) and 8.5e-7 (AVX2) on this project's machine and 1.4e-6 under AVX2
+    on the CI's AMD EPYC; every other weight stays under 2e-7. A layout mistake, such as dp 2 against the
+    one-rank batch, is off by orders of magnitude more."""
     from plait.testing import run_distributed
-    from test_engine import check_engine_results, reference
-    ref_weights, ref_losses = reference(2 // tp, moe_tiny())
-    check_engine_results(run_distributed(engine_moe_body, 2, tp)[0], ref_weights, ref_losses, tp, 2 // tp)
+    from test_engine import reference
+    dp = 2 // tp
+    ref_weights, ref_losses = reference(dp, moe_tiny())
+    for stage, (whole, losses, steps, _) in run_distributed(engine_moe_body, 2, tp)[0].items():
+        assert steps == 5 and losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} loss curve"
+        for name, ref in ref_weights.items():
+            err = rel_err(whole[name], ref, floor=1e-12)
+            assert err <= 3e-6, f"ZeRO-{stage} tp={tp} dp={dp}: {name} off by {err:.2e}"
 
 
 def test_unsupported_layouts_are_refused():
