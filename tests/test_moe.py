@@ -207,9 +207,9 @@ def test_engine_trains_a_mixture_of_experts_model_as_one_process(tp):
     ZeRO-1/2/3, against one process: losses to 1e-5 and every weight to 3e-6 (test_engine's 1e-6 x 3). The
     router adds a path from every block's balance and z losses into the embedding, whose rare tokens' rows
     get gradients near 0 that Adam scales up with their rounding: the word embedding is the worst weight,
-    measured at 4e-7 (AVX-512 kernels) and 8.5e-7 (AVX2) on this project's machine and 1.4e-6 under AVX2
-    on the CI's AMD EPYC; every other weight stays under 2e-7. A layout mistake, such as dp 2 against the
-    one-rank batch, is off by orders of magnitude more."""
+    measured at 4e-7 with AVX-512 kernels and 8.5e-7 to 1.4e-6 with AVX2 ones (two runs on an AMD EPYC, the
+    second in CI's fresh environment); every other weight stays under 2e-7. A layout mistake, such as dp 2
+    against the one-rank batch, is off by orders of magnitude more."""
     from plait.testing import run_distributed
     from test_engine import reference
     dp = 2 // tp
