@@ -1,5 +1,5 @@
 """Hugging Face <-> plait: parameter names, tensor transforms and configs, dispatched to the model
-families of ``plait.models`` (``gpt2``, ``llama``, ``bert``; one module each).
+families of ``plait.models`` (``gpt2``, ``llama``, ``bert``, ``mixtral``, ``qwen3_moe``; one module each).
 
 ``rules(config, layout)`` lists the :class:`Rule` s of one architecture and HF layout
 (:class:`HFLayout`: model class and name prefix, e.g. ``LlamaForCausalLM`` under ``model.``,

@@ -96,13 +96,14 @@ class ConvertReport:
     ignored: list[str] = field(default_factory=list)   # HF buffers / tied copies not stored
 
 
-def _source(rule: hfmap.Rule, hf_names: set[str]) -> tuple[str, ...]:
-    """The HF names ``rule`` reads: its own when any of them is present, else the first alias with a
-    name present (e.g. BERT's ``cls.predictions.decoder.bias``); ``()`` when none is."""
-    for names in (rule.hf, *rule.aliases):
+def _source(rule: hfmap.Rule, hf_names: set[str]) -> tuple[tuple[str, ...], str]:
+    """The HF names ``rule`` reads and their transform: its own when any of them is present, else the first
+    alias with a name present (e.g. BERT's ``cls.predictions.decoder.bias``, a mixture of experts' fused
+    ``experts.gate_up_proj``); ``((), kind)`` when none is."""
+    for names, kind in rule.sources():
         if any(h in hf_names for h in names):
-            return names
-    return ()
+            return names, kind
+    return (), rule.kind
 
 
 def _rule_items(hf_dir: str, weights: HFWeights, rule_list: list, shapes: dict, dtype) -> tuple[list, set]:
@@ -113,14 +114,14 @@ def _rule_items(hf_dir: str, weights: HFWeights, rule_list: list, shapes: dict, 
     """
     hf_names, items, used = set(weights.names()), [], set()
     for rule in rule_list:
-        names = _source(rule, hf_names)
+        names, kind = _source(rule, hf_names)
         if not names:
             continue
         present = [h for h in names if h in hf_names]
         if len(present) != len(names):
             raise CheckpointError(f"{hf_dir}: has {present} but not {sorted(set(names) - set(present))}")
         used.update(names)
-        for name, tensor in zip(rule.plait, hfmap.to_plait(rule.kind, [weights.get(h) for h in names])):
+        for name, tensor in zip(rule.plait, hfmap.to_plait(kind, [weights.get(h) for h in names])):
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"{hf_dir}: {names} gives plait tensor {name!r} shape "
                                       f"{list(tensor.shape)}, but config.json implies {list(shapes[name])}")

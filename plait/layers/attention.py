@@ -3,6 +3,8 @@
 q/k/v projections are column-parallel (each rank computes ``heads/tp`` query heads and
 ``kv_heads/tp`` key/value heads), the output projection is row-parallel (Shoeybi et al.,
 "Megatron-LM", 2019, Sec. 3, Fig. 3b). Grouped-query attention: Ainslie et al., 2023.
+Optional q/k norm (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023,
+Sec. 3.1): an RMSNorm over each head's ``head_dim`` applied to q and to k before RoPE.
 The core is ``torch.nn.functional.scaled_dot_product_attention``; under context parallelism (a ``cp_group``
 of more than one rank) it is ``plait.parallel.context``'s ring or all-to-all attention over the sequence
 split across those ranks.
@@ -16,6 +18,7 @@ from einops import rearrange
 from torch import nn
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, enter_tp_region
+from plait.layers.norm import RMSNorm
 from plait.layers.rope import apply_rope, rope_cos_sin
 from plait.parallel import context
 from plait.parallel.collectives import group_size
@@ -40,6 +43,9 @@ class Attention(nn.Module):
         fused: q/k/v as one column-parallel matmul (``qkv_proj``, each rank's q, k and v rows side
             by side) instead of ``q_proj``, ``k_proj``, ``v_proj``; same logical weights and
             checkpoints either way.
+        qk_norm: RMSNorm (epsilon ``norm_eps``) over each head of q and of k before RoPE, weights ``q_norm``
+            and ``k_norm`` ``[head_dim]`` shared by all heads; every tp rank holds them whole and sums their
+            gradients over tp (its heads are a share of all heads).
         cp_group, cp_method: context parallelism (``plait.parallel.context``): the ranks that split each
             sequence (this rank holds the two chunks of ``context.shard_sequence``) and "ring" or
             "all_to_all". Both take the padding mask (bidirectional); attention dropout only all_to_all.
@@ -60,7 +66,8 @@ class Attention(nn.Module):
                  bias: bool = False, attention_dropout: float = 0.0, group=None,
                  sequence_parallel: bool = False, rng=None, init_std: float = 0.02,
                  output_init_std: float | None = None, recompute_core: bool = False, fused: bool = False,
-                 cp_group=None, cp_method: str = "ring", device=None, dtype=None):
+                 qk_norm: bool = False, norm_eps: float = 1e-6, cp_group=None, cp_method: str = "ring",
+                 device=None, dtype=None):
         super().__init__()
         if cp_method not in CP_METHODS:
             raise ValueError(f"unknown context-parallel method {cp_method!r}; use one of {CP_METHODS}")
@@ -91,6 +98,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, bias,
                                         sequence_parallel=sequence_parallel,
                                         init_std=output_init_std or init_std, **kw)
+        self.qk_norm = qk_norm
+        if qk_norm:   # copy_to_tp on the weights (the norms' sequence-parallel path) sums their gradients over tp
+            norm_kw = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, rope=None) -> torch.Tensor:
@@ -102,6 +114,8 @@ class Attention(nn.Module):
         else:
             q, k, v = (proj.local_forward(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = (rearrange(t, "b s (n d) -> b n s d", d=self.head_dim) for t in (q, k, v))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             if rope is None:
                 if position_ids is None:

@@ -7,11 +7,12 @@ and adding that object to :data:`FAMILIES` here.
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
-from plait.models import bert, gpt2, llama
+from plait.models import bert, gpt2, llama, mixtral, qwen3_moe
 from plait.models.family import ModelFamily
 
 #: arch name -> family (constant).
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, bert.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, bert.FAMILY, mixtral.FAMILY,
+                                                         qwen3_moe.FAMILY)}
 #: The arch names ``TransformerConfig.arch`` accepts.
 ARCHES = tuple(FAMILIES)
 #: Hugging Face model_type -> family (constant).
