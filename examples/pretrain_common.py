@@ -186,6 +186,10 @@ class Progress:
         if self.peak and self.unit == "tokens":
             rec["mfu"] = rate * self.flops_token / (self.world * self.peak)
             line += f" | MFU {100 * rec['mfu']:.1f}%"
+        moe = engine.moe_stats()   # collective: every rank's Progress calls it
+        if moe is not None:
+            rec.update(moe)
+            line += f" | moe aux {moe['aux_loss']:.4f} | imbalance {moe['load_imbalance']:.2f}"
         self.record(rec)
         self.say(line)
         return rec

@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--heads", type=int)
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn", type=int, help="MLP hidden size")
+    m.add_argument("--experts", type=int, help="a mixture of experts in every block: this many experts")
+    m.add_argument("--top-k", type=int, help="experts per token (with --experts)")
     m.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (a multiple of 2 x cp)")
     m.add_argument("--tile-tokens", type=int, help="loss and MLP in tiles of this many positions (long sequences)")
     m.add_argument("--data", nargs="+", help="text files (tokenized once into <out-dir>/data), or one "
@@ -73,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_config(args, vocab: int):
     flags = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn, "fused_loss_chunk_tokens": args.tile_tokens,
-             "mlp_chunk_tokens": args.tile_tokens}
+             "mlp_chunk_tokens": args.tile_tokens, "num_experts": args.experts, "moe_top_k": args.top_k}
     over = {k: v for k, v in flags.items() if v is not None}
     cfg = preset(args.model, vocab_size=vocab, **over)
     if cfg.arch == "bert":

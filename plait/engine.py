@@ -29,7 +29,8 @@ from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
-from plait.engine_model import apply_activation_checkpointing, loss_of, stage3_units
+from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
+from plait.engine_moe import ExpertLayers
 from plait.engine_offload import offload_options
 from plait.engine_pipeline import pipeline_train_step
 from plait.monitor import build_monitors
@@ -86,14 +87,15 @@ class Engine(EngineFacts):
         else:
             factory, kwargs, groups = optimizer_from_user(optimizer)
         if groups is None and model_parameters is not None:
-            groups = _as_groups(model_parameters)
+            groups = as_groups(model_parameters)
         if groups is None:
             groups = weight_decay_groups(module, kwargs.get("weight_decay", 0.0))
             groups = [g for g in groups if g["params"]]
         reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.communication_data_type,
                                                                             torch.float32)
         self.optimizer = ZeroOptimizer(
-            module, mesh.group("dp_cp"), stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
+            module, mesh.group("dp_cp"), expert_group=mesh.group("edp") if mesh.ep > 1 else None,
+            stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
             param_groups=groups, comm=CommOptions(
                 reduce_dtype=reduce_dtype,
                 # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
@@ -120,6 +122,7 @@ class Engine(EngineFacts):
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
                                  mesh.device, config.gradient_accumulation_steps,
                                  build_monitors(config, self.global_rank))
+        self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -133,6 +136,9 @@ class Engine(EngineFacts):
         self.optimizer.rebind_views()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)
+        # mixture-of-experts layers join their losses to the gradient scaled as backward scales the loss
+        opt = self.optimizer
+        kwargs = self.experts.forward_kwargs(kwargs, opt.loss_scale / opt.gradient_accumulation_steps)
         with self.report.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -170,8 +176,10 @@ class Engine(EngineFacts):
             self._step_applied = self.optimizer.step()
         self.global_samples += self.train_batch_size()
         self.guard.after_step(self._step_applied, self.global_steps)
-        if self._step_applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self._step_applied:
+            self.experts.after_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.report.after_step(global_steps=self.global_steps, global_samples=self.global_samples,
                                skipped_steps=self.skipped_steps, lrs=self.get_lr(), moms=self.get_mom(),
                                loss_scale=self.loss_scale if self.config.fp16.enabled else None)
@@ -314,32 +322,6 @@ class Engine(EngineFacts):
     save_fp16_model = save_16bit_model
 
 
-def _as_groups(model_parameters) -> list[dict]:
-    """``model_parameters`` as torch param groups, exactly as given: a list of dicts is used as is; an
-    iterable of tensors (``model.parameters()``, a filter of it) is one group that takes the optimizer's
-    options, weight decay included, as DeepSpeed and torch do."""
-    items = list(model_parameters)
-    if not items:
-        raise ValueError("model_parameters is empty; pass model.parameters() or param-group dicts")
-    if all(isinstance(g, dict) for g in items):
-        return items
-    if all(isinstance(p, torch.Tensor) for p in items):
-        return [{"params": items}]
-    raise TypeError("model_parameters must be an iterable of parameters or of param-group dicts, not a mix of "
-                    + ", ".join(sorted({type(x).__name__ for x in items})))
-
-
-def _on_device(model, device: torch.device):
-    """``model`` moved to ``device`` (the rank's GPU) when its parameters live elsewhere, as DeepSpeed does; a
-    ``PipelineParallel``'s chunks are built on their device, and a model on the meta device is left alone."""
-    if isinstance(model, PipelineParallel):
-        return model
-    where = {p.device for p in model.parameters()}
-    if where and torch.device("meta") not in where and where != {device}:
-        model = model.to(device)
-    return model
-
-
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
                model_parameters=None, weights=None, **config_facts) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
@@ -386,7 +368,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     torch.manual_seed(config.seed)
     pipeline = None
     weights = prepare_weights(model, weights, mesh.device)
-    model = _on_device(model, mesh.device)
+    model = on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
         if pipeline.schedule == "zb-h1" and config.zero_optimization.stage == 3:

@@ -7,6 +7,8 @@ import logging
 import torch
 from torch import nn
 
+from plait.parallel.pipeline import PipelineParallel
+
 
 def loss_of(output) -> torch.Tensor:
     """The loss from a model's output: the tensor itself, or ``output.loss`` (Hugging Face models).
@@ -83,3 +85,29 @@ def apply_activation_checkpointing(module: nn.Module, ac) -> None:
     blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
     for block in blocks[: ac.number_checkpoints]:
         block.recompute = "full"
+
+
+def as_groups(model_parameters) -> list[dict]:
+    """``model_parameters`` as torch param groups, exactly as given: a list of dicts is used as is; an
+    iterable of tensors (``model.parameters()``, a filter of it) is one group that takes the optimizer's
+    options, weight decay included, as DeepSpeed and torch do."""
+    items = list(model_parameters)
+    if not items:
+        raise ValueError("model_parameters is empty; pass model.parameters() or param-group dicts")
+    if all(isinstance(g, dict) for g in items):
+        return items
+    if all(isinstance(p, torch.Tensor) for p in items):
+        return [{"params": items}]
+    raise TypeError("model_parameters must be an iterable of parameters or of param-group dicts, not a mix of "
+                    + ", ".join(sorted({type(x).__name__ for x in items})))
+
+
+def on_device(model, device: torch.device):
+    """``model`` moved to ``device`` (the rank's GPU) when its parameters live elsewhere, as DeepSpeed does; a
+    ``PipelineParallel``'s chunks are built on their device, and a model on the meta device is left alone."""
+    if isinstance(model, PipelineParallel):
+        return model
+    where = {p.device for p in model.parameters()}
+    if where and torch.device("meta") not in where and where != {device}:
+        model = model.to(device)
+    return model

@@ -45,6 +45,29 @@ def test_mesh_rank_layout_with_context_parallel_tp_then_cp_then_dp():
         assert info["dp_cp_rank"] == dp * 2 + cp
 
 
+def ep_mesh_body(cp):
+    m = ParallelMesh(tp=2, cp=cp, ep=2)   # dp inferred: 8 / (2 * cp)
+    ranks = {d: dist.get_process_group_ranks(m.group(d)) for d in ("dp", "ep", "edp", "dp_cp")}
+    return dict(ranks=ranks, coords={d: m.rank(d) for d in ranks}, sizes={d: m.size(d) for d in ranks})
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mesh_expert_parallel_ranks_are_neighbouring_dp_ranks(cp):
+    """ep splits dp: dp_rank = edp_rank * ep + ep_rank; the ep group holds neighbouring dp ranks, the edp group
+    the dp ranks of one ep rank; ZeRO's dp x cp group is unchanged."""
+    dp = 4 // cp
+    for r, info in enumerate(run_distributed(ep_mesh_body, 8, cp)):
+        d, c, t = r // (2 * cp), (r // 2) % cp, r % 2
+        rank_of = lambda dd, cc=c: dd * 2 * cp + cc * 2 + t   # noqa: E731
+        e, edp = d % 2, d // 2
+        assert info["sizes"] == {"dp": dp, "ep": 2, "edp": dp // 2, "dp_cp": dp * cp}
+        assert info["coords"] == {"dp": d, "ep": e, "edp": edp, "dp_cp": d * cp + c}
+        assert info["ranks"]["dp"] == [rank_of(x) for x in range(dp)]
+        assert info["ranks"]["ep"] == [rank_of(edp * 2 + x) for x in range(2)]
+        assert info["ranks"]["edp"] == [rank_of(x * 2 + e) for x in range(dp // 2)]
+        assert info["ranks"]["dp_cp"] == [rank_of(x, y) for x in range(dp) for y in range(cp)]
+
+
 def bad_mesh_body(tp, pp, dp):
     with pytest.raises(ValueError) as err:
         ParallelMesh(tp=tp, pp=pp, dp=dp)
@@ -56,6 +79,14 @@ def test_world_not_divisible_by_tp_pp_names_numbers():
     assert "world size (6)" in msg and "tp x pp x cp = 4 x 1 x 1" in msg
     msg = run_distributed(bad_mesh_body, 4, 2, 1, 4)[0]
     assert "2 x 1 x 1 x 4 = 8" in msg and "world size is 4" in msg and "dp=2" in msg
+    msg = run_distributed(bad_ep_mesh_body, 3)[0]
+    assert msg == "dp (3) is not divisible by ep (2); expert parallelism splits the dp ranks: choose ep from [1, 3]"
+
+
+def bad_ep_mesh_body():
+    with pytest.raises(ValueError) as err:
+        ParallelMesh(ep=2)
+    return str(err.value)
 
 
 def test_single_process_mesh_without_process_group():

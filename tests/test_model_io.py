@@ -97,7 +97,7 @@ def test_tp2_checkpoint_loads_at_tp1_and_as_pp_stages(tp2_root, arch):
     ref, root = reference(arch), os.path.join(tp2_root, arch)
     reader = CheckpointReader(root, "tp2")
     cfg = make_config(arch)
-    assert reader.meta["step"] == 7 and reader.meta[MESH_KEY] == {"tp": 2, "pp": 1, "dp": 1}
+    assert reader.meta["step"] == 7 and reader.meta[MESH_KEY] == {"tp": 2, "pp": 1, "dp": 1, "ep": 1}
     assert config_from_meta(reader.meta) == cfg and reader.meta[MODEL_CONFIG_KEY] == cfg.to_dict()
     assert reader.shape("layers.0.word_embeddings.weight") == (1001, 64)   # padding never stored
     text = describe(root, "tp2")

@@ -156,90 +156,64 @@ def test_bad_arguments_name_the_numbers():
         MoE(H, FFN, E, 2, capacity_factor=0.0)
 
 
-# ---- in a model: every block's MLP a mixture of experts ---------------------------------------------------
-def moe_tiny():
-    """test_engine's Llama with 4 experts of width 48, top-2, a z-loss too."""
-    from test_engine import tiny
-    return tiny(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=48, moe_z_loss_coef=1e-3)
-
-
-def test_model_loss_adds_every_blocks_expert_losses():
-    """Loss with labels = cross entropy of the logits + each block's weighted balance and z losses."""
-    from plait.layers import TransformerModel
-    from test_engine import micro_batch
-    model = TransformerModel(moe_tiny(), None, seed=5)
-    batch = micro_batch(0, 0, 0)
-    seen = []
-    for block in (m for m in model.modules() if isinstance(m, MoE)):
-        block.register_forward_hook(lambda mod, args, out: seen.append(out[1].loss))
-    loss = model(**batch)
-    aux = sum(seen)
-    assert len(seen) == 2 and aux.item() > 0.01   # balance ~ top_k = 2 at coefficient 0.01
-    logits = model(input_ids=batch["input_ids"])
-    ce = F.cross_entropy(logits[..., :1001].flatten(0, 1).float(), batch["labels"].flatten())   # vocab unpadded
-    assert loss.item() == pytest.approx(ce.item() + aux.item(), rel=1e-6)
-
-
-def engine_moe_body(tp):
+# ---- expert parallelism: the experts split over ep ranks, tokens exchanged by all-to-all -------------------------
+def expert_parallel_body(ep, capacity_factor, shared):
+    """Each rank routes its own tokens (seed 10 + rank) through the experts split over the ep ranks; returns its
+    output, aux, and every gradient (expert weights: this rank's ``[E/ep, ...]`` shard) of ``(y * up).sum()``."""
     import torch.distributed as dist
 
-    import plait
-    from plait.layers import TransformerModel
     from plait.parallel import ParallelMesh
-    from plait.parallel.sharding import gather_logical_state
-    from test_engine import GAS, STEPS, ds_config, micro_batch
-    results = {}
-    for stage in (1, 2, 3):
-        mesh = ParallelMesh(tp=tp)
-        model = TransformerModel(moe_tiny(), mesh, seed=5)
-        engine = plait.initialize(model, ds_config(stage, tp), mesh=mesh)
-        losses = [engine.train_batch(iter([micro_batch(s, g, mesh.dp_rank) for g in range(GAS)])).item()
-                  for s in range(STEPS)]
-        with engine.optimizer.gathered_parameters():
-            whole = {n: t.float().cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()}
-        results[stage] = (whole, losses, engine.global_steps, engine.get_lr()[0])
-    return results if dist.get_rank() == 0 else None
+    mesh = ParallelMesh(ep=ep)
+    moe = layer(capacity_factor=capacity_factor, shared_ffn_hidden_size=shared, ep_group=mesh.ep_group)
+    rank = dist.get_rank()
+    x = torch.randn(2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)).requires_grad_()
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
+    y, aux = moe(x)
+    (y * up).sum().backward()
+    return y.detach(), aux.tokens_per_expert, int(aux.dropped), x.grad, \
+        {n: p.grad.clone() for n, p in moe.named_parameters()}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_engine_trains_a_mixture_of_experts_model_as_one_process(tp):
-    """5 AdamW steps through ``plait.initialize`` over 2 ranks (dp 2, or tp 2 with the experts whole on both),
-    ZeRO-1/2/3, against one process: losses to 1e-5 and every weight to 3e-6 (test_engine's 1e-6 x 3). The
-    router adds a path from every block's balance and z losses into the embedding, whose rare tokens' rows
-    get gradients near 0 that Adam scales up with their rounding: the word embedding is the worst weight,
-    measured at 4e-7 with AVX-512 kernels and 8.5e-7 to 1.4e-6 with AVX2 ones (two runs on an AMD EPYC, the
-    second in CI's fresh environment); every other weight stays under 2e-7. A layout mistake, such as dp 2
-    against the one-rank batch, is off by orders of magnitude more."""
+@pytest.mark.parametrize("ep, capacity_factor, shared", [(2, None, 0), (4, None, 12), (2, 0.75, 0), (4, 0.75, 0)])
+def test_expert_parallel_equals_every_expert_in_one_process(ep, capacity_factor, shared):
+    """ep ranks (gloo), 4 experts split 2 or 1 per rank, dropless or capacity 0.75, against the token-by-token
+    reference of each rank's tokens: outputs and input gradients per rank; an expert's gradient (on the rank
+    holding it) the sum of every rank's contribution; the router's and shared MLP's each rank's own. 1e-5,
+    as ``test_moe_matches_the_token_by_token_reference`` (the all-to-all moves rows, it adds nothing)."""
     from plait.testing import run_distributed
-    from test_engine import reference
-    dp = 2 // tp
-    ref_weights, ref_losses = reference(dp, moe_tiny())
-    for stage, (whole, losses, steps, _) in run_distributed(engine_moe_body, 2, tp)[0].items():
-        assert steps == 5 and losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} loss curve"
-        for name, ref in ref_weights.items():
-            err = rel_err(whole[name], ref, floor=1e-12)
-            assert err <= 3e-6, f"ZeRO-{stage} tp={tp} dp={dp}: {name} off by {err:.2e}"
+    results = run_distributed(expert_parallel_body, ep, ep, capacity_factor, shared)
+    ref = layer(capacity_factor=capacity_factor, shared_ffn_hidden_size=shared)
+    cap = None if capacity_factor is None else expert_capacity(T, 2, E, capacity_factor)
+    expert_grads = {}
+    for rank, (y, counts, dropped, x_grad, got) in enumerate(results):
+        x = torch.randn(2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)).requires_grad_()
+        up = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
+        want_y, logits, _ = reference(ref, x, "softmax_topk", True, cap)
+        want = grads(ref, want_y, up)
+        assert rel_err(y, want_y) <= 1e-5 and rel_err(x_grad, x.grad) <= 1e-5, f"rank {rank}"
+        routed = torch.bincount(torch.topk(logits, 2).indices.reshape(-1), minlength=E)
+        assert torch.equal(counts, routed) and dropped == int((routed - routed.clamp(max=cap or T * 2)).sum())
+        for name, grad in want.items():
+            if name in ("gate_proj", "up_proj", "down_proj"):
+                expert_grads[name] = expert_grads.get(name, 0) + grad
+            else:
+                assert rel_err(got[name], grad) <= 1e-5, f"rank {rank}: {name}"
+    for rank, (*_, got) in enumerate(results):
+        for name, total in expert_grads.items():
+            mine = total[rank * E // ep:(rank + 1) * E // ep]
+            assert got[name].shape == mine.shape and rel_err(got[name], mine) <= 1e-5, f"rank {rank}: {name}"
+    if capacity_factor is not None:
+        assert sum(r[2] for r in results) > 0
 
 
-def test_unsupported_layouts_are_refused():
-    from plait.layers.stages import build_stage_modules
-    with pytest.raises(ValueError, match="num_experts > 0 with pipeline parallelism is not supported yet"):
-        build_stage_modules(moe_tiny(), None, v=2)
-    with pytest.raises(ValueError, match=r"num_experts \(4\) must be >= 0 .* moe_top_k \(5\)"):
-        moe_tiny().replace(moe_top_k=5)
+def uneven_experts_body():
+    from plait.parallel import ParallelMesh
+    with pytest.raises(ValueError) as err:
+        MoE(H, FFN, E, 2, ep_group=ParallelMesh(ep=3).ep_group)
+    return str(err.value)
 
 
-def test_recomputed_blocks_give_the_same_loss_and_gradients():
-    """Activation checkpointing of every block (the experts' losses come from the first forward; the
-    recomputation in backward appends again to a list the head has already used)."""
-    from plait.layers import TransformerModel
-    from test_engine import micro_batch
-    results = []
-    for recompute in (None, "full"):
-        model = TransformerModel(moe_tiny(), None, seed=5, recompute=recompute)
-        loss = model(**micro_batch(0, 0, 0))
-        loss.backward()
-        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
-    assert results[1][0] == results[0][0]
-    for name, grad in results[0][1].items():
-        assert rel_err(results[1][1][name], grad) <= 1e-6, name
+def test_experts_must_split_evenly_over_ep():
+    from plait.testing import run_distributed
+    assert run_distributed(uneven_experts_body, 3)[0] == (
+        "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]")

@@ -90,7 +90,7 @@ def _optimizer_items(engine, state: ShardState) -> list[ShardItem]:
         if getattr(param, "plait_tied_to", None):
             continue
         for part, start, length, pos in split_flat(parts, sl.start, sl.length):
-            if part.spec.dim is None and mesh.tp_rank != 0:
+            if not part.spec.tp_split and mesh.tp_rank != 0:
                 continue
             for kind, flat in [("master", sl.master)] + sorted(sl.state.items()):
                 items += _part_items(optimizer_key(kind, part.name), part.spec, flat[pos:pos + length], start)

@@ -6,6 +6,9 @@ contributes only the boxes it owns, so every logical element is written exactly 
 - tp-sharded parameters: the unpadded part of the local shard, from dp rank 0 only;
 - tp-replicated parameters (norms, row-parallel biases, position tables): from tp rank 0 of dp
   rank 0 only;
+- expert-parallel shards (a mixture of experts' expert weights, ``TPShard.axis == "ep"``): each ep rank's
+  experts from tp rank 0 of its first expert-data-parallel rank, so a checkpoint stores every expert once, as
+  part of the logical ``[E, ...]`` tensor, and loads at any ep;
 - pipeline stages: each stage saves the layers it built;
 - a tied head copy (a parameter with ``plait_tied_to``, the output weight of a head that lives on
   another pipeline stage than the embedding) is not saved; the embedding's stage saves it.
@@ -81,22 +84,30 @@ def checkpoint_name(name: str, param: torch.Tensor, model: nn.Module | None = No
 
 def _mesh_coords(mesh) -> dict[str, int]:
     if mesh is None:
-        return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "dp_rank": 0}
-    # dp_rank: whether this rank writes the model's shards (one writer per tp x pp coordinate, cp ranks included)
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "tp_rank": mesh.tp_rank, "dp_rank": mesh.rank("dp_cp")}
+        return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "dp_rank": 0, "edp_rank": 0}
+    # dp_rank: whether this rank writes the model's shards (one writer per tp x pp coordinate, cp ranks included);
+    # edp_rank: the same for expert shards (one writer per tp x pp x ep coordinate)
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "ep": mesh.ep, "tp_rank": mesh.tp_rank,
+            "dp_rank": mesh.rank("dp_cp"), "edp_rank": mesh.rank("edp") * mesh.cp + mesh.cp_rank}
+
+
+def _writes(spec, coords: dict) -> bool:
+    """Whether this rank writes the shard ``spec`` (the module docstring's rules)."""
+    first = coords["edp_rank"] if spec.axis == "ep" else coords["dp_rank"]
+    return first == 0 and (spec.tp_split or coords["tp_rank"] == 0)
 
 
 def model_shard_items(model: nn.Module, mesh=None) -> list:
     """The ``ShardItem``s this rank owns for ``model``'s parameters (see the module docstring)."""
     coords = _mesh_coords(mesh)
-    if coords["dp_rank"] != 0:
+    if coords["edp_rank"] != 0:
         return []
     items = []
     for name, param in model.named_parameters():
         if checkpoint_name(name, param, model) != name:
             continue                        # a tied copy: the embedding's stage saves it
         for part in logical_parts(name, param):
-            if part.spec.dim is None and coords["tp_rank"] != 0:
+            if not _writes(part.spec, coords):
                 continue
             item = tp_shard_item(part.name, part.local(param.detach()), part.spec)
             if item is not None:
@@ -113,7 +124,7 @@ def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
     if isinstance(config, TransformerConfig) and getattr(model, "plait_architecture", None) != "custom":
         out.setdefault(MODEL_CONFIG_KEY, config.to_dict())
     coords = _mesh_coords(mesh)
-    out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp")})
+    out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp", "ep") if k in coords})
     return out
 
 
@@ -172,7 +183,8 @@ def _elsewhere(name: str, model: nn.Module) -> bool:
 # TransformerConfig fields that change what the same weights compute: a checkpoint whose recorded config
 # differs in one of them is refused unless the caller allows it (``allow_config_change``).
 COMPUTE_FIELDS = ("arch", "num_heads", "num_kv_heads", "activation", "norm", "norm_eps", "rope_theta",
-                  "tie_embeddings", "causal", "post_norm", "moe_top_k", "moe_router_order", "moe_normalize_topk")
+                  "tie_embeddings", "causal", "post_norm", "qk_norm", "moe_top_k", "moe_router_order",
+                  "moe_normalize_topk")
 
 
 def check_model_config(model: nn.Module, reader: CheckpointReader) -> None:

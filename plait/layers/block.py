@@ -10,7 +10,7 @@ from torch import nn
 from plait.layers.attention import Attention, scaled_init_std
 from plait.layers.config import TransformerConfig
 from plait.layers.mlp import MLP
-from plait.layers.moe import MoE
+from plait.layers.moe import MoE, add_loss_gradient
 from plait.layers.norm import make_norm
 from plait.parallel.random import checkpoint
 
@@ -36,12 +36,13 @@ class TransformerBlock(nn.Module):
         config: architecture. group / sequence_parallel / rng: tp group, sequence parallelism,
             ``RNGTracker``. recompute: None, "full" (recompute the whole block in backward) or
             "selective" (recompute only the attention core; Korthikanti et al., 2022, Sec. 5).
-            cp_group / cp_method: context parallelism of the attention (``Attention``).
+            cp_group / cp_method: context parallelism of the attention (``Attention``). ep_group: expert
+            parallelism of a mixture of experts (``MoE``).
     """
 
     def __init__(self, config: TransformerConfig, *, group=None, sequence_parallel: bool = False,
                  rng=None, recompute: str | None = None, cp_group=None, cp_method: str = "ring",
-                 device=None, dtype=None):
+                 ep_group=None, device=None, dtype=None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute mode {recompute!r}; use one of {RECOMPUTE}")
@@ -54,44 +55,42 @@ class TransformerBlock(nn.Module):
                               rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
                               rng=rng, init_std=c.init_std, output_init_std=out_std,
                               recompute_core=recompute == "selective", fused=c.fused_projections,
+                              head_dim=c.head_dim, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
                               cp_group=cp_group, cp_method=cp_method, **kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
-        self.mlp = (_moe(c, out_std, sequence_parallel, device, dtype) if c.num_experts else
+        self.mlp = (_moe(c, out_std, sequence_parallel, ep_group, device, dtype) if c.num_experts else
                     MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
                         output_init_std=out_std, fused=c.fused_projections, chunk_tokens=c.mlp_chunk_tokens, **kw))
 
     def _drop(self, x):
         return dropout(x, self.config.hidden_dropout, self.training, self.rng, self.sequence_parallel)
 
-    def _ffn(self, x, moe_losses):
-        """The MLP; a mixture of experts also appends its weighted losses to ``moe_losses`` (the model's)."""
+    def _ffn(self, x, aux_loss_scale: float):
+        """The MLP; a mixture of experts joins its weighted losses to the gradient here (``add_loss_gradient``)."""
         if not self.config.num_experts:
             return self.mlp(x)
         y, aux = self.mlp(x)
-        moe_losses.append(aux.loss)
-        return y
+        return add_loss_gradient(y, aux.loss, aux_loss_scale)
 
-    def _body(self, x, attention_mask, position_ids, rope, moe_losses=None):
+    def _body(self, x, attention_mask, position_ids, rope, aux_loss_scale=1.0):
         if self.config.post_norm:
             x = self.attn_norm(x + self._drop(self.attn(x, attention_mask, position_ids, rope)))
-            return self.mlp_norm(x + self._drop(self._ffn(x, moe_losses)))
+            return self.mlp_norm(x + self._drop(self._ffn(x, aux_loss_scale)))
         x = x + self._drop(self.attn(self.attn_norm(x), attention_mask, position_ids, rope))
-        return x + self._drop(self._ffn(self.mlp_norm(x), moe_losses))
+        return x + self._drop(self._ffn(self.mlp_norm(x), aux_loss_scale))
 
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         mask, pos, rope = batch.get("attention_mask"), batch.get("position_ids"), batch.get("rope")
-        # a mixture of experts leaves its losses in the forward's batch, for the head (a recomputed block
-        # appends again in backward, after the head has used the list)
-        losses = batch.setdefault("moe_losses", []) if self.config.num_experts else None
+        scale = batch.get("aux_loss_scale", 1.0)   # d(what the backward differentiates) / d(loss)
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             # the tracker replays dropout masks; without dropout it is not needed (and a plain
             # checkpoint traces under torch.compile)
             has_dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
-            return checkpoint(self._body, hidden, mask, pos, rope, losses, tracker=self.rng if has_dropout else None)
-        return self._body(hidden, mask, pos, rope, losses)
+            return checkpoint(self._body, hidden, mask, pos, rope, scale, tracker=self.rng if has_dropout else None)
+        return self._body(hidden, mask, pos, rope, scale)
 
 
-def _moe(c: TransformerConfig, output_init_std: float, sequence_parallel: bool, device, dtype) -> MoE:
+def _moe(c: TransformerConfig, output_init_std: float, sequence_parallel: bool, ep_group, device, dtype) -> MoE:
     """The mixture-of-experts MLP of ``c`` (its ``moe_*`` fields). Raises ValueError under sequence
     parallelism (each tp rank would route other tokens through replicated experts)."""
     if sequence_parallel:
@@ -100,5 +99,5 @@ def _moe(c: TransformerConfig, output_init_std: float, sequence_parallel: bool, 
     return MoE(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, router_order=c.moe_router_order,
                normalize_topk=c.moe_normalize_topk, capacity_factor=c.moe_capacity_factor,
                shared_ffn_hidden_size=c.moe_shared_ffn_hidden_size, balance_loss_coef=c.moe_balance_loss_coef,
-               z_loss_coef=c.moe_z_loss_coef, init_std=c.init_std, output_init_std=output_init_std,
-               device=device, dtype=dtype)
+               z_loss_coef=c.moe_z_loss_coef, bias_update_rate=c.moe_bias_update_rate, init_std=c.init_std,
+               output_init_std=output_init_std, ep_group=ep_group, device=device, dtype=dtype)

@@ -42,11 +42,17 @@ class TransformerConfig:
 
     ``num_experts`` > 0 makes every block's MLP a mixture of experts (``plait.layers.MoE``: ``moe_top_k``
     SwiGLU experts of width ``moe_ffn_hidden_size``, default ``ffn_hidden_size``, per token; the ``moe_*``
-    fields are its arguments), and the loss with labels adds each block's weighted balance and z losses.
+    fields are its arguments); each block's weighted balance and z losses join the gradient, not the returned
+    loss (``TransformerModel``).
+
+    ``head_dim`` (elements, default ``hidden_size // num_heads``): each attention head's width; q/k/v
+    project to ``num_heads`` / ``num_kv_heads`` heads of it (Qwen3-30B-A3B: hidden 2048, 32 heads of 128).
+    ``qk_norm`` (default False) applies an RMSNorm over each head's ``head_dim`` to q and k before RoPE, one
+    weight ``[head_dim]`` for all heads of q and one for k (Qwen3; ``Attention``).
 
     Raises:
-        ValueError: unknown ``arch``, sizes that do not divide (names both numbers), or a negative
-            ``fused_loss_chunk_tokens`` or ``mlp_chunk_tokens``.
+        ValueError: unknown ``arch``, sizes that do not divide (names both numbers), a ``head_dim`` < 1, or a
+            negative ``fused_loss_chunk_tokens`` or ``mlp_chunk_tokens``.
     """
 
     arch: str
@@ -74,6 +80,8 @@ class TransformerConfig:
     fused_loss_chunk_tokens: int = 0
     mlp_chunk_tokens: int = 0
     fused_projections: bool = False
+    head_dim: int | None = None
+    qk_norm: bool = False
     num_experts: int = 0
     moe_top_k: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -83,6 +91,7 @@ class TransformerConfig:
     moe_capacity_factor: float | None = None
     moe_balance_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         from plait.models.registry import get_family  # local: plait.models imports this module
@@ -97,8 +106,13 @@ class TransformerConfig:
         if self.num_experts < 0 or self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0: dense MLPs), and moe_top_k "
                              f"({self.moe_top_k}) in [1, num_experts] when experts are used")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
+                                 f"set head_dim to use heads of another width")
+            self.head_dim = self.hidden_size // self.num_heads
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be an int >= 1 (None: hidden_size // num_heads), got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})")
         for name, what in (("fused_loss_chunk_tokens", "unfused loss; > 0: tokens per chunk of the fused head + "
@@ -115,10 +129,6 @@ class TransformerConfig:
 
         return get_family(self.arch)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
     def num_parameters(self) -> int:
         """Logical parameter count (no vocabulary padding; tied weights counted once)."""
         import math
@@ -126,9 +136,19 @@ class TransformerConfig:
         from plait.layers.model import logical_shapes  # local: the model imports this module
         return sum(math.prod(shape) for shape in logical_shapes(self).values())
 
+    def num_active_parameters(self) -> int:
+        """Parameters each token passes through: ``num_parameters()`` less, in every block, the
+        ``num_experts - moe_top_k`` SwiGLU experts (``3 x hidden x moe_ffn`` each) it is not routed to; the count
+        a mixture of experts' MFU is taken on (all parameters for a dense model)."""
+        unused = (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return self.num_parameters() - (self.num_layers * unused if self.num_experts else 0)
+
     def replace(self, **changes) -> "TransformerConfig":
         """A copy with ``changes``; fields still at their derived default (``num_kv_heads ==
-        num_heads``, ``ffn_hidden_size == 4 * hidden_size``) follow the changed sizes."""
+        num_heads``, ``ffn_hidden_size == 4 * hidden_size``, ``head_dim == hidden_size // num_heads``) follow
+        the changed sizes."""
+        if "head_dim" not in changes and self.head_dim * self.num_heads == self.hidden_size:
+            changes["head_dim"] = None
         if "num_kv_heads" not in changes and self.num_kv_heads == self.num_heads:
             changes["num_kv_heads"] = None
         if "ffn_hidden_size" not in changes and self.ffn_hidden_size == 4 * self.hidden_size:

@@ -53,9 +53,10 @@ def replicated_param(shape: tuple[int, ...], kind: str, std: float = 0.0, device
 
 
 def sharded_param(logical_shape: tuple[int, ...], dim: int, group, kind: str, std: float = 0.0,
-                  padded: int | None = None, device=None, dtype=None) -> nn.Parameter:
-    """A parameter split along ``dim`` over the tp group (padded to ``padded`` rows if given)."""
-    spec = TPShard(tuple(logical_shape), dim, padded, group_rank(group), group_size(group))
+                  padded: int | None = None, device=None, dtype=None, axis: str = "tp") -> nn.Parameter:
+    """A parameter split along ``dim`` over ``group``, the tp group (or the ep group with ``axis="ep"``),
+    padded to ``padded`` rows if given."""
+    spec = TPShard(tuple(logical_shape), dim, padded, group_rank(group), group_size(group), axis)
     return _new_param(spec, kind, std, device, dtype)
 
 

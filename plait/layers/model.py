@@ -137,8 +137,8 @@ class LMHead(nn.Module):
             total = vocab_parallel_cross_entropy(F.linear(x, self.weight, self.bias), labels, **kw).sum()
         count = (labels != -100).sum()
         cp = group_size(self.cp_group)
-        if cp == 1:   # plus the blocks' mixture-of-experts losses (``TransformerBlock``), if any
-            return total / count.clamp(min=1) + sum(batch.get("moe_losses") or [])
+        if cp == 1:
+            return total / count.clamp(min=1)
         sums = torch.stack([total.detach().double(), count.double()])   # the whole sequences' loss sum and count
         torch.distributed.all_reduce(sums, group=self.cp_group)
         local = total * cp / sums[1].clamp(min=1).to(total.dtype)
@@ -172,8 +172,11 @@ class TransformerModel(nn.Module):
         device, dtype: where and in what dtype to build; "meta" skips initialization.
 
     ``forward(input_ids=..., labels=..., attention_mask=..., position_ids=..., token_type_ids=...,
-    hidden=None)`` runs the built layers in order and returns the mean loss (when the head is built
-    and ``labels`` given), the head's local logits, or the hidden state ``[b, s(/tp), h]``.
+    hidden=None, aux_loss_scale=None)`` runs the built layers in order and returns the mean loss (when the
+    head is built and ``labels`` given), the head's local logits, or the hidden state ``[b, s(/tp), h]``.
+    The mixture-of-experts losses are not in the returned loss: each block joins them to the gradient
+    (``plait.layers.moe.add_loss_gradient``) scaled by ``aux_loss_scale`` (default 1: right for
+    ``loss.backward()``; pass the factor a backward of ``c x loss`` applies, e.g. 1/GAS, as the engine does).
 
     Raises:
         ValueError: sizes not divisible by tp, or layer indices out of range.
@@ -185,6 +188,7 @@ class TransformerModel(nn.Module):
         super().__init__()
         group = None if mesh is None else mesh.tp_group
         cp_group = None if mesh is None else mesh.cp_group
+        ep_group = None if mesh is None else mesh.ep_group
         tp = group_size(group)
         check_tensor_parallel(config, tp)
         self.config, self.mesh, self.sequence_parallel = config, mesh, sequence_parallel and tp > 1
@@ -214,7 +218,7 @@ class TransformerModel(nn.Module):
                 self.layers[str(i)] = LMHead(config, tied_weight=tied, cp_group=cp_group, **kw)
             else:
                 self.layers[str(i)] = TransformerBlock(config, rng=self.rng, recompute=recompute, cp_group=cp_group,
-                                                       cp_method=cp_method, **kw)
+                                                       cp_method=cp_method, ep_group=ep_group, **kw)
         init_parameters(self, seed)
 
     @property
@@ -248,9 +252,10 @@ class TransformerModel(nn.Module):
         return self.layers[str(self.config.num_layers + 1)]
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None,
-                token_type_ids=None, hidden=None):
+                token_type_ids=None, hidden=None, aux_loss_scale=None):
         batch = {k: v for k, v in dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
-                                       position_ids=position_ids, token_type_ids=token_type_ids).items()
+                                       position_ids=position_ids, token_type_ids=token_type_ids,
+                                       aux_loss_scale=aux_loss_scale).items()
                  if v is not None}
         if "position_ids" not in batch and (self.config.rope_theta is not None or self.mesh is not None
                                             and self.mesh.cp > 1):

@@ -12,7 +12,8 @@ Mixture-of-Experts", 2024, Eq. 3-4): a per-expert ``expert_bias`` is added to th
 experts (the weights come from the unbiased scores); ``update_expert_bias`` moves it by ``bias_update_rate`` x
 sign(mean load - load) from the tokens counted since the last update.
 
-Losses (returned, weighted by their coefficients, in ``MoEAux.loss``, for the caller to add to its loss):
+Losses (returned, weighted by their coefficients, in ``MoEAux.loss``; ``add_loss_gradient`` joins them to the
+model's gradient at the layer, so the caller's loss needs no term for them, on any pipeline stage):
 
 * balance (Switch Transformer, Fedus et al. 2021, Eq. 4, with k assignments per token): ``E * sum_i f_i P_i``,
   ``f_i`` the fraction of the ``T`` tokens routed to expert i (each token counts once per chosen expert, so
@@ -40,8 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.layers.linear import replicated_param
+from plait.layers.linear import replicated_param, sharded_param
 from plait.layers.mlp import MLP
+from plait.parallel.collectives import group_size
+from plait.parallel.experts import expert_parallel, select_rows
+from plait.parallel.mesh import check_divisible
 
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 
@@ -121,21 +125,29 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
     return torch.cat([block @ weight[e].T for e, block in enumerate(blocks)])
 
 
-class _SelectRows(torch.autograd.Function):
-    """``x.index_select(0, index)`` for an ``index`` without repeats, whose backward scatters the gradient
-    rows back by copy (rows never selected get 0) instead of autograd's accumulating ``index_add``, which
-    needs atomics on a GPU."""
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on ``y``; its backward also gives ``loss`` the gradient ``scale`` (Megatron-LM's
+    ``MoEAuxLossAutoScaler``)."""
 
     @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.rows = x.shape[0]
-        return x.index_select(0, index)
+    def forward(ctx, y, loss, scale):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows,) + tuple(grad.shape[1:])).index_copy_(0, index, grad), None
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def add_loss_gradient(y: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``y`` unchanged; a backward through it adds ``scale x d loss / d theta`` to every gradient, as if
+    ``scale x loss`` were added to the loss being differentiated. ``scale`` is d(what the backward
+    differentiates)/d(the model's loss): 1 for ``loss.backward()``, ``loss_scale / GAS`` for an engine's
+    scaled backward of each micro-batch. ``loss`` a scalar in the autograd graph; ``y`` any tensor whose
+    gradient the backward computes (a layer's output)."""
+    return _AddLossGradient.apply(y, loss, scale)
 
 
 def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
@@ -167,16 +179,20 @@ class MoE(nn.Module):
         bias_update_rate: auxiliary-loss-free balancing step ``u`` (0: off; the bias stays 0).
         init_std, output_init_std: normal init of the router and gate/up (and of down, default init_std).
         grouped_gemm: the experts' matmuls as grouped GEMMs (``grouped_mm``); False: one matmul per expert.
+        ep_group: the expert-parallel group (``ParallelMesh.ep_group``): its P ranks each hold ``E/P`` of the
+            experts (``gate_proj`` etc. ``[E/P, ...]``, their logical tensors still ``[E, ...]``) and exchange
+            the assignments by all-to-all (``plait.parallel.experts``); None: every expert here.
 
     Raises:
-        ValueError: top_k outside ``[1, num_experts]``, an unknown router_order, capacity_factor <= 0.
+        ValueError: top_k outside ``[1, num_experts]``, an unknown router_order, capacity_factor <= 0, or
+            num_experts not divisible by the ep group's size.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
                  router_order: str = "softmax_topk", normalize_topk: bool = True, capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, balance_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, init_std: float = 0.02, output_init_std: float | None = None,
-                 grouped_gemm: bool = True, device=None, dtype=None):
+                 grouped_gemm: bool = True, ep_group=None, device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
@@ -188,16 +204,25 @@ class MoE(nn.Module):
         self.normalize_topk, self.capacity_factor = normalize_topk, capacity_factor
         self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
         self.bias_update_rate, self.grouped_gemm = bias_update_rate, grouped_gemm
+        ep = group_size(ep_group)
+        check_divisible(num_experts, ep, "num_experts", "the expert-parallel size ep",
+                        f"choose ep from {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+        self.ep_group = ep_group if ep > 1 else None
         kw = dict(device=device, dtype=dtype)
         self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
-        self.gate_proj = replicated_param((num_experts, ffn_hidden_size, hidden_size), "normal", init_std, **kw)
-        self.up_proj = replicated_param((num_experts, ffn_hidden_size, hidden_size), "normal", init_std, **kw)
-        self.down_proj = replicated_param((num_experts, hidden_size, ffn_hidden_size), "normal",
-                                          output_init_std or init_std, **kw)
+        experts = dict(dim=0, group=self.ep_group, kind="normal", axis="ep", **kw)
+        self.gate_proj = sharded_param((num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts)
+        self.up_proj = sharded_param((num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts)
+        self.down_proj = sharded_param((num_experts, hidden_size, ffn_hidden_size), std=output_init_std or init_std,
+                                       **experts)
         self.shared = (MLP(hidden_size, shared_ffn_hidden_size, "swiglu", bias=False, init_std=init_std,
                            output_init_std=output_init_std, **kw) if shared_ffn_hidden_size else None)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
         self.register_buffer("tokens_seen", torch.zeros(num_experts, dtype=torch.float32, device=device),
+                             persistent=False)
+        # training forwards since ``take_stats``: tokens per expert [E], then the sums of balance, z, dropped
+        # and the forward count; a recomputed forward counts twice, which leaves every ratio unchanged
+        self.register_buffer("stats", torch.zeros(num_experts + 4, dtype=torch.float32, device=device),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
@@ -209,20 +234,38 @@ class MoE(nn.Module):
                     expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor))
         slots, rows, dropped = dispatch(r.experts, self.num_experts, capacity)
         k = self.top_k
-        xs = _SelectRows.apply(flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[-1]), slots)
-        g = self.grouped_gemm
-        inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(xs, self.up_proj, rows, g)
-        out = grouped_mm(inner, self.down_proj, rows, g) * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
+        xs = select_rows(flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[-1]), slots)
+        out = self._experts(xs, rows) if self.ep_group is None else expert_parallel(xs, rows, self._experts,
+                                                                                    self.ep_group)
+        out = out * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
         y = flat.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(0, slots, out)   # slot order again
         y = y.view(-1, k, flat.shape[1]).sum(1).view(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
         counts = expert_counts(r.experts, self.num_experts)
-        if self.training and self.bias_update_rate > 0:
-            self.tokens_seen += counts.float()
         balance, z = balance_loss(r.probs, r.experts), z_loss(r.logits)
         loss = self.balance_loss_coef * balance + self.z_loss_coef * z
+        if self.training:
+            if self.bias_update_rate > 0:
+                self.tokens_seen += counts.float()
+            sums = torch.stack([balance.detach(), z.detach(), dropped.float(), torch.ones_like(z)])
+            self.stats += torch.cat([counts.float(), sums])
         return y, MoEAux(loss, balance.detach(), z.detach(), counts, dropped)
+
+    def _experts(self, xs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``xs [M, h]``, ``rows [E_here]`` consecutive rows per expert -> ``[M, h]``."""
+        g = self.grouped_gemm
+        inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(xs, self.up_proj, rows, g)
+        return grouped_mm(inner, self.down_proj, rows, g)
+
+    @torch.no_grad()
+    def take_stats(self) -> torch.Tensor:
+        """The training statistics since the last call, ``[E + 4]`` float32: tokens routed to each expert,
+        then the sums over forwards of the balance loss, the z-loss and the dropped assignments, then the
+        number of forwards; the count restarts."""
+        out = self.stats.clone()
+        self.stats.zero_()
+        return out
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:

@@ -95,14 +95,10 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
         stage ``c*p + pp_rank``. No rank ever builds a layer outside its own stages.
 
     Raises:
-        ValueError: from ``partition_layers`` (too few layers, bad boundaries); a mixture-of-experts config
-            over more than one chunk.
+        ValueError: from ``partition_layers`` (too few layers, bad boundaries).
     """
     p = 1 if mesh is None else mesh.pp
     rank = 0 if mesh is None else mesh.pp_rank
-    if config.num_experts and p * v > 1:
-        raise ValueError("num_experts > 0 with pipeline parallelism is not supported yet (the experts' losses "
-                         "of earlier stages would not reach the head's loss): use pp 1 and virtual stages 1")
     n = config.num_layers + 2
     weights = layer_parameter_counts(config) if method == "parameters" else None
     parts = partition_layers(n, p, v, method, weights)

@@ -72,7 +72,8 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
     from transformers import BertConfig
 
     require_fields(c, norm="layernorm", activation="gelu", causal=False, post_norm=True, bias=True,
-                   rope_theta=None, num_kv_heads=c.num_heads)
+                   rope_theta=None, num_kv_heads=c.num_heads, num_experts=0,
+                   head_dim=c.hidden_size // c.num_heads, qk_norm=False)
     return BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
                       num_attention_heads=c.num_heads, intermediate_size=c.ffn_hidden_size, hidden_act="gelu",
                       hidden_dropout_prob=c.hidden_dropout, attention_probs_dropout_prob=c.attention_dropout,

@@ -66,7 +66,8 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
     from transformers import GPT2Config
 
     require_fields(c, norm="layernorm", causal=True, post_norm=False, bias=True, type_vocab_size=0,
-                   rope_theta=None, num_kv_heads=c.num_heads)
+                   rope_theta=None, num_kv_heads=c.num_heads, num_experts=0,
+                   head_dim=c.hidden_size // c.num_heads, qk_norm=False)
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}.get(c.activation)
     if act is None:
         raise ValueError(f"plait gpt2 activation {c.activation!r} has no Hugging Face GPT-2 equivalent")

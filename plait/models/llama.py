@@ -73,7 +73,8 @@ def _config_from_hf(c) -> TransformerConfig:
 def _config_to_hf(c: TransformerConfig, extra: dict):
     from transformers import LlamaConfig
 
-    require_fields(c, norm="rmsnorm", activation="swiglu", causal=True, post_norm=False, type_vocab_size=0)
+    require_fields(c, norm="rmsnorm", activation="swiglu", causal=True, post_norm=False, type_vocab_size=0,
+                   num_experts=0, qk_norm=False)
     if c.rope_theta is None:
         raise ValueError("plait llama config without rope_theta cannot be written as Hugging Face Llama")
     return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,

@@ -31,7 +31,7 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
     parts = {n: logical_parts(n, p) for n, p in module.named_parameters() if p.requires_grad}
     flat = [part for ps in parts.values() for part in ps]          # a fused parameter's logical tensors each
     index = {part.name: i for i, part in enumerate(flat)}
-    tp_split = torch.tensor([part.spec.dim is not None for part in flat], dtype=torch.float64, device=mesh.device)
+    tp_split = torch.tensor([part.spec.tp_split for part in flat], dtype=torch.float64, device=mesh.device)
     segments = {id(master): [(pc.shard_offset + pos, n, index[part.name]) for pc in group.pieces()
                              for part, _, n, pos in split_flat(parts[pc.slot.name], pc.start, pc.length)]
                 for group, master in zip(zero.groups, zero.masters)}

@@ -8,6 +8,12 @@ The cp ranks of a dp rank see the same samples (each its part of every sequence)
 gradients add up like those of dp ranks: ZeRO shards and reduces over the ``dp x cp`` ranks together
 (``group("dp_cp")``, FSDP's ``dp_shard_cp``); with cp = 1 that group is the dp group.
 
+Expert parallelism (``ep``, ``plait.layers.MoE``) splits each mixture-of-experts layer's experts over ``ep``
+ranks carved out of the dp ranks, as in Megatron-Core and torchtitan: ``ep`` divides ``dp``, the ep ranks are
+neighbouring dp ranks (``dp_rank = edp_rank * ep + ep_rank``) and exchange their tokens by all-to-all. Every
+other parameter is replicated over all dp ranks; an expert's parameters only over the ``dp / ep`` ranks
+with the same ep rank (``group("edp")``, expert data parallel). Without ep (``ep = 1``) ``edp`` is ``dp``.
+
 The mesh is an ordinary object passed explicitly to every layer, optimizer and
 schedule that needs it; plait keeps no module-level process-group state.
 """
@@ -19,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 DIM_NAMES = ("pp", "dp", "cp", "tp")
-GROUP_NAMES = DIM_NAMES + ("dp_cp",)
+GROUP_NAMES = DIM_NAMES + ("dp_cp", "ep", "edp")
 
 
 def check_divisible(value: int, divisor: int, what: str, by: str, fix: str) -> None:
@@ -37,6 +43,7 @@ class ParallelMesh:
         pp: pipeline-parallel size (ranks that split the layer list into stages).
         dp: data-parallel size; inferred as ``world_size // (tp*pp*cp)`` when None.
         cp: context-parallel size (ranks that split each sequence).
+        ep: expert-parallel size (ranks that split each mixture-of-experts layer's experts); divides dp.
         device_type: "cpu" (gloo) or "cuda" (NCCL); defaults from the backend.
 
     With no process group initialized and ``tp = pp = dp = cp = 1`` the mesh is a
@@ -44,19 +51,20 @@ class ParallelMesh:
     model code runs as a plain ``nn.Module``.
 
     Raises:
-        ValueError: world size not divisible by ``tp*pp*cp``, or ``tp*pp*cp*dp`` not
-            equal to the world size; the message names the numbers and the fix.
+        ValueError: world size not divisible by ``tp*pp*cp``, ``tp*pp*cp*dp`` not equal to the world
+            size, or dp not divisible by ep; the message names the numbers and the fix.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int | None = None
     cp: int = 1
+    ep: int = 1
     device_type: str | None = None
     device_mesh: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -71,6 +79,8 @@ class ParallelMesh:
             raise ValueError(
                 f"tp x pp x cp x dp = {self.tp} x {self.pp} x {self.cp} x {self.dp} = {split * self.dp} "
                 f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
+        check_divisible(self.dp, self.ep, "dp", "ep", "expert parallelism splits the dp ranks: choose ep from "
+                        f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}")
         if not dist.is_initialized():   # one process, no group: compute where a GPU is, as DeepSpeed does
             if self.device_type is None:
                 self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,29 +88,46 @@ class ParallelMesh:
         if self.device_type is None:
             self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         from torch.distributed.device_mesh import init_device_mesh
-        self.device_mesh = init_device_mesh(
-            self.device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=DIM_NAMES)
+        if self.ep == 1:
+            self.device_mesh = init_device_mesh(
+                self.device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=DIM_NAMES)
+            dp = ("dp",)
+        else:   # dp split into (edp, ep), ep fastest; "dp" is their flattening
+            shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+            self.device_mesh = init_device_mesh(self.device_type, shape,
+                                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            dp = ("edp", "ep")
+            self.device_mesh[dp]._flatten("dp")
         if self.cp > 1:
-            self.device_mesh["dp", "cp"]._flatten("dp_cp")
+            self.device_mesh[dp + ("cp",)]._flatten("dp_cp")
 
     # ---- groups, ranks and sizes per dim -------------------------------------------------
     def group(self, dim: str):
-        """ProcessGroup of this rank along ``dim`` ("tp", "pp", "dp", "cp" or "dp_cp"); None in one process."""
+        """ProcessGroup of this rank along ``dim`` ("tp", "pp", "dp", "cp", "dp_cp", "ep" or "edp"); None in one
+        process, and for "ep" without expert parallelism."""
         if dim not in GROUP_NAMES:
             raise ValueError(f"unknown mesh dim {dim!r}; expected one of {GROUP_NAMES}")
-        if dim == "dp_cp" and self.cp == 1:
+        if dim == "dp_cp" and self.cp == 1 or dim == "edp" and self.ep == 1:
             dim = "dp"
-        return None if self.device_mesh is None else self.device_mesh.get_group(dim)
+        if self.device_mesh is None or dim == "ep" and self.ep == 1:
+            return None
+        return self.device_mesh.get_group(dim)
 
     def size(self, dim: str) -> int:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp}[dim]
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp,
+                "ep": self.ep, "edp": self.dp // self.ep}[dim]
 
     def rank(self, dim: str) -> int:
-        """This process's coordinate along ``dim`` (``dp_cp``: ``dp_rank * cp + cp_rank``)."""
-        if self.device_mesh is None:
+        """This process's coordinate along ``dim`` (``dp_cp``: ``dp_rank * cp + cp_rank``; ``dp``:
+        ``edp_rank * ep + ep_rank``)."""
+        if self.device_mesh is None or dim == "ep" and self.ep == 1:
             return 0
         if dim == "dp_cp":
             return self.rank("dp") * self.cp + self.rank("cp")
+        if self.ep > 1 and dim == "dp":
+            return self.rank("edp") * self.ep + self.rank("ep")
+        if dim == "edp" and self.ep == 1:
+            dim = "dp"
         return self.device_mesh.get_local_rank(dim)
 
     def ranks(self, dim: str) -> list[int]:
@@ -125,6 +152,8 @@ class ParallelMesh:
     tp_rank = property(lambda self: self.rank("tp"))
     pp_rank = property(lambda self: self.rank("pp"))
     dp_rank = property(lambda self: self.rank("dp"))
+    ep_group = property(lambda self: self.group("ep"))
+    ep_rank = property(lambda self: self.rank("ep"))
 
     @property
     def is_first_stage(self) -> bool:
@@ -142,5 +171,6 @@ class ParallelMesh:
         return torch.device("cpu")
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}, rank={self.global_rank}, "
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}{ep}, rank={self.global_rank}, "
                 f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, cp={self.cp_rank}, tp={self.tp_rank}))")

@@ -36,7 +36,8 @@ class PipelineExecutor:
     """Runs one rank's action list over its local chunks.
 
     Args:
-        chunks: this rank's model chunks (``v`` modules called as ``chunk(hidden=x, **batch)``).
+        chunks: this rank's model chunks (``v`` modules, each called as
+            ``chunk(hidden=x, aux_loss_scale=s, **batch)``).
         p2p: ``StageP2P`` of this rank (unused when ``p == 1``).
         p, rank: pipeline size and this rank's pipeline coordinate.
         activation_shape: ``batch -> shape`` of the activation entering a stage > 0 for that
@@ -75,7 +76,8 @@ class PipelineExecutor:
 
         Args:
             scale_loss: maps a last-stage micro-batch loss (scalar) to what its backward differentiates;
-                default ``loss * (1 / m)``. fp16 loss scaling and 1/GAS live here.
+                default ``loss * (1 / m)``. fp16 loss scaling and 1/GAS live here. It must be linear: each
+                chunk gets its factor as ``aux_loss_scale``, for losses its layers add through the gradient.
             on_micro_batch: called once per micro-batch when this rank's last backward action of it
                 (B or BW of its last chunk) has run, e.g. ``ZeroOptimizer.note_micro_step``.
 
@@ -90,6 +92,7 @@ class PipelineExecutor:
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
         m = self._m
         self._scale_loss = scale_loss or (lambda loss: loss * (1.0 / m))
+        self._aux_scale = float(self._scale_loss(torch.ones(())))   # d scaled / d loss, for the chunks' own losses
         self._on_micro_batch, self._mb_left = on_micro_batch, dict.fromkeys(range(m), self.v)
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
         self._to_send, self._pending, self._losses = {}, {}, {}
@@ -178,7 +181,7 @@ class PipelineExecutor:
         x = None if s == 0 else self._take(self._inputs, key, "input activation")
         batch = {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
         with torch.set_grad_enabled(self._train):
-            out = self.chunks[chunk](hidden=x, **batch)
+            out = self.chunks[chunk](hidden=x, aux_loss_scale=self._aux_scale, **batch)
         if s == self.last:
             if out.dim() != 0:
                 raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "

@@ -33,7 +33,9 @@ class TPShard:
         logical_shape: the whole, unpadded tensor's shape.
         dim: dim split over tp, or None when every tp rank holds the whole tensor.
         padded: size of ``dim`` after padding to a multiple of tp (== logical size without padding).
-        rank, world: this rank's position in, and the size of, the tp group.
+        rank, world: this rank's position in, and the size of, the group ``dim`` is split over.
+        axis: that group's mesh dim: "tp", or "ep" for a mixture of experts' expert weights, split over the
+            expert-parallel ranks (``plait.parallel.mesh``) and whole on every tp rank.
     """
 
     logical_shape: tuple[int, ...]
@@ -41,6 +43,12 @@ class TPShard:
     padded: int | None = None
     rank: int = 0
     world: int = 1
+    axis: str = "tp"
+
+    @property
+    def tp_split(self) -> bool:
+        """True when the tp ranks hold different parts (False: every tp rank holds the same tensor)."""
+        return self.dim is not None and self.axis == "tp"
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -103,7 +111,9 @@ class FusedShard:
 
     names: tuple[str, ...]
     parts: tuple[TPShard, ...]
-    dim = 0                     # class constant, not a field: the stacked dim
+    dim = 0                     # class constants, not fields: the stacked dim, split over tp
+    axis = "tp"
+    tp_split = True
 
     def __post_init__(self):
         trailing = {tuple(p.local_shape[1:]) for p in self.parts}
@@ -190,12 +200,20 @@ def mark(param: torch.Tensor, spec: TPShard | FusedShard) -> torch.Tensor:
     return param
 
 
-def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group) -> torch.Tensor:
-    """All-gather a tp shard into the whole logical tensor (padding removed). Collective over tp.
-    A ``FusedShard`` gives its whole logical tensors concatenated along dim 0 (``gather_logical``
-    names them)."""
+def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group, ep_group=None) -> torch.Tensor:
+    """All-gather a tp shard over the tp ``group`` (an expert shard, ``axis="ep"``, over ``ep_group``) into the
+    whole logical tensor (padding removed). Collective over that group. A ``FusedShard`` gives its whole
+    logical tensors concatenated along dim 0 (``gather_logical`` names them).
+
+    Raises:
+        ValueError: the shard's group has ``spec.world`` ranks but the group given another size."""
     if isinstance(spec, FusedShard):
         return torch.cat([gather_full(p.local(local), p.spec, group) for p in _parts("", spec)])
+    if spec.axis != "tp":
+        group = ep_group
+    if spec.dim is not None and group_size(group) != spec.world:
+        raise ValueError(f"a shard split over {spec.world} {spec.axis} ranks cannot be gathered over a group of "
+                         f"{group_size(group)}; pass the mesh's {spec.axis} group")
     if spec.dim is None or group_size(group) == 1:
         return spec.unpad(local) if spec.dim is not None else local
     moved = local.detach().movedim(spec.dim, 0).contiguous()
@@ -206,22 +224,24 @@ def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group) -> torch
     return full.narrow(spec.dim, 0, spec.logical_shape[spec.dim]).contiguous()
 
 
-def gather_logical(name: str, param: torch.Tensor, group, tensor: torch.Tensor | None = None) -> dict:
+def gather_logical(name: str, param: torch.Tensor, group, tensor: torch.Tensor | None = None,
+                   ep_group=None) -> dict:
     """``{logical name: whole tensor}`` of what ``param`` (registered as ``name``) holds, or of
-    ``tensor`` laid out like it (e.g. ``param.grad``). Collective over tp."""
+    ``tensor`` laid out like it (e.g. ``param.grad``). Collective over tp (and ep, ``gather_full``)."""
     local = param.detach() if tensor is None else tensor
-    return {p.name: gather_full(p.local(local), p.spec, group) for p in logical_parts(name, param)}
+    return {p.name: gather_full(p.local(local), p.spec, group, ep_group) for p in logical_parts(name, param)}
 
 
-def gather_logical_state(module, group=None, grads: bool = False) -> dict:
+def gather_logical_state(module, group=None, grads: bool = False, ep_group=None) -> dict:
     """``{logical name: whole tensor}`` of every parameter of ``module`` (or of its gradient, None
     entries left out with ``grads``): what a single-process model of the same architecture holds under
-    those names, whatever the tp layout and fusion. Collective over the tp ``group``."""
+    those names, whatever the tp (and ep) layout and fusion. Collective over the tp ``group`` (and the
+    expert-parallel ``ep_group``, for a mixture of experts' expert weights)."""
     out = {}
     for name, p in module.named_parameters():
         if grads and p.grad is None:
             continue
-        out.update(gather_logical(name, p, group, p.grad if grads else None))
+        out.update(gather_logical(name, p, group, p.grad if grads else None, ep_group))
     return out
 
 

@@ -28,7 +28,9 @@ class StageChunk(Protocol):
     def __call__(self, *, hidden: torch.Tensor | None = None, **batch: torch.Tensor) -> torch.Tensor:
         """Run the chunk: the first stage reads ``batch["input_ids"] [b, s]`` (``hidden`` None), the others
         ``hidden`` (``activation_shape(batch)``); the last stage returns the micro-batch's scalar mean loss
-        (given ``labels``), the others the activation for the next stage."""
+        (given ``labels``), the others the activation for the next stage. ``batch["aux_loss_scale"]`` (a float,
+        always passed) is d(what the backward differentiates)/d(loss), for the losses a chunk's layers join to
+        the gradient themselves (``plait.layers.moe.add_loss_gradient``); a chunk without any ignores it."""
         ...
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

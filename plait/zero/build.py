@@ -22,6 +22,14 @@ from plait.zero.policy import StagePolicy
 from plait.zero.stage3 import Unit, build_units
 
 
+def check_experts(groups, stage: int, offload) -> None:
+    """ValueError for expert-parallel weights (``GroupKey.experts``) at stage 0 or with offload (not built yet:
+    the stage-0 gradient norm and the offloaded steps cover the dp ranks only)."""
+    if any(g.key.experts for g in groups) and (offload is not None or stage == 0):
+        raise ValueError(f"expert-parallel weights (ep > 1) need ZeRO stage 1, 2 or 3 without offload for now; "
+                         f"got stage {stage}, offload {offload is not None}")
+
+
 def check_arguments(policy: StagePolicy, gradient_accumulation_steps: int, offload, options: dict) -> None:
     """``ZeroOptimizer``'s argument checks. ``options``: name -> (value, its option class); ``offload``: the
     ``OffloadOptions`` or None.
@@ -104,7 +112,9 @@ def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, po
     rank) in reverse registration order.
     """
     def key(p, persistent=False, unit=None):
-        return GroupKey(group_of[id(p)], dtype or p.dtype, shard_of(p).dim is None, persistent, unit)
+        spec = shard_of(p)
+        experts = spec.axis == "ep" and spec.world > 1    # expert weights split over ep ranks
+        return GroupKey(group_of[id(p)], dtype or p.dtype, not spec.tp_split, persistent, unit, experts)
 
     if not policy.parameters:
         return [Entry(n, p, key(p)) for n, p in reversed(named)], []

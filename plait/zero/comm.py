@@ -7,12 +7,62 @@ segments of the same sizes in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from plait.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from plait.parallel.collectives import all_gather_flat, group_rank, group_size, reduce_scatter_flat
 from plait.zero.flat import Segment
+
+
+@dataclass(frozen=True)
+class ShardComm:
+    """The ranks a flat group's segments are sharded and reduced over.
+
+    Attributes:
+        group: the process group (None: one process). size: its ranks.
+        divisor: what a gradient summed over ``group`` is divided by: the data-parallel size, ``size`` for
+            ordinary weights; for expert weights under expert parallelism (``group`` the expert-data-parallel
+            ranks, ``size = dp / ep``) still ``dp``, as each rank's gradient already sums the contributions
+            of its ep group's tokens (their mean over all dp ranks is the single-process gradient).
+    """
+
+    group: object
+    size: int
+    rank: int
+    divisor: int
+
+    def source(self, dp_rank: int, dp_size: int) -> int:
+        """The rank of this group that holds what dp rank ``dp_rank`` holds (dp ranks are ``edp x ep`` with
+        ep fastest, ``plait.parallel.mesh``)."""
+        return dp_rank * self.size // dp_size
+
+
+class Comms(NamedTuple):
+    """Where flat groups live: ``dp`` for every weight, ``experts`` for expert weights split over ep ranks
+    (``GroupKey.experts``)."""
+
+    dp: ShardComm
+    experts: ShardComm
+
+    def of(self, seg: Segment) -> ShardComm:
+        return self.experts if seg.key.experts else self.dp
+
+    def split(self, segments) -> list[tuple[ShardComm, list]]:
+        """``segments`` by their comm (dp first), order kept within each: collectives run per comm."""
+        parts = [(c, [s for s in segments if self.of(s) == c]) for c in dict.fromkeys((self.dp, self.experts))]
+        return [(c, segs) for c, segs in parts if segs]
+
+
+def make_comms(dp_group, expert_group=None) -> Comms:
+    """A ZeRO optimizer's ``Comms``: every weight over ``dp_group``; expert weights over ``expert_group`` (the
+    expert-data-parallel ranks, ``ParallelMesh.group("edp")``; default ``dp_group``), divided by the dp size."""
+    dp = group_size(dp_group)
+    experts = dp_group if expert_group is None else expert_group
+    return Comms(ShardComm(dp_group, dp, group_rank(dp_group), dp),
+                 ShardComm(experts, group_size(experts), group_rank(experts), dp))
 
 
 class Pending:
@@ -88,12 +138,13 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
 
 
 def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
-                         release: bool, async_op: bool, out: torch.Tensor | None = None
-                         ) -> tuple[Pending, torch.Tensor]:
+                         release: bool, async_op: bool, out: torch.Tensor | None = None,
+                         divisor: int | None = None) -> tuple[Pending, torch.Tensor]:
     """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
 
     Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
-    divides by ``world`` (before the sum, so fp16/bf16 reductions do not overflow) and
+    divides by ``divisor`` (default ``world``; ``ShardComm.divisor``) before the sum, so fp16/bf16
+    reductions do not overflow, and
     reduce-scatters it when the segment is sharded (``seg.world > 1``; the result is this rank's
     ``[S]`` slice) or all-reduces it (stage 0; the result is ``[padded]``). ``release`` sets each
     ``param.grad`` to None once packed (stages 1-3 keep no full gradients). Returns the pending
@@ -105,8 +156,9 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     if release:
         for slot in seg.slots:
             slot.param.grad = None
-    if world > 1:
-        buf.div_(world)
+    divisor = world if divisor is None else divisor
+    if divisor > 1:
+        buf.div_(divisor)
     if world == 1:
         return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
     if seg.world == 1:
@@ -117,27 +169,29 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     return Pending([work] if async_op else [], keep=[buf]), out
 
 
-def publish_segments(segments, dp_group, dp_size: int, bucket_numel: int, async_op: bool = False) -> None:
+def publish_segments(segments, comms: Comms, bucket_numel: int, async_op: bool = False) -> None:
     """Make the updated shards of ``segments`` visible wherever the parameters are read whole.
 
     The caller has already written each segment's own ``[S]`` slice (``seg.local`` for stage-3 shards, or
     their fp32 master slice when ``seg.shard()`` derives them; ``seg.full[lo:lo+S]`` otherwise). Stage-3
     shards are copied into their gathered ``[padded]`` buffer only while gathered (``gathered_parameters()``);
     segments whole on every rank (stages 1-2, stage-3 persistent; ``seg.world > 1``) are all-gathered over
-    ``dp_group`` (ZeRO Sec. 5.1: the parameter all-gather after the update). Waits for every collective.
-    Collective over ``dp_group``.
+    their group (``comms``; ZeRO Sec. 5.1: the parameter all-gather after the update). Waits for every
+    collective. Collective over the groups of ``comms``.
     """
-    outs, ins, made = [], [], []
-    for seg in segments:
-        if seg.local is not None:
-            if seg.full is not None:
+    made = []
+    for comm, segs in comms.split(segments):
+        outs, ins = [], []
+        for seg in segs:
+            if seg.local is not None:
+                if seg.full is not None:
+                    outs.append(seg.full)
+                    ins.append(seg.shard().to(seg.full.device))
+                    made += [seg] if seg.full is not seg.local else []    # one rank: the shard is the buffer
+            elif seg.world > 1:
                 outs.append(seg.full)
-                ins.append(seg.shard().to(seg.full.device))
-                made += [seg] if seg.full is not seg.local else []    # one rank: the shard is the buffer
-        elif seg.world > 1:
-            outs.append(seg.full)
-            ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
-    for pending, _ in gather_segments(outs, ins, dp_group, dp_size, bucket_numel, async_op=async_op):
-        pending.wait()
+                ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
+        for pending, _ in gather_segments(outs, ins, comm.group, comm.size, bucket_numel, async_op=async_op):
+            pending.wait()
     for seg in made:
         seg.drop_shard()

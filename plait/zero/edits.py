@@ -63,15 +63,14 @@ def adopt_edits(opt, modifier_rank: int) -> None:
         raise ValueError(f"modifier_rank {modifier_rank} is not a data-parallel rank (dp size {opt.dp_size}); "
                          f"pass 0 to {opt.dp_size - 1}")
     opt.synchronize()
-    src = None
-    if opt.dp_size > 1:
-        src = dist.get_global_rank(opt.dp_group, modifier_rank) if opt.dp_group is not None else modifier_rank
     for group, master in zip(opt.groups, opt.masters):
         for seg in group.segments:
             if seg.full is None:
                 raise RuntimeError("adopt_edits needs whole parameters: call it inside gathered_parameters()")
-            if src is not None:
-                dist.broadcast(seg.full, src=src, group=opt.dp_group)
+            comm = opt.comms.of(seg)    # expert weights: from the modifier's expert-data-parallel rank
+            if comm.size > 1:
+                src = dist.get_global_rank(comm.group, comm.source(modifier_rank, opt.dp_size))
+                dist.broadcast(seg.full, src=src, group=comm.group)
             own = seg.full[seg.lo:seg.lo + seg.shard_size]
             mine = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
             edited = own != mine.to(own.dtype)   # elements the edit changed: the rest keep their fp32 bits

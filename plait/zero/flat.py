@@ -36,6 +36,7 @@ class GroupKey(NamedTuple):
     persistent: bool = False  # stage 3: kept whole on every rank (numel < persistence threshold)
     unit: int | None = None   # stage 3: the unit holding these parameters (one flat group, master and
     #                           gradient shard per unit, as FSDP2 keeps one per fully_shard module)
+    experts: bool = False     # expert weights split over ep ranks: sharded over the expert-data-parallel ranks
 
 
 @dataclass(eq=False)
@@ -187,18 +188,22 @@ class Entry:
     unit: int | None = None
 
 
-def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int) -> list[FlatGroup]:
-    """Pack ``entries`` (in the given order) into flat groups of segments.
+def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int,
+                 experts: tuple[int, int] | None = None) -> list[FlatGroup]:
+    """Pack ``entries`` (in the given order) into flat groups of segments, split over ``world`` ranks (this
+    one ``rank``), those of ``GroupKey.experts`` over ``experts = (world, rank)`` (default the same).
 
     A segment holds parameters of one key (and one unit, for stage 3) and is closed when adding the
     next parameter would take it past ``bucket_numel`` elements; a parameter larger than the bucket
     gets a segment of its own. Flat groups come in order of first appearance of their key.
 
     Raises:
-        ValueError: ``world`` < 1, ``rank`` outside ``[0, world)`` or ``bucket_numel`` < 1.
+        ValueError: a world < 1, a rank outside ``[0, world)`` or ``bucket_numel`` < 1.
     """
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"need 0 <= rank < world, got rank {rank} and world {world}")
+    experts = experts or (world, rank)
+    for w, r in ((world, rank), experts):
+        if w < 1 or not 0 <= r < w:
+            raise ValueError(f"need 0 <= rank < world, got rank {r} and world {w}")
     if bucket_numel < 1:
         raise ValueError(f"bucket size must be at least 1 element, got {bucket_numel}")
     by_key: dict[GroupKey, list[Segment]] = {}
@@ -207,7 +212,7 @@ def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int)
         n = e.param.numel()
         seg = open_seg.get(e.key)
         if seg is None or seg.unit != e.unit or (seg.numel + n > bucket_numel and seg.numel > 0):
-            seg = Segment(e.key, [], 0, world, rank, unit=e.unit)
+            seg = Segment(e.key, [], 0, *(experts if e.key.experts else (world, rank)), unit=e.unit)
             open_seg[e.key] = seg
             by_key.setdefault(e.key, []).append(seg)
         seg.slots.append(Slot(e.name, e.param, seg.numel, n, e.param.shape))

@@ -47,9 +47,10 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.build import (check_arguments, derive_shards, grad_dtypes, layout_entries, materialize,
+from plait.zero.build import (check_arguments, check_experts, derive_shards, grad_dtypes, layout_entries, materialize,
                               optimizer_groups, resolve_groups, unit_segments, weight_decay_groups)
 from plait.zero.clip import clip_coefficient
+from plait.zero.comm import make_comms
 from plait.zero.edits import gathered, mark_owner
 from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
 from plait.zero.memory import held_bytes
@@ -73,6 +74,8 @@ class ZeroOptimizer:
             module to its device.
         dp_group: data-parallel ProcessGroup (e.g. ``mesh.dp_group``); None means one process
             (no communication; note None is *not* the world group here).
+        expert_group: under expert parallelism, the expert-data-parallel group (``mesh.group("edp")``) that
+            expert weights split over the ep ranks (``TPShard.axis == "ep"``) are sharded and reduced over.
         stage: 0 (plain DP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
         optimizer: torch optimizer class or factory ``f(param_groups, **optimizer_kwargs)``; it must
             be elementwise (Adam/AdamW/SGD...; not LAMB).
@@ -100,10 +103,10 @@ class ZeroOptimizer:
         ValueError: bad stage, sizes, param groups or option groups (message names the values and the fix).
     """
 
-    def __init__(self, module: nn.Module, dp_group=None, *, stage: int = 1, optimizer=torch.optim.AdamW,
-                 optimizer_kwargs: dict | None = None, param_groups: list[dict] | None = None,
-                 precision: PrecisionOptions | None = None, clip: ClipOptions | None = None,
-                 comm: CommOptions | None = None, units: list[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, dp_group=None, *, expert_group=None, stage: int = 1,
+                 optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None,
+                 param_groups: list[dict] | None = None, precision: PrecisionOptions | None = None,
+                 clip: ClipOptions | None = None, comm: CommOptions | None = None, units: list[nn.Module] | None = None,
                  gradient_accumulation_steps: int = 1, offload: OffloadOptions | None = None, weights=None):
         self.policy = StagePolicy.of(stage)
         check_arguments(self.policy, gradient_accumulation_steps, offload, {
@@ -111,6 +114,7 @@ class ZeroOptimizer:
             "offload": (offload, OffloadOptions)})
         self.module, self.stage, self.dp_group, self.comm = module, stage, dp_group, comm or CommOptions()
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.comms = make_comms(dp_group, expert_group)
         self.offload_options, self._host = offload, offload is not None and offload.optimizer
         self.precision, self.clip = precision or PrecisionOptions(), clip or ClipOptions()
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -136,7 +140,9 @@ class ZeroOptimizer:
         entries, self.units = layout_entries(self.module, named, group_of, dtype, self.policy,
                                              self.comm.param_persistence_threshold, units)
         world, rank = self.policy.shard_world(self.dp_size, self.dp_rank)
-        self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size)
+        experts = self.policy.shard_world(self.comms.experts.size, self.comms.experts.rank)
+        self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size, experts)
+        check_experts(self.groups, self.stage, self.offload_options)
         self.params = [p for _, p in named]
         self.device = self.params[0].device
         return group_opts
@@ -177,13 +183,13 @@ class ZeroOptimizer:
         stepper's ``land`` under offload)."""
         comm, off, dp = self.comm, self.offload_options, self.dp_group
         ready = Readiness(forward_order(self.module, [s for g in self.groups for s in g.segments]), self.device,
-                          dp, self.dp_size, comm.allgather_bucket_size, comm.overlap_comm) if self._host else None
+                          self.comms, comm.allgather_bucket_size, comm.overlap_comm) if self._host else None
         self.gatherer = None
         if self.policy.parameters:
             unit_segments(self.units, self.groups)
             extra = {"device": self.device} if off is not None and off.param else {}
             self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
-                self.module, self.units, dp, self.dp_size, comm.allgather_bucket_size, comm.prefetch_bucket_size,
+                self.module, self.units, self.comms, comm.allgather_bucket_size, comm.prefetch_bucket_size,
                 self._note_backward, gate=ready, reshard_after_forward=comm.reshard_after_forward, **extra)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params] \
             if self.policy.gradients else []
@@ -193,9 +199,9 @@ class ZeroOptimizer:
             self.shards, off, ready, module=self.module, device=self.device, dp_group=dp,
             gradient_accumulation_steps=self.gradient_accumulation_steps, is_last_micro_step=self._last_micro_step,
             steps_as_is=not self.clip.max_grad_norm and self.scaler is None and not self.precision.skip_nonfinite,
-        ) if self._host else DeviceStepper(self.shards, dp if self.policy.optimizer_states else None, dp,
-                                           self.dp_size, comm)
-        self.reducer = GradReducer(self.groups, self.grad_shards, dp, self.dp_size, self._land_dtype,
+        ) if self._host else DeviceStepper(self.shards, dp if self.policy.optimizer_states else None, self.comms,
+                                           comm)
+        self.reducer = GradReducer(self.groups, self.grad_shards, self.comms, self._land_dtype,
                                    comm.overlap_comm, eager=self.policy.gradients,
                                    land=self.stepper.land if self._host else None,
                                    give_back=gives_back(self.device, self._host, per_unit=len(self.units) > 1))
@@ -238,8 +244,7 @@ class ZeroOptimizer:
             return self.boundary_override
         return self.gradient_accumulation_steps == 1 or self.micro_steps >= self.gradient_accumulation_steps
 
-    def _last_micro_step(self) -> bool:
-        """During backward (``micro_steps`` not yet counted): whether this micro-step's gradients are final."""
+    def _last_micro_step(self) -> bool:   # during backward: whether this micro-step's gradients are final
         return self.micro_steps + 1 >= self.gradient_accumulation_steps or bool(self.boundary_override)
 
     def _note_backward(self) -> None:
@@ -267,11 +272,9 @@ class ZeroOptimizer:
         ``max_grad_norm`` -> the stepper updates the fp32 masters and publishes the parameters -> finish.
 
         A non-finite norm is decided here, once, for both steppers: skipped with a loss scaler or
-        ``PrecisionOptions(skip_nonfinite=True)``; otherwise (``skip_nonfinite=False``, no fp16 scaler) the
-        step is applied with the gradients as they are (coefficient 1: an inf/nan norm gives no clip
-        factor), on the device and under offload alike, so inf/nan reach the weights and ``grad_norm`` is
-        the inf/nan norm. An offload early-mode step (``plait.zero.offload``), already applied during
-        backward, is the same step.
+        ``PrecisionOptions(skip_nonfinite=True)``; otherwise applied with the gradients as they are
+        (coefficient 1), inf/nan reaching the weights and ``grad_norm``. An offload early-mode step
+        (``plait.zero.offload``), already applied during backward, is the same step.
 
         Returns:
             True when the parameters were updated; False before the boundary or when the step was
@@ -331,18 +334,14 @@ class ZeroOptimizer:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
         where every rank holds whole parameters. Collective."""
         self.synchronize()
-        write_back(self.groups, self.masters, self.dp_group, self.dp_size, self.comm.allgather_bucket_size,
-                   self.comm.overlap_comm)
+        write_back(self.groups, self.masters, self.comms, self.comm.allgather_bucket_size, self.comm.overlap_comm)
 
     def rebind_views(self) -> None:
         """Point parameters back at their flat buffers where something replaced their ``.data``.
 
         A ``module.to(device)`` on an already-placed model (accelerate's ``prepare_model``, run by the
-        Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values; later steps then
-        update the flat buffers the model no longer reads. Every parameter is checked (a pointer
-        comparison each); DeepSpeed's stage 1/2 re-points its parameters after every step for the same
-        reason.
-        """
+        Hugging Face Trainer's ``evaluate``) can hand parameters copies of their values, which later steps
+        would not update. DeepSpeed's stage 1/2 re-points its parameters after every step for that reason."""
         rebind_views(self.groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

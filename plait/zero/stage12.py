@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from plait.zero.comm import Pending, reduce_segment_grads
+from plait.zero.comm import Comms, Pending, reduce_segment_grads
 from plait.zero.flat import FlatGroup, Segment
 
 MAX_IN_FLIGHT = 4  # async reductions allowed before the oldest is waited for (bounds buffer memory)
@@ -56,8 +56,7 @@ class GradReducer:
         groups: the layout (``flat.build_layout``).
         grad_shards: one float32 accumulator per flat group; the first reduction of a step is copied in,
             later ones (gradient-accumulation micro-steps) are added.
-        dp_group: the data-parallel group (None: one process, no communication).
-        dp_size: its size.
+        comms: the groups each segment is reduced over (``plait.zero.comm.Comms``; None groups: one process).
         reduce_dtype: dtype gradients travel in (float32 default; bf16/fp16 halve the traffic).
         overlap: launch collectives asynchronously.
         eager: reduce from hooks as gradients appear (stages 2, 3) instead of at the boundary.
@@ -67,10 +66,10 @@ class GradReducer:
         give_back: free the grad shards' storage between steps (``zero``); see ``gives_back``.
     """
 
-    def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], dp_group, dp_size: int,
+    def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], comms: Comms,
                  reduce_dtype: torch.dtype, overlap: bool, eager: bool, land=None, give_back: bool = False):
         self.groups, self.grad_shards, self.land, self.give_back = groups, grad_shards, land, give_back
-        self.dp_group, self.dp_size = dp_group, dp_size
+        self.comms = comms
         self.reduce_dtype, self.overlap, self.eager = reduce_dtype, overlap, eager
         self.segments: list[Segment] = [seg for g in groups for seg in g.segments]
         self._segment_of = {id(slot.param): seg for seg in self.segments for slot in seg.slots}
@@ -100,7 +99,7 @@ class GradReducer:
         if id(seg) not in self._fresh or self.reduce_dtype != shard.dtype or \
                 shard.device != seg.slots[0].param.device:
             return None
-        if self.dp_size > 1 and (seg.world == 1 or self.land is not None):
+        if self.comms.of(seg).size > 1 and (seg.world == 1 or self.land is not None):
             return None
         return self._slice(seg)
 
@@ -109,12 +108,12 @@ class GradReducer:
         shard = self.grad_shards[seg.group]
         if shard.untyped_storage().nbytes() == 0:    # given back after the last step; every slice lands anew
             shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-        direct = self._direct(seg)
-        pending, out = reduce_segment_grads(seg, self.dp_group, self.dp_size, self.reduce_dtype,
-                                            release=True, async_op=self.overlap, out=direct)
+        direct, comm = self._direct(seg), self.comms.of(seg)
+        pending, out = reduce_segment_grads(seg, comm.group, comm.size, self.reduce_dtype, release=True,
+                                            async_op=self.overlap, out=direct, divisor=comm.divisor)
         if direct is not None:
             self._fresh.discard(id(seg))       # written in place: landing adds nothing
-            if self.dp_size == 1:
+            if comm.size == 1:
                 if self.land is not None:
                     self.land(seg, None, True)
                 return

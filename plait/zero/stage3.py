@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from plait.zero.comm import Pending, gather_segments
+from plait.zero.comm import Comms, Pending, gather_segments
 from plait.zero.flat import Segment
 
 
@@ -147,7 +147,7 @@ class ParamGatherer:
     Args:
         root: the model (hooks go on its units and on it).
         units: from ``build_units``; each unit's ``segments`` must be filled in by the caller.
-        dp_group, dp_size: the data-parallel group and its size.
+        comms: the groups each segment is sharded over (``plait.zero.comm.Comms``).
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
         reshard_after_forward: release each unit when its forward ends (module docstring); False keeps
@@ -158,14 +158,14 @@ class ParamGatherer:
             and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
     """
 
-    def __init__(self, root: nn.Module, units: list[Unit], dp_group, dp_size: int, allgather_bucket_size: int,
+    def __init__(self, root: nn.Module, units: list[Unit], comms: Comms, allgather_bucket_size: int,
                  prefetch_bucket_size: int, on_backward: Callable[[], None], gate=None,
                  reshard_after_forward: bool = True, device: torch.device | None = None):
         self.root, self.units = root, units
         self.reshard_after_forward = reshard_after_forward
         self.device = device          # where gathered buffers live (None: beside each shard)
         self.buffers: dict[int, torch.Tensor] = {}   # id(segment) -> its [padded] gather buffer
-        self.dp_group, self.dp_size, self.on_backward = dp_group, dp_size, on_backward
+        self.comms, self.on_backward = comms, on_backward
         self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
         self.refs: dict[int, int] = {}
         self.in_flight: dict[int, tuple[Pending, list[Segment], list[torch.Tensor]]] = {}
@@ -195,7 +195,7 @@ class ParamGatherer:
     def _buffer(self, seg: Segment) -> torch.Tensor:
         """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank)."""
         device = self.device if self.device is not None else seg.local.device
-        if self.dp_size == 1 and seg.local.device == device:
+        if self.comms.of(seg).size == 1 and seg.local.device == device:
             return seg.local            # filled by _sources: the gather is the shard itself
         buf = self.buffers.get(id(seg))
         if buf is None:
@@ -236,18 +236,17 @@ class ParamGatherer:
         self.stats["prefetched" if async_op else "fetched"] += len(segs)
         if async_op and torch._C._current_graph_task_id() != -1:
             self.stats["prefetched_in_backward"] += len(segs)
-        outs = [self._buffer(s) for s in segs]
-        ins = self._sources(segs)
-        launched = gather_segments(outs, ins, self.dp_group, self.dp_size, self.allgather_bucket_size,
-                                   async_op=async_op)
-        if not async_op or not launched:
-            self._gathered(segs, outs)
-            return
-        for pending, run in launched:
-            pending.keep.extend(ins[k] for k in run)
-            record = (pending, [segs[k] for k in run], [outs[k] for k in run])
-            for k in run:
-                self.in_flight[id(segs[k])] = record
+        for comm, part in self.comms.split(segs):
+            outs, ins = [self._buffer(s) for s in part], self._sources(part)
+            launched = gather_segments(outs, ins, comm.group, comm.size, self.allgather_bucket_size, async_op=async_op)
+            if not async_op or not launched:
+                self._gathered(part, outs)
+                continue
+            for pending, run in launched:
+                pending.keep.extend(ins[k] for k in run)
+                record = (pending, [part[k] for k in run], [outs[k] for k in run])
+                for k in run:
+                    self.in_flight[id(part[k])] = record
 
     def _land(self, seg: Segment) -> None:
         record = self.in_flight.get(id(seg))

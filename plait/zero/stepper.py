@@ -88,9 +88,10 @@ def folds_grad_scale(optimizer) -> bool:
         all(g.get("fused") for g in optimizer.param_groups)
 
 
-def write_back(groups, masters, dp_group, dp_size: int, bucket_numel: int, async_op: bool) -> None:
+def write_back(groups, masters, comms, bucket_numel: int, async_op: bool) -> None:
     """Copy every fp32 master shard (``[shard_numel]`` per flat group) into the model parameters' own
-    ``[S]`` slices (compute dtype) and publish them (``comm.publish_segments``). Collective over dp."""
+    ``[S]`` slices (compute dtype) and publish them (``comm.publish_segments``). Collective over the groups
+    of ``comms`` (``plait.zero.comm.Comms``)."""
     segments = []
     for group, master in zip(groups, masters):
         for seg in group.segments:
@@ -100,7 +101,7 @@ def write_back(groups, masters, dp_group, dp_size: int, bucket_numel: int, async
             src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
             own = seg.local if seg.local is not None else seg.full[seg.lo:seg.lo + seg.shard_size]
             own.copy_(src)
-    publish_segments(segments, dp_group, dp_size, bucket_numel, async_op=async_op)
+    publish_segments(segments, comms, bucket_numel, async_op=async_op)
 
 
 class DeviceStepper:
@@ -109,13 +110,13 @@ class DeviceStepper:
     Args:
         shards: the ``ShardSet`` (fp32 ``masters`` and ``grad_shards`` on the device).
         norm_dp_group: the dp group the norm is summed over (None at stage 0: every rank holds it whole).
-        dp_group, dp_size: the data-parallel group (None: one process) and its size, for the write-back.
+        comms: the groups the segments are sharded over (``plait.zero.comm.Comms``), for the write-back.
         comm: ``CommOptions`` (all-gather bucket size, ``overlap_comm``) of the write-back.
     """
 
-    def __init__(self, shards: ShardSet, norm_dp_group, dp_group, dp_size: int, comm: CommOptions):
+    def __init__(self, shards: ShardSet, norm_dp_group, comms, comm: CommOptions):
         self.shards, self.norm_dp_group = shards, norm_dp_group
-        self.dp_group, self.dp_size, self.comm = dp_group, dp_size, comm
+        self.comms, self.comm = comms, comm
 
     def grad_norm(self) -> float:
         groups = self.shards.norm_groups
@@ -154,8 +155,7 @@ class DeviceStepper:
                 shards.optimizer.grad_scale = None
         for master in shards.masters:
             master.grad = None
-        write_back(shards.groups, shards.masters, self.dp_group, self.dp_size, self.comm.allgather_bucket_size,
-                   self.comm.overlap_comm)
+        write_back(shards.groups, shards.masters, self.comms, self.comm.allgather_bucket_size, self.comm.overlap_comm)
 
     def discard(self) -> None:
         pass

@@ -37,16 +37,16 @@ class Readiness:
 
     Args:
         order: every segment, in the order the worker steps them (forward order).
-        device: the module's device. dp_group, dp_size: data-parallel group and its size.
+        device: the module's device. comms: the groups segments are sharded over (``plait.zero.comm.Comms``).
         allgather_bucket_size: elements per coalesced all-gather. overlap_comm: asynchronous all-gathers.
     """
 
-    def __init__(self, order: list[Segment], device: torch.device, dp_group, dp_size: int,
+    def __init__(self, order: list[Segment], device: torch.device, comms,
                  allgather_bucket_size: int, overlap_comm: bool):
         self.order = order
         self.pos = {id(s): k for k, s in enumerate(order)}
         self.device, self.cuda = device, device.type == "cuda"
-        self.dp_group, self.dp_size = dp_group, dp_size
+        self.comms = comms
         self.allgather_bucket_size, self.overlap_comm = allgather_bucket_size, overlap_comm
         self.tickets: list | None = None
         self.next = 0
@@ -100,7 +100,7 @@ class Readiness:
             raise
         if self.next >= len(self.order):
             self.tickets = None
-        publish_segments(consumed, self.dp_group, self.dp_size, self.allgather_bucket_size, self.overlap_comm)
+        publish_segments(consumed, self.comms, self.allgather_bucket_size, self.overlap_comm)
 
 
 def forward_order(module: torch.nn.Module, segments: list[Segment]) -> list[Segment]:

@@ -1,0 +1,273 @@
+"""Mixture-of-experts models (``TransformerConfig.num_experts``): the experts' losses join the gradient inside
+each block (``add_loss_gradient``), so through the engine, pipelines included, training must equal one process
+that adds them to its loss explicitly (``with_expert_losses``, the blocks' own path switched off).
+
+Tolerances: the gradient identity to 1e-6 (the same terms summed in another order: ~1e-7 measured); the
+engine and pipeline runs, 5 AdamW steps, to 3e-6 (see ``test_engine_trains_a_mixture_of_experts_model...``).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers import rel_err
+from plait.layers import MoE, TransformerModel
+
+TOL_TRAINED = 3e-6
+
+
+def moe_tiny(**overrides):
+    """test_engine's Llama with 4 experts of width 48, top-2, a z-loss too."""
+    from test_engine import tiny
+    return tiny(**{"num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 48, "moe_z_loss_coef": 1e-3,
+                   **overrides})
+
+
+def with_expert_losses(model, batch):
+    """``(cross entropy + every block's weighted expert losses, cross entropy)`` for ``batch``: the expert
+    losses read from the layers' outputs and added here, their path inside the blocks off (scale 0)."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out[1].loss))
+             for m in model.modules() if isinstance(m, MoE)]
+    ce = model(**batch, aux_loss_scale=0.0)
+    for hook in hooks:
+        hook.remove()
+    return ce + sum(seen), ce
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_loss_is_the_cross_entropy_and_its_gradient_adds_the_expert_losses(scale):
+    """``model(**batch, aux_loss_scale=s)`` returns the cross entropy; its backward is that of
+    ``ce + s x expert losses`` (s: what a caller's ``(c x loss).backward()`` needs, c)."""
+    from test_engine import micro_batch
+    batch = micro_batch(0, 0, 0)
+    model, ref = (TransformerModel(moe_tiny(), None, seed=5) for _ in range(2))
+    loss = model(**batch, aux_loss_scale=scale)
+    loss.backward()
+    total, ce = with_expert_losses(ref, batch)
+    (ce + scale * (total - ce)).backward()
+    logits = ref(input_ids=batch["input_ids"])
+    assert loss.item() == ce.item() == pytest.approx(
+        F.cross_entropy(logits[..., :1001].flatten(0, 1), batch["labels"].flatten()).item(), rel=1e-6)
+    assert (total - ce).item() > 0.01   # balance ~ top_k = 2 per block at coefficient 0.01
+    ref_grads = grads_of(ref)
+    for name, grad in grads_of(model).items():
+        assert rel_err(grad, ref_grads[name]) <= 1e-6, name
+    # the tolerance can fail: the other scale's router gradient is far outside it
+    model.zero_grad()
+    model(**batch, aux_loss_scale=1.25 - scale).backward()
+    router = "layers.1.mlp.router_weight"
+    assert rel_err(model.get_parameter(router).grad, ref_grads[router]) > 1e-2
+
+
+def engine_moe_body(tp, ep=1):
+    import plait
+    from plait.parallel import ParallelMesh
+    from plait.parallel.sharding import gather_logical_state
+    from test_engine import GAS, STEPS, ds_config, micro_batch
+    results = {}
+    for stage in (1, 2, 3):
+        mesh = ParallelMesh(tp=tp, ep=ep)
+        model = TransformerModel(moe_tiny(), mesh, seed=5)
+        engine = plait.initialize(model, ds_config(stage, tp), mesh=mesh)
+        losses = [engine.train_batch(iter([micro_batch(s, g, mesh.dp_rank) for g in range(GAS)])).item()
+                  for s in range(STEPS)]
+        with engine.optimizer.gathered_parameters():
+            whole = {n: t.float().cpu() for n, t in gather_logical_state(model, mesh.tp_group,
+                                                                          ep_group=mesh.ep_group).items()}
+        results[stage] = (whole, losses, engine.global_steps)
+    return results if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("tp, ep, world", [(1, 1, 2), (2, 1, 2), (1, 2, 4), (1, 4, 4), (2, 2, 4)])
+def test_engine_trains_a_mixture_of_experts_model_as_one_process(tp, ep, world):
+    """5 AdamW steps through ``plait.initialize`` over 2 or 4 ranks: dp 2 or 4, or tp 2 with the experts whole on
+    both tp ranks; with ep 2 or 4 the 4 experts split over the ep ranks, each expert weight sharded by ZeRO over
+    the dp / ep ranks holding it. ZeRO-1/2/3, against one process: losses to 1e-5, every weight to 3e-6
+    (test_engine's 1e-6 x 3). The
+    router adds a path from every block's balance and z losses into the embedding, whose rare tokens' rows
+    get gradients near 0 that Adam scales up with their rounding: the word embedding is the worst weight,
+    measured at 4e-7 with AVX-512 kernels and 8.5e-7 to 1.4e-6 with AVX2 ones (two runs on an AMD EPYC, the
+    second in CI's fresh environment); every other weight stays under 2e-7. A layout mistake, such as dp 2
+    against the one-rank batch, is off by orders of magnitude more."""
+    from plait.testing import run_distributed
+    from test_engine import reference
+    dp = world // tp
+    ref_weights, ref_losses = reference(dp, moe_tiny(), losses_of=with_expert_losses)
+    for stage, (whole, losses, steps) in run_distributed(engine_moe_body, world, tp, ep)[0].items():
+        assert steps == 5 and losses == pytest.approx(ref_losses, rel=1e-5), f"stage {stage} loss curve"
+        for name, ref in ref_weights.items():
+            err = rel_err(whole[name], ref, floor=1e-12)
+            assert err <= TOL_TRAINED, f"ZeRO-{stage} tp={tp} dp={dp} ep={ep}: {name} off by {err:.2e}"
+
+
+@pytest.mark.parametrize("schedule, ep", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 1), ("1f1b", 2)])
+def test_pipelines_train_a_mixture_of_experts_model_as_one_process(schedule, ep):
+    """pp=2 x dp=2 through the engine (test_engine's ``pipeline_body``), and with ep=2: the blocks of the first
+    stage have no path to the head's loss but their own, yet their experts' losses reach the gradient, scaled
+    by the executor's loss scale, as in the one-process reference."""
+    from plait.testing import run_distributed
+    from test_engine import STAGES_FOR, check_pipeline_results, pipeline_body, reference
+    ref_weights, ref_losses = reference(2, moe_tiny(), losses_of=with_expert_losses)
+    per_rank = run_distributed(pipeline_body, 4, moe_tiny(), schedule, 1, "ring", None, ep)[0]
+    check_pipeline_results(per_rank, STAGES_FOR[schedule], ref_weights, ref_losses, f"pp=2 moe {schedule}",
+                           tol=TOL_TRAINED)
+
+
+def test_recomputed_blocks_give_the_same_loss_and_gradients():
+    """Activation checkpointing of every block: the recomputed forward joins the expert losses again."""
+    from test_engine import micro_batch
+    results = []
+    for recompute in (None, "full"):
+        model = TransformerModel(moe_tiny(), None, seed=5, recompute=recompute)
+        loss = model(**micro_batch(0, 0, 0))
+        loss.backward()
+        results.append((loss.item(), grads_of(model)))
+    assert results[1][0] == results[0][0]
+    for name, grad in results[0][1].items():
+        assert rel_err(results[1][1][name], grad) <= 1e-6, name
+
+
+def test_unsupported_layouts_are_refused():
+    from plait.layers.block import TransformerBlock
+    with pytest.raises(ValueError, match=r"num_experts \(4\) must be >= 0 .* moe_top_k \(5\)"):
+        moe_tiny().replace(moe_top_k=5)
+    with pytest.raises(ValueError, match="num_experts > 0 with sequence parallelism is not supported yet"):
+        TransformerBlock(moe_tiny(), sequence_parallel=True)
+
+
+def stats_body():
+    """pp=2 x dp=2, auxiliary-loss-free balancing on: one step, then ``engine.moe_stats()``; every layer's
+    forwards recorded (name, weighted loss, tokens per expert) for the test to recompute both."""
+    import plait
+    from plait.layers.stages import build_stage_modules
+    from plait.parallel import ParallelMesh
+    from plait.parallel.pipeline import PipelineParallel
+    from test_engine import GAS, ds_config, micro_batch
+    mesh = ParallelMesh(pp=2)
+    chunks = build_stage_modules(moe_tiny(moe_bias_update_rate=1e-3), mesh, seed=5)
+    seen = []
+    for name, m in chunks[0].named_modules():
+        if isinstance(m, MoE):
+            m.register_forward_hook(lambda mod, args, out, name=name: seen.append(
+                (name, out[1].loss.item(), out[1].tokens_per_expert.tolist())))
+    cfg = {**ds_config(1, 1), "pipeline": {"size": 2}}
+    engine = plait.initialize(PipelineParallel(chunks, mesh, "1f1b", micro_batches=GAS), cfg, mesh=mesh)
+    engine.train_batch(iter([micro_batch(0, g, mesh.dp_rank) for g in range(GAS)]))
+    biases = {n: b.tolist() for n, b in chunks[0].named_buffers() if n.endswith("expert_bias")}
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, (seen, biases))
+    return engine.moe_stats(), engine.moe_stats(), records
+
+
+def test_engine_reports_the_expert_losses_and_load_and_moves_the_expert_bias():
+    """``moe_stats``: the mean over forwards of every layer's weighted losses, summed over the layers of both
+    stages; the worst layer's max/mean tokens per expert over the step's tokens on both dp ranks; then None
+    (nothing since). The expert bias after the step: ``u x sign(mean(c) - c)`` of each layer's counts c over
+    both dp ranks (DeepSeek-V3's rule), the same on every rank."""
+    from plait.testing import run_distributed
+    results = run_distributed(stats_body, 4)
+    first, second, records = results[0]
+    per_layer = {}
+    for seen, _ in records:
+        for name, loss, counts in seen:
+            entry = per_layer.setdefault(name, [[], torch.zeros(4, dtype=torch.float64)])
+            entry[0].append(loss)
+            entry[1] += torch.tensor(counts, dtype=torch.float64)
+    assert len(per_layer) == 2 and all(len(v[0]) == 4 for v in per_layer.values())   # 2 blocks x (2 dp x GAS 2)
+    aux = sum(sum(losses) / len(losses) for losses, _ in per_layer.values())
+    imbalance = max((c.max() / c.mean()).item() for _, c in per_layer.values())
+    assert first["aux_loss"] == pytest.approx(aux, rel=1e-6)
+    assert first["load_imbalance"] == pytest.approx(imbalance, rel=1e-6) and imbalance > 1.0
+    assert first["dropped"] == 0.0 and second is None
+    for name, (_, counts) in per_layer.items():
+        want = (1e-3 * torch.sign(counts.mean() - counts)).tolist()
+        held = [biases[name + ".expert_bias"] for _, biases in records if name + ".expert_bias" in biases]
+        assert len(held) == 2 and all(b == pytest.approx(want, abs=1e-9) for b in held), name
+    assert all(r == results[0] for r in results[1:])   # every rank reports the same
+
+
+def expert_checkpoint_body(ep, root):
+    """Build the model at ``ep`` (seed 5) and save it; load the one-process checkpoint into a model built with
+    another seed at ``ep`` and return its whole weights (gathered over ep)."""
+    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from plait.parallel import ParallelMesh
+    from plait.parallel.sharding import gather_logical_state
+    mesh = ParallelMesh(ep=ep)
+    model = TransformerModel(moe_tiny(), mesh, seed=5)
+    assert model.get_parameter("layers.1.mlp.gate_proj").shape[0] == 4 // ep
+    save_model_weights(model, mesh, root, f"ep{ep}").wait()
+    other = TransformerModel(moe_tiny(), mesh, seed=9)
+    load_model_weights(other, root, tag="ep1")
+    return gather_logical_state(other, ep_group=mesh.ep_group)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_checkpoints_hold_logical_experts_and_load_at_any_ep(ep, tmp_path):
+    """Experts are saved as the logical ``[E, ...]`` tensors, each expert once: a checkpoint saved at ep=2 or 4
+    loads into one process exactly, and one saved in one process loads at ep exactly (initialization is
+    layout-invariant, so the one-process model of the same seed is the reference, bit for bit)."""
+    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from plait.parallel.sharding import gather_logical_state
+    from plait.testing import run_distributed
+    one = TransformerModel(moe_tiny(), None, seed=5)
+    save_model_weights(one, None, str(tmp_path), "ep1").wait()
+    want = gather_logical_state(one)
+    for loaded in run_distributed(expert_checkpoint_body, ep, ep, str(tmp_path)):
+        assert set(loaded) == set(want) and all(torch.equal(loaded[n], want[n]) for n in want)
+    fresh = TransformerModel(moe_tiny(), None, seed=9)
+    assert not torch.equal(fresh.get_parameter("layers.1.mlp.up_proj"), want["layers.1.mlp.up_proj"])
+    load_model_weights(fresh, str(tmp_path), tag=f"ep{ep}")
+    got = gather_logical_state(fresh)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def sgd_step_body(tp, ep):
+    """One SGD step (lr 1e4, no momentum, decay or clipping) per ZeRO stage: returns the weights' change / lr,
+    which is minus the gradient of the mean loss over the global batch."""
+    import plait
+    from plait.parallel import ParallelMesh
+    from plait.parallel.sharding import gather_logical_state
+    from test_engine import GAS, ds_config, micro_batch
+    cfg = {**ds_config(1, tp), "optimizer": {"type": "SGD", "params": {"lr": 1e4}}, "scheduler": None,
+           "gradient_clipping": 0.0}
+    out = {}
+    for stage in (1, 2, 3):
+        mesh = ParallelMesh(tp=tp, ep=ep)
+        model = TransformerModel(moe_tiny(), mesh, seed=5)
+        before = gather_logical_state(model, mesh.tp_group, ep_group=mesh.ep_group)
+        engine = plait.initialize(model, {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage": stage}},
+                                  mesh=mesh)
+        engine.train_batch(iter([micro_batch(0, g, mesh.dp_rank) for g in range(GAS)]))
+        with engine.optimizer.gathered_parameters():
+            after = gather_logical_state(model, mesh.tp_group, ep_group=mesh.ep_group)
+        out[stage] = {n: (before[n] - after[n]) / 1e4 for n in before}
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 2), (1, 4), (2, 2)])
+def test_expert_parallel_gradients_equal_the_one_process_gradient(tp, ep):
+    """The gradient itself (Adam's update hides a wrong gradient scale: it divides it out): one SGD step at
+    lr 1e4 moves each weight by 1e4 x the one-process gradient of the mean of cross entropy + expert losses over
+    the 4 / tp dp ranks' micro-batches. 1e-5 relative per tensor: the float32 gradients summed in another order
+    (~1e-7), plus the rounding of ``w - 1e4 g`` (2^-24 of the larger of the two: the step, for gradients over
+    1e-4 x the weight); measured at most 4e-7. An expert gradient divided by dp / ep instead of dp (the edp
+    group's size) is off by 1.0."""
+    from plait.parallel.sharding import gather_logical_state
+    from plait.testing import run_distributed
+    from test_engine import GAS, micro_batch
+    dp = 4 // tp
+    ref = TransformerModel(moe_tiny(), None, seed=5)
+    for g in range(GAS):
+        for r in range(dp):
+            total, _ = with_expert_losses(ref, micro_batch(0, g, r))
+            (total / (GAS * dp)).backward()
+    want = gather_logical_state(ref, grads=True)
+    for stage, moved in run_distributed(sgd_step_body, 4, tp, ep)[0].items():
+        for name, grad in want.items():
+            err = rel_err(moved[name], grad, floor=1e-12)
+            assert err <= 1e-5, f"ZeRO-{stage} tp={tp} ep={ep}: {name} off by {err:.2e}"
