@@ -6,6 +6,7 @@
         --zero-stage 3 --seq-len 2048 --micro-batch 4 --global-batch 64 --steps 2000
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --model llama-886m --tp 1 --pp 1 --cp 2 \\
         --seq-len 65536 --tile-tokens 4096 --recompute --micro-batch 1 --global-batch 1 --val-fraction 0.1
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py --model mixtral-tiny --tp 1 --pp 2 --ep 2   # experts
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/pretrain_gpt.py ...                                # multi-node (or examples/slurm/)
     python examples/plot_metrics.py runs/pretrain_gpt/metrics.jsonl loss.png
@@ -20,8 +21,11 @@ same ``--out-dir`` continues from ``latest`` (also with another tp/pp/dp), which
 ``torchrun --max-restarts 1`` recover from a killed rank. ``--cp N`` splits every sequence over N ranks
 (context parallelism, ring attention; ``--cp-method all_to_all`` for DeepSpeed-Ulysses), and
 ``--tile-tokens T`` computes the loss and the MLP in tiles of T positions, so a long sequence never holds its
-whole ``[seq, vocab]`` logits or ``[seq, ffn]`` activations. At the end the last checkpoint is exported
-to Hugging Face format (``<out-dir>/hf``) and transformers samples a few lines from it.
+whole ``[seq, vocab]`` logits or ``[seq, ffn]`` activations. A mixture-of-experts model (``--model
+mixtral-tiny``, or ``--experts N --top-k K`` on another preset) splits its experts over ``--ep`` dp ranks, and
+each progress line adds the experts' auxiliary loss and the load imbalance (max/mean tokens per expert, the
+worst block). At the end the last checkpoint is exported to Hugging Face format (``<out-dir>/hf``) and
+transformers samples a few lines from it.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
     g.add_argument("--cp", type=int, help="context-parallel size: each sequence split over this many ranks "
                                           "(default: the config's context_parallel.size, else 1)")
     g.add_argument("--cp-method", choices=["ring", "all_to_all"], help="context-parallel attention (default ring)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture of experts' experts split "
+                                                     "over this many dp ranks (default 1)")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="pipeline schedule")
     g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
@@ -154,7 +156,7 @@ def setup(args, model_hidden: int):
     with open(args.config, encoding="utf-8") as f:
         raw = json.load(f)
     tp, pp, cp = choose_layout(args, raw, info.world_size)
-    mesh = ParallelMesh(tp=tp, pp=pp, cp=cp)
+    mesh = ParallelMesh(tp=tp, pp=pp, cp=cp, ep=args.ep)
     ds = build_ds_config(args, raw, tp, pp, cp)
     if args.compile != "auto" or "compile" not in ds:
         ds["compile"] = {"enabled": args.compile == "on" or args.compile == "auto" and mesh.device.type == "cuda"}

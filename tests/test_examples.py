@@ -119,6 +119,21 @@ def test_context_parallel_run_matches_the_tp_run(full_run, tmp_path):
                                                                            rel=1e-5)
 
 
+def test_mixture_of_experts_pretraining_with_expert_parallelism(tmp_path):
+    """``--model mixtral-tiny --ep 2`` over pp=2 x dp=2 (4 experts per block, 2 on each ep rank): the loss falls,
+    every progress line shows the experts' auxiliary loss and load imbalance (also in metrics.jsonl, where the
+    imbalance is at least 1, its least possible value), and the export is a Mixtral that transformers samples."""
+    out = tmp_path / "moe"
+    log = torchrun("pretrain_gpt.py", 4, *TINY, "--model", "mixtral-tiny", "--tp", "1", "--pp", "2", "--ep", "2",
+                   "--out-dir", str(out), "--sample-tokens", "4")
+    assert "tp=1 x pp=2 x cp=1 x dp=2" in log and log.count("| moe aux ") == STEPS
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert len(train) == STEPS and all(r["load_imbalance"] >= 1.0 and r["aux_loss"] > 0 for r in train)
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert json.loads((out / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+
+
 def test_killed_rank_restarts_from_the_latest_checkpoint(full_run, tmp_path):
     """SIGKILL of rank 1 at step 8 under --max-restarts 1: the job restarts, resumes at step 6, finishes,
     and steps 7-12 equal the uninterrupted run's."""

@@ -226,9 +226,9 @@ def test_expert_checkpoints_hold_logical_experts_and_load_at_any_ep(ep, tmp_path
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def sgd_step_body(tp, ep):
+def sgd_step_body(tp, ep, capacity):
     """One SGD step (lr 1e4, no momentum, decay or clipping) per ZeRO stage: returns the weights' change / lr,
-    which is minus the gradient of the mean loss over the global batch."""
+    which is minus the gradient of the mean loss over the global batch, and the engine's gradient norm."""
     import plait
     from plait.parallel import ParallelMesh
     from plait.parallel.sharding import gather_logical_state
@@ -238,36 +238,62 @@ def sgd_step_body(tp, ep):
     out = {}
     for stage in (1, 2, 3):
         mesh = ParallelMesh(tp=tp, ep=ep)
-        model = TransformerModel(moe_tiny(), mesh, seed=5)
+        model = TransformerModel(moe_tiny(moe_capacity_factor=capacity), mesh, seed=5)
         before = gather_logical_state(model, mesh.tp_group, ep_group=mesh.ep_group)
         engine = plait.initialize(model, {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage": stage}},
                                   mesh=mesh)
         engine.train_batch(iter([micro_batch(0, g, mesh.dp_rank) for g in range(GAS)]))
         with engine.optimizer.gathered_parameters():
             after = gather_logical_state(model, mesh.tp_group, ep_group=mesh.ep_group)
-        out[stage] = {n: (before[n] - after[n]) / 1e4 for n in before}
+        out[stage] = ({n: (before[n] - after[n]) / 1e4 for n in before}, engine.grad_norm)
     return out if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("tp, ep", [(1, 2), (1, 4), (2, 2)])
-def test_expert_parallel_gradients_equal_the_one_process_gradient(tp, ep):
+@pytest.mark.parametrize("tp, ep, capacity", [(1, 2, None), (1, 4, None), (2, 2, None), (1, 2, 1.0)])
+def test_expert_parallel_gradients_equal_the_one_process_gradient(tp, ep, capacity):
     """The gradient itself (Adam's update hides a wrong gradient scale: it divides it out): one SGD step at
     lr 1e4 moves each weight by 1e4 x the one-process gradient of the mean of cross entropy + expert losses over
     the 4 / tp dp ranks' micro-batches. 1e-5 relative per tensor: the float32 gradients summed in another order
     (~1e-7), plus the rounding of ``w - 1e4 g`` (2^-24 of the larger of the two: the step, for gradients over
     1e-4 x the weight); measured at most 4e-7. An expert gradient divided by dp / ep instead of dp (the edp
-    group's size) is off by 1.0."""
+    group's size) is off by 1.0. The engine's gradient norm (for clipping) is the one-process one: each expert
+    counted once, neither per ep rank holding it nor per tp rank. Capacity 1.0 drops assignments per rank's
+    tokens (each source rank caps its own), as the one process does per micro-batch."""
     from plait.parallel.sharding import gather_logical_state
     from plait.testing import run_distributed
     from test_engine import GAS, micro_batch
     dp = 4 // tp
-    ref = TransformerModel(moe_tiny(), None, seed=5)
+    ref = TransformerModel(moe_tiny(moe_capacity_factor=capacity), None, seed=5)
+    dropped = []
+    ref.layers["1"].mlp.register_forward_hook(lambda mod, args, out: dropped.append(int(out[1].dropped)))
     for g in range(GAS):
         for r in range(dp):
             total, _ = with_expert_losses(ref, micro_batch(0, g, r))
             (total / (GAS * dp)).backward()
+    assert (sum(dropped) > 0) == (capacity is not None)
     want = gather_logical_state(ref, grads=True)
-    for stage, moved in run_distributed(sgd_step_body, 4, tp, ep)[0].items():
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in want.values()]))
+    for stage, (moved, grad_norm) in run_distributed(sgd_step_body, 4, tp, ep, capacity)[0].items():
+        assert grad_norm == pytest.approx(norm.item(), rel=1e-6), f"ZeRO-{stage} gradient norm"
         for name, grad in want.items():
             err = rel_err(moved[name], grad, floor=1e-12)
             assert err <= 1e-5, f"ZeRO-{stage} tp={tp} ep={ep}: {name} off by {err:.2e}"
+
+
+def test_the_expert_bias_is_checkpointed_and_resumed(tmp_path):
+    """Auxiliary-loss-free balancing's bias is training state: a checkpoint holds it, a load restores it, and a
+    Hugging Face import (no bias in the checkpoint) leaves it as it is; an export leaves out a bias of zeros."""
+    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from test_engine import micro_batch
+    model = TransformerModel(moe_tiny(moe_bias_update_rate=0.01), None, seed=5)
+    model(**micro_batch(0, 0, 0)).backward()
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.update_expert_bias()
+    moved = [layer.expert_bias.clone() for layer in layers]
+    assert all(b.abs().sum() > 0 for b in moved)
+    save_model_weights(model, None, str(tmp_path), "moved").wait()
+    fresh = TransformerModel(moe_tiny(moe_bias_update_rate=0.01), None, seed=5)
+    load_model_weights(fresh, str(tmp_path), tag="moved")
+    held = [m.expert_bias for m in fresh.modules() if isinstance(m, MoE)]
+    assert all(torch.equal(a, b) for a, b in zip(held, moved))

@@ -24,6 +24,7 @@ from plait.checkpoint.hf_import import HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS
 from plait.checkpoint.index import OPTIMIZER_PREFIX
 from plait.checkpoint.model_io import EXTRA_PREFIX, config_from_meta
 from plait.checkpoint.reader import CheckpointReader
+from plait.layers.moe import MoE
 from plait.dtypes import cast_floating, parse_dtype
 from plait.layers.config import TransformerConfig
 from plait.layers.model import logical_shapes
@@ -100,6 +101,14 @@ def _rule_jobs(reader: CheckpointReader, config: TransformerConfig, layout, name
     return jobs, sizes, used, missing
 
 
+def _zero_state(reader, name: str) -> bool:
+    """A training-state buffer (``MoE.checkpointed_buffers``) that is all zeros, as Hugging Face has it implied
+    (an expert bias never moved). A nonzero one stays and is reported as dropped."""
+    if name.rpartition(".")[2] not in MoE.checkpointed_buffers:
+        return False
+    return not bool(reader.read(name).any())
+
+
 def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None,
           max_shard_bytes: int | str | None = None, *, config: TransformerConfig | None = None,
           overwrite: bool = False, tokenizer_from: str | None = None) -> ExportReport:
@@ -128,7 +137,7 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     reader = CheckpointReader(plait_root, tag)
     config = config or config_from_meta(reader.meta, f"checkpoint {reader.path}")
     hf_meta = reader.meta.get(HF_KEY) or {}
-    names = [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX)]
+    names = [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)]
     layout = hfmap.export_layout(config, names)
     jobs, sizes, used, missing = _rule_jobs(reader, config, layout, names, dtype)
     extras = [n for n in names if n.startswith(EXTRA_PREFIX)]

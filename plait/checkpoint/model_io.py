@@ -9,6 +9,9 @@ contributes only the boxes it owns, so every logical element is written exactly 
 - expert-parallel shards (a mixture of experts' expert weights, ``TPShard.axis == "ep"``): each ep rank's
   experts from tp rank 0 of its first expert-data-parallel rank, so a checkpoint stores every expert once, as
   part of the logical ``[E, ...]`` tensor, and loads at any ep;
+- buffers that are training state (a module's ``checkpointed_buffers``, e.g. ``MoE.expert_bias``): whole,
+  from tp rank 0 of dp rank 0 (every rank holds the same); a checkpoint without them (a Hugging Face import)
+  leaves them as they are;
 - pipeline stages: each stage saves the layers it built;
 - a tied head copy (a parameter with ``plait_tied_to``, the output weight of a head that lives on
   another pipeline stage than the embedding) is not saved; the embedding's stage saves it.
@@ -35,11 +38,11 @@ from plait.checkpoint.errors import CheckpointError
 from plait.checkpoint.index import OPTIMIZER_PREFIX
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.tp import read_tp_shard, tp_shard_item
-from plait.checkpoint.writer import CheckpointWriter, SaveHandle
+from plait.checkpoint.writer import CheckpointWriter, SaveHandle, ShardItem
 from plait.layers.config import TransformerConfig
 from plait.layers.init import TIED_ATTR
 from plait.layers.model import EMBEDDING_WEIGHT
-from plait.parallel.sharding import logical_parts
+from plait.parallel.sharding import TPShard, logical_parts
 
 #: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
 MODEL_CONFIG_KEY = "model_config"
@@ -112,7 +115,17 @@ def model_shard_items(model: nn.Module, mesh=None) -> list:
             item = tp_shard_item(part.name, part.local(param.detach()), part.spec)
             if item is not None:
                 items.append(item)
+    if coords["dp_rank"] == 0 and coords["tp_rank"] == 0:
+        items += [ShardItem(name, buf.detach(), tuple(buf.shape), (0,) * buf.dim())
+                  for name, buf in state_buffers(model)]
     return items
+
+
+def state_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of every buffer a module of ``model`` declares as training state
+    (``checkpointed_buffers``, e.g. ``MoE.expert_bias``)."""
+    return [(f"{prefix}.{b}" if prefix else b, getattr(module, b)) for prefix, module in model.named_modules()
+            for b in getattr(module, "checkpointed_buffers", ())]
 
 
 def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
@@ -218,7 +231,8 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
     Args:
         model: model or pipeline stage. Parameters on the meta device (a model built with
             ``device="meta"``, too big to initialize) are replaced by new parameters on ``device``
-            (default CPU) holding the checkpoint's values, keeping their plait attributes and ties.
+            (default CPU) holding the checkpoint's values, keeping their plait attributes and ties; buffers
+            on the meta device by zeros there (or the checkpoint's training state, ``state_buffers``).
         reader: a ``CheckpointReader`` or a checkpoint root (``tag`` picks the checkpoint).
         strict: raise if parameters are missing or checkpoint weights of this model's layers are
             unexpected; with False, load what matches and return the ``LoadReport``.
@@ -242,7 +256,21 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
                               f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
                               f"pass strict=False to load the rest")
     _fill_parameters(model, reader, plan, device)
+    _fill_buffers(model, reader, device)
     return report
+
+
+def _fill_buffers(model: nn.Module, reader: CheckpointReader, device) -> None:
+    """Buffers on the meta device become zeros on ``device`` (default CPU); training-state buffers
+    (``state_buffers``) take the checkpoint's values where it holds them."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device or "cpu")
+    stored = set(reader.names())
+    for name, buf in state_buffers(model):
+        if name in stored:
+            buf.copy_(read_tp_shard(reader, name, TPShard(tuple(buf.shape)), dtype=buf.dtype, device=buf.device))
 
 
 def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadReport]:
@@ -252,7 +280,7 @@ def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadRe
     names; changes nothing. Raises CheckpointError on the first logical shape that differs.
     """
     stored = set(reader.names())
-    plan, report, wanted = [], LoadReport(), set()
+    plan, report, wanted = [], LoadReport(), {name for name, _ in state_buffers(model)}
     for name, param in model.named_parameters():
         parts = logical_parts(checkpoint_name(name, param, model), param)
         wanted.update(part.name for part in parts)

@@ -188,6 +188,9 @@ class MoE(nn.Module):
             num_experts not divisible by the ep group's size.
     """
 
+    #: buffers that are training state: checkpoints hold them (``plait.checkpoint.model_io``)
+    checkpointed_buffers = ("expert_bias",)
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
                  router_order: str = "softmax_topk", normalize_topk: bool = True, capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, balance_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
