@@ -175,3 +175,27 @@ def torch_step(model, opt, cfg, device, micro: int = MICRO, autocast: bool = Fal
         opt.zero_grad(set_to_none=True)
         return loss
     return step
+
+
+def profile_steps(step, first: int, name: str, top: int = 25, steps: int = 2) -> None:
+    """Profile ``steps`` calls ``step(first + i)`` (after the caller's warm-up) and print the wall time and GPU
+    busy time (sum of kernel times) per step, the top kernels by total CUDA time and the top host ops by self
+    CPU time, grouped by name. The gap between wall and busy time is host overhead and idle GPU."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(first + i)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"\n== {name}: step wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms per step")
+    print("| ms/step | calls/step | kernel |\n|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"| {e.self_device_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |", flush=True)
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print("\n| host ms/step (self) | calls/step | op |\n|---|---|---|")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"| {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |", flush=True)

@@ -12,7 +12,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -21,25 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def profile_arm(arm: str, top: int) -> None:
     import bench_compile as bc
-    from torch.profiler import ProfilerActivity, profile
+    from _common import profile_steps
     torch.backends.cuda.matmul.allow_tf32 = True
     args = argparse.Namespace(plait_fused=True)
     step, _, _ = bc.make_arm(arm, bc.shape_config(), torch.device("cuda", 0), args, 10)
     for i in range(6):
         step(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for i in range(6, 8):
-            step(i)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 2
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.self_device_time_total for e in events) / 2 / 1e3
-    print(f"\n== {arm}: step wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms per step")
-    print("| ms/step | calls/step | kernel |\n|---|---|---|")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"| {e.self_device_time_total / 2e3:.2f} | {e.count // 2} | {e.key[:110]} |")
+    profile_steps(step, 6, arm, top)
 
 
 def main():

@@ -188,7 +188,7 @@ class TransformerModel(nn.Module):
         super().__init__()
         group = None if mesh is None else mesh.tp_group
         cp_group = None if mesh is None else mesh.cp_group
-        ep_group = None if mesh is None else mesh.ep_group
+        ep_group = mesh.ep_group if mesh is not None and config.num_experts else None
         tp = group_size(group)
         check_tensor_parallel(config, tp)
         self.config, self.mesh, self.sequence_parallel = config, mesh, sequence_parallel and tp > 1
