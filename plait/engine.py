@@ -119,9 +119,8 @@ class Engine(EngineFacts):
         vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
         self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.group("dp_cp"), mesh.pp_group,
                                                        getattr(pipeline, "tied_group", None)), vocab)
-        self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank,
-                                 mesh.device, config.gradient_accumulation_steps,
-                                 build_monitors(config, self.global_rank))
+        self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
+                                 config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_mixture_of_experts_pretraining_with_expert_parallelism(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["type"] == "train"]
     assert len(train) == STEPS and all(r["load_imbalance"] >= 1.0 and r["aux_loss"] > 0 for r in train)
-    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5   # from ln(8192) = 9.0 at lr 1e-2: measured 9.0 -> 7.1
     assert json.loads((out / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
 
 

@@ -44,11 +44,12 @@ def gathered_state_dict(engine, target: str, exclude_frozen_parameters: bool = F
     ``plait.hf.Trainer.save_model``.
 
     Raises:
-        ValueError: tensor or pipeline parallelism (each rank holds part of every layer or only some
-            layers): save with ``save_checkpoint`` and consolidate with ``plait convert``.
+        ValueError: tensor, pipeline or expert parallelism (each rank holds part of every layer, only some
+            layers or only some experts): save with ``save_checkpoint`` and consolidate with ``plait convert``.
     """
-    if engine.mesh.tp > 1 or engine.mesh.pp > 1:
-        raise ValueError(f"a consolidated model needs whole layers, but tp={engine.mesh.tp}, pp={engine.mesh.pp}; "
+    mesh = engine.mesh
+    if mesh.tp > 1 or mesh.pp > 1 or mesh.ep > 1:
+        raise ValueError(f"a consolidated model needs whole layers, but tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}; "
                          "use engine.save_checkpoint and `plait convert` to consolidate")
     z = engine.config.zero_optimization
     if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:

@@ -46,7 +46,7 @@ from plait.parallel.sharding import TPShard, logical_parts
 
 #: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
 MODEL_CONFIG_KEY = "model_config"
-#: ``meta.json`` key holding the saving layout ``{"tp": .., "pp": .., "dp": ..}``.
+#: ``meta.json`` key holding the saving layout ``{"tp": .., "pp": .., "dp": .., "ep": ..}``.
 MESH_KEY = "mesh"
 #: Prefix of tensors that are no plait parameter (kept for export only); never loaded into a model.
 EXTRA_PREFIX = "hf_extra."

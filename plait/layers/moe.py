@@ -45,7 +45,7 @@ from plait.layers.linear import replicated_param, sharded_param
 from plait.layers.mlp import MLP
 from plait.parallel.collectives import group_size
 from plait.parallel.experts import expert_parallel, select_rows
-from plait.parallel.mesh import check_divisible
+from plait.parallel.mesh import check_divisible, divisors
 
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 
@@ -209,7 +209,7 @@ class MoE(nn.Module):
         self.bias_update_rate, self.grouped_gemm = bias_update_rate, grouped_gemm
         ep = group_size(ep_group)
         check_divisible(num_experts, ep, "num_experts", "the expert-parallel size ep",
-                        f"choose ep from {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+                        f"choose ep from {divisors(num_experts)}")
         self.ep_group = ep_group if ep > 1 else None
         kw = dict(device=device, dtype=dtype)
         self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
@@ -248,7 +248,7 @@ class MoE(nn.Module):
         counts = expert_counts(r.experts, self.num_experts)
         balance, z = balance_loss(r.probs, r.experts), z_loss(r.logits)
         loss = self.balance_loss_coef * balance + self.z_loss_coef * z
-        if self.training:
+        if self.training and torch.is_grad_enabled():   # not an evaluation forward in train mode
             if self.bias_update_rate > 0:
                 self.tokens_seen += counts.float()
             sums = torch.stack([balance.detach(), z.detach(), dropped.float(), torch.ones_like(z)])

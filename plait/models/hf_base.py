@@ -13,12 +13,17 @@ both build on it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 Tensors = Sequence[torch.Tensor]
+
+
+#: RoPE's ``inv_freq`` buffer, saved by older transformers under this name: not a weight (nothing to convert).
+ROPE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 @dataclass(frozen=True)

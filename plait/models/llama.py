@@ -8,13 +8,9 @@ one). The SmolLM2 parity test in ``tests/test_convert_hf.py`` checks this numeri
 """
 from __future__ import annotations
 
-import re
-
 from plait.layers.config import TransformerConfig
 from plait.models.family import ModelFamily, Wiring
-from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
-
-_ROPE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")     # old Llama RoPE buffer, not a weight
+from plait.models.hf_base import ROPE_BUFFER, HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 
 def llama_config(**overrides) -> TransformerConfig:
@@ -95,4 +91,4 @@ FAMILY = ModelFamily(
                                            num_kv_heads=2, ffn_hidden_size=352, max_position_embeddings=256),
     },
     make_config=llama_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
-    buffers=_ROPE_BUFFER)
+    buffers=ROPE_BUFFER)

@@ -18,14 +18,10 @@ coefficient weighs balancing about ``num_layers`` times more in plait.
 """
 from __future__ import annotations
 
-import re
-
 from plait.layers.config import TransformerConfig
 from plait.models.family import ModelFamily, Wiring
-from plait.models.hf_base import (HFClasses, HFLayout, Rule, decoder_rules, expert_rules, moe_config_fields,
-                                  require_moe_export, unsupported)
-
-_ROPE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")     # old RoPE buffer, not a weight
+from plait.models.hf_base import (ROPE_BUFFER, HFClasses, HFLayout, Rule, decoder_rules, expert_rules,
+                                  moe_config_fields, require_moe_export, unsupported)
 
 
 def mixtral_config(**overrides) -> TransformerConfig:
@@ -89,4 +85,4 @@ FAMILY = ModelFamily(
                                                num_experts=4),
     },
     make_config=mixtral_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
-    buffers=_ROPE_BUFFER)
+    buffers=ROPE_BUFFER)

@@ -14,14 +14,10 @@ import reads either layout; an export writes the hub's. Every layer must be spar
 """
 from __future__ import annotations
 
-import re
-
 from plait.layers.config import TransformerConfig
 from plait.models.family import ModelFamily, Wiring
-from plait.models.hf_base import (HFClasses, HFLayout, Rule, decoder_rules, expert_rules, moe_config_fields, pairs,
-                                  require_moe_export, unsupported)
-
-_ROPE_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")     # old RoPE buffer, not a weight
+from plait.models.hf_base import (ROPE_BUFFER, HFClasses, HFLayout, Rule, decoder_rules, expert_rules,
+                                  moe_config_fields, pairs, require_moe_export, unsupported)
 
 
 def qwen3_moe_config(**overrides) -> TransformerConfig:
@@ -99,4 +95,4 @@ FAMILY = ModelFamily(
                                                    moe_ffn_hidden_size=96),
     },
     make_config=qwen3_moe_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
-    buffers=_ROPE_BUFFER)
+    buffers=ROPE_BUFFER)

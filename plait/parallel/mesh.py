@@ -28,6 +28,11 @@ DIM_NAMES = ("pp", "dp", "cp", "tp")
 GROUP_NAMES = DIM_NAMES + ("dp_cp", "ep", "edp")
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (the valid sizes to name in an error)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_divisible(value: int, divisor: int, what: str, by: str, fix: str) -> None:
     """Raise ValueError naming both numbers when ``value % divisor != 0``."""
     if divisor <= 0 or value % divisor != 0:
@@ -79,8 +84,8 @@ class ParallelMesh:
             raise ValueError(
                 f"tp x pp x cp x dp = {self.tp} x {self.pp} x {self.cp} x {self.dp} = {split * self.dp} "
                 f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
-        check_divisible(self.dp, self.ep, "dp", "ep", "expert parallelism splits the dp ranks: choose ep from "
-                        f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}")
+        check_divisible(self.dp, self.ep, "dp", "ep", f"expert parallelism splits the dp ranks: choose ep from "
+                        f"{divisors(self.dp)}")
         if not dist.is_initialized():   # one process, no group: compute where a GPU is, as DeepSpeed does
             if self.device_type is None:
                 self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,9 +137,10 @@ class ParallelMesh:
 
     def ranks(self, dim: str) -> list[int]:
         """Global ranks of this process's group along ``dim``, in group-rank order."""
-        if self.device_mesh is None:
-            return [0]
-        return dist.get_process_group_ranks(self.group(dim))
+        group = None if self.device_mesh is None else self.group(dim)
+        if group is None:
+            return [self.global_rank]
+        return dist.get_process_group_ranks(group)
 
     @property
     def world_size(self) -> int:

@@ -50,8 +50,8 @@ class PipelineParallel:
     Args:
         stage_modules: this rank's ``v`` chunks in chunk order, each a ``StageChunk``
             (``plait.parallel.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
-            chunk ``c`` is virtual stage ``c*p + pp_rank``. Each is called
-            ``chunk(hidden=x, aux_loss_scale=s, **batch)``.
+            chunk ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``
+            (with ``aux_loss_scale=s`` where its forward takes it, ``StageChunk``).
         mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
         schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
         micro_batches: m, micro-batches per step. "interleaved" needs m a multiple of p; the

@@ -28,6 +28,7 @@ import torch
 from plait.parallel.p2p import StageP2P, Transfer
 from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.parallel.schedules import Action
+from plait.parallel.stage import takes_keyword
 
 MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
 
@@ -37,7 +38,7 @@ class PipelineExecutor:
 
     Args:
         chunks: this rank's model chunks (``v`` modules, each called as
-            ``chunk(hidden=x, aux_loss_scale=s, **batch)``).
+            ``chunk(hidden=x, **batch)``, with ``aux_loss_scale=s`` where its forward takes it).
         p2p: ``StageP2P`` of this rank (unused when ``p == 1``).
         p, rank: pipeline size and this rank's pipeline coordinate.
         activation_shape: ``batch -> shape`` of the activation entering a stage > 0 for that
@@ -57,6 +58,7 @@ class PipelineExecutor:
                  activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
                  grads_ready: Callable[[int], None] | None = None):
         self.chunks, self.p2p, self.p, self.rank = chunks, p2p, p, rank
+        self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
         self.v = len(chunks)
         self.last = p * self.v - 1
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -77,7 +79,8 @@ class PipelineExecutor:
         Args:
             scale_loss: maps a last-stage micro-batch loss (scalar) to what its backward differentiates;
                 default ``loss * (1 / m)``. fp16 loss scaling and 1/GAS live here. It must be linear: each
-                chunk gets its factor as ``aux_loss_scale``, for losses its layers add through the gradient.
+                chunk whose forward takes ``aux_loss_scale`` gets its factor, for losses its layers add through
+                the gradient.
             on_micro_batch: called once per micro-batch when this rank's last backward action of it
                 (B or BW of its last chunk) has run, e.g. ``ZeroOptimizer.note_micro_step``.
 
@@ -181,7 +184,9 @@ class PipelineExecutor:
         x = None if s == 0 else self._take(self._inputs, key, "input activation")
         batch = {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
         with torch.set_grad_enabled(self._train):
-            out = self.chunks[chunk](hidden=x, aux_loss_scale=self._aux_scale, **batch)
+            if self._takes_scale[chunk]:
+                batch["aux_loss_scale"] = self._aux_scale
+            out = self.chunks[chunk](hidden=x, **batch)
         if s == self.last:
             if out.dim() != 0:
                 raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "

@@ -3,6 +3,7 @@ the model side that builds the chunks (``plait.layers.stages`` for plait's model
 implement it, see ``examples/compose_model.py``)."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -29,8 +30,8 @@ class StageChunk(Protocol):
         """Run the chunk: the first stage reads ``batch["input_ids"] [b, s]`` (``hidden`` None), the others
         ``hidden`` (``activation_shape(batch)``); the last stage returns the micro-batch's scalar mean loss
         (given ``labels``), the others the activation for the next stage. ``batch["aux_loss_scale"]`` (a float,
-        always passed) is d(what the backward differentiates)/d(loss), for the losses a chunk's layers join to
-        the gradient themselves (``plait.layers.moe.add_loss_gradient``); a chunk without any ignores it."""
+        passed when the chunk's forward takes it: ``takes_keyword``) is d(what the backward differentiates)/d(loss),
+        for the losses a chunk's layers join to the gradient themselves (``plait.layers.moe.add_loss_gradient``)."""
         ...
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -58,3 +59,9 @@ def missing_members(chunk: object) -> list[str]:
     """The ``StageChunk`` members ``chunk`` lacks (``[]`` when it offers them all)."""
     names = ("layers", "tied_across_stages", "named_parameters", "activation_shape", "tied_parameters")
     return [n for n in names if not hasattr(chunk, n)]
+
+
+def takes_keyword(module, name: str) -> bool:
+    """Whether ``module``'s forward accepts keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

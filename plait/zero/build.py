@@ -22,12 +22,24 @@ from plait.zero.policy import StagePolicy
 from plait.zero.stage3 import Unit, build_units
 
 
-def check_experts(groups, stage: int, offload) -> None:
+def check_experts(groups, stage: int, offload, comms) -> None:
     """ValueError for expert-parallel weights (``GroupKey.experts``) at stage 0 or with offload (not built yet:
-    the stage-0 gradient norm and the offloaded steps cover the dp ranks only)."""
-    if any(g.key.experts for g in groups) and (offload is not None or stage == 0):
+    the stage-0 gradient norm and the offloaded steps cover the dp ranks only), or when ``comms.experts`` is not
+    the group of the ``dp / ep`` ranks holding the same experts (``ParallelMesh.group("edp")``): over another
+    group the reduction would add different experts' gradients (no group, or context parallelism, whose cp
+    ranks hold the same experts on other tokens)."""
+    experts = [slot.param for g in groups if g.key.experts for seg in g.segments for slot in seg.slots]
+    if not experts:
+        return
+    if offload is not None or stage == 0:
         raise ValueError(f"expert-parallel weights (ep > 1) need ZeRO stage 1, 2 or 3 without offload for now; "
                          f"got stage {stage}, offload {offload is not None}")
+    ep, dp = shard_of(experts[0]).world, comms.dp.size
+    if comms.experts.size * ep != dp:
+        raise ValueError(f"expert weights split over ep={ep} ranks must be reduced over the {dp} // {ep} ranks "
+                         f"holding the same experts, but the expert group has {comms.experts.size} of the {dp} "
+                         "data-parallel ranks: pass expert_group=mesh.group('edp') (expert parallelism with "
+                         "context parallelism is not supported)")
 
 
 def check_arguments(policy: StagePolicy, gradient_accumulation_steps: int, offload, options: dict) -> None:

@@ -140,7 +140,8 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
 def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
                          release: bool, async_op: bool, out: torch.Tensor | None = None,
                          divisor: int | None = None) -> tuple[Pending, torch.Tensor]:
-    """Average the gradients of ``seg``'s parameters over the ``world`` dp ranks.
+    """Sum the gradients of ``seg``'s parameters over the ``world`` ranks of ``group``, divided by ``divisor``
+    (the dp ranks' mean; ``ShardComm``).
 
     Packs each ``param.grad`` (missing: zero) into a ``[padded]`` buffer of ``reduce_dtype``,
     divides by ``divisor`` (default ``world``; ``ShardComm.divisor``) before the sum, so fp16/bf16

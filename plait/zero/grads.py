@@ -41,6 +41,9 @@ def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[tor
         return
     zero.reducer.wait()
     fulls, where = [], []
+    if any(shard_of(p).axis == "ep" and shard_of(p).world > 1 for p in params):
+        raise ValueError("whole_gradients sums over the dp ranks, which hold other experts' weights under expert "
+                         "parallelism: pass no expert weights")
     for param in params:
         full = torch.zeros(math.prod(shard_of(param).local_shape), dtype=torch.float32,   # numel is 0 at stage 3
                            device=zero.device)

@@ -142,7 +142,7 @@ class ZeroOptimizer:
         world, rank = self.policy.shard_world(self.dp_size, self.dp_rank)
         experts = self.policy.shard_world(self.comms.experts.size, self.comms.experts.rank)
         self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size, experts)
-        check_experts(self.groups, self.stage, self.offload_options)
+        check_experts(self.groups, self.stage, self.offload_options, self.comms)
         self.params = [p for _, p in named]
         self.device = self.params[0].device
         return group_opts
