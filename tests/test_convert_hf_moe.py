@@ -139,16 +139,49 @@ def test_qwen3_moe_tp2_logits_match_and_round_trip_is_bit_identical(qwen_dir, tm
     assert c.ffn_hidden_size == 128 and not c.moe_normalize_topk
 
 
+# (hub prefix of a block's MoE, its per-expert (gate, up, down) names) per family
+HUB_EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+               "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _fused_layout(tensors: dict, family: str) -> dict:
+    """The hub's per-expert tensors in transformers 5's in-memory layout, built here: per block
+    ``mlp.experts.gate_up_proj`` ``[E, 2 ffn, h]`` (each expert's gate rows, then its up rows),
+    ``mlp.experts.down_proj`` ``[E, h, ffn]`` and the router ``mlp.gate.weight``."""
+    moe, (gate, up, down) = HUB_EXPERTS[family]
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".") + [""] * 5
+        if parts[3] == moe and parts[4] == "experts":          # model.layers.{i}.{moe}.experts.{j}.{proj}.weight
+            experts.setdefault(int(parts[2]), {}).setdefault(parts[6], {})[int(parts[5])] = t
+        elif parts[3] == moe and parts[4] == "gate":
+            out[f"model.layers.{parts[2]}.mlp.gate.weight"] = t
+        else:
+            out[name] = t
+    for i, projs in experts.items():
+        js = sorted(projs[gate])
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([projs[gate][j], projs[up][j]]) for j in js])
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([projs[down][j] for j in js])
+    return out
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_fused_in_memory_layout_imports_like_the_hub_layout(family, mixtral_dir, qwen_dir, tmp_path):
     """transformers 5's in-memory names (``mlp.experts.gate_up_proj`` [E, 2 ffn, h], ``mlp.gate``) give the
-    same plait tensors as the per-expert hub names ``save_pretrained`` writes."""
+    same plait tensors as the per-expert hub names ``save_pretrained`` writes. The fused file is built from the
+    hub file here (transformers 4 keeps the hub layout in memory too); under transformers 5 it must equal the
+    model's own ``state_dict()``."""
     hf_dir, cls_name = (mixtral_dir, "MixtralForCausalLM") if family == "mixtral" else (qwen_dir,
                                                                                        "Qwen3MoeForCausalLM")
-    fused = {k: v.contiguous() for k, v in hf_model(cls_name, hf_dir).state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    fused = _fused_layout(st_tensors(hf_dir), family)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        state = hf_model(cls_name, hf_dir).state_dict()
+        assert set(fused) == set(state) and all(torch.equal(fused[k], state[k]) for k in fused)
     (tmp_path / "fused").mkdir()
-    save_file(fused, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in fused.items()}, str(tmp_path / "fused" / "model.safetensors"),
+              metadata={"format": "pt"})
     (tmp_path / "fused" / "config.json").write_text((hf_dir / "config.json").read_text())
     from_hf(str(hf_dir), str(tmp_path / "hub"))
     b = from_hf(str(tmp_path / "fused"), str(tmp_path / "mem"))
