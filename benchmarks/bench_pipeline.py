@@ -1,16 +1,17 @@
 """Pipeline schedules on GPUs: measured step time and bubble beside the simulator's prediction.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_pipeline.py [--schedules 1f1b,interleaved,zb-h1] [--micro-batches 8,16]
+    torchrun --nproc-per-node 2 benchmarks/bench_pipeline.py [--schedules 1f1b,interleaved,zb-h1]
+        [--micro-batches 8,16] [--micro-batch-sizes 1,2] [--timelines FILE] [--label NAME]
 
-Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, micro-batch 1, pp = world size.
+Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, pp = world size.
 Per configuration: 2 warm-up and --steps timed ``train_batch`` calls (forward + backward, no
-optimizer). Measured bubble: the executor times each rank's compute actions with CUDA events
-(``busy``); bubble = step / max_rank(busy) - 1 (idle over useful time of the busiest rank, the
-simulator's definition). The prediction runs ``plait.parallel.simulate`` on the schedule's action
-lists with t_F and t_B timed per chunk in isolation (B split evenly into BI and BW for zb-h1) and
-reports makespan / max_rank(busy) - 1. The theory
-column is the paper formula: (p-1)/m for 1F1B, (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (with F =
-BI = BW). Prints a markdown table on rank 0 and writes JSON lines to --out.
+optimizer). The executor times each compute action with CUDA events (``PipelineExecutor.timeline``):
+busy = the summed action time of the busiest rank; measured bubble = step / busy - 1 (idle over useful
+time, the simulator's definition). Simulated bubble: ``plait.parallel.simulate`` on the schedule's
+lists with each rank's measured mean F/B/BI/BW times, so the gap between the two is what the executor
+itself loses (transfers, waits, host stalls). Also printed per rank: each action kind's count per step,
+device ms and host ms to issue it, and F/B/BI/BW timed in isolation (BI + BW against B: the split
+backward's cost). Prints a markdown table on rank 0 and appends JSON lines to --out.
 """
 from __future__ import annotations
 
@@ -21,36 +22,120 @@ import time
 import torch
 import torch.distributed as dist
 
-MICRO = 1
-
-
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def timed_chunks(chunks, make_batch, hidden, seq, dtype, device, warmup=3, reps=8):
-    """Mean seconds of forward and of backward for this rank's chunks on one micro-batch, timed in
-    isolation (no communication) after ``warmup`` untimed repetitions."""
-    tf = tb = 0.0
+def timed_chunks(chunks, make_batch, shape, dtype, device, warmup=3, reps=8):
+    """Mean seconds of F, B, BI and BW for this rank's chunks on one micro-batch, timed in isolation (no
+    communication) after ``warmup`` untimed repetitions; BI + BW against B is the split backward's cost."""
+    from plait.parallel.pipeline_backward import backward_input, backward_weight
+
+    total = dict.fromkeys(("F", "B", "BI", "BW"), 0.0)
     for rep in range(warmup + reps):
-        for chunk in chunks:
-            batch = make_batch()
-            first = 0 in chunk.layer_indices
-            x = None if first else torch.randn(MICRO, seq, hidden, device=device, dtype=dtype,
-                                               requires_grad=True)
-            sync()
-            t0 = time.perf_counter()
-            out = chunk(hidden=x, **batch)
-            sync()
-            t1 = time.perf_counter()
-            torch.autograd.backward(out, None if out.dim() == 0 else torch.ones_like(out))
-            sync()
-            if rep >= warmup:
-                tf, tb = tf + (t1 - t0) / reps, tb + (time.perf_counter() - t1) / reps
+        for split in (False, True):
+            for chunk in chunks:
+                batch = make_batch()
+                x = None if 0 in chunk.layer_indices else torch.randn(shape, device=device, dtype=dtype,
+                                                                      requires_grad=True)
+                sync()
+                t0 = time.perf_counter()
+                out = chunk(hidden=x, **batch)
+                sync()
+                t1 = time.perf_counter()
+                grad = None if out.dim() == 0 else torch.ones_like(out)
+                if split:
+                    _, pending = backward_input(out, grad, x)
+                    del out
+                    sync()
+                    t2 = time.perf_counter()
+                    backward_weight(pending)
+                    parts = {"BI": t2 - t1}
+                else:
+                    torch.autograd.backward(out, grad)
+                    parts = {"F": t1 - t0}
+                sync()
+                parts["BW" if split else "B"] = time.perf_counter() - (t2 if split else t1)
+                if rep >= warmup:
+                    for k, t in parts.items():
+                        total[k] += t / reps
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
-    return tf, tb
+    return total
+
+
+def breakdown(timeline, steps) -> dict:
+    """Per action kind: count per step, mean device ms and mean host ms to issue it."""
+    out = {}
+    for kind in ("F", "B", "BI", "BW"):
+        acts = [t for t in timeline if t.kind == kind]
+        if acts:
+            out[kind] = {"n": len(acts) / steps, "gpu_ms": 1e3 * sum(t.end - t.start for t in acts) / len(acts),
+                         "host_ms": 1e3 * sum(t.host for t in acts) / len(acts)}
+    return out
+
+
+def run_config(pipe, chunks, make_batch, m, steps):
+    """Time ``steps`` train_batch calls after 2 warm-ups; returns (mean step s, this rank's timelines)."""
+    pipe.executor.time_compute = True
+    times, timelines, busy = [], [], []
+    for step in range(2 + steps):
+        batches = [make_batch() for _ in range(m)]
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.train_batch(iter(batches))
+        sync()
+        dist.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+            timelines.append(list(getattr(pipe.executor, "timeline", [])))
+            busy.append(pipe.executor.busy_seconds)
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+    return sum(times) / len(times), timelines, sum(busy) / len(busy)
+
+
+def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
+    """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
+    engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups."""
+    import plait
+    from plait.layers.stages import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+
+    chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v)
+    config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
+              "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v}}
+    engine = plait.initialize(pipe, config, mesh=mesh)
+    times = []
+    for step in range(2 + steps):
+        batches = [make_batch() for _ in range(m)]
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(iter(batches))
+        sync()
+        dist.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+    del engine, pipe, chunks
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return sum(times) / len(times)
+
+
+def predicted_bubble(schedule, p, m, v, per_rank):
+    """The simulator's bubble with each rank's measured mean action times (``per_rank[r][kind]`` seconds)."""
+    from plait.parallel.schedules import get_schedule
+    from plait.parallel.simulate import simulate
+
+    lists = get_schedule(schedule, p, m, v)
+    costs = {k: tuple(per_rank[r].get(k, {"gpu_ms": 0.0})["gpu_ms"] for r in range(p)) for k in ("F", "B", "BI", "BW")}
+    sim = simulate(lists, p, v, cost_f=costs["F"], cost_b=costs["B"], cost_bi=costs["BI"], cost_bw=costs["BW"])
+    return sim.makespan / max(sim.busy) - 1
 
 
 def main():
@@ -58,88 +143,96 @@ def main():
     from plait.parallel import ParallelMesh, init_distributed
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
-    from plait.parallel.schedules import get_schedule
-    from plait.parallel.simulate import simulate
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
     parser.add_argument("--micro-batches", default="8,16", help="m values, comma-separated")
+    parser.add_argument("--micro-batch-sizes", default="1", help="sequences per micro-batch, comma-separated")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="bench_pipeline.jsonl")
+    parser.add_argument("--timelines", default=None, help="write every rank's per-action timeline here (JSON)")
+    parser.add_argument("--label", default="plait", help="name of this code version in the table")
     parser.add_argument("--preset", default="llama-886m")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     args = parser.parse_args()
     info = init_distributed()
     mesh = ParallelMesh(tp=1, pp=info.world_size)
     p, device = mesh.pp, mesh.device
     cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048))
-    SEQ = args.seq
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = []
+    rows, timelines = [], {}
     for schedule in args.schedules.split(","):
         v = 2 if schedule == "interleaved" else 1
         chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=device, dtype=dtype)
         gen = torch.Generator(device=device).manual_seed(mesh.pp_rank)
+        for mbs in [int(x) for x in args.micro_batch_sizes.split(",")]:
+            def make_batch():
+                ids = torch.randint(0, cfg.vocab_size, (mbs, args.seq + 1), device=device, generator=gen)
+                return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
-        def make_batch():
-            ids = torch.randint(0, cfg.vocab_size, (MICRO, SEQ + 1), device=device, generator=gen)
-            return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
-
-        tf, tb = timed_chunks(chunks, make_batch, cfg.hidden_size, SEQ, dtype, device)
-        costs = torch.tensor([tf, tb], device=device)
-        every = [torch.zeros_like(costs) for _ in range(p)]
-        dist.all_gather(every, costs)
-        every = [tuple(x.tolist()) for x in every]
-        for m in [int(x) for x in args.micro_batches.split(",")]:
-            pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
-            pipe.executor.time_compute = True
-            times, busy = [], []
-            for step in range(2 + args.steps):
-                batches = [make_batch() for _ in range(m)]
-                sync()
-                dist.barrier()
-                t0 = time.perf_counter()
-                pipe.train_batch(iter(batches))
-                sync()
-                dist.barrier()
-                if step >= 2:
-                    times.append(time.perf_counter() - t0)
-                    busy.append(pipe.executor.busy_seconds)
-                for chunk in chunks:
-                    chunk.zero_grad(set_to_none=True)
-            step_s = sum(times) / len(times)
-            mine = torch.tensor([sum(busy) / len(busy)], device=device)
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            ideal = mine.item()                                  # busiest rank's compute seconds
-            # Simulator with this schedule and per-rank measured costs (chunk costs are per rank here,
-            # v chunks share them evenly).
-            lists = get_schedule(schedule, p, m, v)
-            f_mean = sum(f for f, _ in every) / p / v
-            b_mean = sum(b for _, b in every) / p / v
-            sim = simulate(lists, p, v, cost_f=f_mean, cost_b=b_mean, cost_bi=b_mean / 2, cost_bw=b_mean / 2)
-            predicted = sim.makespan / max(sim.busy) - 1
-            theory = {"1f1b": (p - 1) / m, "interleaved": (p - 1) / (v * m), "zb-h1": (p - 1) / (3 * m)}[schedule]
-            row = {"schedule": schedule, "p": p, "v": v, "m": m, "step_s": step_s, "ideal_s": ideal,
-                   "bubble_measured": step_s / ideal - 1, "bubble_simulated": predicted, "bubble_theory": theory,
-                   "tokens_per_s": m * MICRO * SEQ / step_s, "t_f": f_mean, "t_b": b_mean}
-            rows.append(row)
-            if info.rank == 0:
-                print(json.dumps(row), flush=True)
+            isolated = timed_chunks(chunks, make_batch, (mbs, args.seq, cfg.hidden_size), dtype, device)
+            for m in [int(x) for x in args.micro_batches.split(",")]:
+                pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
+                step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
+                mine = {"busy": busy_s,
+                        "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated}
+                every = [None] * p
+                dist.all_gather_object(every, mine)
+                busy = max(e["busy"] for e in every)
+                key = f"{schedule}/m{m}/b{mbs}"
+                timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
+                row = {"label": args.label, "schedule": schedule, "p": p, "v": v, "m": m, "micro_batch": mbs,
+                       "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
+                       "bubble_measured": step_s / busy - 1 if busy else None,
+                       "bubble_simulated": predicted_bubble(schedule, p, m, v, [e["kinds"] for e in every])
+                       if every[0]["kinds"] else None, "ranks": every}
+                for stage in [int(x) for x in args.engine.split(",") if x]:
+                    row[f"engine_zero{stage}_step_s"] = engine_step_time(cfg, mesh, schedule, v, m, mbs, stage,
+                                                                         make_batch, args.steps)
+                rows.append(row)
+                if info.rank == 0:
+                    print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
         del chunks
+    if args.timelines:
+        gathered = [None] * p
+        dist.all_gather_object(gathered, timelines)
+        if info.rank == 0:
+            with open(args.timelines, "w") as f:
+                json.dump({k: [g[k] for g in gathered] for k in timelines}, f)
     if info.rank == 0:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-        print(f"\n{args.preset} {dtype}, seq {SEQ}, micro-batch {MICRO}, pp={p} on {where}; "
-              f"torch {torch.__version__}")
-        print("| schedule | m | step s | tokens/s | bubble measured | bubble simulated | theory |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['schedule']}{' v=2' if r['v'] == 2 else ''} | {r['m']} | {r['step_s']:.3f} | "
-                  f"{r['tokens_per_s'] / 1e3:.1f}k | {100 * r['bubble_measured']:.1f}% | "
-                  f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_theory']:.1f}% |")
+        report(rows, args, p, dtype)
     dist.destroy_process_group()
+
+
+def report(rows, args, p, dtype):
+    with open(args.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"\n{args.preset} {dtype}, seq {args.seq}, pp={p} on {where}; torch {torch.__version__}; {args.label}")
+    print("| code | schedule | m | micro-batch | step s | tokens/s | bubble measured | simulated |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        bm = "n/a" if r["bubble_measured"] is None else f"{100 * r['bubble_measured']:.1f}%"
+        bs = "n/a" if r["bubble_simulated"] is None else f"{100 * r['bubble_simulated']:.1f}%"
+        print(f"| {r['label']} | {r['schedule']}{' v=2' if r['v'] == 2 else ''} | {r['m']} | {r['micro_batch']} | "
+              f"{r['step_s']:.3f} | {r['tokens_per_s'] / 1e3:.1f}k | {bm} | {bs} |")
+    engine = sorted({k for r in rows for k in r if k.startswith("engine_")})
+    if engine:
+        print("\nthrough engine.train_batch (bf16, AdamW step), tokens/s:")
+        print("| code | schedule | m | micro-batch | " + " | ".join(k[7:-7] for k in engine) + " |")
+        print("|---|---|---|---|" + "---|" * len(engine))
+        for r in rows:
+            tok = r["m"] * r["micro_batch"] * args.seq
+            print(f"| {r['label']} | {r['schedule']} | {r['m']} | {r['micro_batch']} | "
+                  + " | ".join(f"{tok / r[k] / 1e3:.1f}k" if k in r else "-" for k in engine) + " |")
+    print("\nper action (rank: kind n/step, device ms, host ms; isolated F/B/BI/BW ms)")
+    for r in rows:
+        for rank, e in enumerate(r["ranks"]):
+            kinds = " ".join(f"{k}:{x['n']:.0f}x{x['gpu_ms']:.2f}/{x['host_ms']:.2f}" for k, x in e["kinds"].items())
+            iso = "/".join(f"{1e3 * e['isolated'][k]:.2f}" for k in ("F", "B", "BI", "BW"))
+            print(f"{r['label']} {r['schedule']} m={r['m']} b={r['micro_batch']} rank {rank}: {kinds}; isolated {iso}")
 
 
 if __name__ == "__main__":

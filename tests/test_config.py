@@ -137,8 +137,9 @@ def test_dp_from_world_size_and_pipeline_micro_batches():
     with pytest.raises(ConfigError, match=r"world_size \(30\) is not divisible by tensor_parallel.size \(2\) x "
                                           r"pipeline.size \(4\)"):
         load_config(raw, world_size=30)
-    with pytest.raises(ConfigError, match=r"micro_batches \(6\) must be a multiple of pipeline.size \(4\)"):
-        load_config({**raw, "pipeline": {**raw["pipeline"], "micro_batches": 6}}, world_size=32)
+    for m in (6, 3):  # interleaved takes any m >= 1, not only multiples of pipeline.size (m < size: mostly bubble)
+        odd = load_config({**raw, "pipeline": {**raw["pipeline"], "micro_batches": m}}, world_size=32)
+        assert (odd.train_batch_size, odd.gradient_accumulation_steps, odd.pipeline.micro_batches) == (8 * m, m, m)
     with pytest.raises(ConfigError, match=r"pipeline.micro_batches \(8\) differs from gradient_accumulation_steps "
                                           r"\(2\)"):
         load_config({**raw, "gradient_accumulation_steps": 2}, world_size=32)

@@ -147,10 +147,6 @@ def parity_body(world: int):
         if pp == 4 and tp * dp == 1:  # m < p: the schedules' documented fallback (mostly bubble)
             for schedule in ("1f1b", "zb-h1"):
                 results.append((f"pp=4 m=2 {schedule}", *check_one(mesh, "gpt2", schedule, "uniform", cache, m=2)))
-        if pp == 2:  # interleaved needs m to be a multiple of p: the error names the numbers
-            chunks = build_stage_modules(make_config("llama"), mesh, 2, seed=11)
-            with pytest.raises(ValueError, match="m=3, p=2"):
-                PipelineParallel(chunks, mesh, schedule="interleaved", micro_batches=3, virtual_stages=2)
     return results
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from plait.parallel.schedules import (SCHEDULES, Action, check_schedule, get_schedule, gpipe,
                                       interleaved_1f1b, one_f_one_b, rank_chunk_of, stage_of, zb_h1)
-from plait.parallel.simulate import DeadlockError, render, simulate, with_communication
+from plait.parallel.simulate import DeadlockError, render, simulate
 
 ONE = dict(cost_f=Fr(1), cost_b=Fr(2), cost_bi=Fr(1), cost_bw=Fr(1))
 PM = [(p, m) for p in (2, 4, 8) for m in sorted({p, 2 * p, 16})]
@@ -122,10 +122,9 @@ def test_registry_and_get_schedule_errors():
     with pytest.raises(ValueError, match=r"'1f1b' runs one model chunk per rank but got v=2; "
                                          r"use schedule 'interleaved'"):
         get_schedule("1f1b", 4, 8, 2)
-    with pytest.raises(ValueError, match=r"multiple of p .*got m=6, p=4; use m=4 or 8"):
-        get_schedule("interleaved", 4, 6, 2)
-    with pytest.raises(ValueError, match=r"got m=3, p=4; use m=4,"):
-        get_schedule("interleaved", 4, 3, 2)
+    for m in (6, 3):  # interleaved takes any m >= 1 (no longer only multiples of p)
+        assert get_schedule("interleaved", 4, m, 2) == interleaved_1f1b(4, m, 2)
+        check_schedule(get_schedule("interleaved", 4, m, 2), 4, m, 2)
     with pytest.raises(ValueError, match="needs v >= 2 .* got v=1"):
         get_schedule("interleaved", 4, 8, 1)
     with pytest.raises(ValueError, match=r"m \(micro-batches\) must be a positive integer, got 0"):
@@ -169,47 +168,100 @@ def test_cross_rank_deadlock_is_reported():
         simulate(lists, 2)
 
 
-def test_with_communication_places_recv_before_and_send_after():
-    lists = with_communication(one_f_one_b(2, 2), 2)
-    assert [" ".join(map(str, acts)) for acts in lists] == [
-        "F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 RECV_B1 B1",
-        "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1"]
-    check_schedule(lists, 2, 2)
-    assert with_communication(interleaved_1f1b(1, 2, 2), 1, 2) == interleaved_1f1b(1, 2, 2)
-
-
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                                    ("interleaved", 3)])
-@pytest.mark.parametrize("p", [2, 3, 4])
-def test_communication_never_deadlocks_under_rendezvous(name, v, p):
-    for m in range(1, 2 * p + 2):
-        if name == "interleaved" and m % p:
-            continue
-        lists = with_communication(get_schedule(name, p, m, v), p, v)
-        check_schedule(lists, p, m, v)
-        res = simulate(lists, p, v)  # raises DeadlockError if any batch could wait forever
-        assert sum(len(tl) for tl in res.timeline) == sum(a.is_compute for acts in lists for a in acts)
-
-
-def test_rendezvous_catches_send_right_after_producer():
-    # The naive rule (send right after its producer) deadlocks interleaved 1F1B p=2, m=4, v=2.
-    naive = []
-    for r, acts in enumerate(interleaved_1f1b(2, 4, 2)):
-        out = []
-        for a in acts:
-            s = stage_of(r, a.chunk, 2)
-            out += [Action("RECV_F", a.microbatch, a.chunk)] if a.kind == "F" and s > 0 else []
-            out += [Action("RECV_B", a.microbatch, a.chunk)] if a.kind == "B" and s < 3 else []
-            out.append(a)
-            out += [Action("SEND_F", a.microbatch, a.chunk)] if a.kind == "F" and s < 3 else []
-            out += [Action("SEND_B", a.microbatch, a.chunk)] if a.kind == "B" and s > 0 else []
-        naive.append(out)
-    check_schedule(naive, 2, 4, 2)
-    with pytest.raises(DeadlockError, match="comm batch"):
-        simulate(naive, 2, 2)
-
-
 def test_render_1f1b_p2_m2():
     assert render(simulate(one_f_one_b(2, 2), 2)) == (
         "rank 0: F0 F1 .. .. B0 B0 .. B1 B1\n"
         "rank 1: .. F0 B0 B0 F1 B1 B1 .. ..")
+
+
+# ---- interleaved 1F1B with any m (rounds of g >= p micro-batches) -----------------------------------
+
+def _old_interleaved(p, m, v):
+    """Copy of interleaved_1f1b before it took any m (groups of exactly p; needed p | m), as strings."""
+    def order(k, backward):
+        group, pos = divmod(k, p * v)
+        chunk = v - 1 - pos // p if backward else pos // p
+        return group * p + pos % p, chunk
+    out = []
+    for r in range(p):
+        w = min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        fwd = [Action("F", *order(k, False)) for k in range(m * v)]
+        bwd = [Action("B", *order(k, True)) for k in range(m * v)]
+        acts = fwd[:w] + [a for i in range(m * v - w) for a in (fwd[w + i], bwd[i])] + bwd[m * v - w:]
+        out.append(" ".join(map(str, acts)))
+    return out
+
+
+def test_interleaved_unchanged_for_multiples_of_p():
+    # Lists printed by the code before this change (groups of exactly p), stored verbatim.
+    before = {
+        (3, 3, 2): ["F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
+                    "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
+                    "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 B0 B1 B2"],
+        (2, 4, 3): ["F0 F1 F0.1 F1.1 F0.2 F1.2 F2 B0.2 F3 B1.2 F2.1 B0.1 F3.1 B1.1 F2.2 B0 F3.2 B1 B2.2 B3.2 "
+                    "B2.1 B3.1 B2 B3",
+                    "F0 F1 F0.1 F1.1 F0.2 B0.2 F1.2 B1.2 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 F2.2 B2.2 F3.2 B3.2 "
+                    "B2.1 B3.1 B2 B3"],
+        (3, 6, 2): ["F0 F1 F2 F0.1 F1.1 F2.1 F3 F4 B0.1 F5 B1.1 F3.1 B2.1 F4.1 B0 F5.1 B1 B2 B3.1 B4.1 B5.1 B3 B4 B5",
+                    "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 F3 B1.1 F4 B2.1 F5 B0 F3.1 B1 F4.1 B2 F5.1 B3.1 B4.1 B5.1 B3 B4 B5",
+                    "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3 B0 F4 B1 F5 B2 F3.1 B3.1 F4.1 B4.1 F5.1 B5.1 B3 B4 B5"],
+    }
+    for (p, m, v), want in before.items():
+        assert [" ".join(map(str, acts)) for acts in interleaved_1f1b(p, m, v)] == want, (p, m, v)
+        assert _old_interleaved(p, m, v) == want
+    for p in range(1, 6):
+        for v in (2, 3, 4):
+            for m in (p, 2 * p, 3 * p, 4 * p):
+                assert [" ".join(map(str, a)) for a in interleaved_1f1b(p, m, v)] == _old_interleaved(p, m, v)
+
+
+def test_interleaved_rounds_for_m_not_a_multiple_of_p():
+    # p=3, m=7: rounds of 3 and 4 micro-batches (larger last); warm-up (p-r-1)*2 + (v-1)*4.
+    assert [" ".join(map(str, acts)) for acts in interleaved_1f1b(3, 7, 2)] == [
+        "F0 F1 F2 F0.1 F1.1 F2.1 F3 F4 F5 B0.1 F6 B1.1 F3.1 B2.1 F4.1 B0 F5.1 B1 F6.1 B2 B3.1 B4.1 B5.1 B6.1 "
+        "B3 B4 B5 B6",
+        "F0 F1 F2 F0.1 F1.1 F2.1 F3 B0.1 F4 B1.1 F5 B2.1 F6 B0 F3.1 B1 F4.1 B2 F5.1 B3.1 F6.1 B4.1 B5.1 B6.1 "
+        "B3 B4 B5 B6",
+        "F0 F1 F2 F0.1 F1.1 B0.1 F2.1 B1.1 F3 B2.1 F4 B0 F5 B1 F6 B2 F3.1 B3.1 F4.1 B4.1 F5.1 B5.1 F6.1 B6.1 "
+        "B3 B4 B5 B6"]
+    # m < p: one round of m (here p=3, m=2).
+    assert " ".join(map(str, interleaved_1f1b(3, 2, 2)[2])) == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
+
+
+def _rounds_largest(p, m):
+    """Largest round: max(m // p, 1) rounds of sizes as equal as possible."""
+    return -(-m // max(m // p, 1))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_interleaved_any_m_valid_deadlock_free_and_bubble(p):
+    """Every m in 1..3p+1 and v in 2..4: complete, locally ordered, no deadlock compute-only nor with the
+    communication of with_communication; bubble and activation peaks as derived below."""
+    from plait.parallel.simulate import with_communication
+
+    for v in (2, 3, 4):
+        for m in range(1, 3 * p + 2):
+            lists = interleaved_1f1b(p, m, v)
+            check_schedule(lists, p, m, v)
+            res = simulate(lists, p, v, cost_f=Fr(1), cost_b=Fr(2))  # raises DeadlockError
+            comm = with_communication(lists, p, v)
+            check_schedule(comm, p, m, v)
+            simulate(comm, p, v)  # raises DeadlockError
+            # Bubble, per-chunk costs F = 1, B = 2, no comm latency. Every rank is busy 3mv (mv chunk-forwards
+            # and as many chunk-backwards). Rank p-1 cannot start before micro-batch 0 has crossed chunk 0 of
+            # ranks 0..p-2 (p-1 forwards), and after its last action, B of micro-batch m-1 on chunk 0, stages
+            # p-2..0 still run that backward (p-1 backwards): makespan >= 3mv + 3(p-1). For m >= p the
+            # rounds hold g >= p micro-batches: a micro-batch comes back to rank 0 for chunk c+1 p forward
+            # slots after it left for chunk c, and the round keeps rank 0 busy for g >= p slots meanwhile
+            # (backwards likewise, reversed), and the warm-up (v-1)*G + 2(p-r-1) (G the largest round) has
+            # each round's first backward ready in time, so rank p-1 never waits in between and the bound
+            # is met: idle 3(p-1) on every rank, ratio (p-1)/(v m), the paper's (p-1)(t_f + t_b)/v with
+            # whole-stage t_f = v, t_b = 2v. For m < p (one round of m) each of the v-1 chunk changes waits
+            # p-m forward slots and, in the backward, p-m backward slots: + 3(v-1)(p-m).
+            idle = 3 * (p - 1) + 3 * (v - 1) * max(p - m, 0)
+            assert res.busy == (3 * m * v,) * p and res.idle == (idle,) * p, (p, v, m, res.idle)
+            assert res.bubble_ratio == (Fr(idle, 3 * m * v),) * p
+            if m >= p:
+                assert res.bubble_ratio == (Fr(p - 1, v * m),) * p
+            g = _rounds_largest(p, m)  # activations held (chunks): the warm-up plus one, capped at mv
+            assert res.peak_in_flight == tuple(min(2 * (p - r - 1) + (v - 1) * g + 1, m * v) for r in range(p))

@@ -179,10 +179,6 @@ class PipelineConfig:
         mb = self.micro_batches
         if mb is not None and mb < 1:
             raise ConfigError(f"pipeline.micro_batches must be >= 1, got {mb}")
-        if self.schedule == "interleaved" and mb is not None and mb % self.size != 0:
-            raise ConfigError(f"pipeline.micro_batches ({mb}) must be a multiple of pipeline.size ({self.size}) "
-                             "for the interleaved schedule (Narayanan et al. SC'21); change "
-                             "gradient_accumulation_steps or the pipeline size")
         if isinstance(self.partition, list):
             b, chunks = self.partition, self.num_chunks
             if len(b) != chunks + 1 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):

@@ -1,16 +1,23 @@
-"""Point-to-point transfers between neighbouring pipeline stages with ``batch_isend_irecv``.
+"""Point-to-point transfers between neighbouring pipeline stages: posted ahead, waited on only by their use.
 
 A transfer is one tensor moving one hop along the virtual-stage chain: an activation from
 stage ``s`` to ``s+1`` (direction "F") or an input gradient from ``s`` to ``s-1`` ("B"). Stage
 ``s`` lives on pipeline rank ``s % p`` (chunk ``s // p``; see ``plait.parallel.schedules``), whose
-global rank is ``mesh.ranks("pp")[s % p]`` for this process's (dp, tp) coordinate, so each tp
+global rank is ``mesh.ranks("pp")[s % p]`` for this process's (dp, cp, tp) coordinate, so each tp
 rank talks to the same tp rank of the neighbouring stage (its sequence shard under sequence
 parallelism, its replica otherwise).
 
-Both sides name a transfer by ``(direction, micro-batch, sending stage)``. Within one batch the
-ops are posted in that key's order and each carries a tag derived from it, so the k-th message
-between two ranks is the same one on both sides (NCCL matches by order, gloo by tag) whatever
-order the schedule listed the actions in. The same code runs on gloo (CPU) and NCCL (GPU).
+Every send and receive is its own non-blocking ``isend``/``irecv``; nothing waits for a send inside a
+step (the executor reaps finished sends and waits for the rest at the step's end), and only the
+action that consumes a received tensor waits for it (on GPU a stream wait: no host synchronization).
+
+Channels: a message from pipeline rank ``a`` to rank ``b`` travels on the "up" process group when
+``a < b`` and on the "down" group when ``a > b``, two groups over the same ranks. NCCL runs a pair's
+point-to-point operations of one group in posting order on one stream and matches them in that order,
+so each (group, pair) carries ONE direction only: a blocked send can then never sit in front of the
+receive its peer waits for, and the matching rule is simply that the receiver posts a channel's receives
+in the order the sender posts its sends (``plait.parallel.simulate.with_communication`` places them so,
+and ``simulate`` refuses lists that do not). gloo matches by tag (:meth:`Transfer.tag`) as well.
 """
 from __future__ import annotations
 
@@ -38,50 +45,80 @@ class Transfer:
         return 2 * (self.microbatch * num_stages + self.src_stage) + (self.direction == "B")
 
 
+def channel_groups(mesh) -> tuple:
+    """The ("up", "down") process groups of this rank's pipeline column (collective over the world).
+
+    Every rank must call this in the same order: one ``new_group`` per (dp, cp, tp) coordinate and
+    direction. Returns ``(None, None)`` without a mesh or with ``pp == 1``.
+    """
+    if mesh is None or mesh.pp == 1:
+        return None, None
+    grid = mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
+    columns = grid.reshape(grid.shape[0], -1)
+    me, mine = dist.get_rank(), (None, None)
+    for c in range(columns.shape[1]):
+        ranks = [int(r) for r in columns[:, c]]
+        pair = (dist.new_group(ranks), dist.new_group(ranks))
+        if me in ranks:
+            mine = pair
+    return mine
+
+
 class StageP2P:
     """Sends and receives between this rank's virtual stages and their neighbours.
 
     Args:
         pp_ranks: global ranks of this process's pipeline group in pp-rank order
             (``mesh.ranks("pp")``); ``pp_ranks[r]`` holds the stages ``r, r + p, r + 2p, ...``.
-        group: the pipeline process group (``mesh.pp_group``); None in one process.
+        groups: ``(up, down)`` from :func:`channel_groups` (``(None, None)`` in one process).
         num_stages: ``p * v`` virtual stages.
+        pp_rank: this process's pipeline rank.
     """
 
-    def __init__(self, pp_ranks: list[int], group, num_stages: int):
-        self.pp_ranks, self.group, self.num_stages = list(pp_ranks), group, num_stages
-        self.p = len(self.pp_ranks)
+    def __init__(self, pp_ranks: list[int], groups: tuple, num_stages: int, pp_rank: int = 0):
+        self.pp_ranks, self.groups, self.num_stages = list(pp_ranks), groups, num_stages
+        self.p, self.pp_rank = len(self.pp_ranks), pp_rank
 
-    def peer(self, stage: int) -> int:
-        """Global rank holding virtual stage ``stage``."""
+    def peer_rank(self, stage: int) -> int:
+        """Pipeline rank holding virtual stage ``stage``."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"virtual stage {stage} outside [0, {self.num_stages}); "
                              f"p={self.p} ranks x v={self.num_stages // self.p} chunks")
-        return self.pp_ranks[stage % self.p]
+        return stage % self.p
 
-    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]],
-                 recvs: list[tuple[Transfer, torch.Tensor]]) -> None:
-        """Post every send and receive as ONE ``batch_isend_irecv`` and wait for all of them.
+    def _op(self, fn, tensor: torch.Tensor, src: int, dst: int, transfer: Transfer):
+        group = self.groups[0] if src < dst else self.groups[1]
+        peer = self.pp_ranks[dst if fn is dist.isend else src]
+        return fn(tensor, peer, group, transfer.tag(self.num_stages))
 
-        Args:
-            sends: ``(transfer, tensor)``; the tensor goes to ``transfer.dst_stage``'s rank.
-            recvs: ``(transfer, buffer)``; filled in place from ``transfer.src_stage``'s rank.
-                The buffer's shape and dtype must equal the sender's tensor's.
+    def send(self, transfer: Transfer, tensor: torch.Tensor):
+        """Post ``tensor`` to ``transfer.dst_stage``'s rank; returns the work (keep ``tensor`` alive
+        until it completes). Raises ValueError for a peer stage outside ``[0, p*v)``."""
+        return self._op(dist.isend, tensor.contiguous(), self.pp_rank, self.peer_rank(transfer.dst_stage),
+                        transfer)
 
-        Raises:
-            ValueError: a transfer's peer stage lies outside ``[0, p*v)`` (a schedule bug).
-        """
-        ops = []
-        for transfer, tensor in sends:
-            ops.append((transfer, dist.P2POp(dist.isend, tensor.contiguous(), self.peer(transfer.dst_stage),
-                                             self.group, transfer.tag(self.num_stages))))
-        for transfer, buf in recvs:
-            if not buf.is_contiguous():
-                raise ValueError(f"receive buffer for {transfer} must be contiguous")
-            ops.append((transfer, dist.P2POp(dist.irecv, buf, self.peer(transfer.src_stage), self.group,
-                                             transfer.tag(self.num_stages))))
-        if not ops:
+    def recv(self, transfer: Transfer, buf: torch.Tensor):
+        """Post a receive into the contiguous ``buf`` (shape and dtype of the sender's tensor) from
+        ``transfer.src_stage``'s rank; returns the work to wait on before reading ``buf``."""
+        if not buf.is_contiguous():
+            raise ValueError(f"receive buffer for {transfer} must be contiguous")
+        return self._op(dist.irecv, buf, self.peer_rank(transfer.src_stage), self.pp_rank, transfer)
+
+    def connect(self, device: torch.device) -> None:
+        """Create the point-to-point connections of both channels up front, with a grouped exchange of
+        one element with every neighbour (NCCL would otherwise connect at a channel's first transfer,
+        blocking the host until the peer reaches its own). Collective over the pipeline column."""
+        if self.p == 1:
             return
-        ops.sort(key=lambda item: item[0])
-        for work in dist.batch_isend_irecv([op for _, op in ops]):
-            work.wait()
+        r, p = self.pp_rank, self.p
+        for up in (True, False):
+            ops = []
+            for peer in sorted({(r + 1) % p, (r - 1) % p} - {r}):
+                group = self.groups[0] if up else self.groups[1]
+                if (r < peer) == up:
+                    ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), self.pp_ranks[peer], group))
+                if (peer < r) == up:
+                    ops.append(dist.P2POp(dist.irecv, torch.zeros(1, device=device), self.pp_ranks[peer], group))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()

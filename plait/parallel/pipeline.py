@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from plait.parallel.p2p import StageP2P
+from plait.parallel.p2p import StageP2P, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
 from plait.parallel.schedules import Action, get_schedule
 from plait.parallel.simulate import with_communication
@@ -54,8 +54,8 @@ class PipelineParallel:
             (with ``aux_loss_scale=s`` where its forward takes it, ``StageChunk``).
         mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
         schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
-        micro_batches: m, micro-batches per step. "interleaved" needs m a multiple of p; the
-            others run any ``m >= 1`` (``m < p`` is mostly bubble; see ``schedules``).
+        micro_batches: m, micro-batches per step; every schedule runs any ``m >= 1`` (``m < p`` is
+            mostly bubble; see ``schedules``).
         virtual_stages: v; must equal ``len(stage_modules)`` (default: that length).
         activation_shape: ``batch -> shape`` of the activation entering a stage > 0. Default: the
             first chunk's ``activation_shape`` (plait's: ``[b, s, hidden]``, ``[b, s/tp, hidden]``
@@ -78,7 +78,7 @@ class PipelineParallel:
     Raises:
         TypeError: a chunk lacks a ``StageChunk`` member (named).
         ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
-            ``get_schedule``: unknown name, m not a multiple of p for "interleaved", ...).
+            ``get_schedule``: unknown name, v not matching the schedule, ...).
     """
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
@@ -106,7 +106,8 @@ class PipelineParallel:
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
-        p2p = StageP2P(self.pp_ranks, None if mesh is None else mesh.pp_group, self.p * v)
+        p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * v, self.rank)
+        p2p.connect(self.device)
         self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
                                          activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready)
@@ -169,8 +170,9 @@ class PipelineParallel:
 
     def _refresh_dtype(self) -> None:
         """Receive activations in the parameters' current dtype (ZeRO may cast the chunks to bf16/fp16
-        after this pipeline was built)."""
-        first = next((t for t in self.parameters() if t.is_floating_point()), None)
+        after this pipeline was built). Parameters without elements are skipped: ZeRO-3 leaves a released
+        parameter as an empty placeholder whose dtype says nothing about the compute dtype."""
+        first = next((t for t in self.parameters() if t.is_floating_point() and t.numel()), None)
         if first is not None:
             self.executor.dtype = first.dtype
 

@@ -9,17 +9,22 @@ Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank
 - B: backward from the received output gradient (last stage: from the scaled loss); parameter
   gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
 - BI / BW: the zero-bubble split (``plait.parallel.pipeline_backward``).
-- SEND_F / RECV_F / SEND_B / RECV_B: each run of consecutive comm actions is ONE
-  ``batch_isend_irecv`` (``StageP2P.exchange``), waited on before the next compute action;
-  ``schedules.with_communication`` places them so that this cannot deadlock.
+- SEND_F / SEND_B: post the tensor (``StageP2P.send``) and go on; sends are never waited on inside
+  the step (finished ones are dropped before each compute action, the rest waited on at its end).
+- RECV_F / RECV_B: post a receive (``StageP2P.recv``); the compute action that reads it waits for it
+  just before it starts (a CUDA stream wait, no host synchronization).
+  ``simulate.with_communication`` places receives ahead of their use, in each channel's send order
+  (``plait.parallel.p2p``), so transfers overlap compute and cannot deadlock.
 
 Memory: a stage input, output and received gradient are dropped as soon as their last use has
-run (the output after the backward, the input gradient after its send), so rank r holds the
-activations of exactly the micro-batches its schedule has in flight.
+run (the output after the backward, the input gradient once its send has finished), so rank r holds
+the activations of the micro-batches its schedule has in flight, plus receives posted ahead.
 """
 from __future__ import annotations
 
 import time
+
+from dataclasses import dataclass
 
 from collections.abc import Callable
 
@@ -29,6 +34,21 @@ from plait.parallel.p2p import StageP2P, Transfer
 from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.parallel.schedules import Action
 from plait.parallel.stage import takes_keyword
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """One compute action of a timed step (``PipelineExecutor.time_compute``): seconds since the step
+    began on this rank's device (``start``, ``end``; CUDA events on GPU) and the host seconds spent
+    issuing it (``host``; when ``host`` exceeds ``end - start`` the device waited for the host)."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+    host: float
+
 
 MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
 
@@ -63,9 +83,9 @@ class PipelineExecutor:
         self.last = p * self.v - 1
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.grads_ready = grads_ready
-        # Set ``time_compute = True`` to measure this rank's busy time: ``busy_seconds`` after ``run`` is
-        # the summed duration of its compute actions (CUDA events on GPU), for bubble measurements.
-        self.time_compute, self.busy_seconds = False, 0.0
+        # Set ``time_compute = True`` to time each compute action: after ``run``, ``timeline`` holds an
+        # ``ActionTime`` per action and ``busy_seconds`` their summed duration (for bubble measurements).
+        self.time_compute, self.busy_seconds, self.timeline = False, 0.0, []
 
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -92,37 +112,47 @@ class PipelineExecutor:
             RuntimeError: an action found its input missing (the list is not a valid schedule
                 for this rank; ``check_schedule`` names the problem), or state was left over.
         """
+        self._begin(actions, microbatches, train, scale_loss, on_micro_batch)
+        spans = []
+        origin = self._mark() if self.time_compute else None
+        for action in actions:
+            if not action.is_compute:
+                self._post(action)
+                continue
+            self._reap_sends()
+            self._await_inputs(action)
+            start = self._mark() if self.time_compute else None
+            host = time.perf_counter()
+            getattr(self, "_do_" + action.kind)(action.microbatch, action.chunk)
+            if start is not None:
+                spans.append((action, start, self._mark(), time.perf_counter() - host))
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+        if self.time_compute:
+            self.timeline = self._timeline(origin, spans)
+            self.busy_seconds = sum(t.end - t.start for t in self.timeline)
+        self._check_empty()
+        return [self._losses[i] for i in sorted(self._losses)]
+
+    def _begin(self, actions, microbatches, train, scale_loss, on_micro_batch) -> None:
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
         m = self._m
         self._scale_loss = scale_loss or (lambda loss: loss * (1.0 / m))
         self._aux_scale = float(self._scale_loss(torch.ones(())))   # d scaled / d loss, for the chunks' own losses
         self._on_micro_batch, self._mb_left = on_micro_batch, dict.fromkeys(range(m), self.v)
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
-        self._to_send, self._pending, self._losses = {}, {}, {}
+        self._to_send, self._pending, self._losses, self._sends = {}, {}, {}, []
         self._remaining = self._weight_actions(actions) if train else {}
         self.peak_in_flight = 0
-        batch_comm: list[Action] = []
-        spans = []
-        for action in actions:
-            if action.is_compute:
-                self._communicate(batch_comm)
-                batch_comm = []
-                start = self._mark() if self.time_compute else None
-                getattr(self, "_do_" + action.kind)(action.microbatch, action.chunk)
-                if start is not None:
-                    spans.append((start, self._mark()))
-            else:
-                batch_comm.append(action)
-        self._communicate(batch_comm)
-        if self.time_compute:
-            self.busy_seconds = self._busy(spans)
+
+    def _check_empty(self) -> None:
         left = {name: sorted(d) for name, d in (("inputs", self._inputs), ("saved", self._saved),
                                                  ("grad_out", self._grad_out), ("grad_in", self._grad_in),
                                                  ("to_send", self._to_send), ("pending BW", self._pending)) if d}
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: state left after the step {left}; the action "
                                f"list is incomplete (run check_schedule on it)")
-        return [self._losses[i] for i in sorted(self._losses)]
 
     def _mark(self):
         if self.device.type == "cuda":
@@ -131,11 +161,13 @@ class PipelineExecutor:
             return event
         return time.perf_counter()
 
-    def _busy(self, spans) -> float:
+    def _timeline(self, origin, spans) -> list[ActionTime]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        return sum(b - a for a, b in spans)
+            since = lambda e: origin.elapsed_time(e) / 1e3  # noqa: E731
+        else:
+            since = lambda t: t - origin  # noqa: E731
+        return [ActionTime(a.kind, a.microbatch, a.chunk, since(s), since(e), host) for a, s, e, host in spans]
 
     def _weight_actions(self, actions: list[Action]) -> dict[int, int]:
         count: dict[int, int] = {}
@@ -151,37 +183,43 @@ class PipelineExecutor:
         return store.pop(key)
 
     # ---- communication ----------------------------------------------------------------------
-    def _communicate(self, comm: list[Action]) -> None:
-        if not comm:
+    def _post(self, a: Action) -> None:
+        """Post one SEND_*/RECV_* without waiting (see ``plait.parallel.p2p``)."""
+        key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
+        if a.kind in ("SEND_F", "SEND_B"):
+            forward = a.kind == "SEND_F"
+            tensor = (self._take(self._to_send, key, "output to send") if forward
+                      else self._take(self._grad_in, key, "input gradient"))
+            self._sends.append((self.p2p.send(Transfer(a.kind[-1], a.microbatch, s), tensor), tensor))
             return
-        sends, recvs, landed = [], [], []
-        for a in comm:
-            key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
-            if a.kind == "SEND_F":
-                sends.append((Transfer("F", a.microbatch, s), self._take(self._to_send, key, "output to send")))
-            elif a.kind == "SEND_B":
-                sends.append((Transfer("B", a.microbatch, s), self._take(self._grad_in, key, "input gradient")))
-            elif a.kind == "RECV_F":
-                shape = tuple(self.activation_shape(self._mbs[a.microbatch]))
-                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-                recvs.append((Transfer("F", a.microbatch, s - 1), buf))
-                landed.append((self._inputs, key, buf))
-            else:  # RECV_B: the gradient of this stage's output, shaped like it
-                out = self._saved.get(key)
-                if out is None:
-                    raise RuntimeError(f"pipeline rank {self.rank}: RECV_B of micro-batch {key[0]}, chunk "
-                                       f"{key[1]} before its forward (run check_schedule)")
-                buf = torch.empty_like(out[0], memory_format=torch.contiguous_format)
-                recvs.append((Transfer("B", a.microbatch, s + 1), buf))
-                landed.append((self._grad_out, key, buf))
-        self.p2p.exchange(sends, recvs)
-        for store, key, buf in landed:
-            store[key] = buf.requires_grad_(self._train) if store is self._inputs else buf
+        # RECV_F: this stage's input; RECV_B: the gradient of its output. Both have the shape of the
+        # activation between two stages for this micro-batch.
+        buf = torch.empty(tuple(self.activation_shape(self._mbs[a.microbatch])), dtype=self.dtype,
+                          device=self.device)
+        forward = a.kind == "RECV_F"
+        work = self.p2p.recv(Transfer(a.kind[-1], a.microbatch, s - 1 if forward else s + 1), buf)
+        (self._inputs if forward else self._grad_out)[key] = (buf, work)
+
+    def _await_inputs(self, a: Action) -> None:
+        """Wait (a stream wait on GPU) for the received tensor the compute action ``a`` reads, if any."""
+        s = self.stage(a.chunk)
+        store = self._inputs if a.kind == "F" and s > 0 else None
+        if a.kind in ("B", "BI") and s < self.last:
+            store = self._grad_out
+        entry = None if store is None else store.get((a.microbatch, a.chunk))
+        if entry is not None and entry[1] is not None:
+            entry[1].wait()
+            store[(a.microbatch, a.chunk)] = (entry[0], None)
+
+    def _reap_sends(self) -> None:
+        """Drop finished sends (and their tensors) from the front of the queue."""
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.pop(0)
 
     # ---- compute ----------------------------------------------------------------------------
     def _do_F(self, mb: int, chunk: int) -> None:
         s, key = self.stage(chunk), (mb, chunk)
-        x = None if s == 0 else self._take(self._inputs, key, "input activation")
+        x = None if s == 0 else self._take(self._inputs, key, "input activation")[0].requires_grad_(self._train)
         batch = {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
         with torch.set_grad_enabled(self._train):
             if self._takes_scale[chunk]:
@@ -194,7 +232,7 @@ class PipelineExecutor:
             self._losses[mb] = out.detach()
             out = self._scale_loss(out)
         elif self.p == 1:  # the next stage is a chunk of this same rank: hand over directly
-            self._inputs[(mb, chunk + 1)] = out.detach().requires_grad_(self._train)
+            self._inputs[(mb, chunk + 1)] = (out.detach(), None)
         else:
             self._to_send[key] = out.detach()
         if self._train:
@@ -205,14 +243,14 @@ class PipelineExecutor:
         if self.stage(chunk) == 0:
             return
         if self.p == 1:
-            self._grad_out[(mb, chunk - 1)] = grad
+            self._grad_out[(mb, chunk - 1)] = (grad, None)
         else:
             self._grad_in[(mb, chunk)] = grad
 
     def _backward_inputs(self, mb: int, chunk: int):
         out, x = self._take(self._saved, (mb, chunk), "saved forward")
         grad = None if self.stage(chunk) == self.last else self._take(self._grad_out, (mb, chunk),
-                                                                     "output gradient")
+                                                                     "output gradient")[0]
         return out, grad, x
 
     def _weights_done(self, mb: int, chunk: int) -> None:

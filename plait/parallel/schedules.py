@@ -118,47 +118,51 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     return out
 
 
-def _interleaved_order(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:
-    """(microbatch, chunk) of the k-th forward (or backward) on a rank, interleaved order.
+def _interleaved_order(m: int, p: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of every forward (or backward) on a rank, in interleaved order; ``m*v`` pairs.
 
-    Micro-batches go in groups of p: chunk 0 for the group's p micro-batches, then chunk 1, ...
-    (backward: chunk v-1 first).
+    Micro-batches go in rounds (Megatron-LM's micro-batch groups): ``max(m // p, 1)`` rounds of
+    consecutive micro-batches, sizes as equal as possible, larger ones last (each ``>= p`` when
+    ``m >= p``; exactly ``p`` when ``m`` is a multiple of ``p``; one round of ``m`` when ``m < p``).
+    Within a round: chunk 0 for all its micro-batches, then chunk 1, ... (backward: chunk v-1 first).
     """
-    group, pos = divmod(k, p * v)
-    chunk = pos // p
-    if backward:
-        chunk = v - 1 - chunk
-    return group * p + pos % p, chunk
+    rounds = max(m // p, 1)
+    out, start = [], 0
+    for j in range(rounds):
+        size = m // rounds + (j >= rounds - m % rounds)
+        for c in range(v):
+            out += [(start + i, v - 1 - c if backward else c) for i in range(size)]
+        start += size
+    return out
 
 
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., SC'21 "Efficient Large-Scale Language Model Training on
-    GPU Clusters Using Megatron-LM", Sec. 2.2.2).
+    GPU Clusters Using Megatron-LM", Sec. 2.2.2), for any ``m >= 1``.
 
-    Each rank holds ``v`` model chunks (virtual stage ``c*p + r``). Forwards go in groups of ``p``
-    micro-batches through chunk 0, then chunk 1, ...; backwards in the same groups through chunk
-    ``v-1`` first. Rank ``r`` warms up with ``min((p-r-1)*2 + (v-1)*p, m*v)`` chunk-forwards, then
-    alternates one chunk-forward with one chunk-backward, then cools down. With each chunk costing
-    ``1/v`` of a whole stage, the bubble ratio is ``(p-1)/(v*m)`` (Sec. 2.2.2: bubble time
-    ``(p-1)(t_f+t_b)/v``); the price is ``v`` times more point-to-point messages and more
-    activations held on early ranks (rank 0: ``min((v+1)*p - 1, m*v)`` chunks).
+    Each rank holds ``v`` model chunks (virtual stage ``c*p + r``). Forwards go in rounds of ``g``
+    micro-batches through chunk 0, then chunk 1, ...; backwards in the same rounds through chunk
+    ``v-1`` first (:func:`_interleaved_order`: ``g = p`` when p divides m, as in the paper; else
+    rounds of ``p <= g < 2p``; ``g = m`` when ``m < p``). Rank ``r`` warms up with
+    ``w = min((p-r-1)*2 + (v-1)*G, m*v)`` chunk-forwards, ``G`` the largest round (so the first
+    backward of every round finds its forward done), then alternates one chunk-forward with one
+    chunk-backward, then cools down. With each chunk costing ``1/v`` of a whole stage, the bubble
+    ratio is ``(p-1)/(v*m)`` for ``m >= p`` (Sec. 2.2.2: bubble time ``(p-1)(t_f+t_b)/v``) and
+    ``(p-1 + (v-1)(p-m))/(v*m)`` for ``m < p`` (every round trip through the ranks waits for the
+    ``p-m`` missing micro-batches; use '1f1b' there). The price is ``v`` times more point-to-point
+    messages and more activations held on early ranks (rank r: ``min(w+1, m*v)`` chunks).
 
     Raises:
-        ValueError: ``m`` not a multiple of ``p`` (the grouping needs whole groups of p; the
-            message gives the nearest valid m), or non-positive sizes.
+        ValueError: non-positive sizes.
     """
     _check_sizes("interleaved", p, m, v)
-    if m % p != 0:
-        lo, hi = (m // p) * p, (m // p + 1) * p
-        valid = f"{lo} or {hi}" if lo else f"{hi}"
-        raise ValueError(f"interleaved 1F1B needs m (micro-batches) to be a multiple of p (pipeline "
-                         f"ranks), got m={m}, p={p}; use m={valid}, or schedule '1f1b' (v=1)")
     total = m * v
+    largest = -(-m // max(m // p, 1))
+    fwd = [Action("F", mb, c) for mb, c in _interleaved_order(m, p, v, False)]
+    bwd = [Action("B", mb, c) for mb, c in _interleaved_order(m, p, v, True)]
     out = []
     for r in range(p):
-        w = min((p - r - 1) * 2 + (v - 1) * p, total)
-        fwd = [Action("F", *_interleaved_order(k, p, v, False)) for k in range(total)]
-        bwd = [Action("B", *_interleaved_order(k, p, v, True)) for k in range(total)]
+        w = min((p - r - 1) * 2 + (v - 1) * largest, total)
         acts = fwd[:w]
         for i in range(total - w):
             acts += [fwd[w + i], bwd[i]]
@@ -211,8 +215,8 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
     Raises:
         ValueError: unknown name (the closest known name is suggested), ``v > 1`` for a
-            single-chunk schedule, ``v == 1`` for "interleaved", ``m`` not a multiple of ``p``
-            for "interleaved", or non-positive sizes; each message names the numbers and the fix.
+            single-chunk schedule, ``v == 1`` for "interleaved", or non-positive sizes; each message
+            names the numbers and the fix. Every schedule takes any ``m >= 1``.
     """
     if name not in SCHEDULES:
         close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.0)

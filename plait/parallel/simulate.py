@@ -8,21 +8,21 @@ Each rank runs its list in order; an action starts when the rank is free and its
   F (already done on this rank, else the list is out of order and the run deadlocks);
 - BW needs the BI of the same micro-batch and stage.
 
-Lists that contain comm actions (see ``schedules.with_communication``) are run with rendezvous
-semantics instead of the ``cost_comm`` latency: each run of consecutive comm actions is one batch
-(one ``batch_isend_irecv``) posted when the rank reaches it, and it completes ``cost_comm`` after
-every matching op on the peers has been posted too. That is the strictest blocking an executor
-can see, so a list that passes here cannot deadlock on batched isend/irecv.
+Lists that contain comm actions (see :func:`with_communication`) are run as the executor runs them
+(``plait.parallel.p2p``): posting a SEND or RECV never blocks; a message lands ``cost_comm`` after both
+its SEND and its RECV are posted and after the previous message of its channel (sending rank ->
+receiving rank) has landed; the action reading it waits for that. A channel's receives must be posted
+in its send order (NCCL pairs them in posting order; ValueError otherwise), so a list that passes
+here cannot deadlock in the executor.
 
 Costs are in any time unit (e.g. the forward time of one whole stage); they may be
 ``fractions.Fraction`` for exact arithmetic.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
-from plait.parallel.schedules import Action, Schedule, rank_chunk_of, stage_of
+from plait.parallel.schedules import Action, Schedule, stage_of
 
 
 class DeadlockError(RuntimeError):
@@ -78,31 +78,37 @@ def _peaks(acts: list[Action]) -> tuple[int, int]:
     return peak_held, peak_unfinished
 
 
-def _steps(acts: list[Action]) -> list[Action | list[Action]]:
-    """Group consecutive comm actions into one batch (a list); compute actions stay single."""
-    steps: list[Action | list[Action]] = []
-    for a in acts:
-        if a.is_compute:
-            steps.append(a)
-        elif steps and isinstance(steps[-1], list):
-            steps[-1].append(a)
-        else:
-            steps.append([a])
-    return steps
-
-
-def _link(a: Action, s: int) -> tuple[tuple[str, str, int, int], tuple[str, str, int, int]]:
-    """(own key, peer key) of a comm op: (side, direction, micro-batch, sending stage)."""
+def _link(a: Action, s: int) -> tuple[str, str, int, int]:
+    """(side, direction, micro-batch, sending stage) of a comm action on virtual stage ``s``."""
     if a.kind == "SEND_F":
-        link = ("F", a.microbatch, s)
-    elif a.kind == "RECV_F":
-        link = ("F", a.microbatch, s - 1)
-    elif a.kind == "SEND_B":
-        link = ("B", a.microbatch, s)
-    else:
-        link = ("B", a.microbatch, s + 1)
-    side, other = ("send", "recv") if a.kind.startswith("SEND") else ("recv", "send")
-    return (side, *link), (other, *link)
+        return ("send", "F", a.microbatch, s)
+    if a.kind == "RECV_F":
+        return ("recv", "F", a.microbatch, s - 1)
+    if a.kind == "SEND_B":
+        return ("send", "B", a.microbatch, s)
+    return ("recv", "B", a.microbatch, s + 1)
+
+
+def _check_channels(lists: Schedule, p: int) -> None:
+    """Every channel (sending rank -> receiving rank) receives its messages in the order they are sent.
+
+    Raises:
+        ValueError: a receiving rank posts a channel's receives in another order than its sender posts
+            the sends (NCCL would pair them wrongly), or a send or receive has no counterpart.
+    """
+    order: dict[tuple[int, int], dict[str, list]] = {}
+    for r, acts in enumerate(lists):
+        for a in acts:
+            if a.is_compute:
+                continue
+            side, *msg = _link(a, stage_of(r, a.chunk, p))
+            src, dst = msg[2] % p, (msg[2] + (1 if msg[0] == "F" else -1)) % p
+            order.setdefault((src, dst), {"send": [], "recv": []})[side].append(tuple(msg))
+    for (src, dst), sides in order.items():
+        if sides["send"] != sides["recv"]:
+            raise ValueError(f"rank {dst} posts its receives from rank {src} in the order {sides['recv'][:6]}... but "
+                             f"rank {src} sends {sides['send'][:6]}...: a channel's receives must follow its sends "
+                             f"(use with_communication)")
 
 
 def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: float = 2.0,
@@ -112,7 +118,8 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     Args:
         lists: ``lists[r]`` is rank r's ordered actions (compute only, or with comm actions).
         p: pipeline ranks (``len(lists)``); v: model chunks per rank.
-        cost_f, cost_b, cost_bi, cost_bw: duration of one F, B, BI, BW of one chunk. For an
+        cost_f, cost_b, cost_bi, cost_bw: duration of one F, B, BI, BW of one chunk, or a sequence of
+            one per rank (e.g. measured: the first and last ranks carry the embedding and the loss). For an
             interleaved schedule pass the per-chunk cost (a whole stage's cost divided by v).
         cost_comm: latency of one activation/gradient transfer between different ranks (or of one
             comm batch when comm actions are explicit).
@@ -121,96 +128,105 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
         SimResult with per-action times, bubble and peak-memory figures.
 
     Raises:
-        ValueError: ``len(lists) != p``.
+        ValueError: ``len(lists) != p``, a per-rank cost without p values, or a channel's receives posted
+            out of its send order.
         DeadlockError: no rank can progress; the message lists what each stuck rank waits for.
     """
     if len(lists) != p:
         raise ValueError(f"got {len(lists)} rank lists but p={p}; give one list per rank")
-    cost = {"F": cost_f, "B": cost_b, "BI": cost_bi, "BW": cost_bw}
+    cost = {k: tuple(c) if isinstance(c, (tuple, list)) else (c,) * p
+            for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi), ("BW", cost_bw))}
+    if any(len(c) != p for c in cost.values()):
+        raise ValueError(f"per-rank costs need one value per rank (p={p}), got {[len(c) for c in cost.values()]}")
     cost_comm = cost_comm or 0  # a float 0.0 would turn exact Fraction times into floats
-    last = p * v - 1
-    steps = [_steps(acts) for acts in lists]
-    pos = [0] * p
-    clock: list[float] = [0] * p
-    done: dict[tuple[str, int, int], tuple[float, int]] = {}  # (F|BI|BW, mb, stage) -> (end, rank)
-    posted: dict[tuple, float] = {}  # comm op key -> time its batch was posted
-    arrived: list[float | None] = [None] * p  # when rank r reached its current comm batch
-    timeline: list[list[Timed]] = [[] for _ in range(p)]
     explicit = any(not a.is_compute for acts in lists for a in acts)
-
-    def ready(r: int, a: Action) -> tuple[float | None, str]:
-        return _ready(r, a, p, last, clock, done, cost_comm, explicit)
-
+    if explicit:
+        _check_channels(lists, p)
+    sim = _Run(p, p * v - 1, cost_comm, explicit)
+    pos = [0] * p
     while True:
         progressed = False
         for r in range(p):
-            while pos[r] < len(steps[r]):
-                step = steps[r][pos[r]]
-                if isinstance(step, Action):
-                    start, _ = ready(r, step)
-                    if start is None:
-                        break
-                    _run_compute(r, step, start, start + cost[step.kind], p, done, timeline, clock)
-                elif not _run_comm_batch(r, step, p, clock, arrived, posted, cost_comm):
+            while pos[r] < len(lists[r]):
+                if not sim.step(r, lists[r][pos[r]], cost):
                     break
                 pos[r] += 1
                 progressed = True
-        if all(pos[r] == len(steps[r]) for r in range(p)):
+        if all(pos[r] == len(lists[r]) for r in range(p)):
             break
         if not progressed:
-            raise DeadlockError(_stuck_message(steps, pos, ready, p))
-    return _sim_result(lists, p, v, timeline, clock)
+            raise DeadlockError(_stuck_message(lists, pos, sim, p))
+    return _sim_result(lists, p, v, sim.timeline, sim.clock)
 
 
-def _ready(r: int, a: Action, p: int, last: int, clock: list[float],
-           done: dict[tuple[str, int, int], tuple[float, int]], cost_comm: float,
-           explicit: bool) -> tuple[float | None, str]:
-    """Earliest start of compute action a on rank r, or None and what it waits for."""
-    s = stage_of(r, a.chunk, p)
-    need = []
-    if a.kind == "F" and s > 0:
-        need.append(("F", a.microbatch, s - 1))
-    if a.kind in ("B", "BI"):
-        need.append(("F", a.microbatch, s))
-        if s < last:
-            need.append(("BI", a.microbatch, s + 1))
-    if a.kind == "BW":
-        need.append(("BI", a.microbatch, s))
-    t = clock[r]
-    for key in need:
-        if key not in done:
-            return None, f"{key[0]} of micro-batch {key[1]} at stage {key[2]}"
-        end, src = done[key]
-        t = max(t, end + (cost_comm if src != r and not explicit else 0))
-    return t, ""
+class _Run:
+    """The state of one simulation: per-rank clocks and timelines, finished work, posted messages."""
 
+    def __init__(self, p: int, last: int, cost_comm, explicit: bool):
+        self.p, self.last, self.cost_comm, self.explicit = p, last, cost_comm, explicit
+        self.clock: list = [0] * p
+        self.timeline: list[list[Timed]] = [[] for _ in range(p)]
+        self.done: dict[tuple[str, int, int], tuple[float, int]] = {}   # (F|BI|BW, mb, stage) -> (end, rank)
+        self.posted: dict[tuple, float] = {}      # (side, direction, mb, src stage) -> post time
+        self.arrived: dict[tuple, float] = {}     # (direction, mb, src stage) -> arrival time
+        self.last_arrival: dict[tuple[int, int], float] = {}   # channel -> its latest arrival
 
-def _run_compute(r: int, step: Action, start: float, end: float, p: int,
-                 done: dict[tuple[str, int, int], tuple[float, int]],
-                 timeline: list[list[Timed]], clock: list[float]) -> None:
-    """Record compute action step on rank r running from start to end."""
-    s = stage_of(r, step.chunk, p)
-    for k in (("F",) if step.kind == "F" else ("BI", "BW") if step.kind == "B"
-              else (step.kind,)):
-        done[(k, step.microbatch, s)] = (end, r)
-    timeline[r].append(Timed(step, start, end))
-    clock[r] = end
+    def step(self, r: int, a: Action, cost: dict) -> bool:
+        """Run action ``a`` on rank ``r`` if it can start; False when it must wait."""
+        if not a.is_compute:   # posting never blocks
+            self.posted[_link(a, stage_of(r, a.chunk, self.p))] = self.clock[r]
+            return True
+        start, _ = self.ready(r, a)
+        if start is None:
+            return False
+        end = start + cost[a.kind][r]
+        s = stage_of(r, a.chunk, self.p)
+        for k in (("F",) if a.kind == "F" else ("BI", "BW") if a.kind == "B" else (a.kind,)):
+            self.done[(k, a.microbatch, s)] = (end, r)
+        self.timeline[r].append(Timed(a, start, end))
+        self.clock[r] = end
+        return True
 
+    def ready(self, r: int, a: Action) -> tuple[float | None, str]:
+        """Earliest start of compute action a on rank r, or None and what it waits for."""
+        s = stage_of(r, a.chunk, self.p)
+        need = []
+        if a.kind == "F" and s > 0:
+            need.append(("F", a.microbatch, s - 1))
+        if a.kind in ("B", "BI"):
+            need.append(("F", a.microbatch, s))
+            if s < self.last:
+                need.append(("BI", a.microbatch, s + 1))
+        if a.kind == "BW":
+            need.append(("BI", a.microbatch, s))
+        t = self.clock[r]
+        for key in need:
+            src = key[2] % self.p
+            if src != r and self.explicit:
+                arrival = self._arrival(("F" if key[0] == "F" else "B", key[1], key[2]), r)
+                if arrival is None:
+                    return None, f"the {'activation' if key[0] == 'F' else 'gradient'} of micro-batch {key[1]} " \
+                                 f"from stage {key[2]} (its SEND and RECV must both be posted)"
+                t = max(t, arrival)
+                continue
+            if key not in self.done:
+                return None, f"{key[0]} of micro-batch {key[1]} at stage {key[2]}"
+            end, src = self.done[key]
+            t = max(t, end + (self.cost_comm if src != r else 0))
+        return t, ""
 
-def _run_comm_batch(r: int, batch: list[Action], p: int, clock: list[float],
-                    arrived: list[float | None], posted: dict[tuple, float],
-                    cost_comm: float) -> bool:
-    """Post rank r's comm batch (once); complete it and return True if every peer has posted."""
-    if arrived[r] is None:
-        arrived[r] = clock[r]
-        for a in batch:
-            posted[_link(a, stage_of(r, a.chunk, p))[0]] = clock[r]
-    peers = [posted.get(_link(a, stage_of(r, a.chunk, p))[1]) for a in batch]
-    if any(t is None for t in peers):
-        return False
-    clock[r] = max([arrived[r], *peers]) + cost_comm
-    arrived[r] = None
-    return True
+    def _arrival(self, msg: tuple[str, int, int], dst: int) -> float | None:
+        """When message ``msg`` lands on rank ``dst``: both sides posted, after the channel's previous one
+        (a channel runs its transfers in order, ``cost_comm`` each)."""
+        if msg in self.arrived:
+            return self.arrived[msg]
+        sent, got = self.posted.get(("send", *msg)), self.posted.get(("recv", *msg))
+        if sent is None or got is None:
+            return None
+        channel = (msg[2] % self.p, dst)
+        t = max(sent, got, self.last_arrival.get(channel, 0)) + self.cost_comm
+        self.arrived[msg] = self.last_arrival[channel] = t
+        return t
 
 
 def _sim_result(lists: Schedule, p: int, v: int, timeline: list[list[Timed]],
@@ -227,40 +243,31 @@ def _sim_result(lists: Schedule, p: int, v: int, timeline: list[list[Timed]],
         peak_in_flight=tuple(pk[0] for pk in peaks), peak_unfinished=tuple(pk[1] for pk in peaks))
 
 
-def _stuck_message(steps, pos, ready, p: int) -> str:
+def _stuck_message(lists: Schedule, pos: list[int], sim: _Run, p: int) -> str:
     lines = []
     for r in range(p):
-        if pos[r] == len(steps[r]):
-            continue
-        step = steps[r][pos[r]]
-        if isinstance(step, Action):
-            what = f"{step} waits for {ready(r, step)[1]}"
-        else:
-            what = "comm batch [" + ", ".join(map(str, step)) + "] waits for its peers to post"
-        lines.append(f"rank {r} at step #{pos[r]}: {what}")
+        if pos[r] < len(lists[r]):
+            a = lists[r][pos[r]]
+            lines.append(f"rank {r} at step #{pos[r]}: {a} waits for {sim.ready(r, a)[1]}")
     return ("pipeline schedule deadlocks: no rank can make progress. " + "; ".join(lines)
             + ". Reorder the lists so each action's inputs are produced earlier "
             "(check_schedule finds local ordering errors)")
 
 
-def with_communication(lists: Schedule, p: int, v: int = 1) -> Schedule:
-    """Return new lists with SEND_*/RECV_* actions placed so batched isend/irecv cannot deadlock.
+def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 1) -> Schedule:
+    """Return new lists with SEND_*/RECV_* actions for the executor's non-blocking transfers.
 
-    Each run of consecutive comm actions in a rank's list is meant to be one
-    ``torch.distributed.batch_isend_irecv`` that the executor waits on before its next compute
-    action. Placement rule (time-aligned, Megatron pairs sends with receives the same way in its
-    lock-step 1F1B): time the compute-only lists with ``simulate``'s default costs; a transfer
-    consumed by an action starting at simulated time t gets its RECV immediately before that
-    action and its SEND immediately before the sender's first compute action that starts at or
-    after t (after the sender's last action if none). Matching ops therefore sit in batches at the
-    same simulated time, so even rendezvous semantics (NCCL groups: a batch finishes only when all
-    its peers have posted theirs) make progress; ``simulate`` checks that for lists with comm
-    actions. Placing each send right after its producer instead deadlocks interleaved 1F1B
-    (e.g. p=2, m=4, v=2) under rendezvous semantics.
+    Placement (``plait.parallel.p2p``: sends never block, a receive blocks only the action reading it):
 
-    Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives
-    activations and the last stage never receives gradients; with ``p == 1`` every peer is the
-    same rank and the compute actions are returned unchanged (copied).
+    - each SEND right after the compute action producing its tensor (posted as early as possible);
+    - each RECV ``lookahead`` compute actions before the action reading it (so the transfer overlaps the
+      compute before it), moved earlier where needed so that every channel (sending rank -> receiving
+      rank) posts its receives in the order its sends are posted: NCCL pairs a channel's operations in
+      posting order. ``simulate`` checks both rules for lists with comm actions.
+
+    Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives activations and
+    the last stage never receives gradients; with ``p == 1`` every peer is the same rank and the compute
+    actions are returned unchanged (copied).
 
     Raises:
         DeadlockError: the compute-only lists already deadlock.
@@ -268,36 +275,38 @@ def with_communication(lists: Schedule, p: int, v: int = 1) -> Schedule:
     compute = [[a for a in acts if a.is_compute] for acts in lists]
     if p == 1:
         return compute
-    res = simulate(compute, p, v)
-    starts = [[t.start for t in tl] for tl in res.timeline]
-    index = {}  # (F|BI, mb, stage) -> position in its rank's list
-    for r, acts in enumerate(compute):
-        for j, a in enumerate(acts):
-            if a.kind in ("F", "B", "BI"):
-                index[("F" if a.kind == "F" else "BI", a.microbatch, stage_of(r, a.chunk, p))] = j
-    before: list[dict[int, list[Action]]] = [{} for _ in range(p)]
+    simulate(compute, p, v)
     last = p * v - 1
+    sent_at: dict[tuple[str, int, int], int] = {}     # message -> index of its producer on the sender
+    after: list[dict[int, Action]] = [{} for _ in range(p)]
+    reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p)
-            if a.kind == "F" and s > 0:
-                src, recv, send = ("F", a.microbatch, s - 1), "RECV_F", "SEND_F"
-            elif a.kind in ("B", "BI") and s < last:
-                src, recv, send = ("BI", a.microbatch, s + 1), "RECV_B", "SEND_B"
-            else:
-                continue
-            peer, peer_chunk = rank_chunk_of(src[2], p)
-            i = index[src]
-            k = bisect.bisect_left(starts[peer], starts[r][j], lo=i + 1)
-            before[peer].setdefault(k, []).append(Action(send, a.microbatch, peer_chunk))
-            before[r].setdefault(j, []).append(Action(recv, a.microbatch, a.chunk))
+            if a.kind == "F" and s < last or a.kind in ("B", "BI") and s > 0:
+                direction = "F" if a.kind == "F" else "B"
+                sent_at[(direction, a.microbatch, s)] = j
+                after[r][j] = Action("SEND_" + direction, a.microbatch, a.chunk)
+    for r, acts in enumerate(compute):
+        for j, a in enumerate(acts):
+            s = stage_of(r, a.chunk, p)
+            if a.kind == "F" and s > 0 or a.kind in ("B", "BI") and s < last:
+                msg = ("F", a.microbatch, s - 1) if a.kind == "F" else ("B", a.microbatch, s + 1)
+                reads.setdefault((msg[2] % p, r), []).append(
+                    (sent_at[msg], j, Action("RECV_" + msg[0], a.microbatch, a.chunk)))
+    before: list[dict[int, list]] = [{} for _ in range(p)]
+    for (_, r), items in sorted(reads.items()):
+        post = len(compute[r])
+        for k, (_, j, recv) in reversed(list(enumerate(sorted(items)))):
+            post = min(post, max(j - lookahead, 0))
+            before[r].setdefault(post, []).append((k, recv))
     out = []
     for r, acts in enumerate(compute):
         new: list[Action] = []
-        for j in range(len(acts) + 1):
-            new += sorted(before[r].get(j, []), key=lambda a: (a.kind.startswith("RECV"), a.kind))
-            if j < len(acts):
-                new.append(acts[j])
+        for j, a in enumerate(acts):
+            new += [recv for _, recv in sorted(before[r].get(j, []), key=lambda item: item[0])]
+            new.append(a)
+            new += [after[r][j]] if j in after[r] else []
         out.append(new)
     return out
 
