@@ -76,6 +76,23 @@ def breakdown(timeline, steps) -> dict:
     return out
 
 
+def profile_step(pipe, chunks, make_batch, m, path):
+    """One more ``train_batch`` under torch.profiler; this rank's top host ops (self CPU time) and top
+    kernels are appended to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+    batches = [make_batch() for _ in range(m)]
+    sync()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pipe.train_batch(iter(batches))
+        sync()
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    with open(path, "a") as f:
+        f.write(f"\n== rank {dist.get_rank()}\n{table}\n")
+
+
 def run_config(pipe, chunks, make_batch, m, steps):
     """Time ``steps`` train_batch calls after 2 warm-ups; returns (mean step s, this rank's timelines)."""
     pipe.executor.time_compute = True
@@ -154,6 +171,8 @@ def main():
     parser.add_argument("--label", default="plait", help="name of this code version in the table")
     parser.add_argument("--preset", default="llama-886m")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--profile", default="", help="profile one more step of these configs, e.g. "
+                        "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     args = parser.parse_args()
     info = init_distributed()
@@ -175,6 +194,8 @@ def main():
             for m in [int(x) for x in args.micro_batches.split(",")]:
                 pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
                 step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
+                if f"{schedule}/m{m}/b{mbs}" in args.profile.split(","):
+                    profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
                 mine = {"busy": busy_s,
                         "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated}
                 every = [None] * p

@@ -74,8 +74,10 @@ def test_weight_grads_bitwise_equal_engine(case):
     assert_bitwise(want, got)
 
 
-def test_weight_grads_declines_unknown_nodes():
-    """A node type without a formula here returns None; BW then runs it through the engine, exactly."""
+def test_nodes_without_a_formula_get_their_weight_gradient_in_bi():
+    """A weight node type without a formula here (``plan`` returns None) is not deferred: BI computes its
+    parameter gradient with the input gradient, BW only feeds it into ``.grad`` (no per-node engine call),
+    exactly the plain backward's value."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3, 5, 5, generator=g, requires_grad=True)
     x0 = torch.randn(3, 4, 5, generator=g)
@@ -83,8 +85,10 @@ def test_weight_grads_declines_unknown_nodes():
     x = x0.clone().requires_grad_()
     node = torch.bmm(x, w).grad_fn
     assert plan(node, [(1, node.next_functions[1][0], 0)]) is None
+    _, pending = backward_input(fn(x), None, x)
+    assert pending.nodes == [] and len(pending.ready) == 1 and w.grad is None
     want, got, calls = split_vs_plain(fn, x0, [w])
-    assert calls == 1
+    assert calls == 0
     assert_bitwise(want, got)
 
 

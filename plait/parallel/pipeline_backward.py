@@ -12,31 +12,31 @@ How this is done on a plain autograd graph, with no change to the layers:
    with at least one child edge that leaves the input path (towards parameters only), e.g.
    ``MmBackward0`` of ``x @ W^T`` whose children are the path to ``x`` and
    ``TBackward0 -> AccumulateGrad(W)``.
-2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every weight node])``. The
-   engine runs only what the input gradient needs, so each weight node computes its input-side
-   output only (``dx = dy W``) and the parameter-side outputs are skipped; the gradients flowing
-   *into* the weight nodes (``dy``) are captured. Just before, ``weight_grad.plan`` takes the saved
-   tensors BW's formulas need (e.g. ``x``); when all are plain tensors the graph is NOT retained,
-   so every other activation of the stage is freed at BI, as in the paper's W pass (with
-   saved-tensor hooks, or a node type without a formula, the graph is retained until BW).
-3. BW: per weight node, its parameter-side outputs from the captured ``dy`` and the node's saved
+2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every GEMM weight node] +
+   [parameter-side edges of every other weight node])``. The engine runs only what these need, so each
+   GEMM node (``MmBackward0``, ``AddmmBackward0``: ``GEMM_NODES``) computes its input-side output only
+   (``dx = dy W``), its parameter-side GEMM is skipped, and the gradient flowing *into* it (``dy``) is
+   captured. The other weight nodes (norm weights, bias adds, element-wise scales, any op without a
+   formula here) are cheap: their parameter gradients are computed in BI and kept, as the paper defers
+   only the GEMMs. Just before, ``weight_grad.plan`` takes the saved tensors BW's formulas need (e.g.
+   ``x``); when all are plain tensors the graph is NOT retained, so every other activation of the
+   stage is freed at BI, as in the paper's W pass (with saved-tensor hooks, or a GEMM whose saved
+   tensors are not plain, the graph is retained until BW).
+3. BW: per GEMM node, its parameter-side outputs from the captured ``dy`` and the node's saved
    tensors (``plait.parallel.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
-   ``MmBackward0``, bitwise the engine's result) for the node types of plait's layers (matmul,
-   linear, norm weights, bias adds); any other node type runs alone through the engine
-   (``torch.autograd.grad`` cut at its parameter-side child edges). Then ONE engine call from all
-   those child edges into the parameters runs the parameter-only tails (transposes, the tp
-   all-reduce of sequence-parallel norm weights, ``AccumulateGrad``), so ``.grad`` accumulates and
-   gradient hooks (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
+   ``MmBackward0``, bitwise the engine's result; a node whose tensors are not plain runs alone through
+   the engine). Then ONE engine call from all parameter-side child edges (the GEMMs' and those BI
+   computed) into the parameters runs the parameter-only tails (transposes, the tp all-reduce of
+   sequence-parallel norm weights, ``AccumulateGrad``), so ``.grad`` accumulates and gradient hooks
+   (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
 
 Cost (host time matters: GPU kernels are queued from it): BI = the engine's input half plus the
-walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` kernels plus ~5 us of Python
-per weight node (~9 per block) and one engine call over the tails. No recomputation of the forward
-or of the input-gradient half. (An earlier version ran one engine call per weight node in BW, ~140
-us of host time each: BI + BW cost up to 3x a plain backward for small layers.) Memory: the
-captured ``dy`` of every weight node is held from BI to BW (activation-sized, as in the paper's W
-pass), plus the weight nodes' inputs (the whole retained graph when it must be kept). Under
-(non-reentrant) activation checkpointing a region is recomputed in BI and once more in BW (one
-``GraphExecGroup`` for all of BW's reads and engine calls).
+walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` GEMMs plus ~5 us of Python
+per GEMM node (7 per Llama block) and one engine call over the tails. No recomputation of the forward
+or of the input-gradient half. Memory: the captured ``dy`` of every GEMM node is held from BI to BW
+(activation-sized, as in the paper's W pass), plus the GEMMs' inputs (the whole retained graph when it
+must be kept). Under (non-reentrant) activation checkpointing a region is recomputed in BI and once
+more in BW (one ``GraphExecGroup`` for all of BW's reads and engine calls).
 
 Fallback: when the graph does not have the simple shape the cut relies on (a parameter-side node
 reached from more than one edge, e.g. a weight reused by two ops that feed each other), BW instead
@@ -55,6 +55,10 @@ from torch.utils import checkpoint as _checkpoint
 
 from plait.parallel.weight_grad import plan
 
+#: weight nodes whose parameter-side work (a GEMM) BI defers to BW; every other weight node (norms, bias
+#: adds, element-wise scales, any op without a formula here) computes its parameter gradient in BI
+GEMM_NODES = ("MmBackward0", "AddmmBackward0")
+
 
 @dataclass
 class PendingWeightGrad:
@@ -67,12 +71,15 @@ class PendingWeightGrad:
             gradients of its output slots, its parameter-side outputs ``i`` with the child edge
             ``(child, k)`` each feeds, and ``fn(dy)`` computing them (``weight_grad.plan``; None:
             run the node through the engine).
+        ready: ``[(GradientEdge, gradient)]``: parameter-side gradients BI computed already (the cheap,
+            non-GEMM weight nodes), fed into the parameters by BW's one engine call.
         split: True when BW runs only the weight halves (see the module docstring).
     """
 
     output: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
     nodes: list = field(default_factory=list)
+    ready: list = field(default_factory=list)
     split: bool = False
 
 
@@ -151,22 +158,26 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
     if found is None or not found[1] or not found[0]:
         (grad,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True)
         return grad, PendingWeightGrad(output, grad_output)
-    weight_nodes = found[0]
-    # Formulas for BW, set up before the engine frees anything: when every weight node has one
+    deferred, early = [], []
+    for node, ks, side in found[0]:
+        (deferred if type(node).__name__ in GEMM_NODES and ks == [0] else early).append((node, ks, side))
+    # Formulas for BW, set up before the engine frees anything: when every deferred node has one
     # (reading plain saved tensors now), BI need not retain the graph and its other activations
     # (attention, activation functions, norms) are freed here instead of after BW.
-    plans = [plan(n, side) if ks == [0] else None for n, ks, side in weight_nodes]
+    plans = [plan(n, side) for n, _, side in deferred]
     retain = not all(p is not None and p[1] for p in plans)
-    edges = [GradientEdge(n, k) for n, ks, _ in weight_nodes for k in ks]
-    grads = torch.autograd.grad(output, [stage_input, *edges], grad_output, retain_graph=retain,
+    edges = [GradientEdge(n, k) for n, ks, _ in deferred for k in ks]
+    tails = [GradientEdge(c, k) for _, _, side in early for _, c, k in side]
+    grads = torch.autograd.grad(output, [stage_input, *edges, *tails], grad_output, retain_graph=retain,
                                 allow_unused=True)
-    it = iter(grads[1:])
+    it = iter(grads[1:1 + len(edges)])
     nodes = []
-    for (node, ks, side), p in zip(weight_nodes, plans):
+    for (node, ks, side), p in zip(deferred, plans):
         captured = [(k, g) for k in ks if (g := next(it)) is not None]
         if captured:
             nodes.append((node, captured, side, None if p is None else p[0]))
-    return grads[0], PendingWeightGrad(nodes=nodes, split=True)
+    ready = [(e, g) for e, g in zip(tails, grads[1 + len(edges):]) if g is not None]
+    return grads[0], PendingWeightGrad(nodes=nodes, ready=ready, split=True)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
@@ -183,7 +194,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
 
 
 def _weight_halves(pending: PendingWeightGrad) -> None:
-    tails, tail_grads = [], []
+    tails, tail_grads = [e for e, _ in pending.ready], [g for _, g in pending.ready]
     for node, captured, side, fn in pending.nodes:
         if fn is not None:  # plait.parallel.weight_grad: the autograd formula on the saved tensors
             grads = fn(captured[0][1])
@@ -193,11 +204,23 @@ def _weight_halves(pending: PendingWeightGrad) -> None:
                                         [g for _, g in captured], allow_unused=True)
         for (_, child, k), g in zip(side, grads):
             if g is not None:
+                child, k, g = _past_transpose(child, k, g)
                 tails.append(GradientEdge(child, k))
                 tail_grads.append(g)
-    pending.nodes = []
+    pending.nodes, pending.ready = [], []
     if tails:
         _run_tails(tails, tail_grads)
+
+
+def _past_transpose(child, k: int, grad: torch.Tensor):
+    """``TBackward0 -> AccumulateGrad`` (a weight used as ``W.t()``): give ``AccumulateGrad`` the transposed
+    gradient directly, the same ``.t()`` view the engine's ``TBackward0`` would pass on (one node less to run
+    per GEMM weight; ``.grad`` and its hooks are unchanged)."""
+    if type(child).__name__ == "TBackward0":
+        (acc, j), = child.next_functions
+        if acc is not None and type(acc).__name__ == "AccumulateGrad":
+            return acc, j, grad.t()
+    return child, k, grad
 
 
 def _run_tails(edges: list, grads: list) -> None:
