@@ -155,6 +155,36 @@ def predicted_bubble(schedule, p, m, v, per_rank):
     return sim.makespan / max(sim.busy) - 1
 
 
+def p2p_knobs(ctas: int | None, lookahead: int | None) -> None:
+    """Experiment knobs (this benchmark only): create the pipeline's p2p channel groups with NCCL's
+    ``max_ctas`` (SMs each p2p kernel may occupy while it overlaps compute), and place receives
+    ``lookahead`` compute actions ahead of their reader (``simulate.with_communication``)."""
+    import functools
+
+    import plait.parallel.p2p as p2p
+    import plait.parallel.pipeline as pipeline
+
+    if ctas:
+        new_group = dist.new_group
+
+        def limited(ranks, **kw):
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.max_ctas = ctas
+            opts.config.min_ctas = 1
+            return new_group(ranks, pg_options=opts, **kw)
+        wrapped = p2p.channel_groups
+
+        def channel_groups(mesh):
+            dist.new_group = limited
+            try:
+                return wrapped(mesh)
+            finally:
+                dist.new_group = new_group
+        pipeline.channel_groups = channel_groups
+    if lookahead is not None:
+        pipeline.with_communication = functools.partial(pipeline.with_communication, lookahead=lookahead)
+
+
 def main():
     from plait.layers import preset
     from plait.parallel import ParallelMesh, init_distributed
@@ -171,11 +201,14 @@ def main():
     parser.add_argument("--label", default="plait", help="name of this code version in the table")
     parser.add_argument("--preset", default="llama-886m")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--p2p-ctas", type=int, default=None, help="NCCL max_ctas of the p2p groups (experiment)")
+    parser.add_argument("--p2p-lookahead", type=int, default=None, help="receives this many actions ahead")
     parser.add_argument("--profile", default="", help="profile one more step of these configs, e.g. "
                         "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     args = parser.parse_args()
     info = init_distributed()
+    p2p_knobs(args.p2p_ctas, args.p2p_lookahead)
     mesh = ParallelMesh(tp=1, pp=info.world_size)
     p, device = mesh.pp, mesh.device
     cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048))

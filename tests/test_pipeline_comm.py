@@ -11,12 +11,13 @@ def _text(lists):
     return [" ".join(map(str, acts)) for acts in lists]
 
 
-def test_sends_follow_their_producer_and_receives_run_one_action_ahead():
-    assert _text(with_communication(one_f_one_b(2, 2), 2)) == [
+def test_sends_follow_their_producer_and_receives_precede_their_reader():
+    # lookahead=1: each receive one compute action ahead of its reader
+    assert _text(with_communication(one_f_one_b(2, 2), 2, lookahead=1)) == [
         "F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 B1",
         "RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1"]
-    # lookahead=0: each receive right before its reader
-    assert _text(with_communication(one_f_one_b(2, 2), 2, lookahead=0)) == [
+    # the default, lookahead=0: each receive right before its reader
+    assert _text(with_communication(one_f_one_b(2, 2), 2)) == [
         "F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 RECV_B1 B1",
         "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1"]
     assert with_communication(interleaved_1f1b(1, 2, 2), 1, 2) == interleaved_1f1b(1, 2, 2)

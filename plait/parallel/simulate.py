@@ -254,16 +254,18 @@ def _stuck_message(lists: Schedule, pos: list[int], sim: _Run, p: int) -> str:
             "(check_schedule finds local ordering errors)")
 
 
-def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 1) -> Schedule:
+def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0) -> Schedule:
     """Return new lists with SEND_*/RECV_* actions for the executor's non-blocking transfers.
 
     Placement (``plait.parallel.p2p``: sends never block, a receive blocks only the action reading it):
 
     - each SEND right after the compute action producing its tensor (posted as early as possible);
-    - each RECV ``lookahead`` compute actions before the action reading it (so the transfer overlaps the
-      compute before it), moved earlier where needed so that every channel (sending rank -> receiving
-      rank) posts its receives in the order its sends are posted: NCCL pairs a channel's operations in
-      posting order. ``simulate`` checks both rules for lists with comm actions.
+    - each RECV ``lookahead`` compute actions before the action reading it, moved earlier where needed so
+      that every channel (sending rank -> receiving rank) posts its receives in the order its sends are
+      posted: NCCL pairs a channel's operations in posting order. ``simulate`` checks both rules for
+      lists with comm actions. Default 0 (right before its reader): the sender has usually posted by then,
+      so the transfer itself is short, while a receive posted earlier keeps an NCCL kernel spinning on
+      the GPU's SMs beside the compute before it (``benchmarks/results/pipeline_2xH100.md`` compares both).
 
     Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives activations and
     the last stage never receives gradients; with ``p == 1`` every peer is the same rank and the compute
