@@ -17,14 +17,14 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     ``device_step_adaptive`` was folded into it by the config (``plait.config.schema_zero.OffloadConfig``).
 
     Raises:
-        ConfigError: offload with a pipeline, LAMB with offload_optimizer, a bad PLAIT_OFFLOAD_THREADS.
+        ConfigError: a device share with a pipeline (``check_pipeline_offload``), LAMB with offload_optimizer, a
+            bad PLAIT_OFFLOAD_THREADS.
     """
     z = config.zero_optimization
     if not (z.offload_optimizer.enabled or z.offload_param.enabled):
         return None
     if pipeline is not None:
-        raise ConfigError("zero_optimization.offload_optimizer / offload_param with pipeline parallelism is not "
-                          "supported yet; remove the offload sections or use pipeline.size 1")
+        check_pipeline_offload(z)
     kind = config.optimizer.type.lower() if optimizer is None and config.optimizer is not None else None
     if z.offload_optimizer.enabled and (kind == "lamb" or isinstance(optimizer, Lamb) or optimizer is Lamb):
         raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
@@ -36,4 +36,24 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
     return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
                           pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
                           num_threads=int(threads) if threads else None,
-                          device_step_fraction=z.offload_optimizer.device_step_fraction)
+                          device_step_fraction=z.offload_optimizer.device_step_fraction,
+                          final_at_step=pipeline is not None)
+
+
+def check_pipeline_offload(z) -> None:
+    """The offload settings a pipeline engine refuses (``z``: the config's ``zero_optimization``).
+
+    With a pipeline the engine sums the tied embedding copies' gradients after the schedule, in the host
+    gradient shards (``plait.engine_pipeline``), so the offload takes every gradient as final only at
+    ``step()`` (``OffloadOptions.final_at_step``). A device share of the host step keeps its gradients on the
+    device, out of reach of that sum.
+
+    Raises:
+        ConfigError: ``offload_optimizer.device_step_fraction`` "auto" or above 0 (the value and the fix named).
+    """
+    fraction = z.offload_optimizer.device_step_fraction
+    if z.offload_optimizer.enabled and fraction not in (None, 0, 0.0):
+        raise ConfigError(f"offload_optimizer.device_step_fraction = {fraction!r} with pipeline parallelism: a "
+                          "pipeline edits the gradients after its schedule (the tied embedding sum), in host memory, "
+                          "which the device share's gradients (kept on the device) would miss; set it to 0 or leave "
+                          "it out")

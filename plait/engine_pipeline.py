@@ -1,12 +1,18 @@
 """One training step of the engine through a ``PipelineParallel``: ZeRO's loss scaling and micro-step
 count go into the schedule as callbacks, and the tied copies' gradients are summed where ZeRO keeps
-them (``plait.zero.whole_gradients``) through the pipeline's one ``sum_tied_gradients``."""
+them (``plait.zero.whole_gradients``) through the pipeline's one ``sum_tied_gradients``.
+
+Under ZeRO-Offload (``zero_optimization.offload_optimizer``) stages 2-3 land each reduced gradient in a host
+shard from a worker thread during backward, so the tied sum first waits for those landings
+(``settle_landings``); the engine builds the offload with ``OffloadOptions(final_at_step=True)``
+(``plait.engine_offload``), so no norm or host step reads a gradient before that sum (``plait.zero.offload``)."""
 from __future__ import annotations
 
 import torch
 
 from plait.parallel.pipeline import PipelineParallel
 from plait.zero import ZeroOptimizer, whole_gradients
+from plait.zero.offload import HostStepper
 
 
 def pipeline_train_step(pipeline: PipelineParallel, zero: ZeroOptimizer, batches: list[dict]) -> torch.Tensor:
@@ -28,5 +34,28 @@ def sum_tied_gradients(pipeline: PipelineParallel, zero: ZeroOptimizer) -> None:
     wherever the ZeRO stage keeps them (``plait.zero.whole_gradients``), through the pipeline's one
     ``sum_tied_gradients``. Collective over the pipeline's tied group (and dp at stages 2-3)."""
     if pipeline.tied_parameters:
+        settle_landings(zero)
         with whole_gradients(zero, pipeline.tied_parameters) as grads:
             pipeline.sum_tied_gradients(grads)
+
+
+def settle_landings(zero: ZeroOptimizer) -> None:
+    """ZeRO-Offload at stages 2-3: wait until every gradient reduced so far is in the host gradient shards
+    (the reductions landed, the worker's device->host copies and accumulations done), so that code editing
+    those shards between backward and ``step()`` reads and writes whole values. A no-op otherwise (stage 1
+    keeps gradients in ``.grad`` until the step). Collective over dp where reductions are still in flight.
+
+    Raises:
+        RuntimeError: ``zero``'s host stepper lands gradients as final during backward (it was built
+            without ``OffloadOptions(final_at_step=True)``): an edit after backward would miss their norms
+            and early host steps.
+    """
+    stepper = zero.stepper
+    if not isinstance(stepper, HostStepper) or not zero.policy.gradients:
+        return
+    if not stepper.options.final_at_step:
+        raise RuntimeError("the ZeRO-Offload gradients are final when they land during backward, so editing them "
+                           "afterwards (a pipeline's tied-embedding sum) would miss their norms and host steps; "
+                           "build the ZeroOptimizer with OffloadOptions(final_at_step=True)")
+    zero.reducer.wait()
+    stepper.drain()

@@ -30,8 +30,9 @@ Exactness of clipping and fp16 overflow (``step_mode``): every segment's squared
 computed as it lands, overlapped with backward: at GAS 1 on the device before its copy to the host
 (``clip.sum_squares64``: float64, an order fixed by the segment length, so the norm does not depend on
 which side steps the segment), at GAS > 1 on the host once accumulated (numba, float64). At ``step()``
-the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finite (fp16 overflow). The CPU step of a segment needs the clip coefficient
-``min(1, max_norm / norm) / loss_scale``, known only once *every* segment has landed. Hence:
+the global norm costs one scalar all-reduce; inf/nan anywhere makes it non-finite (fp16 overflow). The
+CPU step of a segment needs the clip coefficient ``min(1, max_norm / norm) / loss_scale``, known only once
+*every* segment has landed. Hence:
 
 * **early** (``overlap_step`` on, ``max_grad_norm`` off, no fp16 loss scaler, so the coefficient is
   exactly 1, no device share, see ``plait.zero.offload.device_share``, and the non-finite guard off,
@@ -74,6 +75,15 @@ fp32 gradient shard (first landing copies, later ones add; no fp32 gradient buff
 only landings of the last micro-step (``micro_steps + 1 == GAS`` during backward; stage 1 reduces at
 the boundary) compute norms or step. Segments not yet finalized at ``step()`` (e.g. a pipeline engine
 counting micro-steps after its schedule) are finalized there.
+
+Pipelines (``OffloadOptions.final_at_step``, set by the engine for a ``PipelineParallel``): a pipeline
+engine edits the gradients after backward -- it sums the tied embedding copies' gradients (first and last
+stage) after its schedule, in the host gradient shards at stages 2-3, once the worker's landings are in
+(``plait.engine_pipeline.settle_landings``) -- and interleaved chunks land a segment once per chunk backward.
+So no landing is taken as final: every norm is computed on the host at ``step()`` and the host steps run in
+deferred mode (still overlapped with the next forward); no early mode, no device-side norms at GAS 1 and no
+device share (``device_step_fraction`` must be 0). Stage 1 keeps gradients in ``.grad`` until ``step()``
+reduces them, so the tied sum happens before anything lands.
 
 Early mode caveat: once the last micro-step's backward ran, the host step of each segment is already
 applied; ``zero_grad()`` then cannot discard it (``step()`` completes it). Use deferred mode

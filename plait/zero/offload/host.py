@@ -58,10 +58,10 @@ class HostStepper:
         self.share = self._device_share(options.device_step_fraction, gradient_accumulation_steps)
         # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
         # the CPU and the device step their shares at the same time)
-        self.early = options.overlap_step and steps_as_is and self.share is None
+        self.early = options.overlap_step and steps_as_is and self.share is None and not options.final_at_step
         self.landing = Landing(shards, device, options.pin_memory, self.segments, self.share, self._submit,
                                self.synchronize, gradient_accumulation_steps, is_last_micro_step,
-                               self._early_step if self.early else None)
+                               self._early_step if self.early else None, final_at_step=options.final_at_step)
         self.land = self.landing.land           # GradReducer's sink
         self._cpu_start = self._last_split = None   # timing of the CPU share (adaptive split)
         self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
@@ -77,8 +77,8 @@ class HostStepper:
         the host states could be page-locked), else no share.
 
         Raises:
-            ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, or no segment whose weights live on
-                the device.
+            ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, ``final_at_step``, or no segment whose
+                weights live on the device.
         """
         by_default = fraction is None
         # the default streams page-locked host states: only where the config lets plait page-lock (pin_memory)
@@ -90,6 +90,9 @@ class HostStepper:
             problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
         if gas != 1:
             problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
+        if self.options.final_at_step:
+            problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
+                            "and a device share keeps its gradients where that edit does not reach)")
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "

@@ -7,7 +7,9 @@ squared norm is known: at GAS 1 on the device before the copy (``clip.sum_square
 order fixed by the segment length, so the norm does not depend on which side steps ``G``), at
 GAS > 1 on the host once accumulated (numba, float64). Only landings of the last micro-step
 (``is_last_micro_step()`` during backward: ``micro_steps + 1 == GAS``; stage 1 reduces at the boundary)
-are final; segments not yet final at ``step()`` are finalized there (``finalize_rest``).
+are final; segments not yet final at ``step()`` are finalized there (``finalize_rest``). With
+``final_at_step`` (``OffloadOptions``: the gradients change after backward, e.g. a pipeline's tied sum) no
+landing is final and every norm is taken on the host at ``step()``.
 """
 from __future__ import annotations
 
@@ -36,18 +38,21 @@ class Landing:
         gradient_accumulation_steps: micro-steps per optimizer step (1: norms taken on the device).
         is_last_micro_step: main thread, during backward: whether this micro-step's gradients are final.
         on_final: worker: ``on_final(seg, used)`` once ``seg``'s gradient is final (early host step), or None.
+        final_at_step: no landing is final (the caller edits the host gradients before ``step()``): every
+            norm is computed by ``finalize_rest`` at ``step()``, on the host (no ``share`` then).
     """
 
     def __init__(self, shards: ShardSet, device: torch.device, pin: bool, segments: list[Segment], share, submit,
                  synchronize, gradient_accumulation_steps: int, is_last_micro_step: Callable[[], bool],
-                 on_final=None):
+                 on_final=None, final_at_step: bool = False):
         self.shards, self.device, self.cuda, self.pin = shards, device, device.type == "cuda", pin
         self.segments, self.share, self.submit = segments, share, submit
         self.synchronize, self.is_last_micro_step, self.on_final = synchronize, is_last_micro_step, on_final
         self.tp_skip = group_rank(shards.norm_groups.tp) != 0
         # GAS 1: every landing is a segment's whole final gradient, so its norm is taken on the device
         # (float64, fixed order) for every segment, whichever side steps it
-        self.device_norms = gradient_accumulation_steps == 1
+        self.device_norms = gradient_accumulation_steps == 1 and not final_at_step
+        self.final_at_step = final_at_step
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.reset()
 
@@ -62,7 +67,7 @@ class Landing:
         the device; None: already packed into the host shard) is ready: start its copy to the host and
         queue its host work. ``fresh``: first landing of this step (copy, not add)."""
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
-        last = self.is_last_micro_step()
+        last = not self.final_at_step and self.is_last_micro_step()
         if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
             self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
@@ -130,11 +135,17 @@ class Landing:
             self.on_final(seg, used)
 
     def finalize_rest(self) -> None:
-        """Main thread, at ``step()``: queue ``finalize`` for every segment not final yet."""
+        """Main thread, at ``step()``: queue ``finalize`` for every segment not final yet; their copies back to
+        the device wait for an event recorded now on the compute stream (after every use of the step)."""
+        used = None
         for seg in self.segments:
             if id(seg) not in self.finalized:
+                if used is None and self.cuda:
+                    used = torch.cuda.Event()
+                    used.record(torch.cuda.current_stream(self.device))
+                self.used.setdefault(id(seg), used)
                 self.finalized.add(id(seg))
-                self.submit(self.finalize, seg)
+                self.submit(self.finalize, seg, used)
 
     def squares(self) -> torch.Tensor:
         """``[1]`` float64 on the device: this rank's sum of squared final gradients (after the worker

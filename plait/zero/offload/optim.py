@@ -163,5 +163,5 @@ def host_optimizer(factory, num_threads: int | None = None):
         return functools.partial(HostOptimizer, kind="adam", num_threads=num_threads)
     name = getattr(base, "__name__", type(base).__name__)
     raise ValueError(f"optimizer {name} cannot run offloaded: the CPU optimizers are Adam, AdamW and Lion "
-                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload.HostOptimizer, kind='lion')), "
-                     "or turn offload_optimizer off")
+                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload.HostOptimizer, "
+                     "kind='lion')), or turn offload_optimizer off")

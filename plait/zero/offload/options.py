@@ -29,6 +29,12 @@ class OffloadOptions:
             GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device,
             those conditions hold and ``pin_memory`` is on, else 0. A device share keeps its segments'
             reduced gradients on the device until the step (the share x the partition x 4 bytes, fp32).
+        final_at_step: the gradients are final only at ``step()``, not when backward lands them: the caller
+            edits them between backward and ``step()`` (a pipeline sums its tied embedding copies' gradients
+            after its schedule, ``plait.engine_pipeline``) or one micro-batch lands a segment several times
+            (interleaved pipeline chunks run one backward each). Every landing is then a partial sum; norms
+            (host, float64) and host steps start at ``step()`` (deferred mode, still overlapped with the next
+            forward): no early steps, no device-side norms, no device share. The engine sets it for pipelines.
 
     Raises:
         ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1).
@@ -40,6 +46,7 @@ class OffloadOptions:
     num_threads: int | None = None
     overlap_step: bool = True
     device_step_fraction: float | str | None = None
+    final_at_step: bool = False
 
     @property
     def adaptive(self) -> bool:
