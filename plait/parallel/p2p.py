@@ -18,13 +18,22 @@ so each (group, pair) carries ONE direction only: a blocked send can then never 
 receive its peer waits for, and the matching rule is simply that the receiver posts a channel's receives
 in the order the sender posts its sends (``plait.parallel.simulate.with_communication`` places them so,
 and ``simulate`` refuses lists that do not). gloo matches by tag (:meth:`Transfer.tag`) as well.
+
+Tensor-parallel slices (:class:`TPSlices`; Megatron-LM's scatter/gather optimisation, Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, Sec. 4.1): with
+tp > 1 and no sequence parallelism the tensor crossing a stage boundary is the same on every tp rank of
+the stage, so instead of tp identical copies each tp rank sends only its ``1/tp`` part over its own link
+and the receiving stage rebuilds the whole tensor by an all-gather over its tp group.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from plait.parallel.collectives import all_gather_flat
 
 
 @dataclass(frozen=True, order=True)
@@ -122,3 +131,49 @@ class StageP2P:
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
+
+
+class TPSlices:
+    """The ``1/tp`` parts of a tensor that every tp rank of a stage holds whole (see the module docstring).
+
+    Rule: the tensor of ``n`` elements is flattened, zero-padded to ``tp * k`` elements with
+    ``k = ceil(n / tp)`` (no padding, and no copy, when tp divides n, as for plait's ``[b, s, h]`` with h
+    divisible by tp), and cut into tp contiguous parts of ``k`` elements; tp rank ``r`` sends part ``r``
+    (elements ``r*k .. r*k + k - 1``) to the same tp rank of the neighbouring stage. The receiver posts a
+    receive of ``k`` elements and, once it has landed, :meth:`gather` all-gathers the tp parts over the tp
+    group in tp-rank order and drops the padding, giving back the sender's tensor bitwise.
+
+    Only valid when the tensor is identical on all tp ranks of the sending stage (activations and input
+    gradients of tensor-parallel layers without sequence parallelism: copy-to-tp all-reduces the input
+    gradient, dropout draws from the replicated stream). ``gather`` is a collective over the tp group: every
+    tp rank of a stage must call it for the same transfers in the same order (they run one action list).
+
+    Args:
+        group: the tp process group of this rank (``mesh.group("tp")``), of size > 1.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def part_numel(self, numel: int) -> int:
+        """``k = ceil(numel / tp)``: the elements each tp rank sends of a tensor of ``numel`` elements."""
+        return -(-numel // self.size)
+
+    def part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This tp rank's part of ``tensor``: 1-D, ``part_numel(tensor.numel())`` elements (a view of the
+        contiguous tensor, unless zero padding completes the last parts)."""
+        flat = tensor.reshape(-1)
+        k = self.part_numel(flat.numel())
+        piece = flat[self.rank * k:(self.rank + 1) * k]
+        if piece.numel() < k:
+            piece = torch.cat([piece, piece.new_zeros(k - piece.numel())])
+        return piece
+
+    def gather(self, part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor of ``shape`` from this rank's received ``part`` (``part_numel`` elements): an
+        all-gather over the tp group (on GPU a stream-ordered collective, no host synchronization)."""
+        numel = math.prod(shape)
+        full = torch.empty(self.size * part.numel(), dtype=part.dtype, device=part.device)
+        all_gather_flat(full, part, group=self.group)
+        return full[:numel].view(shape)

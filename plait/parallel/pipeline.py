@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from plait.parallel.p2p import StageP2P, channel_groups
+from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
 from plait.parallel.schedules import Action, get_schedule
 from plait.parallel.simulate import with_communication
@@ -63,12 +63,30 @@ class PipelineParallel:
             between micro-batches and steps with no shape exchange.
         grads_ready: optional ``callback(chunk_index)`` when that chunk's gradients of the step
             are final (tied embedding copies are summed only after the whole schedule).
+        slice_tp: send each tp rank's ``1/tp`` part of the tensors crossing a stage boundary and
+            all-gather them on the receiving stage (Megatron-LM's scatter/gather, Narayanan et al.,
+            SC'21, Sec. 4.1; ``plait.parallel.p2p.TPSlices``). None (default): on exactly when p > 1,
+            tp > 1 and every chunk declares ``sequence_parallel`` False (plait's ``TransformerStage``
+            does; a chunk without that attribute keeps whole sends). True: on whenever p > 1 and tp > 1
+            (you vouch that the activation and its gradient are identical on the tp ranks of a stage).
+            False: whole tensors.
 
     Attributes:
         tied_parameters: this rank's copies of parameters that another stage also holds (the chunks'
             ``tied_parameters()``, chunk order; ``[]`` when none or p x v = 1).
         tied_group: the (first stage, last stage) process group of this rank's (dp, tp) coordinate,
             over which ``sum_tied_gradients`` all-reduces (None when p = 1 or nothing is tied).
+        slice_tp: whether transfers carry tp parts (the resolved ``slice_tp`` argument).
+
+    What crosses a stage boundary, per micro-batch and per tp rank: the activation of
+    ``activation_shape(batch)`` forward and its gradient (same shape) backward, each to the same tp rank
+    of the neighbouring stage. Whole, ``[b, s, h]`` (``[b, s/tp, h]``, already different per tp rank,
+    under sequence parallelism); with ``slice_tp``, which applies only without sequence parallelism, where
+    all tp ranks hold the same ``[b, s, h]``: this tp rank's contiguous part ``r`` of the flattened
+    tensor, ``ceil(b*s*h / tp)`` elements (zero-padded when tp does not divide ``b*s*h``), and the
+    receiving stage all-gathers the parts over the tp group (``mesh.group("tp")``) just before the
+    forward or backward that reads them: ``1/tp`` of the inter-stage traffic, one all-gather per
+    transfer on the faster intra-stage links.
 
     Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
     holds a copy of the embedding on stage 0), their gradients are summed over a 2-rank group per
@@ -78,12 +96,13 @@ class PipelineParallel:
     Raises:
         TypeError: a chunk lacks a ``StageChunk`` member (named).
         ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
-            ``get_schedule``: unknown name, v not matching the schedule, ...).
+            ``get_schedule``: unknown name, v not matching the schedule, ...); ``slice_tp=True`` with a
+            chunk using sequence parallelism.
     """
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
-                 grads_ready: Callable[[int], None] | None = None):
+                 grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
         if virtual_stages is not None and virtual_stages != v:
@@ -106,12 +125,28 @@ class PipelineParallel:
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
+        self.slice_tp = self._resolve_slice_tp(slice_tp)
         p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * v, self.rank)
         p2p.connect(self.device)
         self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
                                          activation_shape or self.stage_modules[0].activation_shape,
-                                         dtype, self.device, grads_ready)
+                                         dtype, self.device, grads_ready,
+                                         tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
+
+    def _resolve_slice_tp(self, slice_tp: bool | None) -> bool:
+        """The ``slice_tp`` argument resolved (class docstring), from the mesh and the chunks'
+        ``sequence_parallel`` attribute."""
+        sp = [getattr(chunk, "sequence_parallel", None) for chunk in self.stage_modules]
+        if slice_tp and any(sp):
+            raise ValueError("slice_tp=True needs activations identical on the tp ranks of a stage, but the chunks "
+                             "use sequence parallelism (each tp rank holds its own [b, s/tp, h]); use "
+                             "slice_tp=None or False")
+        if self.p == 1 or self.mesh.tp == 1:
+            return False
+        if slice_tp is None:
+            return all(flag is not None and not flag for flag in sp)
+        return bool(slice_tp)
 
     # ---- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:

@@ -16,12 +16,27 @@ Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank
   ``simulate.with_communication`` places receives ahead of their use, in each channel's send order
   (``plait.parallel.p2p``), so transfers overlap compute and cannot deadlock.
 
+Tensor-parallel slices (``tp_slices``, ``plait.parallel.p2p.TPSlices``; on when tp > 1 without sequence
+parallelism, chosen by ``PipelineParallel``): a SEND posts only this tp rank's ``1/tp`` part of the
+activation ``[b, s, h]`` or input gradient (1-D, ``ceil(b*s*h / tp)`` elements, a view when tp divides
+``b*s*h``), a RECV posts a receive of that many elements from the same tp rank of the neighbouring stage,
+and the compute action reading it first waits for that receive, then all-gathers the tp parts over the tp
+group into the whole ``activation_shape`` tensor (in ``_await_inputs``: a collective every tp rank of the
+stage runs at the same point of the same action list; a stream-ordered collective on GPU, no host sync).
+
+Host time: Python's cyclic garbage collector is paused for the step (``gc.disable``, restored after, as
+Megatron-LM's ``--manual-gc``): the split backward's graph walks allocate thousands of small objects, and a
+collection triggered by them would stall the host, which issues every kernel, at a random point of the
+schedule. Reference counting frees everything without cycles as usual; cycles wait for the next collection.
+
 Memory: a stage input, output and received gradient are dropped as soon as their last use has
 run (the output after the backward, the input gradient once its send has finished), so rank r holds
 the activations of the micro-batches its schedule has in flight, plus receives posted ahead.
 """
 from __future__ import annotations
 
+import gc
+import math
 import time
 
 from dataclasses import dataclass
@@ -30,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 
-from plait.parallel.p2p import StageP2P, Transfer
+from plait.parallel.p2p import StageP2P, TPSlices, Transfer
 from plait.parallel.pipeline_backward import backward_input, backward_weight
 from plait.parallel.schedules import Action
 from plait.parallel.stage import takes_keyword
@@ -67,17 +82,23 @@ class PipelineExecutor:
         dtype, device: of activations and gradients sent between stages.
         grads_ready: optional ``callback(chunk_index)`` called when a chunk's last weight-gradient
             action of the step has run (its ``.grad`` is final for this step, before tied sums).
+        tp_slices: ``TPSlices`` over this rank's tp group to send only ``1/tp`` of every transfer and
+            all-gather it on receipt (module docstring); None (default): send whole tensors. Only valid
+            when the tensors crossing a stage boundary are identical on all tp ranks of a stage.
 
     ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
 
     After ``run``, ``peak_in_flight`` is the most (micro-batch, chunk) forwards whose input-gradient
-    backward had not run yet, held at once: ``simulate(...).peak_in_flight`` of this rank.
+    backward had not run yet, held at once: ``simulate(...).peak_in_flight`` of this rank; and
+    ``sent_elements`` maps each ``Transfer`` this rank posted in the step to the number of elements it
+    carried (``b*s*h`` whole, ``ceil(b*s*h / tp)`` with ``tp_slices``).
     """
 
     def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
                  activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
-                 grads_ready: Callable[[int], None] | None = None):
+                 grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None):
         self.chunks, self.p2p, self.p, self.rank = chunks, p2p, p, rank
+        self.tp_slices = tp_slices
         self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
         self.v = len(chunks)
         self.last = p * self.v - 1
@@ -86,6 +107,7 @@ class PipelineExecutor:
         # Set ``time_compute = True`` to time each compute action: after ``run``, ``timeline`` holds an
         # ``ActionTime`` per action and ``busy_seconds`` their summed duration (for bubble measurements).
         self.time_compute, self.busy_seconds, self.timeline = False, 0.0, []
+        self.peak_in_flight, self.sent_elements = 0, {}   # of the last ``run`` (class docstring)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -113,6 +135,20 @@ class PipelineExecutor:
                 for this rank; ``check_schedule`` names the problem), or state was left over.
         """
         self._begin(actions, microbatches, train, scale_loss, on_micro_batch)
+        collecting = gc.isenabled()
+        gc.disable()   # no cyclic-GC pause inside the step (module docstring); reference counting still frees
+        try:
+            spans = self._run_actions(actions)
+        finally:
+            if collecting:
+                gc.enable()
+        if self.time_compute:
+            self.timeline = spans
+            self.busy_seconds = sum(t.end - t.start for t in self.timeline)
+        self._check_empty()
+        return [self._losses[i] for i in sorted(self._losses)]
+
+    def _run_actions(self, actions: list[Action]) -> list[ActionTime]:
         spans = []
         origin = self._mark() if self.time_compute else None
         for action in actions:
@@ -129,11 +165,7 @@ class PipelineExecutor:
         for work, _ in self._sends:
             work.wait()
         self._sends = []
-        if self.time_compute:
-            self.timeline = self._timeline(origin, spans)
-            self.busy_seconds = sum(t.end - t.start for t in self.timeline)
-        self._check_empty()
-        return [self._losses[i] for i in sorted(self._losses)]
+        return self._timeline(origin, spans) if self.time_compute else []
 
     def _begin(self, actions, microbatches, train, scale_loss, on_micro_batch) -> None:
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
@@ -144,7 +176,7 @@ class PipelineExecutor:
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
         self._to_send, self._pending, self._losses, self._sends = {}, {}, {}, []
         self._remaining = self._weight_actions(actions) if train else {}
-        self.peak_in_flight = 0
+        self.peak_in_flight, self.sent_elements = 0, {}
 
     def _check_empty(self) -> None:
         left = {name: sorted(d) for name, d in (("inputs", self._inputs), ("saved", self._saved),
@@ -184,32 +216,47 @@ class PipelineExecutor:
 
     # ---- communication ----------------------------------------------------------------------
     def _post(self, a: Action) -> None:
-        """Post one SEND_*/RECV_* without waiting (see ``plait.parallel.p2p``)."""
+        """Post one SEND_*/RECV_* without waiting (see ``plait.parallel.p2p``); with ``tp_slices`` only
+        this tp rank's part of the tensor travels."""
         key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
         if a.kind in ("SEND_F", "SEND_B"):
             forward = a.kind == "SEND_F"
             tensor = (self._take(self._to_send, key, "output to send") if forward
                       else self._take(self._grad_in, key, "input gradient"))
-            self._sends.append((self.p2p.send(Transfer(a.kind[-1], a.microbatch, s), tensor), tensor))
+            if self.tp_slices is not None:
+                tensor = self.tp_slices.part(tensor)
+            transfer = Transfer(a.kind[-1], a.microbatch, s)
+            self._sends.append((self.p2p.send(transfer, tensor), tensor))
+            self.sent_elements[transfer] = tensor.numel()
             return
         # RECV_F: this stage's input; RECV_B: the gradient of its output. Both have the shape of the
-        # activation between two stages for this micro-batch.
-        buf = torch.empty(tuple(self.activation_shape(self._mbs[a.microbatch])), dtype=self.dtype,
-                          device=self.device)
+        # activation between two stages for this micro-batch (or are this tp rank's part of it).
+        shape = self._shape(a.microbatch)
+        if self.tp_slices is not None:
+            shape = (self.tp_slices.part_numel(math.prod(shape)),)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         forward = a.kind == "RECV_F"
         work = self.p2p.recv(Transfer(a.kind[-1], a.microbatch, s - 1 if forward else s + 1), buf)
         (self._inputs if forward else self._grad_out)[key] = (buf, work)
 
+    def _shape(self, mb: int) -> tuple[int, ...]:
+        """Shape of the activation (and of its gradient) between two stages for micro-batch ``mb``."""
+        return tuple(self.activation_shape(self._mbs[mb]))
+
     def _await_inputs(self, a: Action) -> None:
-        """Wait (a stream wait on GPU) for the received tensor the compute action ``a`` reads, if any."""
+        """Wait (a stream wait on GPU) for the received tensor the compute action ``a`` reads, if any;
+        with ``tp_slices``, then all-gather the tp ranks' parts of it into the whole tensor."""
         s = self.stage(a.chunk)
         store = self._inputs if a.kind == "F" and s > 0 else None
         if a.kind in ("B", "BI") and s < self.last:
             store = self._grad_out
         entry = None if store is None else store.get((a.microbatch, a.chunk))
-        if entry is not None and entry[1] is not None:
-            entry[1].wait()
-            store[(a.microbatch, a.chunk)] = (entry[0], None)
+        if entry is not None and entry[1] is not None:   # a posted receive (local hand-overs have no work)
+            buf, work = entry
+            work.wait()
+            if self.tp_slices is not None:
+                buf = self.tp_slices.gather(buf, self._shape(a.microbatch))
+            store[(a.microbatch, a.chunk)] = (buf, None)
 
     def _reap_sends(self) -> None:
         """Drop finished sends (and their tensors) from the front of the queue."""
