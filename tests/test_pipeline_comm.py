@@ -63,3 +63,29 @@ def test_a_cycle_through_the_transfers_is_reported_as_a_deadlock():
     check_schedule(lists, 2, 2)
     with pytest.raises(DeadlockError, match=r"rank 1 at step #3: F1 waits for the activation of micro-batch 1"):
         simulate(lists, 2)
+
+
+def test_the_cyclic_garbage_collector_is_paused_during_a_step_only():
+    import gc
+
+    import torch
+
+    from plait.layers import preset
+    from plait.layers.stages import build_stage_modules
+    from plait.parallel.pipeline import PipelineParallel
+
+    chunks = build_stage_modules(preset("llama-tiny", num_layers=2), None, v=2, seed=0)
+    seen = []
+    chunks[1].register_forward_pre_hook(lambda *_: seen.append(gc.isenabled()))
+    pipe = PipelineParallel(chunks, None, schedule="interleaved", micro_batches=2)
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    assert gc.isenabled()
+    pipe.train_batch([batch, batch])
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()   # a caller that turned it off itself keeps it off
+    try:
+        pipe.train_batch([batch, batch])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
