@@ -370,10 +370,6 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     model = on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
-        if pipeline.schedule == "zb-h1" and config.zero_optimization.stage == 3:
-            raise ConfigError("pipeline schedule 'zb-h1' with zero stage 3 is not supported yet: ZeRO-3 releases a "
-                              "layer's parameters after its input-gradient pass, before the deferred weight-gradient "
-                              "pass; use schedule '1f1b' or 'interleaved' with stage 3, or zero stage 1-2 with zb-h1")
         if pipeline.m != config.gradient_accumulation_steps:
             raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
                               f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")

@@ -136,7 +136,7 @@ def tiny_arch(arch):
     return tiny() if arch == "llama" else tiny().replace(tie_embeddings=True)
 
 
-STAGES_FOR = {"1f1b": (1, 2, 3), "interleaved": (1, 3), "zb-h1": (1, 2)}  # zb-h1 + ZeRO-3: refused
+STAGES_FOR = {"1f1b": (1, 2, 3), "interleaved": (1, 3), "zb-h1": (1, 2, 3)}
 
 
 @pytest.mark.parametrize("arch,schedule", [("llama-tied", "1f1b"), ("llama", "zb-h1"), ("llama-tied", "interleaved")])

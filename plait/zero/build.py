@@ -19,7 +19,7 @@ from plait.parallel.sharding import shard_of
 from plait.zero.flat import Entry, FlatGroup, GroupKey
 from plait.zero.pinned import to_host
 from plait.zero.policy import StagePolicy
-from plait.zero.stage3 import Unit, build_units
+from plait.zero.stage3_units import Unit, build_units
 
 
 def check_experts(groups, stage: int, offload, comms) -> None:

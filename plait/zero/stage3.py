@@ -44,6 +44,28 @@ taken (as DeepSpeed's ``stage3_prefetch_bucket_size``: the segment that crosses 
 a segment larger than the bucket is prefetched alone). A pass that departs from the recorded order simply
 stops prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
+Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
+(``torch.autograd.grad`` w.r.t. the stage input) re-gathers each unit as above but accumulates no gradient:
+the weight-gradient pass BW comes later, computes the deferred gradients from saved tensors (which may be
+parameters or views of the gather buffer: a layer norm's saved weight) and accumulates every parameter's
+gradient through its ``AccumulateGrad``, which needs the parameter whole. So a backward pass that
+accumulates into none of this gatherer's parameters (asked of autograd's engine when the pass reaches its
+first unit) does not count as a backward for the optimizer (no ``on_backward``, hence no end-of-backward
+gradient flush), and each unit it reaches takes a *weight hold* (``Unit.deferred``, one segment reference)
+besides its usual gather; the pass's end releases the gathers and keeps the holds. BW's engine call into
+``AccumulateGrad`` fires the post-accumulate hooks: once a unit's gradients are all in (``on_grad``), one hold
+is dropped (at the end of that pass if only some arrived), and ``GradReducer`` reduce-scatters each segment
+as soon as its gradients are final, exactly as after 1f1b's B. Kept, not re-gathered: BW runs the weight
+formulas outside the engine, before any hook this class could see, so re-gathering there would need a hook
+from the pipeline executor. Memory: a unit stays whole from a micro-batch's BI to its BW; under ZB-H1 every
+rank but the first has a BW outstanding from its first BI to its last BW, so all its stage's sharded
+parameters stay gathered (compute dtype) for that part of the step, gathered twice per step (first F, first
+BI) instead of twice per micro-batch; gradients and optimizer states stay sharded. The first stage has no BI
+(its BW is a whole backward): as under 1f1b.
+A backward w.r.t. inputs only that no accumulating backward follows (``torch.autograd.grad(loss, x)``
+outside a pipeline) keeps its units whole until the next backward that accumulates their gradients, or
+``release_all``; the optimizer step still updates whole parameters (``publish_segments``).
+
 Limits (documented, not detected): a parameter used by code outside the forward of every unit
 holding it (``F.linear(x, self.embed.weight)`` in the root's forward when ``embed`` is its own
 unit) is empty there — list a unit that encloses that code, or use ``units=[...]``; a unit whose
@@ -52,7 +74,6 @@ outputs are not tensors (or pytree containers of tensors) cannot re-gather for b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -60,85 +81,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.zero.comm import Comms, Pending, gather_segments
 from plait.zero.flat import Segment
-
-
-@dataclass(eq=False)
-class Unit:
-    """A module whose forward needs ``params`` (non-persistent, sharded) gathered."""
-
-    index: int
-    name: str
-    module: nn.Module
-    params: list[nn.Parameter]
-    segments: list[Segment] = field(default_factory=list)
-    gathered: bool = False
-    remaining: int = 0
-
-
-def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | None) -> list[Unit]:
-    """Units over ``root`` whose params are those with ``id`` in ``sharded`` (module docstring).
-
-    Raises:
-        ValueError: a module in ``units`` is not a submodule of ``root``.
-    """
-    names = {id(m): n for n, m in root.named_modules()}
-    if units is None:
-        chosen = [m for _, m in root.named_modules()
-                  if any(id(p) in sharded for p in m.parameters(recurse=False))]
-    else:
-        missing = [type(m).__name__ for m in units if id(m) not in names]
-        if missing:
-            raise ValueError(f"stage-3 units {missing} are not submodules of the model; pass modules "
-                             "from model.modules() (e.g. the transformer blocks)")
-        chosen = list(units) + ([root] if all(m is not root for m in units) else [])
-    chosen_ids = {id(m) for m in chosen}
-    params: dict[int, list[nn.Parameter]] = {id(m): [] for m in chosen}
-    seen_modules: set[int] = set()
-
-    def visit(m: nn.Module, current: nn.Module | None) -> None:
-        if id(m) in seen_modules:
-            return
-        seen_modules.add(id(m))
-        if id(m) in chosen_ids:
-            current = m
-        if current is not None:
-            bucket = params[id(current)]
-            for p in m.parameters(recurse=False):
-                if id(p) in sharded and all(p is not q for q in bucket):
-                    bucket.append(p)
-        for child in m.children():
-            visit(child, current)
-
-    visit(root, None)
-    ordered = [m for _, m in root.named_modules() if id(m) in chosen_ids and params[id(m)]]
-    return [Unit(i, names[id(m)] or "<root>", m, params[id(m)]) for i, m in enumerate(ordered)]
-
-
-class _Order:
-    """Records the unit order of the first pass, then predicts the next units on later passes."""
-
-    def __init__(self):
-        self.order: list[int] = []
-        self.recording = True
-        self.cursor = 0
-
-    def start(self) -> None:
-        self.cursor = 0
-
-    def stop_recording(self) -> None:
-        if self.order:
-            self.recording = False
-
-    def advance(self, index: int) -> list[int]:
-        """Note that unit ``index`` runs now; return the predicted units after it."""
-        if self.recording:
-            self.order.append(index)
-            return []
-        if self.cursor < 0 or self.cursor >= len(self.order) or self.order[self.cursor] != index:
-            self.cursor = -1  # off the recorded path: no more prefetch this pass
-            return []
-        self.cursor += 1
-        return self.order[self.cursor:]
+from plait.zero.stage3_units import Unit, UnitOrder, accumulates
 
 
 class ParamGatherer:
@@ -173,7 +116,10 @@ class ParamGatherer:
         for u in units:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
-        self.fwd, self.bwd, self.gate = _Order(), _Order(), gate
+        self.params = list({id(p): p for u in units for p in u.params}.values())
+        self.task = (-1, False)        # (autograd graph task, whether it computes input gradients only)
+        self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
+        self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
         self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
@@ -335,34 +281,84 @@ class ParamGatherer:
 
     def _make_post(self, u: Unit):
         def post_forward(module, args, output):
-            hooked = False
+            hooked, held = False, [False]   # ``held``: this forward's hold for a weight-gradient pass is taken
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
-                        t.register_hook(lambda grad, u=u: self._pre_backward(u))
+                        t.register_hook(lambda grad, u=u, held=held: self._pre_backward(u, held))
                         hooked = True
             # no output to re-gather from (a custom object, a leaf, a side loss): keep it until its gradients
             if not self._keeps_after_forward(u) and (hooked or not torch.is_grad_enabled()):
                 self.release(u)
         return post_forward
 
-    def _pre_backward(self, u: Unit) -> None:
+    def _pre_backward(self, u: Unit, held: list[bool] | None = None) -> None:
+        if self._input_only(u):
+            self._hold_for_weights(u, held)
+            return
         self.on_backward()
         if u.gathered:
             return
         self.gather(u)
         self._prefetch(self.bwd.advance(u.index))
 
+    # ---- zero-bubble split backward (module docstring, "Split backward") --------------------------------
+    def _input_only(self, u: Unit) -> bool:
+        """Whether the running backward accumulates no gradient into this gatherer's parameters (a zero-bubble
+        BI); decided once per autograd graph task, from the first unit it reaches."""
+        task = torch._C._current_graph_task_id()
+        if self.task[0] != task:
+            self.task = (task, not accumulates(u.params + self.params))
+        return self.task[1]
+
+    def _hold_for_weights(self, u: Unit, held: list[bool] | None) -> None:
+        """In an input-gradient pass: gather ``u`` (its backward needs it now) and, once per pass and per
+        forward, hold it for the weight pass to come (``held``: a node re-run alone in BW fires the output
+        hook of its forward again: no second hold). The pass's end lets go of its gathers, not of the holds."""
+        if self.input_pass[0] != self.task[0]:
+            self.input_pass = (self.task[0], set())
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_input_pass)
+        fresh = held is None or not held[0]
+        if held is not None:
+            held[0] = True
+        if not u.gathered:
+            self.gather(u)
+            self._prefetch(self.bwd.advance(u.index))
+        if fresh and u.index not in self.input_pass[1]:
+            self.input_pass[1].add(u.index)
+            u.deferred += 1
+            for seg in u.segments:
+                self.refs[id(seg)] += 1
+
+    def _end_input_pass(self) -> None:
+        """End of an input-gradient pass: release what it gathered; the weight holds stay."""
+        self.input_pass = (-1, set())
+        self.end_backward(accumulating=False)
+
+    def _drop_deferred(self, u: Unit, every: bool = False) -> None:
+        """``u``'s weight pass has run (its gradients are in): drop one hold (``every``: all)."""
+        for _ in range(u.deferred if every else min(1, u.deferred)):
+            u.deferred -= 1
+            for seg in u.segments:
+                self.refs[id(seg)] -= 1
+                if self.refs[id(seg)] == 0 and id(seg) not in self.in_flight:
+                    self._drop(seg)
+
     def on_grad(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook body: release a unit once all its gradients are in."""
+        """Post-accumulate-grad hook body: release a unit once all its gradients are in (and drop the hold
+        of the zero-bubble input-gradient pass that deferred them, if any)."""
         for u in self.units_of.get(id(param), ()):
             u.remaining -= 1
             if u.remaining == 0:
                 self.release(u)
+                self._drop_deferred(u)
 
-    def end_backward(self) -> None:
-        """End of a backward pass: release every unit, free unheld segments, re-arm counters."""
+    def end_backward(self, accumulating: bool = True) -> None:
+        """End of a backward pass: release every unit, free unheld segments, re-arm counters. In a pass that
+        accumulated gradients, a unit that got some but not all of its own drops a weight hold too."""
         for u in self.units:
+            if accumulating and 0 < u.remaining < len(u.params):
+                self._drop_deferred(u)
             self.release(u)
         self._free_unheld()
         self.bwd.stop_recording()
@@ -391,6 +387,7 @@ class ParamGatherer:
                 seg.drop_shard()          # one segment at a time: no second copy of the model
         for u in self.units:
             self.release(u)
+            self._drop_deferred(u, every=True)
         self._free_unheld()
 
     def remove_hooks(self) -> None:

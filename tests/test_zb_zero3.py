@@ -1,0 +1,126 @@
+"""Zero-bubble pipeline (schedule "zb-h1": BI now, BW later) with ZeRO stage 3 through the engine, on CPU/gloo.
+
+The same engine (same model, seed, data, AdamW, float32) trains with schedule "1f1b" and with "zb-h1" at
+pp=2 x dp=2 (4 gloo processes, one launch for every case); the loss curves and every parameter after the
+steps must agree to 1e-6 relative (norm-relative, ``helpers.rel_err``). Models: GPT-2 (layer norm, whose
+weight autograd saves; biases; tied embeddings) and Llama (RMSNorm, a custom autograd Function saving
+``(x, weight)``; tied embeddings here too). The persistence threshold is 0, so every parameter (norm weights
+and biases included) is sharded and gathered per unit: BW accumulates every gradient into ``.grad`` (and may
+read saved weights), so each unit must stay gathered from its BI until its BW (released after BI, BW fails
+on the empty ``[0]`` parameters).
+
+Why 1e-6 and what is expected: the split backward computes the same products in the same order as the
+engine's backward (``plait.parallel.weight_grad`` applies the autograd formulas on the saved tensors), every
+micro-batch's gradient lands in the fp32 grad shard in the same order (micro-batch 0 first), and ZeRO-3
+reduce-scatters each segment once per micro-batch under both schedules, so the results are expected
+bitwise equal; the tolerance only leaves room for a BLAS kernel choosing another blocking for the same
+product (not seen here: the test also prints the largest difference). Both schedules must launch the same
+number of gradient reductions (none after a BI: only its BW delivers gradients), after every step no unit
+may still hold its parameters (no BW hold left over), and on the second stage zb-h1 must all-gather fewer
+segments than 1f1b (its units stay whole from BI to BW instead of being gathered again per micro-batch: the
+holds were taken).
+"""
+import pytest
+import torch.distributed as dist
+
+import plait
+from plait.layers.stages import build_stage_modules
+from plait.parallel import ParallelMesh
+from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.sharding import gather_logical_state
+from plait.testing import run_distributed
+import helpers
+
+STEPS, MICRO, GAS, SEQ = 2, 2, 4, 8
+TOL = 1e-6
+
+
+def arch_config(arch: str):
+    """A 4-block tiny GPT-2 (layer norm, biases, tied) or Llama (RMSNorm, GQA, tied here), no dropout."""
+    extra = {"tie_embeddings": True} if arch == "llama" else {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return helpers.tiny(arch, num_layers=4, **extra)
+
+
+def ds_config(schedule: str, reshard: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000,
+                                  "stage3_prefetch_bucket_size": 4000, "stage3_param_persistence_threshold": 0,
+                                  "overlap_comm": True, "reshard_after_forward": reshard},
+            "pipeline": {"size": 2, "schedule": schedule}}
+
+
+def leftover_holds(gatherer) -> list[str]:
+    """Units still gathered, or still held for a weight-gradient pass, after a step (should be none)."""
+    out = [f"{u.name} gathered" for u in gatherer.units if u.gathered]
+    out += [f"{u.name} held for BW" for u in gatherer.units if u.deferred]
+    out += [f"segment of {u.name} whole" for u in gatherer.units for s in u.segments if s.full is not None]
+    return out
+
+
+def count_reductions(reducer) -> list[int]:
+    """``[n]``: the gradient reductions (one reduce-scatter per segment) ``reducer`` launches from now on."""
+    count, launch = [0], reducer._launch
+
+    def counted(seg):
+        count[0] += 1
+        launch(seg)
+    reducer._launch = counted
+    return count
+
+
+def train(arch: str, schedule: str, reshard: bool) -> tuple:
+    """Losses, whole parameters of this rank's stage, leftover holds, the number of gradient reductions, the
+    segments all-gathered (``ParamGatherer.stats``, before the final gather) and the pipeline rank."""
+    mesh = ParallelMesh(tp=1, pp=2)
+    chunks = build_stage_modules(arch_config(arch), mesh, v=1, seed=5)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=GAS)
+    engine = plait.initialize(pipe, ds_config(schedule, reshard), mesh=mesh)
+    reductions = count_reductions(engine.optimizer.reducer)
+    losses, leftovers = [], []
+    for step in range(STEPS):
+        batches = [helpers.micro_batch(step, g, mesh.dp_rank, micro=MICRO, seq=SEQ) for g in range(GAS)]
+        losses.append(engine.train_batch(iter(batches)).item())
+        leftovers += [f"step {step}: {what}" for what in leftover_holds(engine.optimizer.gatherer)]
+    stats = engine.optimizer.gatherer.stats
+    gathers = stats["fetched"] + stats["prefetched"]
+    with engine.optimizer.gathered_parameters():
+        whole = {n: t.detach().float().clone() for n, t in gather_logical_state(chunks[0]).items()}
+    return losses, whole, leftovers, reductions[0], gathers, mesh.pp_rank
+
+
+def body(cases):
+    out = {case: train(*case) for case in cases}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def compare(per_rank, arch: str, reshard: bool) -> float:
+    """Largest relative difference between the zb-h1 and 1f1b runs over ranks, losses and parameters."""
+    worst = 0.0
+    for rank, results in enumerate(per_rank):
+        ref_losses, ref, ref_left, ref_reductions, ref_gathers, _ = results[(arch, "1f1b", reshard)]
+        losses, whole, left, reductions, gathers, pp_rank = results[(arch, "zb-h1", reshard)]
+        assert not ref_left and not left, f"rank {rank} {arch}: {ref_left + left}"
+        # one reduce-scatter per segment and micro-batch, after its BW, as after 1f1b's B (none after BI)
+        assert reductions == ref_reductions, f"rank {rank} {arch}: {reductions} reductions, 1f1b {ref_reductions}"
+        if pp_rank == 1:   # BI/BW split there (the first stage has no BI): held from BI to BW, not re-gathered
+            assert gathers < ref_gathers, f"rank {rank} {arch}: {gathers} segment gathers, 1f1b {ref_gathers}"
+        assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch}: loss curve"
+        assert set(whole) == set(ref)
+        for name, w in ref.items():
+            err = helpers.rel_err(whole[name], w, floor=1e-12)
+            worst = max(worst, err)
+            assert err <= TOL, f"rank {rank} {arch} reshard={reshard}: {name} off by {err:.2e}"
+    return worst
+
+
+def test_zb_h1_with_zero3_matches_1f1b():
+    """pp=2 x dp=2; GPT-2 and Llama resharded after forward, GPT-2 also kept gathered from forward into
+    backward (``reshard_after_forward: false``: BI finds its units gathered)."""
+    variants = [("gpt2", True), ("llama", True), ("gpt2", False)]
+    cases = [(arch, schedule, reshard) for arch, reshard in variants for schedule in ("1f1b", "zb-h1")]
+    per_rank = run_distributed(body, 4, cases)[0]
+    worst = max(compare(per_rank, arch, reshard) for arch, reshard in variants)
+    print(f"largest zb-h1 vs 1f1b relative difference {worst:.1e}")
