@@ -19,6 +19,13 @@ PEAK_FLOPS = 989e12            # bf16 dense peak of H100/H200 SXM (ANCHORS.md)
 LR, WEIGHT_DECAY, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
 
 
+def write_jsonl(path: str, rows: list[dict], append: bool = False) -> None:
+    """One JSON object per line (the raw rows every benchmark keeps under ``benchmarks/results/``)."""
+    with open(path, "a" if append else "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def model_flops_per_token(cfg, n_params: int, seq: int = SEQ) -> float:
     """6N + 6 x layers x hidden x seq (attention scores counted once, as ANCHORS.md)."""
     return 6 * n_params + 6 * cfg.num_layers * cfg.hidden_size * seq

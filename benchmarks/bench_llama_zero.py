@@ -23,7 +23,8 @@ import torch
 
 ARMS = ("plain", "fsdp2", "plait-z2", "plait-z3", "ds-z2", "ds-z3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MICRO, PEAK_FLOPS, SEQ, batch, ds_like_config, engine_step, init_single_process  # noqa: E402
+from _common import (MICRO, PEAK_FLOPS, SEQ, batch, ds_like_config, engine_step, init_single_process,  # noqa: E402
+                     write_jsonl)
 from _common import model_flops_per_token  # noqa: E402
 
 
@@ -118,9 +119,7 @@ def main():
         else:
             rows.append(json.loads(line[7:]))
         print(json.dumps(rows[-1]), flush=True)
-    with open(args.out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(args.out, rows)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print(f"\nllama-886m, seq {SEQ}, micro-batch {MICRO}, bf16, AdamW, clip 1.0; {name}; torch {torch.__version__}")
     print("| arm | tokens/s | MFU | peak GiB | step s |\n|---|---|---|---|---|")

@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_jsonl  # noqa: E402
+
 
 def sync():
     if torch.cuda.is_available():
@@ -93,24 +99,38 @@ def profile_step(pipe, chunks, make_batch, m, path):
         f.write(f"\n== rank {dist.get_rank()}\n{table}\n")
 
 
-def run_config(pipe, chunks, make_batch, m, steps):
-    """Time ``steps`` train_batch calls after 2 warm-ups; returns (mean step s, this rank's timelines)."""
-    pipe.executor.time_compute = True
-    times, timelines, busy = [], [], []
+def timed_steps(train_batch, make_batch, m, steps, after_step=None):
+    """Seconds of each of ``steps`` ``train_batch(iter(m batches))`` calls after 2 warm-ups, every rank
+    synchronized around each; ``after_step(timed)`` runs after every call."""
+    times = []
     for step in range(2 + steps):
         batches = [make_batch() for _ in range(m)]
         sync()
         dist.barrier()
         t0 = time.perf_counter()
-        pipe.train_batch(iter(batches))
+        train_batch(iter(batches))
         sync()
         dist.barrier()
         if step >= 2:
             times.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step(step >= 2)
+    return times
+
+
+def run_config(pipe, chunks, make_batch, m, steps):
+    """Time ``steps`` train_batch calls after 2 warm-ups; returns (mean step s, this rank's timelines,
+    mean busy s)."""
+    pipe.executor.time_compute = True
+    timelines, busy = [], []
+
+    def record(timed):
+        if timed:
             timelines.append(list(getattr(pipe.executor, "timeline", [])))
             busy.append(pipe.executor.busy_seconds)
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
+    times = timed_steps(pipe.train_batch, make_batch, m, steps, record)
     return sum(times) / len(times), timelines, sum(busy) / len(busy)
 
 
@@ -128,17 +148,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
               "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v}}
     engine = plait.initialize(pipe, config, mesh=mesh)
-    times = []
-    for step in range(2 + steps):
-        batches = [make_batch() for _ in range(m)]
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.train_batch(iter(batches))
-        sync()
-        dist.barrier()
-        if step >= 2:
-            times.append(time.perf_counter() - t0)
+    times = timed_steps(engine.train_batch, make_batch, m, steps)
     del engine, pipe, chunks
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return sum(times) / len(times)
@@ -155,11 +165,18 @@ def predicted_bubble(schedule, p, m, v, per_rank):
     return sim.makespan / max(sim.busy) - 1
 
 
-def p2p_knobs(ctas: int | None, lookahead: int | None) -> None:
+def p2p_knobs(ctas: int | None, lookahead: int | None, gc_pause: bool = True) -> None:
     """Experiment knobs (this benchmark only): create the pipeline's p2p channel groups with NCCL's
-    ``max_ctas`` (SMs each p2p kernel may occupy while it overlaps compute), and place receives
-    ``lookahead`` compute actions ahead of their reader (``simulate.with_communication``)."""
+    ``max_ctas`` (SMs each p2p kernel may occupy while it overlaps compute), place receives
+    ``lookahead`` compute actions ahead of their reader (``simulate.with_communication``), and leave
+    the cyclic garbage collector running during steps (``gc_pause=False``)."""
     import functools
+    import types
+
+    import plait.parallel.pipeline_exec as pipeline_exec
+
+    if not gc_pause and hasattr(pipeline_exec, "gc"):
+        pipeline_exec.gc = types.SimpleNamespace(isenabled=lambda: False, disable=lambda: None, enable=lambda: None)
 
     import plait.parallel.p2p as p2p
     import plait.parallel.pipeline as pipeline
@@ -203,12 +220,13 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--p2p-ctas", type=int, default=None, help="NCCL max_ctas of the p2p groups (experiment)")
     parser.add_argument("--p2p-lookahead", type=int, default=None, help="receives this many actions ahead")
+    parser.add_argument("--no-gc-pause", action="store_true", help="keep the cyclic GC running in steps")
     parser.add_argument("--profile", default="", help="profile one more step of these configs, e.g. "
                         "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     args = parser.parse_args()
     info = init_distributed()
-    p2p_knobs(args.p2p_ctas, args.p2p_lookahead)
+    p2p_knobs(args.p2p_ctas, args.p2p_lookahead, not args.no_gc_pause)
     mesh = ParallelMesh(tp=1, pp=info.world_size)
     p, device = mesh.pp, mesh.device
     cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048))
@@ -260,9 +278,7 @@ def main():
 
 
 def report(rows, args, p, dtype):
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(args.out, rows, append=True)
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"\n{args.preset} {dtype}, seq {args.seq}, pp={p} on {where}; torch {torch.__version__}; {args.label}")
     print("| code | schedule | m | micro-batch | step s | tokens/s | bubble measured | simulated |")

@@ -47,7 +47,8 @@ HOST_ADAMW = functools.partial(HostOptimizer, kind="adamw", lr=LR, weight_decay=
 # (schedule, ZeRO stage, offload_param, gradient clipping, GAS): clipping 0 also turns the non-finite guard
 # off, the configuration in which offload steps segments early during backward without a pipeline
 CASES = [("1f1b", 1, False, 0.5, 2), ("1f1b", 2, False, 0.5, 2), ("1f1b", 3, True, 0.5, 2),
-         ("zb-h1", 2, False, 0.0, 1), ("interleaved", 2, False, 0.5, 2), ("interleaved", 3, False, 0.0, 2)]
+         ("zb-h1", 2, False, 0.0, 1), ("zb-h1", 3, True, 0.5, 2), ("interleaved", 2, False, 0.5, 2),
+         ("interleaved", 3, False, 0.0, 2)]
 
 
 def config(schedule, stage, param, clip, gas, pp, offload=True, device_step=None, bucket=2000):
