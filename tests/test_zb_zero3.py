@@ -82,6 +82,8 @@ def train(arch: str, schedule: str, reshard: bool) -> tuple:
         batches = [helpers.micro_batch(step, g, mesh.dp_rank, micro=MICRO, seq=SEQ) for g in range(GAS)]
         losses.append(engine.train_batch(iter(batches)).item())
         leftovers += [f"step {step}: {what}" for what in leftover_holds(engine.optimizer.gatherer)]
+        order, units = len(engine.optimizer.gatherer.fwd.order), len(engine.optimizer.gatherer.units)
+        leftovers += [f"step {step}: forward order of {order} entries for {units} units"] if order > units else []
     stats = engine.optimizer.gatherer.stats
     gathers = stats["fetched"] + stats["prefetched"]
     with engine.optimizer.gathered_parameters():

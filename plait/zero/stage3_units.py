@@ -66,7 +66,12 @@ def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | Non
 
 
 class UnitOrder:
-    """Records the unit order of the first pass, then predicts the next units on later passes."""
+    """Records the unit order of the first pass, then predicts the next units on later passes.
+
+    A pass begins at ``start()`` (the root module's forward, the end of a backward) or, where nothing calls
+    it, when a unit runs again: a pipeline engine calls its stage chunks, never the root, so the first
+    repeated unit ends the recording (the order never grows past the number of units) and every pass that
+    begins at the recorded first unit is predicted from there."""
 
     def __init__(self):
         self.order: list[int] = []
@@ -83,12 +88,17 @@ class UnitOrder:
     def advance(self, index: int) -> list[int]:
         """Note that unit ``index`` runs now; return the predicted units after it."""
         if self.recording:
-            self.order.append(index)
-            return []
-        if self.cursor < 0 or self.cursor >= len(self.order) or self.order[self.cursor] != index:
+            if index not in self.order:
+                self.order.append(index)
+                return []
+            self.recording, self.cursor = False, 0   # a unit ran again: the first pass is over
+        if 0 <= self.cursor < len(self.order) and self.order[self.cursor] == index:
+            self.cursor += 1
+        elif self.order[0] == index:   # a new pass from the first unit, without start()
+            self.cursor = 1
+        else:
             self.cursor = -1  # off the recorded path: no more prefetch this pass
             return []
-        self.cursor += 1
         return self.order[self.cursor:]
 
 
