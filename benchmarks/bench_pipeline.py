@@ -202,12 +202,7 @@ def p2p_knobs(ctas: int | None, lookahead: int | None, gc_pause: bool = True) ->
         pipeline.with_communication = functools.partial(pipeline.with_communication, lookahead=lookahead)
 
 
-def main():
-    from plait.layers import preset
-    from plait.parallel import ParallelMesh, init_distributed
-    from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
-
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
     parser.add_argument("--micro-batches", default="8,16", help="m values, comma-separated")
@@ -224,11 +219,46 @@ def main():
     parser.add_argument("--profile", default="", help="profile one more step of these configs, e.g. "
                         "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines) -> dict:
+    """One (schedule, m, micro-batch size) row: raw train_batch timing, every rank's action breakdown, the
+    simulator's bubble on the measured times, and the engine arms."""
+    from plait.parallel.pipeline import PipelineParallel
+
+    p = mesh.pp
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
+    step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
+    key = f"{schedule}/m{m}/b{mbs}"
+    if key in args.profile.split(","):
+        profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
+    mine = {"busy": busy_s, "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated}
+    every = [None] * p
+    dist.all_gather_object(every, mine)
+    busy = max(e["busy"] for e in every)
+    timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
+    row = {"label": args.label, "schedule": schedule, "p": p, "v": v, "m": m, "micro_batch": mbs,
+           "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
+           "bubble_measured": step_s / busy - 1 if busy else None,
+           "bubble_simulated": predicted_bubble(schedule, p, m, v, [e["kinds"] for e in every])
+           if every[0]["kinds"] else None, "ranks": every}
+    for stage in [int(x) for x in args.engine.split(",") if x]:
+        row[f"engine_zero{stage}_step_s"] = engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch,
+                                                             args.steps)
+    return row
+
+
+def main():
+    from plait.layers import preset
+    from plait.layers.stages import build_stage_modules
+    from plait.parallel import ParallelMesh, init_distributed
+
+    args = parse_args()
     info = init_distributed()
     p2p_knobs(args.p2p_ctas, args.p2p_lookahead, not args.no_gc_pause)
     mesh = ParallelMesh(tp=1, pp=info.world_size)
-    p, device = mesh.pp, mesh.device
+    device = mesh.device
     cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, timelines = [], {}
@@ -243,37 +273,18 @@ def main():
 
             isolated = timed_chunks(chunks, make_batch, (mbs, args.seq, cfg.hidden_size), dtype, device)
             for m in [int(x) for x in args.micro_batches.split(",")]:
-                pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
-                step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
-                if f"{schedule}/m{m}/b{mbs}" in args.profile.split(","):
-                    profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
-                mine = {"busy": busy_s,
-                        "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated}
-                every = [None] * p
-                dist.all_gather_object(every, mine)
-                busy = max(e["busy"] for e in every)
-                key = f"{schedule}/m{m}/b{mbs}"
-                timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
-                row = {"label": args.label, "schedule": schedule, "p": p, "v": v, "m": m, "micro_batch": mbs,
-                       "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
-                       "bubble_measured": step_s / busy - 1 if busy else None,
-                       "bubble_simulated": predicted_bubble(schedule, p, m, v, [e["kinds"] for e in every])
-                       if every[0]["kinds"] else None, "ranks": every}
-                for stage in [int(x) for x in args.engine.split(",") if x]:
-                    row[f"engine_zero{stage}_step_s"] = engine_step_time(cfg, mesh, schedule, v, m, mbs, stage,
-                                                                         make_batch, args.steps)
-                rows.append(row)
+                rows.append(measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines))
                 if info.rank == 0:
-                    print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "ranks"}), flush=True)
         del chunks
     if args.timelines:
-        gathered = [None] * p
+        gathered = [None] * mesh.pp
         dist.all_gather_object(gathered, timelines)
         if info.rank == 0:
             with open(args.timelines, "w") as f:
                 json.dump({k: [g[k] for g in gathered] for k in timelines}, f)
     if info.rank == 0:
-        report(rows, args, p, dtype)
+        report(rows, args, mesh.pp, dtype)
     dist.destroy_process_group()
 
 

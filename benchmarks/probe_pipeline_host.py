@@ -49,6 +49,26 @@ def hf_stage(cfg, args, device):
     return LlamaModel(hf).to(device, torch.bfloat16)
 
 
+def walk_ms(pb, fwd, bi, bw, reps=5) -> float:
+    """Mean ms BI spends in ``pipeline_backward._analyse`` (the graph walk), over ``reps`` F/BI/BW rounds."""
+    analyse, walk = pb._analyse, []
+
+    def timed_analyse(*a):
+        t0 = time.perf_counter()
+        out = analyse(*a)
+        walk.append(time.perf_counter() - t0)
+        return out
+    pb._analyse = timed_analyse
+    try:
+        for _ in range(reps):
+            fwd()
+            bi()
+            bw()
+    finally:
+        pb._analyse = analyse
+    return 1e3 * sum(walk) / len(walk)
+
+
 def main():
     from plait.parallel import pipeline_backward as pb
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,20 +97,7 @@ def main():
     rows["plait B"] = timed(lambda: (fwd(), torch.cuda.synchronize(), bwd()))
     rows["plait BI"] = timed(lambda: (fwd(), torch.cuda.synchronize(), bi()))
     rows["plait BI+BW"] = timed(lambda: (fwd(), torch.cuda.synchronize(), bi(), bw()))
-    analyse = pb._analyse
-    walk = []
-
-    def timed_analyse(*a):
-        t0 = time.perf_counter()
-        out = analyse(*a)
-        walk.append(time.perf_counter() - t0)
-        return out
-    pb._analyse = timed_analyse
-    for _ in range(5):
-        fwd()
-        bi()
-        bw()
-    pb._analyse = analyse
+    walk = walk_ms(pb, fwd, bi, bw)
     hf = hf_stage(cfg, args, device)
     emb = x.detach().clone().requires_grad_(True)
     rows["HF F (8 layers, no head)"] = timed(lambda: state.__setitem__("hf", hf(inputs_embeds=emb).last_hidden_state))
@@ -100,7 +107,7 @@ def main():
     print("| action | host ms (issue) | device ms (to finish) |\n|---|---|---|")
     for k, (h, d) in rows.items():
         print(f"| {k} | {h:.2f} | {d:.2f} |")
-    print(f"graph walk in BI: {1e3 * sum(walk) / len(walk):.2f} ms")
+    print(f"graph walk in BI: {walk:.2f} ms")
     from torch.profiler import ProfilerActivity, profile
     for name, fn in (("F+B", lambda: (fwd(), bwd())), ("F+BI+BW", lambda: (fwd(), bi(), bw()))):
         torch.cuda.synchronize()
