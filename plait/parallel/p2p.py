@@ -19,6 +19,13 @@ receive its peer waits for, and the matching rule is simply that the receiver po
 in the order the sender posts its sends (``plait.parallel.simulate.with_communication`` places them so,
 and ``simulate`` refuses lists that do not). gloo matches by tag (:meth:`Transfer.tag`) as well.
 
+This relies on NCCL giving each (group, pair) its own communicator and stream, as it does for single
+``isend``/``irecv`` on process groups connected lazily (``plait.parallel.init_distributed``: no
+``device_id``). A process group initialized eagerly (``init_process_group(device_id=...)``) may run all of a
+group's point-to-point operations on one stream; the default placement (each receive right before its
+reader) keeps the order deadlock-free there too, receives posted further ahead
+(``with_communication(lookahead > 0)``) do not.
+
 Tensor-parallel slices (:class:`TPSlices`; Megatron-LM's scatter/gather optimisation, Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, Sec. 4.1): with
 tp > 1 and no sequence parallelism the tensor crossing a stage boundary is the same on every tp rank of
@@ -101,8 +108,9 @@ class StageP2P:
         return fn(tensor, peer, group, transfer.tag(self.num_stages))
 
     def send(self, transfer: Transfer, tensor: torch.Tensor):
-        """Post ``tensor`` to ``transfer.dst_stage``'s rank; returns the work (keep ``tensor`` alive
-        until it completes). Raises ValueError for a peer stage outside ``[0, p*v)``."""
+        """Post ``tensor`` (a contiguous copy when it is not contiguous, held by the work) to
+        ``transfer.dst_stage``'s rank; returns the work: do not modify ``tensor`` until it completes. Raises
+        ValueError for a peer stage outside ``[0, p*v)``."""
         return self._op(dist.isend, tensor.contiguous(), self.pp_rank, self.peer_rank(transfer.dst_stage),
                         transfer)
 
@@ -114,23 +122,26 @@ class StageP2P:
         return self._op(dist.irecv, buf, self.peer_rank(transfer.src_stage), self.pp_rank, transfer)
 
     def connect(self, device: torch.device) -> None:
-        """Create the point-to-point connections of both channels up front, with a grouped exchange of
-        one element with every neighbour (NCCL would otherwise connect at a channel's first transfer,
-        blocking the host until the peer reaches its own). Collective over the pipeline column."""
+        """Create every channel's connection up front: one single (not batched) one-element send per
+        (channel, neighbouring pair), walked in one order on every rank. NCCL connects a pair's point-to-point
+        operations of a group at their first single ``isend``/``irecv`` (batched ones use the group's own
+        communicator), blocking the host until the peer arrives too; in the middle of a step, with receives
+        posted ahead, two ranks could each wait there for the other. Collective over the pipeline column."""
         if self.p == 1:
             return
-        r, p = self.pp_rank, self.p
-        for up in (True, False):
-            ops = []
-            for peer in sorted({(r + 1) % p, (r - 1) % p} - {r}):
-                group = self.groups[0] if up else self.groups[1]
-                if (r < peer) == up:
-                    ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), self.pp_ranks[peer], group))
-                if (peer < r) == up:
-                    ops.append(dist.P2POp(dist.irecv, torch.zeros(1, device=device), self.pp_ranks[peer], group))
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+        p, me = self.p, self.pp_rank
+        pairs = [(a, a + 1) for a in range(p - 1)] + ([(0, p - 1)] if self.num_stages > p and p > 2 else [])
+        works, keep = [], []
+        for up, group in ((True, self.groups[0]), (False, self.groups[1])):
+            for a, b in pairs:
+                src, dst = (a, b) if up else (b, a)
+                if me in (src, dst):
+                    buf = torch.zeros(1, device=device)
+                    fn = dist.isend if me == src else dist.irecv
+                    works.append(fn(buf, self.pp_ranks[dst if me == src else src], group))
+                    keep.append(buf)
+        for work in works:
+            work.wait()
 
 
 class TPSlices:

@@ -138,12 +138,12 @@ class PipelineParallel:
         """The ``slice_tp`` argument resolved (class docstring), from the mesh and the chunks'
         ``sequence_parallel`` attribute."""
         sp = [getattr(chunk, "sequence_parallel", None) for chunk in self.stage_modules]
+        if self.p == 1 or self.mesh.tp == 1:   # nothing crosses a stage boundary, or nothing to slice
+            return False
         if slice_tp and any(sp):
             raise ValueError("slice_tp=True needs activations identical on the tp ranks of a stage, but the chunks "
                              "use sequence parallelism (each tp rank holds its own [b, s/tp, h]); use "
                              "slice_tp=None or False")
-        if self.p == 1 or self.mesh.tp == 1:
-            return False
         if slice_tp is None:
             return all(flag is not None and not flag for flag in sp)
         return bool(slice_tp)
@@ -205,9 +205,8 @@ class PipelineParallel:
 
     def _refresh_dtype(self) -> None:
         """Receive activations in the parameters' current dtype (ZeRO may cast the chunks to bf16/fp16
-        after this pipeline was built). Parameters without elements are skipped: ZeRO-3 leaves a released
-        parameter as an empty placeholder whose dtype says nothing about the compute dtype."""
-        first = next((t for t in self.parameters() if t.is_floating_point() and t.numel()), None)
+        after this pipeline was built; a parameter ZeRO-3 released is an empty tensor of that dtype)."""
+        first = next((t for t in self.parameters() if t.is_floating_point()), None)
         if first is not None:
             self.executor.dtype = first.dtype
 

@@ -31,8 +31,8 @@ How this is done on a plain autograd graph, with no change to the layers:
    (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
 
 Cost (host time matters: GPU kernels are queued from it): BI = the engine's input half plus the
-walk (~1 us per graph node, ~70 nodes per Llama block); BW = the ``dW`` GEMMs plus ~5 us of Python
-per GEMM node (7 per Llama block) and one engine call over the tails. No recomputation of the forward
+walk (one Python visit per graph node); BW = the ``dW`` GEMMs plus a few Python calls per GEMM node
+(7 per Llama block) and one engine call over the tails. No recomputation of the forward
 or of the input-gradient half. Memory: the captured ``dy`` of every GEMM node is held from BI to BW
 (activation-sized, as in the paper's W pass), plus the GEMMs' inputs (the whole retained graph when it
 must be kept). Under (non-reentrant) activation checkpointing a region is recomputed in BI and once
@@ -87,7 +87,7 @@ def _analyse(root, target, root_slot: int):
     """Weight nodes of the graph below ``root`` w.r.t. the input-gradient node ``target``.
 
     One walk reads every node's ``next_functions`` once (the first read of a node wraps it in a
-    Python object: the main host cost, ~1 us per node) and records parents; the input path is then
+    Python object: the main host cost) and records parents; the input path is then
     the ancestors of ``target``, and the weight nodes are the input-path parents of the nodes off it.
 
     Returns:
@@ -227,8 +227,8 @@ def _run_tails(edges: list, grads: list) -> None:
     """One engine call from ``edges`` into the parameters (``AccumulateGrad`` and its hooks fire).
 
     Every gradient already has its edge's shape and dtype (``weight_grads`` applies the engine's
-    own ``validate_outputs`` rules), so ``torch.autograd.backward``'s Python re-check of each one
-    (~4 us per edge) is skipped where torch exposes the engine entry point it wraps.
+    own ``validate_outputs`` rules), so ``torch.autograd.backward``'s Python re-check of each one is
+    skipped where torch exposes the engine entry point it wraps.
     """
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:

@@ -259,9 +259,9 @@ class PipelineExecutor:
             store[(a.microbatch, a.chunk)] = (buf, None)
 
     def _reap_sends(self) -> None:
-        """Drop finished sends (and their tensors) from the front of the queue."""
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.pop(0)
+        """Drop finished sends (and their tensors), wherever they are in the queue."""
+        if self._sends:
+            self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
 
     # ---- compute ----------------------------------------------------------------------------
     def _do_F(self, mb: int, chunk: int) -> None:

@@ -121,8 +121,8 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
         cost_f, cost_b, cost_bi, cost_bw: duration of one F, B, BI, BW of one chunk, or a sequence of
             one per rank (e.g. measured: the first and last ranks carry the embedding and the loss). For an
             interleaved schedule pass the per-chunk cost (a whole stage's cost divided by v).
-        cost_comm: latency of one activation/gradient transfer between different ranks (or of one
-            comm batch when comm actions are explicit).
+        cost_comm: latency of one activation/gradient transfer between different ranks (with explicit
+            comm actions: from the later of its SEND and RECV posts, after its channel's previous transfer).
 
     Returns:
         SimResult with per-action times, bubble and peak-memory figures.
@@ -266,6 +266,7 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0) 
       lists with comm actions. Default 0 (right before its reader): the sender has usually posted by then,
       so the transfer itself is short, while a receive posted earlier keeps an NCCL kernel spinning on
       the GPU's SMs beside the compute before it (``benchmarks/results/pipeline_2xH100.md`` compares both).
+      ``lookahead > 0`` assumes lazily connected NCCL pairs (``plait.parallel.p2p``).
 
     Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives activations and
     the last stage never receives gradients; with ``p == 1`` every peer is the same rank and the compute

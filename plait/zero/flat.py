@@ -160,10 +160,13 @@ class Segment:
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def free(self) -> None:
-        """Drop the full buffer; parameters become empty ``[0]`` tensors (storage released)."""
+        """Drop the full buffer; parameters become empty ``[0]`` tensors (storage released) of the compute
+        dtype (``local``'s, at stage 3), so a released parameter still tells its dtype (a pipeline's
+        activations, ``model.dtype`` of a Hugging Face model)."""
         self.full = None
         for slot in self.slots:
-            slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+            dtype = slot.param.dtype if self.local is None else self.local.dtype
+            slot.param.data = torch.empty(0, dtype=dtype, device=slot.param.device)
 
 
 @dataclass(eq=False)

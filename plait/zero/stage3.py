@@ -355,9 +355,10 @@ class ParamGatherer:
 
     def end_backward(self, accumulating: bool = True) -> None:
         """End of a backward pass: release every unit, free unheld segments, re-arm counters. In a pass that
-        accumulated gradients, a unit that got some but not all of its own drops a weight hold too."""
+        accumulated gradients, a unit that did not get all of its own (some, or none: a parameter the loss
+        does not reach) drops a weight hold too, so no hold outlives its weight pass."""
         for u in self.units:
-            if accumulating and 0 < u.remaining < len(u.params):
+            if accumulating and u.remaining > 0:
                 self._drop_deferred(u)
             self.release(u)
         self._free_unheld()
