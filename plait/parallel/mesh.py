@@ -142,6 +142,21 @@ class ParallelMesh:
             return [self.global_rank]
         return dist.get_process_group_ranks(group)
 
+    def new_column_group(self, select=lambda column: column):
+        """A process group per pipeline column: for every (dp, cp, tp) coordinate, the group of the ranks
+        ``select(column)`` picks from its pp ranks (global ranks, pp order), e.g. ``lambda c: [c[0], c[-1]]``
+        for the first and last stage. Collective over the world (every rank creates every group, in the same
+        order). Returns this rank's group, or None when it is in none."""
+        grid = self.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
+        columns = grid.reshape(grid.shape[0], -1)
+        mine = None
+        for c in range(columns.shape[1]):
+            ranks = select([int(r) for r in columns[:, c]])
+            group = dist.new_group(ranks)
+            if self.global_rank in ranks:
+                mine = group
+        return mine
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp

@@ -64,20 +64,11 @@ class Transfer:
 def channel_groups(mesh) -> tuple:
     """The ("up", "down") process groups of this rank's pipeline column (collective over the world).
 
-    Every rank must call this in the same order: one ``new_group`` per (dp, cp, tp) coordinate and
-    direction. Returns ``(None, None)`` without a mesh or with ``pp == 1``.
+    Every rank must call this in the same order (``ParallelMesh.new_column_group``, twice). Returns ``(None, None)`` without a mesh or with ``pp == 1``.
     """
     if mesh is None or mesh.pp == 1:
         return None, None
-    grid = mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
-    columns = grid.reshape(grid.shape[0], -1)
-    me, mine = dist.get_rank(), (None, None)
-    for c in range(columns.shape[1]):
-        ranks = [int(r) for r in columns[:, c]]
-        pair = (dist.new_group(ranks), dist.new_group(ranks))
-        if me in ranks:
-            mine = pair
-    return mine
+    return mesh.new_column_group(), mesh.new_column_group()
 
 
 class StageP2P:

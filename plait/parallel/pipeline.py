@@ -165,16 +165,7 @@ class PipelineParallel:
         if not chunks[0].tied_across_stages or self.p * self.v == 1:
             return [], None
         params = [t for chunk in chunks for t in chunk.tied_parameters()]
-        group = None
-        if self.p > 1:
-            grid = self.mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
-            me = dist.get_rank()
-            columns = grid.reshape(grid.shape[0], -1)   # every (dp, cp, tp) coordinate: its first and last stage
-            for c in range(columns.shape[1]):
-                pair = [int(columns[0, c]), int(columns[-1, c])]
-                g = dist.new_group(pair)
-                if me in pair:
-                    group = g
+        group = self.mesh.new_column_group(lambda column: [column[0], column[-1]]) if self.p > 1 else None
         return params, group
 
     @torch.no_grad()
