@@ -64,7 +64,8 @@ class Transfer:
 def channel_groups(mesh) -> tuple:
     """The ("up", "down") process groups of this rank's pipeline column (collective over the world).
 
-    Every rank must call this in the same order (``ParallelMesh.new_column_group``, twice). Returns ``(None, None)`` without a mesh or with ``pp == 1``.
+    Every rank must call this in the same order (``ParallelMesh.new_column_group``, twice). Returns
+    ``(None, None)`` without a mesh or with ``pp == 1``.
     """
     if mesh is None or mesh.pp == 1:
         return None, None
