@@ -1,6 +1,6 @@
 """Pipeline schedules on GPUs: measured step time and bubble beside the simulator's prediction.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_pipeline.py [--schedules 1f1b,interleaved,zb-h1]
+    torchrun --nproc-per-node 2 benchmarks/bench_pipeline.py [--schedules 1f1b,interleaved,zb-h1,zb-v]
         [--micro-batches 8,16] [--micro-batch-sizes 1,2] [--timelines FILE] [--label NAME]
 
 Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, pp = world size.
@@ -141,7 +141,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
 
-    chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device)
+    chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v)
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
@@ -156,12 +156,13 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
 
 def predicted_bubble(schedule, p, m, v, per_rank):
     """The simulator's bubble with each rank's measured mean action times (``per_rank[r][kind]`` seconds)."""
-    from plait.parallel.schedules import get_schedule
+    from plait.parallel.schedules import get_schedule, placement
     from plait.parallel.simulate import simulate
 
     lists = get_schedule(schedule, p, m, v)
     costs = {k: tuple(per_rank[r].get(k, {"gpu_ms": 0.0})["gpu_ms"] for r in range(p)) for k in ("F", "B", "BI", "BW")}
-    sim = simulate(lists, p, v, cost_f=costs["F"], cost_b=costs["B"], cost_bi=costs["BI"], cost_bw=costs["BW"])
+    sim = simulate(lists, p, v, cost_f=costs["F"], cost_b=costs["B"], cost_bi=costs["BI"], cost_bw=costs["BW"],
+                   shape=placement(schedule))
     return sim.makespan / max(sim.busy) - 1
 
 
@@ -263,8 +264,8 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, timelines = [], {}
     for schedule in args.schedules.split(","):
-        v = 2 if schedule == "interleaved" else 1
-        chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=device, dtype=dtype)
+        v = 2 if schedule in ("interleaved", "zb-v") else 1
+        chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=device, dtype=dtype, schedule=schedule)
         gen = torch.Generator(device=device).manual_seed(mesh.pp_rank)
         for mbs in [int(x) for x in args.micro_batch_sizes.split(",")]:
             def make_batch():

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from plait.config import load_config
-from plait.parallel import ParallelMesh, init_distributed
+from plait.parallel import SCHEDULES, ParallelMesh, init_distributed
 
 EXAMPLES = Path(__file__).resolve().parent
 
@@ -34,8 +34,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
     g.add_argument("--cp-method", choices=["ring", "all_to_all"], help="context-parallel attention (default ring)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture of experts' experts split "
                                                      "over this many dp ranks (default 1)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="pipeline schedule")
-    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule")
+    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved; zb-v: 2)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--offload", choices=["none", "optimizer", "param", "all"],

@@ -17,6 +17,7 @@ from plait.layers import TransformerModel
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel.partition import partition_layers, stage_layers
 from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.schedules import placement
 
 
 def build_engine(args, mesh, cfg, arch, chunk_factory=None):
@@ -32,11 +33,12 @@ def build_engine(args, mesh, cfg, arch, chunk_factory=None):
         n = arch.num_layers + 2
         weights = layer_parameter_counts(arch) if cfg.pipeline.partition == "parameters" else None
         parts = partition_layers(n, mesh.pp, v, cfg.pipeline.partition, weights)
-        chunks = [chunk_factory(layers) for layers in stage_layers(parts, mesh.pp, mesh.pp_rank)]
+        shape = placement(cfg.pipeline.schedule)
+        chunks = [chunk_factory(layers) for layers in stage_layers(parts, mesh.pp, mesh.pp_rank, shape)]
     elif pipelined:
         chunks = build_stage_modules(arch, mesh, v=v, method=cfg.pipeline.partition, sequence_parallel=sp,
                                      seed=args.seed, recompute=recompute, cp_method=cfg.context_parallel.method,
-                                     device=mesh.device)
+                                     device=mesh.device, schedule=cfg.pipeline.schedule)
     elif chunk_factory is not None:
         model = chunk_factory(None)
     else:

@@ -3,7 +3,8 @@ model of the executor's non-blocking transfers (``plait.parallel.p2p``): sends r
 receives ahead of their reader in each channel's send order, no deadlock for any built-in schedule."""
 import pytest
 
-from plait.parallel.schedules import Action, check_schedule, get_schedule, interleaved_1f1b, one_f_one_b
+from plait.parallel.schedule_check import check_schedule
+from plait.parallel.schedules import Action, get_schedule, interleaved_1f1b, one_f_one_b, placement
 from plait.parallel.simulate import DeadlockError, simulate, with_communication
 
 
@@ -24,18 +25,19 @@ def test_sends_follow_their_producer_and_receives_precede_their_reader():
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                                    ("interleaved", 3)])
+                                    ("interleaved", 3), ("zb-v", 2)])
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_communication_never_deadlocks(name, v, p):
+    shape = placement(name)
     for m in range(1, 2 * p + 2):   # every schedule takes any m >= 1 (m < p: mostly bubble)
         compute = get_schedule(name, p, m, v)
         for lookahead in (0, 1, 3):
-            lists = with_communication(compute, p, v, lookahead=lookahead)
-            check_schedule(lists, p, m, v)
-            res = simulate(lists, p, v, cost_comm=0.25)   # raises DeadlockError / ValueError on a bad list
+            lists = with_communication(compute, p, v, lookahead=lookahead, shape=shape)
+            check_schedule(lists, p, m, v, shape)
+            res = simulate(lists, p, v, cost_comm=0.25, shape=shape)   # DeadlockError / ValueError on a bad list
             assert sum(len(tl) for tl in res.timeline) == sum(len(acts) for acts in compute)
             # Free transfers posted ahead cost nothing: the same makespan as the compute-only lists.
-            assert simulate(lists, p, v).makespan == simulate(compute, p, v).makespan
+            assert simulate(lists, p, v, shape=shape).makespan == simulate(compute, p, v, shape=shape).makespan
 
 
 def test_receives_out_of_channel_order_are_refused():

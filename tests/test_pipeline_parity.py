@@ -1,5 +1,6 @@
 """Pipeline-parallel parity on CPU/gloo: pp in {2, 4} x tp in {1, 2} x dp in {1, 2} (world size up to 8)
-x schedule in {gpipe, 1f1b, interleaved (v=2), zb-h1} x {GPT-2 (tied embeddings), Llama (GQA, untied)}.
+x schedule in {gpipe, 1f1b, interleaved (v=2), zb-h1, zb-v (v=2, V placement)} x {GPT-2 (tied embeddings),
+Llama (GQA, untied)}.
 
 Each configuration runs one ``PipelineParallel.train_batch`` on dp x m micro-batches (dp rank d takes
 micro-batches d*m .. d*m+m-1; micro-batches differ in sequence length, so activation shapes change
@@ -27,7 +28,7 @@ from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel import ParallelMesh
 from plait.parallel.partition import partition_layers
 from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.schedules import get_schedule
+from plait.parallel.schedules import get_schedule, placement, stage_of
 from plait.parallel.sharding import gather_logical, gather_logical_state
 from plait.parallel.simulate import simulate
 from plait.testing import run_distributed
@@ -35,7 +36,7 @@ from plait.testing import run_distributed
 RTOL = 1e-5
 MICRO = 2                      # samples per micro-batch
 SEQS = (8, 12, 6, 10)          # sequence length of micro-batch i is SEQS[i % 4] (even: tp=2 with SP)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 ARCHES = ("gpt2", "llama")
 METHODS = ("uniform", "parameters", "explicit")
 
@@ -81,7 +82,7 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
     """Run one configuration; raise AssertionError on a mismatch; return (loss err, worst grad err)."""
     cfg = make_config(arch)
     pp, tp, dp = mesh.pp, mesh.tp, mesh.dp
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     n = cfg.num_layers + 2
     if method == "explicit":  # deliberately uneven: as much as possible on the first stage
         parts = list(range(pp * v)) + [n]
@@ -90,10 +91,11 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
     else:
         split = method
     sp = tp > 1 and arch == "llama"
-    chunks = build_stage_modules(cfg, mesh, v, split, sequence_parallel=sp, seed=11)
+    chunks = build_stage_modules(cfg, mesh, v, split, sequence_parallel=sp, seed=11, schedule=schedule)
     stages = partition_layers(n, pp, v, split, layer_parameter_counts(cfg) if split == "parameters" else None)
     for c, chunk in enumerate(chunks):  # each chunk builds exactly its own layers
-        assert chunk.layer_indices == list(range(*stages[c * pp + mesh.pp_rank])), (c, chunk.layer_indices)
+        s = stage_of(mesh.pp_rank, c, pp, placement(schedule))
+        assert chunk.layer_indices == list(range(*stages[s])), (c, chunk.layer_indices)
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v)
     key = (arch, dp * m)
     if key not in cache:
@@ -102,7 +104,7 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
     batches, ref_loss, ref_grads = cache[key]
     mine = batches[mesh.dp_rank * m:(mesh.dp_rank + 1) * m]
     loss = pipe.train_batch(iter(mine))
-    sim = simulate(get_schedule(schedule, pp, m, v), pp, v)  # activations freed as the schedule says
+    sim = simulate(get_schedule(schedule, pp, m, v), pp, v, shape=placement(schedule))  # activations freed as listed
     assert pipe.executor.peak_in_flight == sim.peak_in_flight[mesh.pp_rank], pipe.executor.peak_in_flight
     eval_loss = pipe.eval_batch(iter(mine))
     assert torch.allclose(eval_loss, loss, rtol=1e-6, atol=0), (eval_loss, loss)
@@ -121,7 +123,10 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
             err = rel_err(full, ref_grads[name], floor=1e-3)
             worst = max(worst, (err, name))
             assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
-    if cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
+    if cfg.tie_embeddings and pipe.tied_group is None and pipe.tied_parameters:   # zb-v: both copies here
+        first, head = pipe.tied_parameters
+        assert torch.equal(first.grad, head.grad), "tied copies of the embedding gradient differ"
+    elif cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
         for name, p in params.items():
             if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):
                 other = p.grad.clone()
@@ -154,7 +159,7 @@ def parity_body(world: int):
 def test_pipeline_parity(world):
     results = run_distributed(parity_body, world, world, timeout_s=300)
     rows = results[0]
-    assert len(rows) == 8 * len(layouts(world)) + 2 * (world == 4)
+    assert len(rows) == 2 * len(SCHEDULES) * len(layouts(world)) + 2 * (world == 4)
     for label, loss_err, grad_err in rows:
         assert loss_err <= RTOL and grad_err <= RTOL, label
 
@@ -165,7 +170,7 @@ def test_pipeline_parity(world):
 def test_single_process_pipeline_matches_accumulation(schedule):
     """p = 1 (interleaved: v = 2 chunks on one rank, handing activations over locally; tied copies
     summed locally): grads equal plain gradient accumulation of the whole model, loss averaged."""
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     for arch in ARCHES:
         cfg = make_config(arch)
         batches = make_microbatches(3, seed=9)
@@ -191,7 +196,7 @@ def test_train_batch_callbacks_and_chunk_contract(schedule):
     """``scale_loss`` maps each micro-batch's loss to what backward differentiates (x2 -> gradients x2),
     ``on_micro_batch`` fires once per micro-batch, the loss is float32 of shape [] on the pipeline's
     device, the tied copies are public, and a chunk without the StageChunk members is refused by name."""
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     cfg, batches = make_config("gpt2"), make_microbatches(3, seed=9)
     plain = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
     plain.train_batch(iter(batches))

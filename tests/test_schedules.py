@@ -8,7 +8,8 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from plait.parallel.schedules import (SCHEDULES, Action, check_schedule, get_schedule, gpipe,
+from plait.parallel.schedule_check import check_schedule
+from plait.parallel.schedules import (SCHEDULES, Action, get_schedule, gpipe,
                                       interleaved_1f1b, one_f_one_b, rank_chunk_of, stage_of, zb_h1)
 from plait.parallel.simulate import DeadlockError, render, simulate
 
@@ -114,7 +115,7 @@ def test_timeline_with_comm_latency():
 
 
 def test_registry_and_get_schedule_errors():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
     assert get_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
     assert get_schedule("interleaved", 4, 8, 2) == interleaved_1f1b(4, 8, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zbh1'; did you mean 'zb-h1'"):

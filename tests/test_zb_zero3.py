@@ -47,7 +47,7 @@ def ds_config(schedule: str, reshard: bool) -> dict:
             "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000,
                                   "stage3_prefetch_bucket_size": 4000, "stage3_param_persistence_threshold": 0,
                                   "overlap_comm": True, "reshard_after_forward": reshard},
-            "pipeline": {"size": 2, "schedule": schedule}}
+            "pipeline": {"size": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zb-v" else 1}}
 
 
 def leftover_holds(gatherer) -> list[str]:
@@ -73,7 +73,7 @@ def train(arch: str, schedule: str, reshard: bool) -> tuple:
     """Losses, whole parameters of this rank's stage, leftover holds, the number of gradient reductions, the
     segments all-gathered (``ParamGatherer.stats``, before the final gather) and the pipeline rank."""
     mesh = ParallelMesh(tp=1, pp=2)
-    chunks = build_stage_modules(arch_config(arch), mesh, v=1, seed=5)
+    chunks = build_stage_modules(arch_config(arch), mesh, v=2 if schedule == "zb-v" else 1, seed=5, schedule=schedule)
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=GAS)
     engine = plait.initialize(pipe, ds_config(schedule, reshard), mesh=mesh)
     reductions = count_reductions(engine.optimizer.reducer)
@@ -87,7 +87,7 @@ def train(arch: str, schedule: str, reshard: bool) -> tuple:
     stats = engine.optimizer.gatherer.stats
     gathers = stats["fetched"] + stats["prefetched"]
     with engine.optimizer.gathered_parameters():
-        whole = {n: t.detach().float().clone() for n, t in gather_logical_state(chunks[0]).items()}
+        whole = {n: t.detach().float().clone() for chunk in chunks for n, t in gather_logical_state(chunk).items()}
     return losses, whole, leftovers, reductions[0], gathers, mesh.pp_rank
 
 
@@ -118,14 +118,36 @@ def compare(per_rank, arch: str, reshard: bool) -> float:
     return worst
 
 
+def compare_whole_model(per_rank, arch: str, schedule: str) -> float:
+    """Largest relative difference between ``schedule``'s run and 1f1b's over the loss curves (every rank)
+    and the whole model: "zb-v" places other layers on each rank, so the ranks' parameters are joined by
+    name first. No unit may stay gathered or held after a step."""
+    ref, got, worst = {}, {}, 0.0
+    for rank, results in enumerate(per_rank):
+        ref_losses, ref_whole, ref_left, *_ = results[(arch, "1f1b", True)]
+        losses, whole, left, *_ = results[(arch, schedule, True)]
+        assert not ref_left and not left, f"rank {rank} {arch} {schedule}: {ref_left + left}"
+        assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch} {schedule}: loss curve"
+        ref.update(ref_whole)
+        got.update(whole)
+    assert set(got) == set(ref)
+    for name, w in ref.items():
+        err = helpers.rel_err(got[name], w, floor=1e-12)
+        worst = max(worst, err)
+        assert err <= TOL, f"{arch} {schedule}: {name} off by {err:.2e}"
+    return worst
+
+
 def test_zb_h1_with_zero3_matches_1f1b():
     """pp=2 x dp=2; GPT-2 and Llama resharded after forward, GPT-2 also kept gathered from forward into
     backward (``reshard_after_forward: false``: BI finds its units gathered)."""
     variants = [("gpt2", True), ("llama", True), ("gpt2", False)]
     cases = [(arch, schedule, reshard) for arch, reshard in variants for schedule in ("1f1b", "zb-h1")]
+    cases += [(arch, "zb-v", True) for arch in ("gpt2", "llama")]
     per_rank = run_distributed(body, 4, cases)[0]
     worst = max(compare(per_rank, arch, reshard) for arch, reshard in variants)
-    print(f"largest zb-h1 vs 1f1b relative difference {worst:.1e}")
+    worst_v = max(compare_whole_model(per_rank, arch, "zb-v") for arch in ("gpt2", "llama"))
+    print(f"largest zb-h1 vs 1f1b relative difference {worst:.1e}; zb-v vs 1f1b {worst_v:.1e}")
 
 
 def bf16_losses(schedule: str, stage: int) -> tuple:

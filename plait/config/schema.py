@@ -140,7 +140,7 @@ class ContextParallelConfig:
             raise ConfigError(f"context_parallel.method {self.method!r} is not one of {CP_METHODS}")
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 @dataclass(frozen=True)
@@ -149,14 +149,15 @@ class PipelineConfig:
 
     ``schedule``: "gpipe" (Huang et al. 2019), "1f1b" (PipeDream-Flush, Narayanan et al. 2021),
     "interleaved" (1F1B with ``virtual_stages`` model chunks per rank, Narayanan et al. SC'21 Sec. 2.2), or
-    "zb-h1" (zero-bubble H1, Qi et al. 2024). ``micro_batches`` per optimizer step equals
+    "zb-h1" (zero-bubble H1, Qi et al. 2024), or "zb-v" (zero-bubble V, Qi et al. NeurIPS 2024: ``virtual_stages``
+    2 in the V placement, ``plait.parallel.schedules.zb_v``). ``micro_batches`` per optimizer step equals
     gradient_accumulation_steps (filled in by the reader). ``partition``: "uniform" (equal layer counts),
     "parameters" (balanced parameter counts), or explicit boundaries ``[0, b1, ..., n_layers]``: one more
     layer index than model chunks (``size * virtual_stages``), chunk i holding layers ``[b_i, b_{i+1})``.
     """
 
     size: int = field(default=1, metadata={"aliases": ("stages",)})
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
     virtual_stages: int = 1
     micro_batches: int | None = None
     partition: Literal["uniform", "parameters"] | list[int] = "uniform"
@@ -173,9 +174,12 @@ class PipelineConfig:
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ConfigError(f"pipeline.schedule 'interleaved' needs virtual_stages >= 2, got "
                              f"{self.virtual_stages}; set virtual_stages or use schedule '1f1b'")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise ConfigError(f"pipeline.virtual_stages = {self.virtual_stages} needs schedule 'interleaved', "
-                             f"got {self.schedule!r}")
+        if self.schedule == "zb-v" and self.virtual_stages != 2:
+            raise ConfigError(f"pipeline.schedule 'zb-v' runs virtual_stages = 2 (two chunks per rank in a V), got "
+                             f"{self.virtual_stages}; set virtual_stages: 2")
+        if self.schedule not in ("interleaved", "zb-v") and self.virtual_stages != 1:
+            raise ConfigError(f"pipeline.virtual_stages = {self.virtual_stages} needs schedule 'interleaved' (or "
+                             f"'zb-v' with 2), got {self.schedule!r}")
         mb = self.micro_batches
         if mb is not None and mb < 1:
             raise ConfigError(f"pipeline.micro_batches must be >= 1, got {mb}")

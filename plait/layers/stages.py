@@ -15,6 +15,7 @@ from plait.layers.init import TIED_ATTR
 from plait.layers.model import TransformerModel, logical_shapes
 from plait.parallel.collectives import group_size
 from plait.parallel.partition import partition_layers, stage_layers
+from plait.parallel.schedules import placement
 
 
 class TransformerStage(TransformerModel):
@@ -79,20 +80,25 @@ def layer_parameter_counts(config) -> list[int]:
 
 def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[int] = "uniform", *,
                         sequence_parallel: bool = False, seed: int = 1234, recompute: str | None = None,
-                        cp_method: str = "ring", device=None, dtype=None) -> list[TransformerStage]:
+                        cp_method: str = "ring", device=None, dtype=None,
+                        schedule: str | None = None) -> list[TransformerStage]:
     """Build this rank's ``v`` model chunks, each a ``TransformerStage`` with only its layers.
 
     Args:
         config: ``TransformerConfig``. mesh: ``ParallelMesh`` (None: one process, p = 1).
-        v: model chunks per rank (virtual stages; 1 unless the schedule is "interleaved").
+        v: model chunks per rank (virtual stages; 1 unless the schedule is "interleaved" or "zb-v").
         method: see ``plait.parallel.partition.partition_layers`` ("parameters" uses
             :func:`layer_parameter_counts`).
         sequence_parallel, seed, recompute, cp_method, device, dtype: passed to every chunk (``TransformerModel``);
             the same seed on every rank gives layout-invariant weights.
+        schedule: the pipeline schedule the chunks will run; its stage placement
+            (``plait.parallel.schedules.placement``: "v" for "zb-v") says which stages this rank holds.
+            None: the "loop" placement of every other schedule.
 
     Returns:
         ``[chunk_0, ..., chunk_{v-1}]``; chunk ``c`` holds ``layers=range(start, stop)`` of virtual
-        stage ``c*p + pp_rank``. No rank ever builds a layer outside its own stages.
+        stage ``stage_of(pp_rank, c, p, placement(schedule))`` ("loop": ``c*p + pp_rank``). No rank ever
+        builds a layer outside its own stages.
 
     Raises:
         ValueError: from ``partition_layers`` (too few layers, bad boundaries).
@@ -104,4 +110,4 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
     parts = partition_layers(n, p, v, method, weights)
     return [TransformerStage(config, mesh, sequence_parallel=sequence_parallel, layers=layers, seed=seed,
                              recompute=recompute, cp_method=cp_method, device=device, dtype=dtype)
-            for layers in stage_layers(parts, p, rank)]
+            for layers in stage_layers(parts, p, rank, placement(schedule) if schedule else "loop")]

@@ -5,12 +5,13 @@ from plait.parallel.collectives import (copy_to_tp, gather_from_sp, gather_from_
 from plait.parallel.launch import LaunchInfo, init_distributed, launch_info
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.random import RNGTracker, checkpoint
-from plait.parallel.schedules import SCHEDULES, Action, check_schedule, get_schedule
+from plait.parallel.schedule_check import check_schedule
+from plait.parallel.schedules import SCHEDULES, Action, get_schedule, placement
 from plait.parallel.simulate import SimResult, render, simulate, with_communication
 
 __all__ = [
     "ParallelMesh", "LaunchInfo", "init_distributed", "launch_info", "copy_to_tp", "reduce_from_tp",
     "scatter_to_tp", "gather_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
-    "RNGTracker", "checkpoint", "Action", "SCHEDULES", "get_schedule", "check_schedule", "simulate",
+    "RNGTracker", "checkpoint", "Action", "SCHEDULES", "get_schedule", "placement", "check_schedule", "simulate",
     "SimResult", "render", "with_communication",
 ]

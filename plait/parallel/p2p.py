@@ -2,10 +2,10 @@
 
 A transfer is one tensor moving one hop along the virtual-stage chain: an activation from
 stage ``s`` to ``s+1`` (direction "F") or an input gradient from ``s`` to ``s-1`` ("B"). Stage
-``s`` lives on pipeline rank ``s % p`` (chunk ``s // p``; see ``plait.parallel.schedules``), whose
-global rank is ``mesh.ranks("pp")[s % p]`` for this process's (dp, cp, tp) coordinate, so each tp
-rank talks to the same tp rank of the neighbouring stage (its sequence shard under sequence
-parallelism, its replica otherwise).
+``s`` lives on pipeline rank ``q = rank_chunk_of(s, p, shape)[0]`` (``s % p`` in the "loop" placement; see
+``plait.parallel.schedules``), whose global rank is ``mesh.ranks("pp")[q]`` for this process's (dp, cp,
+tp) coordinate, so each tp rank talks to the same tp rank of the neighbouring stage (its sequence shard
+under sequence parallelism, its replica otherwise).
 
 Every send and receive is its own non-blocking ``isend``/``irecv``; nothing waits for a send inside a
 step (the executor reaps finished sends and waits for the rest at the step's end), and only the
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from plait.parallel.collectives import all_gather_flat
+from plait.parallel.schedules import rank_chunk_of
 
 
 @dataclass(frozen=True, order=True)
@@ -77,22 +78,24 @@ class StageP2P:
 
     Args:
         pp_ranks: global ranks of this process's pipeline group in pp-rank order
-            (``mesh.ranks("pp")``); ``pp_ranks[r]`` holds the stages ``r, r + p, r + 2p, ...``.
+            (``mesh.ranks("pp")``); ``pp_ranks[r]`` holds the stages of pipeline rank ``r``.
         groups: ``(up, down)`` from :func:`channel_groups` (``(None, None)`` in one process).
         num_stages: ``p * v`` virtual stages.
         pp_rank: this process's pipeline rank.
+        shape: the stage placement (``plait.parallel.schedules.stage_of``): "loop" or "v".
     """
 
-    def __init__(self, pp_ranks: list[int], groups: tuple, num_stages: int, pp_rank: int = 0):
+    def __init__(self, pp_ranks: list[int], groups: tuple, num_stages: int, pp_rank: int = 0,
+                 shape: str = "loop"):
         self.pp_ranks, self.groups, self.num_stages = list(pp_ranks), groups, num_stages
-        self.p, self.pp_rank = len(self.pp_ranks), pp_rank
+        self.p, self.pp_rank, self.shape = len(self.pp_ranks), pp_rank, shape
 
     def peer_rank(self, stage: int) -> int:
         """Pipeline rank holding virtual stage ``stage``."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"virtual stage {stage} outside [0, {self.num_stages}); "
                              f"p={self.p} ranks x v={self.num_stages // self.p} chunks")
-        return stage % self.p
+        return rank_chunk_of(stage, self.p, self.shape)[0]
 
     def _op(self, fn, tensor: torch.Tensor, src: int, dst: int, transfer: Transfer):
         group = self.groups[0] if src < dst else self.groups[1]
@@ -122,7 +125,8 @@ class StageP2P:
         if self.p == 1:
             return
         p, me = self.p, self.pp_rank
-        pairs = [(a, a + 1) for a in range(p - 1)] + ([(0, p - 1)] if self.num_stages > p and p > 2 else [])
+        wraps = self.num_stages > p and p > 2 and self.shape == "loop"   # loop: stage p-1 -> p is rank p-1 -> 0
+        pairs = [(a, a + 1) for a in range(p - 1)] + ([(0, p - 1)] if wraps else [])
         works, keep = [], []
         for up, group in ((True, self.groups[0]), (False, self.groups[1])):
             for a, b in pairs:

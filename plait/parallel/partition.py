@@ -2,14 +2,17 @@
 
 A model is a flat list of ``num_layers + 2`` items: 0 = embedding, 1..L = transformer blocks,
 L+1 = head (``plait.layers.stages.build_stage_modules`` builds a plait model's chunks from a partition).
-With ``p`` pipeline ranks and ``v`` model chunks per rank there are ``p*v`` virtual stages; virtual
-stage ``s = c*p + r`` is chunk ``c`` on rank ``r`` (Narayanan et al., SC'21, Sec. 2.2.2). A partition
+With ``p`` pipeline ranks and ``v`` model chunks per rank there are ``p*v`` virtual stages; which rank
+and chunk hold stage ``s`` is the schedule's placement (``plait.parallel.schedules.stage_of``: ``c*p + r``
+for chunk ``c`` on rank ``r``, Narayanan et al., SC'21, Sec. 2.2.2, or the "v" shape of "zb-v"). A partition
 gives each virtual stage a contiguous, non-empty range ``[start, stop)`` of items.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+from plait.parallel.schedules import stage_of
 
 METHODS = ("uniform", "parameters")
 
@@ -106,6 +109,7 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
     return [(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
-def stage_layers(parts: list[tuple[int, int]], p: int, rank: int) -> list[range]:
-    """Layer ranges of the chunks held by pipeline ``rank``: chunk ``c`` is stage ``c*p + rank``."""
-    return [range(*parts[c * p + rank]) for c in range(len(parts) // p)]
+def stage_layers(parts: list[tuple[int, int]], p: int, rank: int, shape: str = "loop") -> list[range]:
+    """Layer ranges of the chunks held by pipeline ``rank``: chunk ``c`` is stage ``stage_of(rank, c, p,
+    shape)`` ("loop": ``c*p + rank``). Raises ValueError for an unknown ``shape``."""
+    return [range(*parts[stage_of(rank, c, p, shape)]) for c in range(len(parts) // p)]

@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
-from plait.parallel.schedules import Action, get_schedule
+from plait.parallel.schedules import Action, get_schedule, placement, rank_chunk_of
 from plait.parallel.simulate import with_communication
-from plait.parallel.stage import StageChunk, missing_members
+from plait.parallel.stage import StageChunk, check_layer_order, missing_members
 
 
 class PipelineParallel:
@@ -50,10 +50,12 @@ class PipelineParallel:
     Args:
         stage_modules: this rank's ``v`` chunks in chunk order, each a ``StageChunk``
             (``plait.parallel.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
-            chunk ``c`` is virtual stage ``c*p + pp_rank``. Each is called ``chunk(hidden=x, **batch)``
+            chunk ``c`` is virtual stage ``stage_of(pp_rank, c, p, placement(schedule))`` (``c*p + pp_rank``
+            except for "zb-v": build them with ``build_stage_modules(..., schedule=schedule)``). Each is
+            called ``chunk(hidden=x, **batch)``
             (with ``aux_loss_scale=s`` where its forward takes it, ``StageChunk``).
         mesh: ``ParallelMesh`` (None: one process, ``p = 1``).
-        schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``) or "zb-h1".
+        schedule: "gpipe", "1f1b", "interleaved" (needs ``v >= 2``), "zb-h1" or "zb-v" (needs ``v = 2``).
         micro_batches: m, micro-batches per step; every schedule runs any ``m >= 1`` (``m < p`` is
             mostly bubble; see ``schedules``).
         virtual_stages: v; must equal ``len(stage_modules)`` (default: that length).
@@ -75,7 +77,8 @@ class PipelineParallel:
         tied_parameters: this rank's copies of parameters that another stage also holds (the chunks'
             ``tied_parameters()``, chunk order; ``[]`` when none or p x v = 1).
         tied_group: the (first stage, last stage) process group of this rank's (dp, tp) coordinate,
-            over which ``sum_tied_gradients`` all-reduces (None when p = 1 or nothing is tied).
+            over which ``sum_tied_gradients`` all-reduces (None when one rank holds both stages: p = 1 or
+            "zb-v", or when nothing is tied).
         slice_tp: whether transfers carry tp parts (the resolved ``slice_tp`` argument).
 
     What crosses a stage boundary, per micro-batch and per tp rank: the activation of
@@ -97,7 +100,8 @@ class PipelineParallel:
         TypeError: a chunk lacks a ``StageChunk`` member (named).
         ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
             ``get_schedule``: unknown name, v not matching the schedule, ...); ``slice_tp=True`` with a
-            chunk using sequence parallelism.
+            chunk using sequence parallelism; chunks whose layers do not follow one another in the
+            schedule's stage order (e.g. built for another placement; collective over the pipeline group).
     """
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
@@ -118,20 +122,23 @@ class PipelineParallel:
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
         lists = get_schedule(schedule, self.p, micro_batches, v)
-        self.actions: list[Action] = with_communication(lists, self.p, v)[self.rank]
+        self.shape = placement(schedule)
+        self.actions: list[Action] = with_communication(lists, self.p, v, shape=self.shape)[self.rank]
         forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]
-        self.eval_actions: list[Action] = with_communication(forward_only, self.p, v)[self.rank]
+        self.eval_actions: list[Action] = with_communication(forward_only, self.p, v, shape=self.shape)[self.rank]
         first = next((t for t in self.parameters() if t.is_floating_point()), None)
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
         self.slice_tp = self._resolve_slice_tp(slice_tp)
-        p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * v, self.rank)
+        check_layer_order(self.stage_modules, self.p, self.rank, self.shape, None if mesh is None else mesh.pp_group)
+        p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * v, self.rank, self.shape)
         p2p.connect(self.device)
         self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
                                          activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready,
-                                         tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None)
+                                         tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
+                                         shape=self.shape)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
 
     def _resolve_slice_tp(self, slice_tp: bool | None) -> bool:
@@ -165,14 +172,22 @@ class PipelineParallel:
         if not chunks[0].tied_across_stages or self.p * self.v == 1:
             return [], None
         params = [t for chunk in chunks for t in chunk.tied_parameters()]
-        group = self.mesh.new_column_group(lambda column: [column[0], column[-1]]) if self.p > 1 else None
-        return params, group
+        if self._ends_on_one_rank():
+            return params, None
+        return params, self.mesh.new_column_group(lambda column: [column[0], column[-1]])
+
+    def _ends_on_one_rank(self) -> bool:
+        """Whether one pipeline rank holds both the first and the last stage (p = 1, or "zb-v")."""
+        return self._rank_of(0) == self._rank_of(self.p * self.v - 1)
+
+    def _rank_of(self, stage: int) -> int:
+        return rank_chunk_of(stage, self.p, self.shape)[0]
 
     @torch.no_grad()
     def sum_tied_gradients(self, grads: list[torch.Tensor] | None = None) -> None:
         """Sum the tied copies' gradients in place, on both stages: the one place this is done.
         The copies stay bitwise equal because both sides add the same two values. Collective over
-        ``tied_group`` when p > 1 (both copies are on this rank when p = 1).
+        ``tied_group`` (none when this rank holds both copies: p = 1 or "zb-v").
 
         Args:
             grads: one tensor per entry of ``tied_parameters`` (same order, equal shapes on both
@@ -187,7 +202,7 @@ class PipelineParallel:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grads.append(param.grad)
-        if self.p == 1:  # both copies on this rank, in different chunks
+        if self.tied_group is None:  # both copies on this rank, in different chunks
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
             return
@@ -220,7 +235,7 @@ class PipelineParallel:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1:
-            dist.broadcast(loss, src=self.pp_ranks[-1], group=self.mesh.pp_group)
+            dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.p * self.v - 1)], group=self.mesh.pp_group)
         return loss
 
     def train_batch(self, data_iter, *, scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -1,6 +1,6 @@
 """The one pipeline executor: runs any rank's action list (see ``plait.parallel.schedules``).
 
-Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank``):
+Actions (``Action(kind, microbatch, chunk)``; chunk ``c`` is virtual stage ``stage_of(rank, c, p, shape)``):
 
 - F: run chunk ``c`` on the received activation (stage 0: on the micro-batch dict); keep the
   input and output for the backward. On the last stage the output is the micro-batch's mean loss,
@@ -8,6 +8,8 @@ Actions (``Action(kind, microbatch, chunk)``, virtual stage ``s = chunk*p + rank
   the mean over micro-batches; an engine passes its own, e.g. ``ZeroOptimizer.scale_loss``).
 - B: backward from the received output gradient (last stage: from the scaled loss); parameter
   gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
+  A neighbouring stage on this same rank (every one when p = 1; stage ``p-1`` to ``p`` in the "v"
+  placement) gets the output, or the input gradient, handed over directly, without comm actions.
 - BI / BW: the zero-bubble split (``plait.parallel.pipeline_backward``).
 - SEND_F / SEND_B: post the tensor (``StageP2P.send``) and go on; sends are never waited on inside
   the step (finished ones are dropped before each compute action, the rest waited on at its end).
@@ -47,7 +49,7 @@ import torch
 
 from plait.parallel.p2p import StageP2P, TPSlices, Transfer
 from plait.parallel.pipeline_backward import backward_input, backward_weight
-from plait.parallel.schedules import Action
+from plait.parallel.schedules import Action, rank_chunk_of, stage_of
 from plait.parallel.stage import takes_keyword
 
 
@@ -85,6 +87,8 @@ class PipelineExecutor:
         tp_slices: ``TPSlices`` over this rank's tp group to send only ``1/tp`` of every transfer and
             all-gather it on receipt (module docstring); None (default): send whole tensors. Only valid
             when the tensors crossing a stage boundary are identical on all tp ranks of a stage.
+        shape: the stage placement of the action lists (``plait.parallel.schedules.stage_of``): "loop"
+            (default) or "v" (schedule "zb-v").
 
     ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
 
@@ -96,8 +100,9 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
                  activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
-                 grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None):
-        self.chunks, self.p2p, self.p, self.rank = chunks, p2p, p, rank
+                 grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None,
+                 shape: str = "loop"):
+        self.chunks, self.p2p, self.p, self.rank, self.shape = chunks, p2p, p, rank, shape
         self.tp_slices = tp_slices
         self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
         self.v = len(chunks)
@@ -110,7 +115,12 @@ class PipelineExecutor:
         self.peak_in_flight, self.sent_elements = 0, {}   # of the last ``run`` (class docstring)
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.p + self.rank
+        return stage_of(self.rank, chunk, self.p, self.shape)
+
+    def _local_chunk(self, stage: int) -> int | None:
+        """This rank's chunk holding virtual ``stage`` (a hand-over needs no transfer), else None."""
+        rank, chunk = rank_chunk_of(stage, self.p, self.shape)
+        return chunk if rank == self.rank else None
 
     # ---- one step ---------------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[dict], train: bool = True, *,
@@ -278,8 +288,8 @@ class PipelineExecutor:
                                  f"loss; give every micro-batch 'labels'")
             self._losses[mb] = out.detach()
             out = self._scale_loss(out)
-        elif self.p == 1:  # the next stage is a chunk of this same rank: hand over directly
-            self._inputs[(mb, chunk + 1)] = (out.detach(), None)
+        elif (nxt := self._local_chunk(s + 1)) is not None:   # a chunk of this same rank: hand over directly
+            self._inputs[(mb, nxt)] = (out.detach(), None)
         else:
             self._to_send[key] = out.detach()
         if self._train:
@@ -287,10 +297,11 @@ class PipelineExecutor:
             self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
 
     def _input_grad_ready(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
-        if self.stage(chunk) == 0:
+        s = self.stage(chunk)
+        if s == 0:
             return
-        if self.p == 1:
-            self._grad_out[(mb, chunk - 1)] = (grad, None)
+        if (prev := self._local_chunk(s - 1)) is not None:
+            self._grad_out[(mb, prev)] = (grad, None)
         else:
             self._grad_in[(mb, chunk)] = grad
 

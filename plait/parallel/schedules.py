@@ -4,10 +4,17 @@ A schedule for ``p`` pipeline ranks, ``m`` micro-batches and ``v`` model chunks 
 ``list[list[Action]]``: entry ``r`` is what pipeline rank ``r`` runs, in order. One executor runs
 any such list; :func:`plait.parallel.simulate.simulate` times it without processes.
 
-Virtual stages (Megatron-LM's interleaved assignment, Narayanan et al. SC'21, Sec. 2.2): model
-chunk ``c`` on rank ``r`` is virtual stage ``s = c*p + r``. Stage 0 (the embedding end) is rank 0
-chunk 0; the last stage ``v*p - 1`` (the loss end) is rank ``p-1`` chunk ``v-1``. Activations flow
-from stage ``s`` to ``s+1``, gradients from ``s+1`` to ``s``; with ``v = 1`` stage == rank.
+Virtual stages: ``p*v`` of them; activations flow from stage ``s`` to ``s+1``, gradients from ``s+1``
+to ``s``. Which rank and chunk hold stage ``s`` is the schedule's *placement* (:func:`stage_of`):
+
+- "loop" (Megatron-LM's interleaved assignment, Narayanan et al. SC'21, Sec. 2.2): chunk ``c`` on rank
+  ``r`` is stage ``c*p + r``. Stage 0 (the embedding end) is rank 0 chunk 0; the last stage (the loss
+  end) is rank ``p-1`` chunk ``v-1``; with ``v = 1`` stage == rank.
+- "v" (the V-shape of Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, Sec. 3):
+  the chain goes down the ranks and back up, chunk ``c`` on rank ``r`` is stage ``c*p + r`` for even
+  ``c`` and ``c*p + p-1-r`` for odd ``c``. With ``v = 2`` rank 0 holds the first and the last stage, and
+  the hop from stage ``p-1`` to ``p`` stays on rank ``p-1``. Schedule "zb-v" uses it
+  (:data:`PLACEMENTS`).
 
 Generators emit compute actions only (F, B, BI, BW).
 :func:`plait.parallel.simulate.with_communication` inserts the sends and receives; see its
@@ -59,17 +66,29 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def stage_of(rank: int, chunk: int, p: int) -> int:
-    """Virtual stage held by ``chunk`` on pipeline ``rank``: ``chunk*p + rank``."""
-    return chunk * p + rank
+SHAPES = ("loop", "v")
 
 
-def rank_chunk_of(stage: int, p: int) -> tuple[int, int]:
-    """Inverse of :func:`stage_of`: ``(rank, chunk) = (stage % p, stage // p)``."""
-    return stage % p, stage // p
+def _check_shape(shape: str) -> None:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown stage placement {shape!r}; use one of {SHAPES}")
 
 
-def _check_sizes(name: str, p: int, m: int, v: int) -> None:
+def stage_of(rank: int, chunk: int, p: int, shape: str = "loop") -> int:
+    """Virtual stage held by ``chunk`` on pipeline ``rank`` under placement ``shape`` (module docstring):
+    ``chunk*p + rank``, or ``chunk*p + p-1-rank`` for an odd chunk of the "v" placement."""
+    _check_shape(shape)
+    return chunk * p + (p - 1 - rank if shape == "v" and chunk % 2 else rank)
+
+
+def rank_chunk_of(stage: int, p: int, shape: str = "loop") -> tuple[int, int]:
+    """Inverse of :func:`stage_of`: ``(rank, chunk)`` holding virtual ``stage``."""
+    _check_shape(shape)
+    chunk, offset = divmod(stage, p)
+    return (p - 1 - offset if shape == "v" and chunk % 2 else offset), chunk
+
+
+def check_sizes(name: str, p: int, m: int, v: int) -> None:
     sizes = (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v))
     for label, value in sizes:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -89,7 +108,7 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     Bubble ratio (idle / busy) is ``(p-1)/m``; every rank holds activations of all ``m``
     micro-batches at its peak. Any ``m >= 1`` works. Raises ValueError for ``v != 1``.
     """
-    _check_sizes("gpipe", p, m, v)
+    check_sizes("gpipe", p, m, v)
     _single_chunk("gpipe", v)
     return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in reversed(range(m))]
             for _ in range(p)]
@@ -105,7 +124,7 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     ``m < p`` is allowed (warm-up is clamped to m; the pipeline is then mostly bubble).
     Raises ValueError for ``v != 1``.
     """
-    _check_sizes("1f1b", p, m, v)
+    check_sizes("1f1b", p, m, v)
     _single_chunk("1f1b", v)
     out = []
     for r in range(p):
@@ -155,7 +174,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     Raises:
         ValueError: non-positive sizes.
     """
-    _check_sizes("interleaved", p, m, v)
+    check_sizes("interleaved", p, m, v)
     total = m * v
     largest = -(-m // max(m // p, 1))
     fwd = [Action("F", mb, c) for mb, c in _interleaved_order(m, p, v, False)]
@@ -184,7 +203,7 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     of the busy time, a third of 1F1B's ``(p-1)/m`` (``m < p`` runs, with a larger bubble).
     Raises ValueError for ``v != 1``.
     """
-    _check_sizes("zb-h1", p, m, v)
+    check_sizes("zb-h1", p, m, v)
     _single_chunk("zb-h1", v)
     out = []
     for r in range(p):
@@ -198,25 +217,109 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     return out
 
 
+def zb_v(p: int, m: int, v: int = 2) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, Sec. 3 and Fig. 4):
+    two chunks per rank in the "v" placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), the backward
+    split into BI and BW as in :func:`zb_h1`.
+
+    The lists come from a greedy list scheduler on unit costs (one chunk's F = BI = BW; the paper's
+    setting, Sec. 3.1), run in time order: a free rank starts the first ready action of BI (chunk 0
+    first), F (chunk 1 first; only while fewer than ``2p`` of its chunk-forwards await their BW, 1F1B's
+    first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles until an action ends.
+    In units of one chunk-forward a step then takes ``6m + p - 1`` for ``m >= 2p`` and p in {1, 2, 3, 4,
+    8} (the bound: rank ``p-1`` waits ``p-1`` before its first forward; at most 2 more for p in 5..7,
+    ``tests/test_zb_v.py``), against ``6m + 2(p-1)`` for ZB-H1 and ``6m + 6(p-1)`` for 1F1B. Any
+    ``m >= 1`` works (small m leaves more bubble). Raises ValueError for ``v != 2``.
+    """
+    check_sizes("zb-v", p, m, v)
+    if v != 2:
+        raise ValueError(f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2")
+    return _GreedyV(p, m).run()
+
+
+class _GreedyV:
+    """The list scheduler behind :func:`zb_v` (unit costs, integer times)."""
+
+    def __init__(self, p: int, m: int):
+        self.p, self.m, self.last = p, m, 2 * p - 1
+        self.done: dict[tuple[str, int, int], int] = {}   # (kind, micro-batch, stage) -> end time
+        self.lists: Schedule = [[] for _ in range(p)]
+        self.next = {(r, kind, c): 0 for r in range(p) for kind in ("F", "BI") for c in (0, 1)}
+        self.weights: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # per rank: (mb, chunk) awaiting BW
+        self.held = [0] * p                               # chunk-forwards whose BW has not run
+
+    def _ready(self, key: tuple[str, int, int], t: int) -> bool:
+        return key in self.done and self.done[key] <= t
+
+    def _pick(self, r: int, t: int) -> Action | None:
+        p, m = self.p, self.m
+        for c in (0, 1):
+            mb, s = self.next[(r, "BI", c)], stage_of(r, c, p, "v")
+            if mb < m and self._ready(("F", mb, s), t) and (s == self.last or self._ready(("BI", mb, s + 1), t)):
+                return Action("BI", mb, c)
+        for c in (1, 0):
+            mb, s = self.next[(r, "F", c)], stage_of(r, c, p, "v")
+            if mb < m and self.held[r] < 2 * p and (s == 0 or self._ready(("F", mb, s - 1), t)):
+                return Action("F", mb, c)
+        if self.weights[r]:
+            mb, c = self.weights[r][0]
+            if self._ready(("BI", mb, stage_of(r, c, p, "v")), t):
+                return Action("BW", mb, c)
+        return None
+
+    def _start(self, r: int, a: Action, t: int) -> None:
+        self.lists[r].append(a)
+        self.done[(a.kind, a.microbatch, stage_of(r, a.chunk, self.p, "v"))] = t + 1
+        if a.kind in ("F", "BI"):
+            self.next[(r, a.kind, a.chunk)] += 1
+        self.held[r] += {"F": 1, "BI": 0, "BW": -1}[a.kind]
+        if a.kind == "BI":
+            self.weights[r].append((a.microbatch, a.chunk))
+        elif a.kind == "BW":
+            self.weights[r].pop(0)
+
+    def run(self) -> Schedule:
+        total, t, free = 6 * self.m, 0, [0] * self.p
+        while any(len(acts) < total for acts in self.lists):
+            if t > total * self.p + 4 * self.p:   # a serial run of every action ends before this
+                raise RuntimeError(f"zb-v list scheduler stalled at time {t} (p={self.p}, m={self.m})")
+            for r in range(self.p):
+                if free[r] <= t and (a := self._pick(r, t)) is not None:
+                    self._start(r, a, t)
+                    free[r] = t + 1
+            t += 1
+        return self.lists
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
+
+# The stage placement (``stage_of``'s ``shape``) each schedule's lists assume; "loop" where not listed.
+PLACEMENTS: dict[str, str] = {"zb-v": "v"}
+
+
+def placement(name: str) -> str:
+    """The stage placement schedule ``name``'s lists assume: "v" for "zb-v", else "loop"."""
+    return PLACEMENTS.get(name, "loop")
 
 
 def get_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build the named schedule's per-rank action lists.
 
     Args:
-        name: one of ``SCHEDULES`` ("gpipe", "1f1b", "interleaved", "zb-h1").
-        p: pipeline ranks; m: micro-batches per step; v: model chunks per rank (interleaved only).
+        name: one of ``SCHEDULES`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v").
+        p: pipeline ranks; m: micro-batches per step; v: model chunks per rank (interleaved: any
+            ``v >= 2``; zb-v: 2; the others: 1). The lists assume ``placement(name)``.
 
     Raises:
         ValueError: unknown name (the closest known name is suggested), ``v > 1`` for a
-            single-chunk schedule, ``v == 1`` for "interleaved", or non-positive sizes; each message
-            names the numbers and the fix. Every schedule takes any ``m >= 1``.
+            single-chunk schedule, ``v == 1`` for "interleaved", ``v != 2`` for "zb-v", or non-positive
+            sizes; each message names the numbers and the fix. Every schedule takes any ``m >= 1``.
     """
     if name not in SCHEDULES:
         close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.0)
@@ -226,107 +329,3 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ValueError(f"schedule 'interleaved' needs v >= 2 model chunks per rank, got v={v}; "
                          f"set v >= 2 or use schedule '1f1b' for one chunk per rank")
     return SCHEDULES[name](p, m, v)
-
-
-def _fail(rank: int, index: int, action: Action, problem: str, fix: str) -> None:
-    raise ValueError(f"rank {rank}, action #{index} ({action}): {problem}; {fix}")
-
-
-def check_schedule(lists: Schedule, p: int, m: int, v: int = 1) -> None:
-    """Check per-rank action lists for completeness and local dependency order.
-
-    Checks: one list per rank; every action's micro-batch in ``[0, m)`` and chunk in ``[0, v)``;
-    every (micro-batch, virtual stage) has exactly one F and either one B or one BI plus one BW;
-    on each rank F comes before that micro-batch/chunk's B or BI, and BI before BW. If comm
-    actions are present: RECV_F before its F, SEND_F after it (likewise RECV_B/SEND_B around the
-    backward), none on a stage without that peer, and every send has exactly one matching
-    receive. Cross-rank deadlock freedom is checked by ``simulate`` (it raises DeadlockError).
-
-    Raises:
-        ValueError: the first problem, naming the rank, action position, action and fix.
-    """
-    _check_sizes("check_schedule", p, m, v)
-    if len(lists) != p:
-        raise ValueError(f"schedule has {len(lists)} rank lists but p={p}; give one list per rank")
-    last = p * v - 1
-    comm = p > 1 and any(not a.is_compute for acts in lists for a in acts if isinstance(a, Action))
-    seen, sends, recvs = _scan_actions(lists, p, m, v, last, comm)
-    _check_complete(seen, p, m, last)
-    if set(sends) != set(recvs):
-        missing = sorted(set(sends) ^ set(recvs))[:3]
-        raise ValueError(f"unmatched sends/receives (direction, micro-batch, receiving stage) "
-                         f"{missing}; every SEND needs one RECV on the peer stage")
-
-
-def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool) -> tuple[
-        dict[tuple[str, int, int], tuple[int, int]], dict[tuple[str, int, int], int],
-        dict[tuple[str, int, int], int]]:
-    """Check every action in rank order; return (seen, sends, recvs) for the global checks.
-
-    ``seen`` maps (kind, micro-batch, stage) to (rank, index); ``sends`` and ``recvs`` map
-    (direction, micro-batch, receiving stage) to the rank holding the op.
-    """
-    seen: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> (rank, index)
-    sends: dict[tuple[str, int, int], int] = {}
-    recvs: dict[tuple[str, int, int], int] = {}
-    for r, acts in enumerate(lists):
-        for i, a in enumerate(acts):
-            if not isinstance(a, Action):
-                raise ValueError(f"rank {r}, item #{i} is {a!r}, not an Action")
-            if a.microbatch >= m or a.chunk >= v:
-                _fail(r, i, a, f"micro-batch must be < m={m} and chunk < v={v}",
-                      "fix the index or pass the right m and v")
-            s = stage_of(r, a.chunk, p)
-            key = (a.kind, a.microbatch, s)
-            if key in seen:
-                _fail(r, i, a, f"duplicate (first at rank {seen[key][0]} #{seen[key][1]})",
-                      "each (micro-batch, stage) runs each kind once")
-            seen[key] = (r, i)
-            _check_order(r, i, a, s, last, comm, seen)
-            if a.kind in ("SEND_F", "SEND_B"):
-                sends[(a.kind[-1], a.microbatch, s + (1 if a.kind == "SEND_F" else -1))] = r
-            if a.kind in ("RECV_F", "RECV_B"):
-                recvs[(a.kind[-1], a.microbatch, s)] = r
-    return seen, sends, recvs
-
-
-def _check_order(r: int, i: int, a: Action, s: int, last: int, comm: bool,
-                 seen: dict[tuple[str, int, int], tuple[int, int]]) -> None:
-    """Raise if action a (#i on rank r, stage s) is out of order with its rank's earlier ones."""
-    has = lambda k: (k, a.microbatch, s) in seen  # noqa: E731 - earlier on this rank
-    if a.kind in ("B", "BI") and not has("F"):
-        _fail(r, i, a, "backward before its forward on this rank", "move the F earlier")
-    if a.kind == "B" and (has("BI") or has("BW")):
-        _fail(r, i, a, "mixes B with BI/BW for one micro-batch", "use either B or BI+BW")
-    if a.kind == "BW" and not has("BI"):
-        _fail(r, i, a, "BW before its BI", "put BW after the BI of the same micro-batch")
-    if a.kind == "RECV_F" and (s == 0 or has("F")):
-        _fail(r, i, a, "RECV_F on stage 0 or after its F", "receive before the forward")
-    if a.kind == "SEND_F" and (s == last or not has("F")):
-        _fail(r, i, a, "SEND_F on the last stage or before its F", "send after the forward")
-    if a.kind == "RECV_B" and (s == last or has("B") or has("BI")):
-        _fail(r, i, a, "RECV_B on the last stage or after its backward", "receive before it")
-    if a.kind == "SEND_B" and (s == 0 or not (has("B") or has("BI"))):
-        _fail(r, i, a, "SEND_B on stage 0 or before its backward", "send after the backward")
-    if comm and a.kind == "F" and s > 0 and not has("RECV_F"):
-        _fail(r, i, a, "forward without an earlier RECV_F in a list with communication",
-              "insert RECV_F before it (use with_communication)")
-    if comm and a.kind in ("B", "BI") and s < last and not has("RECV_B"):
-        _fail(r, i, a, "backward without an earlier RECV_B in a list with communication",
-              "insert RECV_B before it (use with_communication)")
-
-
-def _check_complete(seen: dict[tuple[str, int, int], tuple[int, int]], p: int, m: int,
-                    last: int) -> None:
-    """Raise unless every (micro-batch, stage) has one F and one B or a BI plus a BW."""
-    for mb in range(m):
-        for s in range(last + 1):
-            r, c = rank_chunk_of(s, p)
-            where = f"micro-batch {mb}, stage {s} (rank {r}, chunk {c})"
-            if ("F", mb, s) not in seen:
-                raise ValueError(f"{where} has no F; add Action('F', {mb}, {c}) to rank {r}")
-            split = ("BI", mb, s) in seen or ("BW", mb, s) in seen
-            if not split and ("B", mb, s) not in seen:
-                raise ValueError(f"{where} has no backward; add Action('B', {mb}, {c}) to rank {r}")
-            if split and not (("BI", mb, s) in seen and ("BW", mb, s) in seen):
-                raise ValueError(f"{where} has BI without BW or BW without BI; add the missing one")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.parallel.schedules import Action, Schedule, stage_of
+from plait.parallel.schedules import Action, Schedule, rank_chunk_of, stage_of
 
 
 class DeadlockError(RuntimeError):
@@ -89,7 +89,7 @@ def _link(a: Action, s: int) -> tuple[str, str, int, int]:
     return ("recv", "B", a.microbatch, s + 1)
 
 
-def _check_channels(lists: Schedule, p: int) -> None:
+def _check_channels(lists: Schedule, p: int, shape: str) -> None:
     """Every channel (sending rank -> receiving rank) receives its messages in the order they are sent.
 
     Raises:
@@ -101,8 +101,9 @@ def _check_channels(lists: Schedule, p: int) -> None:
         for a in acts:
             if a.is_compute:
                 continue
-            side, *msg = _link(a, stage_of(r, a.chunk, p))
-            src, dst = msg[2] % p, (msg[2] + (1 if msg[0] == "F" else -1)) % p
+            side, *msg = _link(a, stage_of(r, a.chunk, p, shape))
+            src = rank_chunk_of(msg[2], p, shape)[0]
+            dst = rank_chunk_of(msg[2] + (1 if msg[0] == "F" else -1), p, shape)[0]
             order.setdefault((src, dst), {"send": [], "recv": []})[side].append(tuple(msg))
     for (src, dst), sides in order.items():
         if sides["send"] != sides["recv"]:
@@ -112,7 +113,7 @@ def _check_channels(lists: Schedule, p: int) -> None:
 
 
 def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: float = 2.0,
-             cost_bi: float = 1.0, cost_bw: float = 1.0, cost_comm: float = 0.0) -> SimResult:
+             cost_bi: float = 1.0, cost_bw: float = 1.0, cost_comm: float = 0.0, shape: str = "loop") -> SimResult:
     """Run per-rank action lists against the dependency rules above and time every action.
 
     Args:
@@ -123,6 +124,7 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
             interleaved schedule pass the per-chunk cost (a whole stage's cost divided by v).
         cost_comm: latency of one activation/gradient transfer between different ranks (with explicit
             comm actions: from the later of its SEND and RECV posts, after its channel's previous transfer).
+        shape: the stage placement the lists assume (``plait.parallel.schedules.placement(name)``).
 
     Returns:
         SimResult with per-action times, bubble and peak-memory figures.
@@ -141,8 +143,8 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     cost_comm = cost_comm or 0  # a float 0.0 would turn exact Fraction times into floats
     explicit = any(not a.is_compute for acts in lists for a in acts)
     if explicit:
-        _check_channels(lists, p)
-    sim = _Run(p, p * v - 1, cost_comm, explicit)
+        _check_channels(lists, p, shape)
+    sim = _Run(p, p * v - 1, cost_comm, explicit, shape)
     pos = [0] * p
     while True:
         progressed = False
@@ -162,8 +164,8 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
 class _Run:
     """The state of one simulation: per-rank clocks and timelines, finished work, posted messages."""
 
-    def __init__(self, p: int, last: int, cost_comm, explicit: bool):
-        self.p, self.last, self.cost_comm, self.explicit = p, last, cost_comm, explicit
+    def __init__(self, p: int, last: int, cost_comm, explicit: bool, shape: str):
+        self.p, self.last, self.cost_comm, self.explicit, self.shape = p, last, cost_comm, explicit, shape
         self.clock: list = [0] * p
         self.timeline: list[list[Timed]] = [[] for _ in range(p)]
         self.done: dict[tuple[str, int, int], tuple[float, int]] = {}   # (F|BI|BW, mb, stage) -> (end, rank)
@@ -174,13 +176,13 @@ class _Run:
     def step(self, r: int, a: Action, cost: dict) -> bool:
         """Run action ``a`` on rank ``r`` if it can start; False when it must wait."""
         if not a.is_compute:   # posting never blocks
-            self.posted[_link(a, stage_of(r, a.chunk, self.p))] = self.clock[r]
+            self.posted[_link(a, stage_of(r, a.chunk, self.p, self.shape))] = self.clock[r]
             return True
         start, _ = self.ready(r, a)
         if start is None:
             return False
         end = start + cost[a.kind][r]
-        s = stage_of(r, a.chunk, self.p)
+        s = stage_of(r, a.chunk, self.p, self.shape)
         for k in (("F",) if a.kind == "F" else ("BI", "BW") if a.kind == "B" else (a.kind,)):
             self.done[(k, a.microbatch, s)] = (end, r)
         self.timeline[r].append(Timed(a, start, end))
@@ -189,7 +191,7 @@ class _Run:
 
     def ready(self, r: int, a: Action) -> tuple[float | None, str]:
         """Earliest start of compute action a on rank r, or None and what it waits for."""
-        s = stage_of(r, a.chunk, self.p)
+        s = stage_of(r, a.chunk, self.p, self.shape)
         need = []
         if a.kind == "F" and s > 0:
             need.append(("F", a.microbatch, s - 1))
@@ -201,7 +203,7 @@ class _Run:
             need.append(("BI", a.microbatch, s))
         t = self.clock[r]
         for key in need:
-            src = key[2] % self.p
+            src = rank_chunk_of(key[2], self.p, self.shape)[0]
             if src != r and self.explicit:
                 arrival = self._arrival(("F" if key[0] == "F" else "B", key[1], key[2]), r)
                 if arrival is None:
@@ -223,7 +225,7 @@ class _Run:
         sent, got = self.posted.get(("send", *msg)), self.posted.get(("recv", *msg))
         if sent is None or got is None:
             return None
-        channel = (msg[2] % self.p, dst)
+        channel = (rank_chunk_of(msg[2], self.p, self.shape)[0], dst)
         t = max(sent, got, self.last_arrival.get(channel, 0)) + self.cost_comm
         self.arrived[msg] = self.last_arrival[channel] = t
         return t
@@ -254,7 +256,7 @@ def _stuck_message(lists: Schedule, pos: list[int], sim: _Run, p: int) -> str:
             "(check_schedule finds local ordering errors)")
 
 
-def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0) -> Schedule:
+def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, shape: str = "loop") -> Schedule:
     """Return new lists with SEND_*/RECV_* actions for the executor's non-blocking transfers.
 
     Placement (``plait.parallel.p2p``: sends never block, a receive blocks only the action reading it):
@@ -269,8 +271,8 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0) 
       ``lookahead > 0`` assumes lazily connected NCCL pairs (``plait.parallel.p2p``).
 
     Comm actions already in ``lists`` are dropped and placed anew. Stage 0 never receives activations and
-    the last stage never receives gradients; with ``p == 1`` every peer is the same rank and the compute
-    actions are returned unchanged (copied).
+    the last stage never receives gradients; a hop between two stages of one rank (every hop when
+    ``p == 1``; stage ``p-1`` to ``p`` in the "v" placement, ``shape``) is a hand-over without comm actions.
 
     Raises:
         DeadlockError: the compute-only lists already deadlock.
@@ -278,24 +280,25 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0) 
     compute = [[a for a in acts if a.is_compute] for acts in lists]
     if p == 1:
         return compute
-    simulate(compute, p, v)
+    simulate(compute, p, v, shape=shape)
+    rank = lambda stage: rank_chunk_of(stage, p, shape)[0]  # noqa: E731
     last = p * v - 1
     sent_at: dict[tuple[str, int, int], int] = {}     # message -> index of its producer on the sender
     after: list[dict[int, Action]] = [{} for _ in range(p)]
     reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
-            s = stage_of(r, a.chunk, p)
-            if a.kind == "F" and s < last or a.kind in ("B", "BI") and s > 0:
+            s = stage_of(r, a.chunk, p, shape)
+            if a.kind == "F" and s < last and rank(s + 1) != r or a.kind in ("B", "BI") and s > 0 and rank(s - 1) != r:
                 direction = "F" if a.kind == "F" else "B"
                 sent_at[(direction, a.microbatch, s)] = j
                 after[r][j] = Action("SEND_" + direction, a.microbatch, a.chunk)
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
-            s = stage_of(r, a.chunk, p)
-            if a.kind == "F" and s > 0 or a.kind in ("B", "BI") and s < last:
+            s = stage_of(r, a.chunk, p, shape)
+            if a.kind == "F" and s > 0 and rank(s - 1) != r or a.kind in ("B", "BI") and s < last and rank(s + 1) != r:
                 msg = ("F", a.microbatch, s - 1) if a.kind == "F" else ("B", a.microbatch, s + 1)
-                reads.setdefault((msg[2] % p, r), []).append(
+                reads.setdefault((rank(msg[2]), r), []).append(
                     (sent_at[msg], j, Action("RECV_" + msg[0], a.microbatch, a.chunk)))
     before: list[dict[int, list]] = [{} for _ in range(p)]
     for (_, r), items in sorted(reads.items()):

@@ -8,7 +8,10 @@ from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from plait.parallel.schedules import stage_of
 
 
 @runtime_checkable
@@ -65,3 +68,25 @@ def takes_keyword(module, name: str) -> bool:
     """Whether ``module``'s forward accepts keyword argument ``name`` (by name or through ``**kwargs``)."""
     params = inspect.signature(module.forward).parameters.values()
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def check_layer_order(chunks: list, p: int, rank: int, shape: str, group=None) -> None:
+    """Refuse chunks whose layers do not follow one another along the virtual stages: stage ``s``'s last
+    global layer index plus one must be stage ``s+1``'s first (chunks built for another placement, e.g.
+    "loop" chunks run by "zb-v", fail here). Collective over the pipeline ``group`` when p > 1.
+
+    Raises:
+        ValueError: naming the two stages, their layers and the fix.
+    """
+    mine = [(stage_of(rank, c, p, shape), min(map(int, chunk.layers)), max(map(int, chunk.layers)))
+            for c, chunk in enumerate(chunks) if len(chunk.layers)]
+    spans = [mine]
+    if p > 1:
+        spans = [None] * p
+        dist.all_gather_object(spans, mine, group=group)
+    ordered = sorted(span for rank_spans in spans for span in rank_spans)
+    for (s, _, end), (t, start, _) in zip(ordered, ordered[1:]):
+        if start != end + 1:
+            raise ValueError(f"pipeline stage {s} ends at layer {end} but stage {t} starts at layer {start} "
+                             f"(placement {shape!r}); build the chunks for this schedule: "
+                             f"build_stage_modules(config, mesh, v, schedule=<the pipeline's schedule>)")

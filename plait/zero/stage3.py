@@ -45,23 +45,17 @@ a segment larger than the bucket is prefetched alone). A pass that departs from 
 stops prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
 Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
-(``torch.autograd.grad`` w.r.t. the stage input) re-gathers each unit as above but accumulates no gradient:
-the weight-gradient pass BW comes later, computes the deferred gradients from saved tensors (which may be
-parameters or views of the gather buffer: a layer norm's saved weight) and accumulates every parameter's
-gradient through its ``AccumulateGrad``, which needs the parameter whole. So a backward pass that
-accumulates into none of this gatherer's parameters (asked of autograd's engine when the pass reaches its
-first unit) does not count as a backward for the optimizer (no ``on_backward``, hence no end-of-backward
-gradient flush), and each unit it reaches takes a *weight hold* (``Unit.deferred``, one segment reference)
-besides its usual gather; the pass's end releases the gathers and keeps the holds. BW's engine call into
-``AccumulateGrad`` fires the post-accumulate hooks: once a unit's gradients are all in (``on_grad``), one hold
-is dropped (at the end of that pass if only some arrived), and ``GradReducer`` reduce-scatters each segment
-as soon as its gradients are final, exactly as after 1f1b's B. Kept, not re-gathered: BW runs the weight
-formulas outside the engine, before any hook this class could see, so re-gathering there would need a hook
-from the pipeline executor. Memory: a unit stays whole from a micro-batch's BI to its BW; under ZB-H1 every
-rank but the first has a BW outstanding from its first BI to its last BW, so all its stage's sharded
-parameters stay gathered (compute dtype) for that part of the step, gathered twice per step (first F, first
-BI) instead of twice per micro-batch; gradients and optimizer states stay sharded. The first stage has no BI
-(its BW is a whole backward): as under 1f1b.
+re-gathers each unit as above but accumulates no gradient (asked of autograd's engine at the first unit it
+reaches): it is no backward for the optimizer, and each unit it reaches takes a *weight hold*
+(``Unit.deferred``, one segment reference; the pass's units form one *hold group*), kept when the pass
+releases its gathers, because the weight pass BW accumulates through each parameter's ``AccumulateGrad``
+(and may read saved views of the gather buffer), which needs the parameter whole. In BW a unit whose
+gradients are all in (``on_grad``) drops one hold and ``GradReducer`` reduce-scatters as after 1f1b's B;
+at the end of an accumulating pass the oldest hold group it reached is closed (its units that got some or
+none of their gradients drop their hold too). Groups, because a rank with two chunks (ZB-V) runs one
+chunk's weight pass while the other's holds must stay. Memory: a unit stays whole from a micro-batch's BI
+to its BW (under ZB-H1 every rank but the first keeps its stage gathered from its first BI to its last BW);
+gradients and optimizer states stay sharded. The first stage has no BI (its BW is a whole backward).
 A backward w.r.t. inputs only that no accumulating backward follows (``torch.autograd.grad(loss, x)``
 outside a pipeline) keeps its units whole until the next backward that accumulates their gradients, or
 ``release_all``; the optimizer step still updates whole parameters (``publish_segments``).
@@ -119,6 +113,7 @@ class ParamGatherer:
         self.params = list({id(p): p for u in units for p in u.params}.values())
         self.task = (-1, False)        # (autograd graph task, whether it computes input gradients only)
         self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
+        self.hold_groups: list[set[int]] = []   # per input pass whose weight pass is to come: the units it held
         self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
         self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
@@ -317,6 +312,7 @@ class ParamGatherer:
         hook of its forward again: no second hold). The pass's end lets go of its gathers, not of the holds."""
         if self.input_pass[0] != self.task[0]:
             self.input_pass = (self.task[0], set())
+            self.hold_groups.append(self.input_pass[1])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_input_pass)
         fresh = held is None or not held[0]
         if held is not None:
@@ -332,6 +328,7 @@ class ParamGatherer:
 
     def _end_input_pass(self) -> None:
         """End of an input-gradient pass: release what it gathered; the weight holds stay."""
+        self.hold_groups = [g for g in self.hold_groups if g]
         self.input_pass = (-1, set())
         self.end_backward(accumulating=False)
 
@@ -354,11 +351,15 @@ class ParamGatherer:
                 self._drop_deferred(u)
 
     def end_backward(self, accumulating: bool = True) -> None:
-        """End of a backward pass: release every unit, free unheld segments, re-arm counters. In a pass that
-        accumulated gradients, a unit that did not get all of its own (some, or none: a parameter the loss
-        does not reach) drops a weight hold too, so no hold outlives its weight pass."""
+        """End of a backward pass: release every unit, free unheld segments, re-arm counters; an accumulating
+        pass closes the oldest hold group it reached (module docstring, "Split backward")."""
+        group: set[int] = set()
+        if accumulating:
+            reached = {u.index for u in self.units if u.remaining < len(u.params)}
+            i = next((i for i, g in enumerate(self.hold_groups) if g & reached), None)
+            group = self.hold_groups.pop(i) if i is not None else group
         for u in self.units:
-            if accumulating and u.remaining > 0:
+            if u.index in group and u.remaining > 0:
                 self._drop_deferred(u)
             self.release(u)
         self._free_unheld()
@@ -389,6 +390,7 @@ class ParamGatherer:
         for u in self.units:
             self.release(u)
             self._drop_deferred(u, every=True)
+        self.hold_groups.clear()
         self._free_unheld()
 
     def remove_hooks(self) -> None:

@@ -1,0 +1,127 @@
+"""ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024): the V placement, the
+greedy list scheduler's bubble and memory in the simulator, and the executor on CPU/gloo.
+
+Cost model of the simulator tests: one chunk's F = BI = BW = 1 (the paper's setting), Fractions for exact
+comparisons; whole-stage schedules (1F1B, ZB-H1) run the same model at twice the cost per action (a chunk
+is half a stage). The lower bound of a synchronous step is ``6m + p - 1``: every rank computes ``6m``, and
+the last rank cannot start before the first micro-batch's chunk-forwards on ranks ``0 .. p-2``.
+
+Executor parity (whole-model parity against the float64 reference, pp 2 and 4, tp, dp, both families) is
+in ``test_pipeline_parity.py``; ZeRO-3 in ``test_zb_zero3.py``. Here: ZeRO-1 through the engine (the same
+training as 1F1B, bitwise: the same products in the same order) and the refusal of chunks built for
+another placement.
+"""
+from fractions import Fraction as Fr
+
+import pytest
+import torch.distributed as dist
+
+import plait
+from plait.layers.stages import build_stage_modules
+from plait.parallel import ParallelMesh
+from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.schedule_check import check_schedule
+from plait.parallel.schedules import get_schedule, one_f_one_b, placement, rank_chunk_of, stage_of, zb_h1, zb_v
+from plait.parallel.simulate import render, simulate, with_communication
+from plait.testing import run_distributed
+import helpers
+
+CHUNK = dict(cost_f=Fr(1), cost_b=Fr(2), cost_bi=Fr(1), cost_bw=Fr(1))
+STAGE = dict(cost_f=Fr(2), cost_b=Fr(4), cost_bi=Fr(2), cost_bw=Fr(2))
+
+
+def test_v_placement_goes_down_the_ranks_and_back():
+    assert [stage_of(r, c, 4, "v") for c in range(2) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert [rank_chunk_of(s, 4, "v") for s in range(8)] == [(0, 0), (1, 0), (2, 0), (3, 0),
+                                                           (3, 1), (2, 1), (1, 1), (0, 1)]
+    assert placement("zb-v") == "v" and placement("interleaved") == "loop"
+    with pytest.raises(ValueError, match="unknown stage placement 'w'"):
+        stage_of(0, 0, 2, "w")
+    with pytest.raises(ValueError, match="runs v=2 chunks per rank .* got v=3"):
+        get_schedule("zb-v", 2, 4, 3)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_v_reaches_the_bound_with_1f1b_memory(p):
+    """Every m: a valid list, at most 2p chunk-forwards awaiting their BW (1F1B's first rank: p whole
+    stages). m >= 2p: the makespan is the bound 6m + p - 1 (p in 5..7: within 2 of it), below ZB-H1's
+    6m + 2(p - 1) for p > 1 and 1F1B's 6m + 6(p - 1)."""
+    for m in range(1, 3 * p + 2):
+        lists = zb_v(p, m)
+        check_schedule(lists, p, m, 2, "v")
+        res = simulate(lists, p, 2, shape="v", **CHUNK)
+        assert max(res.peak_unfinished) <= 2 * p, (m, res.peak_unfinished)
+        if m < 2 * p:
+            continue
+        bound = 6 * m + p - 1
+        assert bound <= res.makespan <= bound + (2 if p in (5, 6, 7) else 0), (m, res.makespan)
+        if p > 1:
+            assert res.makespan < simulate(zb_h1(p, m), p, **STAGE).makespan == 6 * m + 2 * (p - 1)
+            assert simulate(one_f_one_b(p, m), p, **STAGE).makespan == 6 * m + 6 * (p - 1)
+
+
+def test_zb_v_exact_timeline_p2_m4():
+    assert render(simulate(zb_v(2, 4), 2, 2, shape="v", **CHUNK)).splitlines() == [
+        "rank 0: F0a F1a F2a F0b I0b W0b F1b I0a I1b W0a F3a I1a W1b F2b I2b W1a W2b I2a W2a F3b I3b W3b ... I3a W3a",
+        "rank 1: ... F0a F0b F1a F1b I0b I0a W0b F2a I1b I1a W0a F2b W1b F3a I2b I2a W1a F3b W2b W2a I3b I3a W3b W3a"]
+
+
+def test_the_turn_of_the_v_is_a_hand_over_without_transfers():
+    """Rank p-1 holds stages p-1 and p: no SEND/RECV between its two chunks; every other hop has one."""
+    p, m = 3, 4
+    lists = with_communication(zb_v(p, m), p, 2, shape="v")
+    check_schedule(lists, p, m, 2, "v")
+    last = [a for a in lists[p - 1] if not a.is_compute]
+    assert not [a for a in last if a.kind == "SEND_F" and a.chunk == 0 or a.kind == "RECV_F" and a.chunk == 1]
+    assert not [a for a in last if a.kind == "SEND_B" and a.chunk == 1 or a.kind == "RECV_B" and a.chunk == 0]
+    sends = sum(a.kind.startswith("SEND") for acts in lists for a in acts)
+    assert sends == 2 * m * (2 * p - 2)      # 2p - 1 hops, one of them local, both directions
+
+
+def ds_config(schedule: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 1},
+            "pipeline": {"size": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zb-v" else 1}}
+
+
+def train_zero1(schedule: str) -> tuple:
+    """Two ZeRO-1 steps of a tied GPT-2 at pp=2 x dp=2: the losses and this rank's parameters by name."""
+    mesh = ParallelMesh(tp=1, pp=2)
+    chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2 if schedule == "zb-v" else 1,
+                                 seed=5, schedule=schedule)
+    engine = plait.initialize(PipelineParallel(chunks, mesh, schedule, micro_batches=4), ds_config(schedule),
+                              mesh=mesh)
+    losses = [engine.train_batch(iter([helpers.micro_batch(step, g, mesh.dp_rank, micro=2, seq=8)
+                                       for g in range(4)])).item() for step in range(2)]
+    return losses, {n: t.detach().clone() for chunk in chunks for n, t in chunk.named_parameters()}
+
+
+def zero1_and_wrong_placement() -> tuple:
+    ref, got = train_zero1("1f1b"), train_zero1("zb-v")
+    mesh = ParallelMesh(tp=1, pp=2)
+    loop_chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2, seed=5)
+    try:
+        PipelineParallel(loop_chunks, mesh, "zb-v", micro_batches=4)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (ref, got))
+    return out, refused
+
+
+def test_zb_v_through_the_engine_with_zero1_and_chunks_of_another_placement_refused():
+    """ZB-V equals 1F1B to the last bit (each parameter's gradient sums its micro-batches in the same
+    order; the tied copies, both on rank 0 here, are summed locally as over the 1F1B pair), and "loop"
+    chunks under "zb-v" are refused by name before any step."""
+    results = run_distributed(zero1_and_wrong_placement, 4)
+    per_rank, refused = results[0]
+    ref_all, got_all = {}, {}
+    for (ref_losses, ref), (losses, got) in per_rank:
+        assert losses == ref_losses
+        ref_all.update(ref)
+        got_all.update(got)
+    assert set(got_all) == set(ref_all) and all((got_all[n] == w).all() for n, w in ref_all.items())
+    assert "stage 1 ends at layer 2 but stage 2 starts at layer 5 (placement 'v')" in refused
+    assert all(r[1] == refused for r in results)
