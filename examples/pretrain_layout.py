@@ -120,6 +120,8 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         pipe["virtual_stages"] = args.virtual_stages
     if pipe.get("schedule") == "interleaved" and pipe.get("virtual_stages", 1) < 2:
         pipe["virtual_stages"] = 2
+    if pipe.get("schedule") == "zb-v":
+        pipe["virtual_stages"] = 2   # the V placement: two chunks per rank
     triple = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     given = {"train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.micro_batch,
              "gradient_accumulation_steps": args.grad_accum}

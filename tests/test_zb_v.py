@@ -21,7 +21,8 @@ from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.schedule_check import check_schedule
-from plait.parallel.schedules import get_schedule, one_f_one_b, placement, rank_chunk_of, stage_of, zb_h1, zb_v
+from plait.parallel.schedules import (Action, get_schedule, one_f_one_b, placement, rank_chunk_of, stage_of,
+                                      zb_h1, zb_v)
 from plait.parallel.simulate import render, simulate, with_communication
 from plait.testing import run_distributed
 import helpers
@@ -76,6 +77,11 @@ def test_the_turn_of_the_v_is_a_hand_over_without_transfers():
     assert not [a for a in last if a.kind == "SEND_B" and a.chunk == 1 or a.kind == "RECV_B" and a.chunk == 0]
     sends = sum(a.kind.startswith("SEND") for acts in lists for a in acts)
     assert sends == 2 * m * (2 * p - 2)      # 2p - 1 hops, one of them local, both directions
+    turn = list(lists[p - 1])                # a transfer across the turn is refused, not run
+    turn.insert(turn.index(Action("F", 0, 0)) + 1, Action("SEND_F", 0, 0))
+    turn.insert(turn.index(Action("F", 0, 1)), Action("RECV_F", 0, 1))
+    with pytest.raises(ValueError, match=r"rank 2, action #\d+ \(SEND_F0\): a transfer to a stage on this same rank"):
+        check_schedule(lists[:p - 1] + [turn], p, m, 2, "v")
 
 
 def ds_config(schedule: str) -> dict:

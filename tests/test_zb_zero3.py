@@ -54,6 +54,7 @@ def leftover_holds(gatherer) -> list[str]:
     """Units still gathered, or still held for a weight-gradient pass, after a step (should be none)."""
     out = [f"{u.name} gathered" for u in gatherer.units if u.gathered]
     out += [f"{u.name} held for BW" for u in gatherer.units if u.deferred]
+    out += [f"{len(gatherer.hold_groups)} open hold groups"] if gatherer.hold_groups else []
     out += [f"segment of {u.name} whole" for u in gatherer.units for s in u.segments if s.full is not None]
     return out
 
@@ -110,11 +111,19 @@ def compare(per_rank, arch: str, reshard: bool) -> float:
         if pp_rank == 1:   # BI/BW split there (the first stage has no BI): held from BI to BW, not re-gathered
             assert gathers < ref_gathers, f"rank {rank} {arch}: {gathers} segment gathers, 1f1b {ref_gathers}"
         assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch}: loss curve"
-        assert set(whole) == set(ref)
-        for name, w in ref.items():
-            err = helpers.rel_err(whole[name], w, floor=1e-12)
-            worst = max(worst, err)
-            assert err <= TOL, f"rank {rank} {arch} reshard={reshard}: {name} off by {err:.2e}"
+        worst = max(worst, worst_parameter_error(whole, ref, f"rank {rank} {arch} reshard={reshard}"))
+    return worst
+
+
+def worst_parameter_error(whole: dict, ref: dict, label: str) -> float:
+    """The largest norm-relative difference of ``whole``'s parameters from ``ref``'s (the same names), each
+    asserted within ``TOL``."""
+    assert set(whole) == set(ref), label
+    worst = 0.0
+    for name, w in ref.items():
+        err = helpers.rel_err(whole[name], w, floor=1e-12)
+        worst = max(worst, err)
+        assert err <= TOL, f"{label}: {name} off by {err:.2e}"
     return worst
 
 
@@ -122,7 +131,7 @@ def compare_whole_model(per_rank, arch: str, schedule: str) -> float:
     """Largest relative difference between ``schedule``'s run and 1f1b's over the loss curves (every rank)
     and the whole model: "zb-v" places other layers on each rank, so the ranks' parameters are joined by
     name first. No unit may stay gathered or held after a step."""
-    ref, got, worst = {}, {}, 0.0
+    ref, got = {}, {}
     for rank, results in enumerate(per_rank):
         ref_losses, ref_whole, ref_left, *_ = results[(arch, "1f1b", True)]
         losses, whole, left, *_ = results[(arch, schedule, True)]
@@ -130,12 +139,7 @@ def compare_whole_model(per_rank, arch: str, schedule: str) -> float:
         assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch} {schedule}: loss curve"
         ref.update(ref_whole)
         got.update(whole)
-    assert set(got) == set(ref)
-    for name, w in ref.items():
-        err = helpers.rel_err(got[name], w, floor=1e-12)
-        worst = max(worst, err)
-        assert err <= TOL, f"{arch} {schedule}: {name} off by {err:.2e}"
-    return worst
+    return worst_parameter_error(got, ref, f"{arch} {schedule}")
 
 
 def test_zb_h1_with_zero3_matches_1f1b():

@@ -178,10 +178,13 @@ class ParallelMesh:
 
     @property
     def is_first_stage(self) -> bool:
+        """Whether this rank holds pipeline stage 0 (every placement)."""
         return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank is the last pipeline rank: the loss end under one chunk per rank or the "loop"
+        placement; under "zb-v" rank 0 holds the last stage (``plait.parallel.schedules.stage_of``)."""
         return self.pp_rank == self.pp - 1
 
     @property

@@ -72,7 +72,7 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
         weights: per-layer cost, ``len == num_items``; required by "parameters".
 
     Returns:
-        ``[(start, stop), ...]`` indexed by virtual stage ``s = c*p + r``.
+        ``[(start, stop), ...]`` in virtual-stage order (stage 0 first).
 
     Raises:
         ValueError: fewer layers than ``p*v``; unknown method; "parameters" without weights of

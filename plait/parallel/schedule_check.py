@@ -61,6 +61,9 @@ def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool
                       "each (micro-batch, stage) runs each kind once")
             seen[key] = (r, i)
             _check_order(r, i, a, s, last, comm and _remote(a, s, p, shape), seen)
+            if not a.is_compute and s + PEER_STEP[a.kind] <= last and not _remote(a, s, p, shape):
+                _fail(r, i, a, "a transfer to a stage on this same rank", "drop it: the executor hands the "
+                      "tensor over directly (use with_communication)")
             if a.kind in ("SEND_F", "SEND_B"):
                 sends[(a.kind[-1], a.microbatch, s + (1 if a.kind == "SEND_F" else -1))] = r
             if a.kind in ("RECV_F", "RECV_B"):
@@ -68,12 +71,16 @@ def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool
     return seen, sends, recvs
 
 
+PEER_STEP = {"F": -1, "B": 1, "BI": 1, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
+
+
 def _remote(a: Action, s: int, p: int, shape: str) -> bool:
-    """Whether the stage compute action ``a`` (on stage ``s``) reads from lives on another rank: stage
-    ``s-1`` for F, ``s+1`` for B/BI (a hand-over inside one rank has no RECV). True for other kinds."""
-    if a.kind not in ("F", "B", "BI"):
+    """Whether the stage ``a`` (on stage ``s``) reads from or talks to lives on another rank: stage ``s-1``
+    for F, ``s+1`` for B/BI, the peer of a SEND/RECV (a hand-over inside one rank has no comm actions).
+    True for BW; False where that stage does not exist below stage 0."""
+    if a.kind not in PEER_STEP:
         return True
-    peer = s - 1 if a.kind == "F" else s + 1
+    peer = s + PEER_STEP[a.kind]
     return peer >= 0 and rank_chunk_of(peer, p, shape)[0] != rank_chunk_of(s, p, shape)[0]
 
 

@@ -44,7 +44,7 @@ class Action:
             receive this stage's input from ``s-1``; "SEND_B"/"RECV_B" send the input gradient to
             stage ``s-1`` / receive the output gradient from ``s+1``. The peer is implied.
         microbatch: micro-batch index, ``0 <= microbatch < m``.
-        chunk: model chunk on this rank, ``0 <= chunk < v``; virtual stage ``chunk*p + rank``.
+        chunk: model chunk on this rank, ``0 <= chunk < v``; virtual stage ``stage_of(rank, chunk, p, shape)``.
     """
 
     kind: str
@@ -228,8 +228,9 @@ def zb_v(p: int, m: int, v: int = 2) -> Schedule:
     first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles until an action ends.
     In units of one chunk-forward a step then takes ``6m + p - 1`` for ``m >= 2p`` and p in {1, 2, 3, 4,
     8} (the bound: rank ``p-1`` waits ``p-1`` before its first forward; at most 2 more for p in 5..7,
-    ``tests/test_zb_v.py``), against ``6m + 2(p-1)`` for ZB-H1 and ``6m + 6(p-1)`` for 1F1B. Any
-    ``m >= 1`` works (small m leaves more bubble). Raises ValueError for ``v != 2``.
+    ``tests/test_zb_v.py``; up to about ``p/3`` more beyond 8), against ``6m + 2(p-1)`` for ZB-H1 and
+    ``6m + 6(p-1)`` for 1F1B. Any ``m >= 1`` works (small m leaves more bubble). Raises ValueError for
+    ``v != 2``.
     """
     check_sizes("zb-v", p, m, v)
     if v != 2:

@@ -16,7 +16,8 @@ from plait.parallel.schedules import stage_of
 
 @runtime_checkable
 class StageChunk(Protocol):
-    """One model chunk of a pipeline stage (virtual stage ``c*p + pp_rank`` for this rank's chunk ``c``).
+    """One model chunk of a pipeline stage (virtual stage ``stage_of(pp_rank, c, p, shape)`` for this rank's
+    chunk ``c``; ``c*p + pp_rank`` in the "loop" placement).
 
     Attributes:
         layers: the chunk's items of the model's flat layer list, keyed by *global* index (``"0"`` the

@@ -53,7 +53,8 @@ releases its gathers, because the weight pass BW accumulates through each parame
 gradients are all in (``on_grad``) drops one hold and ``GradReducer`` reduce-scatters as after 1f1b's B;
 at the end of an accumulating pass the oldest hold group it reached is closed (its units that got some or
 none of their gradients drop their hold too). Groups, because a rank with two chunks (ZB-V) runs one
-chunk's weight pass while the other's holds must stay. Memory: a unit stays whole from a micro-batch's BI
+chunk's weight pass while the other's holds must stay; a group no weight pass reaches (a chunk none of
+whose parameters gets a gradient) stays until ``release_all``. Memory: a unit stays whole from a micro-batch's BI
 to its BW (under ZB-H1 every rank but the first keeps its stage gathered from its first BI to its last BW);
 gradients and optimizer states stay sharded. The first stage has no BI (its BW is a whole backward).
 A backward w.r.t. inputs only that no accumulating backward follows (``torch.autograd.grad(loss, x)``
