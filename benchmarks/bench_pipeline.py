@@ -205,7 +205,7 @@ def p2p_knobs(ctas: int | None, lookahead: int | None, gc_pause: bool = True) ->
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
+    parser.add_argument("--schedules", default="1f1b,interleaved,zb-h1,zb-v")
     parser.add_argument("--micro-batches", default="8,16", help="m values, comma-separated")
     parser.add_argument("--micro-batch-sizes", default="1", help="sequences per micro-batch, comma-separated")
     parser.add_argument("--steps", type=int, default=4)
