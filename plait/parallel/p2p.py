@@ -2,7 +2,7 @@
 
 A transfer is one tensor moving one hop along the virtual-stage chain: an activation from
 stage ``s`` to ``s+1`` (direction "F") or an input gradient from ``s`` to ``s-1`` ("B"). Stage
-``s`` lives on pipeline rank ``q = rank_chunk_of(s, p, shape)[0]`` (``s % p`` in the "loop" placement; see
+``s`` lives on pipeline rank ``q = rank_of(s, p, shape)`` (``s % p`` in the "loop" placement; see
 ``plait.parallel.schedules``), whose global rank is ``mesh.ranks("pp")[q]`` for this process's (dp, cp,
 tp) coordinate, so each tp rank talks to the same tp rank of the neighbouring stage (its sequence shard
 under sequence parallelism, its replica otherwise).
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from plait.parallel.collectives import all_gather_flat
-from plait.parallel.schedules import rank_chunk_of
+from plait.parallel.schedules import rank_of
 
 
 @dataclass(frozen=True, order=True)
@@ -95,7 +95,7 @@ class StageP2P:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"virtual stage {stage} outside [0, {self.num_stages}); "
                              f"p={self.p} ranks x v={self.num_stages // self.p} chunks")
-        return rank_chunk_of(stage, self.p, self.shape)[0]
+        return rank_of(stage, self.p, self.shape)
 
     def _op(self, fn, tensor: torch.Tensor, src: int, dst: int, transfer: Transfer):
         group = self.groups[0] if src < dst else self.groups[1]

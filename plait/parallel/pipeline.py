@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
-from plait.parallel.schedules import Action, get_schedule, placement, rank_chunk_of
+from plait.parallel.schedules import Action, get_schedule, placement, rank_of
 from plait.parallel.simulate import with_communication
 from plait.parallel.stage import StageChunk, check_layer_order, missing_members
 
@@ -178,10 +178,7 @@ class PipelineParallel:
 
     def _ends_on_one_rank(self) -> bool:
         """Whether one pipeline rank holds both the first and the last stage (p = 1, or "zb-v")."""
-        return self._rank_of(0) == self._rank_of(self.p * self.v - 1)
-
-    def _rank_of(self, stage: int) -> int:
-        return rank_chunk_of(stage, self.p, self.shape)[0]
+        return rank_of(0, self.p, self.shape) == rank_of(self.p * self.v - 1, self.p, self.shape)
 
     @torch.no_grad()
     def sum_tied_gradients(self, grads: list[torch.Tensor] | None = None) -> None:
@@ -235,7 +232,8 @@ class PipelineParallel:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1:
-            dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.p * self.v - 1)], group=self.mesh.pp_group)
+            last = rank_of(self.p * self.v - 1, self.p, self.shape)   # the rank holding the loss stage
+            dist.broadcast(loss, src=self.pp_ranks[last], group=self.mesh.pp_group)
         return loss
 
     def train_batch(self, data_iter, *, scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -2,7 +2,7 @@
 rank's local dependency order; cross-rank deadlock freedom is ``plait.parallel.simulate``'s check."""
 from __future__ import annotations
 
-from plait.parallel.schedules import Action, Schedule, check_sizes, rank_chunk_of, stage_of
+from plait.parallel.schedules import Action, Schedule, check_sizes, crosses_ranks, rank_chunk_of, stage_of
 
 
 def _fail(rank: int, index: int, action: Action, problem: str, fix: str) -> None:
@@ -60,8 +60,8 @@ def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool
                 _fail(r, i, a, f"duplicate (first at rank {seen[key][0]} #{seen[key][1]})",
                       "each (micro-batch, stage) runs each kind once")
             seen[key] = (r, i)
-            _check_order(r, i, a, s, last, comm and _remote(a, s, p, shape), seen)
-            if not a.is_compute and s + PEER_STEP[a.kind] <= last and not _remote(a, s, p, shape):
+            _check_order(r, i, a, s, last, comm and _remote(a, s, p, v, shape), seen)
+            if not a.is_compute and not _remote(a, s, p, v, shape):   # out-of-range peers failed above
                 _fail(r, i, a, "a transfer to a stage on this same rank", "drop it: the executor hands the "
                       "tensor over directly (use with_communication)")
             if a.kind in ("SEND_F", "SEND_B"):
@@ -74,14 +74,10 @@ def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool
 PEER_STEP = {"F": -1, "B": 1, "BI": 1, "SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
 
 
-def _remote(a: Action, s: int, p: int, shape: str) -> bool:
+def _remote(a: Action, s: int, p: int, v: int, shape: str) -> bool:
     """Whether the stage ``a`` (on stage ``s``) reads from or talks to lives on another rank: stage ``s-1``
-    for F, ``s+1`` for B/BI, the peer of a SEND/RECV (a hand-over inside one rank has no comm actions).
-    True for BW; False where that stage does not exist below stage 0."""
-    if a.kind not in PEER_STEP:
-        return True
-    peer = s + PEER_STEP[a.kind]
-    return peer >= 0 and rank_chunk_of(peer, p, shape)[0] != rank_chunk_of(s, p, shape)[0]
+    for F, ``s+1`` for B/BI, the peer of a SEND/RECV (``crosses_ranks``). True for BW."""
+    return a.kind not in PEER_STEP or crosses_ranks(s, s + PEER_STEP[a.kind], p, v, shape)
 
 
 def _check_order(r: int, i: int, a: Action, s: int, last: int, comm: bool,

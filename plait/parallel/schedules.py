@@ -88,6 +88,17 @@ def rank_chunk_of(stage: int, p: int, shape: str = "loop") -> tuple[int, int]:
     return (p - 1 - offset if shape == "v" and chunk % 2 else offset), chunk
 
 
+def rank_of(stage: int, p: int, shape: str = "loop") -> int:
+    """Pipeline rank holding virtual ``stage``: ``rank_chunk_of(stage, p, shape)[0]``."""
+    return rank_chunk_of(stage, p, shape)[0]
+
+
+def crosses_ranks(stage: int, other: int, p: int, v: int, shape: str = "loop") -> bool:
+    """Whether virtual stage ``other`` exists (``0 <= other < p*v``) and lives on another rank than ``stage``:
+    a tensor between them travels as a SEND/RECV pair; neighbours on one rank hand it over directly."""
+    return 0 <= other < p * v and rank_of(other, p, shape) != rank_of(stage, p, shape)
+
+
 def check_sizes(name: str, p: int, m: int, v: int) -> None:
     sizes = (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v))
     for label, value in sizes:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.parallel.schedules import Action, Schedule, rank_chunk_of, stage_of
+from plait.parallel.schedules import Action, Schedule, crosses_ranks, rank_of, stage_of
 
 
 class DeadlockError(RuntimeError):
@@ -102,8 +102,7 @@ def _check_channels(lists: Schedule, p: int, shape: str) -> None:
             if a.is_compute:
                 continue
             side, *msg = _link(a, stage_of(r, a.chunk, p, shape))
-            src = rank_chunk_of(msg[2], p, shape)[0]
-            dst = rank_chunk_of(msg[2] + (1 if msg[0] == "F" else -1), p, shape)[0]
+            src, dst = rank_of(msg[2], p, shape), rank_of(msg[2] + (1 if msg[0] == "F" else -1), p, shape)
             order.setdefault((src, dst), {"send": [], "recv": []})[side].append(tuple(msg))
     for (src, dst), sides in order.items():
         if sides["send"] != sides["recv"]:
@@ -203,7 +202,7 @@ class _Run:
             need.append(("BI", a.microbatch, s))
         t = self.clock[r]
         for key in need:
-            src = rank_chunk_of(key[2], self.p, self.shape)[0]
+            src = rank_of(key[2], self.p, self.shape)
             if src != r and self.explicit:
                 arrival = self._arrival(("F" if key[0] == "F" else "B", key[1], key[2]), r)
                 if arrival is None:
@@ -225,7 +224,7 @@ class _Run:
         sent, got = self.posted.get(("send", *msg)), self.posted.get(("recv", *msg))
         if sent is None or got is None:
             return None
-        channel = (rank_chunk_of(msg[2], self.p, self.shape)[0], dst)
+        channel = (rank_of(msg[2], self.p, self.shape), dst)
         t = max(sent, got, self.last_arrival.get(channel, 0)) + self.cost_comm
         self.arrived[msg] = self.last_arrival[channel] = t
         return t
@@ -281,24 +280,22 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, 
     if p == 1:
         return compute
     simulate(compute, p, v, shape=shape)
-    rank = lambda stage: rank_chunk_of(stage, p, shape)[0]  # noqa: E731
-    last = p * v - 1
     sent_at: dict[tuple[str, int, int], int] = {}     # message -> index of its producer on the sender
     after: list[dict[int, Action]] = [{} for _ in range(p)]
     reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
-            if a.kind == "F" and s < last and rank(s + 1) != r or a.kind in ("B", "BI") and s > 0 and rank(s - 1) != r:
+            if a.kind in ("F", "B", "BI") and crosses_ranks(s, s + (1 if a.kind == "F" else -1), p, v, shape):
                 direction = "F" if a.kind == "F" else "B"
                 sent_at[(direction, a.microbatch, s)] = j
                 after[r][j] = Action("SEND_" + direction, a.microbatch, a.chunk)
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
-            if a.kind == "F" and s > 0 and rank(s - 1) != r or a.kind in ("B", "BI") and s < last and rank(s + 1) != r:
+            if a.kind in ("F", "B", "BI") and crosses_ranks(s, s + (-1 if a.kind == "F" else 1), p, v, shape):
                 msg = ("F", a.microbatch, s - 1) if a.kind == "F" else ("B", a.microbatch, s + 1)
-                reads.setdefault((rank(msg[2]), r), []).append(
+                reads.setdefault((rank_of(msg[2], p, shape), r), []).append(
                     (sent_at[msg], j, Action("RECV_" + msg[0], a.microbatch, a.chunk)))
     before: list[dict[int, list]] = [{} for _ in range(p)]
     for (_, r), items in sorted(reads.items()):
