@@ -84,7 +84,7 @@ def breakdown(timeline, steps) -> dict:
 
 def profile_step(pipe, chunks, make_batch, m, path):
     """One more ``train_batch`` under torch.profiler; this rank's top host ops (self CPU time) and top
-    kernels are appended to ``path``."""
+    kernels are appended to ``path``, its Chrome trace written beside it."""
     from torch.profiler import ProfilerActivity, profile
     batches = [make_batch() for _ in range(m)]
     sync()
@@ -95,6 +95,7 @@ def profile_step(pipe, chunks, make_batch, m, path):
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    prof.export_chrome_trace(f"{path}.rank{dist.get_rank()}.trace.json")
     with open(path, "a") as f:
         f.write(f"\n== rank {dist.get_rank()}\n{table}\n")
 
@@ -134,7 +135,7 @@ def run_config(pipe, chunks, make_batch, m, steps):
     return sum(times) / len(times), timelines, sum(busy) / len(busy)
 
 
-def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
+def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
     engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups."""
     import plait
@@ -142,7 +143,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
     from plait.parallel.pipeline import PipelineParallel
 
     chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
-    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v, schedule_costs=costs)
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
@@ -154,15 +155,13 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps):
     return sum(times) / len(times)
 
 
-def predicted_bubble(schedule, p, m, v, per_rank):
-    """The simulator's bubble with each rank's measured mean action times (``per_rank[r][kind]`` seconds)."""
-    from plait.parallel.schedules import get_schedule, placement
+def predicted_bubble(lists, p, v, shape, costs):
+    """The simulator's bubble for ``lists`` with the measured median action times per virtual stage
+    (``plait.parallel.simulate.stage_costs``: a rank's chunks differ, e.g. the first stage's BI is empty)."""
     from plait.parallel.simulate import simulate
 
-    lists = get_schedule(schedule, p, m, v)
-    costs = {k: tuple(per_rank[r].get(k, {"gpu_ms": 0.0})["gpu_ms"] for r in range(p)) for k in ("F", "B", "BI", "BW")}
-    sim = simulate(lists, p, v, cost_f=costs["F"], cost_b=costs["B"], cost_bi=costs["BI"], cost_bw=costs["BW"],
-                   shape=placement(schedule))
+    sim = simulate(lists, p, v, cost_f=costs.get("F", 0.0), cost_b=costs.get("B", 0.0), cost_bi=costs.get("BI", 0.0),
+                   cost_bw=costs.get("BW", 0.0), shape=shape)
     return sim.makespan / max(sim.busy) - 1
 
 
@@ -219,34 +218,41 @@ def parse_args():
     parser.add_argument("--no-gc-pause", action="store_true", help="keep the cyclic GC running in steps")
     parser.add_argument("--profile", default="", help="profile one more step of these configs, e.g. "
                         "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
+    parser.add_argument("--no-plan", dest="plan", action="store_false",
+                        help="skip the zb-v row planned for the measured stage times (zb-v*)")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     return parser.parse_args()
 
 
-def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines) -> dict:
+def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines, costs=None) -> dict:
     """One (schedule, m, micro-batch size) row: raw train_batch timing, every rank's action breakdown, the
-    simulator's bubble on the measured times, and the engine arms."""
+    simulator's bubble on the measured times, and the engine arms. ``costs``: zb-v planned for these
+    per-stage times (the row's schedule is then "zb-v*")."""
     from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.simulate import stage_costs
 
     p = mesh.pp
-    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, schedule_costs=costs)
     step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
-    key = f"{schedule}/m{m}/b{mbs}"
+    name = schedule + ("*" if costs else "")
+    key = f"{name}/m{m}/b{mbs}"
     if key in args.profile.split(","):
         profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
-    mine = {"busy": busy_s, "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated}
+    mine = {"busy": busy_s, "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated,
+            "actions": [t.__dict__ for tl in tls for t in tl]}
     every = [None] * p
     dist.all_gather_object(every, mine)
     busy = max(e["busy"] for e in every)
     timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
-    row = {"label": args.label, "schedule": schedule, "p": p, "v": v, "m": m, "micro_batch": mbs,
+    measured = stage_costs([e.pop("actions") for e in every], p, v, pipe.shape)
+    row = {"label": args.label, "schedule": name, "p": p, "v": v, "m": m, "micro_batch": mbs,
            "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
            "bubble_measured": step_s / busy - 1 if busy else None,
-           "bubble_simulated": predicted_bubble(schedule, p, m, v, [e["kinds"] for e in every])
-           if every[0]["kinds"] else None, "ranks": every}
+           "bubble_simulated": predicted_bubble(pipe.lists, p, v, pipe.shape, measured) if measured else None,
+           "stage_costs_ms": {k: [1e3 * x for x in c] for k, c in measured.items()}, "ranks": every}
     for stage in [int(x) for x in args.engine.split(",") if x]:
         row[f"engine_zero{stage}_step_s"] = engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch,
-                                                             args.steps)
+                                                             args.steps, costs)
     return row
 
 
@@ -274,9 +280,14 @@ def main():
 
             isolated = timed_chunks(chunks, make_batch, (mbs, args.seq, cfg.hidden_size), dtype, device)
             for m in [int(x) for x in args.micro_batches.split(",")]:
-                rows.append(measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines))
-                if info.rank == 0:
-                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "ranks"}), flush=True)
+                new = [measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines)]
+                if schedule == "zb-v" and args.plan:   # again, planned for the stage times just measured
+                    costs = {k: new[0]["stage_costs_ms"][k] for k in ("F", "BI", "BW")}
+                    new.append(measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated,
+                                       timelines, costs))
+                rows += new
+                for row in new if info.rank == 0 else []:
+                    print(json.dumps({k: x for k, x in row.items() if k != "ranks"}), flush=True)
         del chunks
     if args.timelines:
         gathered = [None] * mesh.pp

@@ -11,6 +11,7 @@ in ``test_pipeline_parity.py``; ZeRO-3 in ``test_zb_zero3.py``. Here: ZeRO-1 thr
 training as 1F1B, bitwise: the same products in the same order) and the refusal of chunks built for
 another placement.
 """
+import random
 from fractions import Fraction as Fr
 
 import pytest
@@ -23,7 +24,8 @@ from plait.parallel.pipeline import PipelineParallel
 from plait.parallel.schedule_check import check_schedule
 from plait.parallel.schedules import (Action, get_schedule, one_f_one_b, placement, rank_chunk_of, stage_of,
                                       zb_h1, zb_v)
-from plait.parallel.simulate import render, simulate, with_communication
+from plait.parallel.pipeline_exec import ActionTime
+from plait.parallel.simulate import render, simulate, stage_costs, with_communication
 from plait.testing import run_distributed
 import helpers
 
@@ -84,6 +86,70 @@ def test_the_turn_of_the_v_is_a_hand_over_without_transfers():
         check_schedule(lists[:p - 1] + [turn], p, m, 2, "v")
 
 
+# Per-virtual-stage times (ms, rounded to 0.5) measured on 2 x H100 for llama-886m at micro-batch 2 under
+# the V placement (benchmarks/results/pipeline_zbv_2xH100.md): stage 0's BI is empty and its BW a whole
+# backward; a host-bound BI costs about 2.5 x BW.
+MEASURED = {"F": [Fr(9, 2), Fr(9, 2), 6, 5], "BI": [0, 8, 8, 7], "BW": [Fr(19, 2), Fr(5, 2), Fr(7, 2), 3]}
+
+
+def at(costs: dict) -> dict:
+    return dict(cost_f=costs["F"], cost_bi=costs["BI"], cost_bw=costs["BW"],
+                cost_b=[i + w for i, w in zip(costs["BI"], costs["BW"])], shape="v")
+
+
+def test_zb_v_planned_for_measured_costs_leaves_almost_no_bubble():
+    """The unit-cost list run at the measured times idles rank 1 (the busier) 13-14%: rank 0 fills its
+    places with stage-0 forwards and the stage-0 BW (a whole backward) delays the stage-3 forwards rank 1
+    waits for. Planned for those times, the bubble is what the first forward and the last BW of a step
+    force: 6 of rank 1's 65 x m/2 (m=8: 266 against 260 busy; m=16: 526 against 520), same peak memory."""
+    for m, unit, planned in ((8, Fr(593, 2), 266), (16, Fr(1177, 2), 526)):
+        lists = zb_v(2, m, costs=MEASURED)
+        check_schedule(lists, 2, m, 2, "v")
+        got, old = simulate(lists, 2, 2, **at(MEASURED)), simulate(zb_v(2, m), 2, 2, **at(MEASURED))
+        assert (old.makespan, got.makespan, max(got.busy)) == (unit, planned, 65 * m // 2)
+        assert got.peak_unfinished == old.peak_unfinished == (4, 4)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_zb_v_plans_any_costs_without_stalling(p):
+    """Random costs (zero BI or BW included, as on the first stage): every list is valid and keeps at most
+    2p chunk-forwards awaiting BW. A chunk-0 forward never takes a rank's last place unless a chunk-1 forward
+    is held; without that rule p=2 with MEASURED's costs stalls after four stage-0 forwards on rank 0."""
+    rng = random.Random(p)
+    for _ in range(40):
+        costs = {k: [rng.choice([1, 2, 3, 5] if k == "F" else [0, 1, 2, 3, 5, 8]) for _ in range(2 * p)]
+                 for k in ("F", "BI", "BW")}
+        for m in (1, p, 2 * p + 1):
+            lists = zb_v(p, m, costs=costs)
+            check_schedule(lists, p, m, 2, "v")
+            assert max(simulate(lists, p, 2, **at(costs)).peak_unfinished) <= 2 * p
+
+
+def test_costs_are_checked_and_only_zb_v_takes_them():
+    with pytest.raises(ValueError, match=r"zb-v costs\['BI'\] needs 4 non-negative values .* got \[1, 1\]"):
+        zb_v(2, 4, costs={"F": [1] * 4, "BI": [1, 1], "BW": [1] * 4})
+    with pytest.raises(ValueError, match="schedule '1f1b' is a fixed order and takes no costs"):
+        get_schedule("1f1b", 2, 4, 1, costs=MEASURED)
+
+
+def test_stage_costs_reads_medians_per_virtual_stage_and_simulate_takes_them():
+    """Rank 0 holds stages 0 and 3 under "v", rank 1 stages 1 and 2; a per-rank cost sequence is the same
+    as the per-stage one it expands to."""
+    timelines = [[{"kind": "F", "chunk": 0, "start": 0.0, "end": 1.0}, {"kind": "F", "chunk": 0, "start": 1.0,
+                   "end": 4.0}, {"kind": "F", "chunk": 0, "start": 4.0, "end": 6.0},
+                  {"kind": "BW", "chunk": 1, "start": 6.0, "end": 6.5}],
+                 [ActionTime("F", 0, 1, 0.0, 0.25, 0.1), ActionTime("BI", 0, 0, 1.0, 3.0, 0.1)]]
+    assert stage_costs(timelines, 2, 2, "v") == {"F": [2.0, 0.0, 0.25, 0.0], "BI": [0.0, 2.0, 0.0, 0.0],
+                                                 "BW": [0.0, 0.0, 0.0, 0.5]}
+    lists = zb_v(2, 4)
+    per_rank = simulate(lists, 2, 2, cost_f=(1, 2), cost_bi=(3, 1), shape="v")
+    per_stage = simulate(lists, 2, 2, cost_f=(1, 2, 2, 1), cost_bi=(3, 1, 1, 3), shape="v")
+    assert per_rank.timeline == per_stage.timeline
+    with pytest.raises(ValueError, match=r"cost of F: 3 values; give one, one per rank \(p=2\) or one per "
+                                         r"virtual stage \(p\*v=4\)"):
+        simulate(lists, 2, 2, cost_f=(1, 2, 3), shape="v")
+
+
 def ds_config(schedule: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
@@ -91,20 +157,20 @@ def ds_config(schedule: str) -> dict:
             "pipeline": {"size": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zb-v" else 1}}
 
 
-def train_zero1(schedule: str) -> tuple:
+def train_zero1(schedule: str, costs: dict | None = None) -> tuple:
     """Two ZeRO-1 steps of a tied GPT-2 at pp=2 x dp=2: the losses and this rank's parameters by name."""
     mesh = ParallelMesh(tp=1, pp=2)
     chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2 if schedule == "zb-v" else 1,
                                  seed=5, schedule=schedule)
-    engine = plait.initialize(PipelineParallel(chunks, mesh, schedule, micro_batches=4), ds_config(schedule),
-                              mesh=mesh)
+    engine = plait.initialize(PipelineParallel(chunks, mesh, schedule, micro_batches=4, schedule_costs=costs),
+                              ds_config(schedule), mesh=mesh)
     losses = [engine.train_batch(iter([helpers.micro_batch(step, g, mesh.dp_rank, micro=2, seq=8)
                                        for g in range(4)])).item() for step in range(2)]
     return losses, {n: t.detach().clone() for chunk in chunks for n, t in chunk.named_parameters()}
 
 
 def zero1_and_wrong_placement() -> tuple:
-    ref, got = train_zero1("1f1b"), train_zero1("zb-v")
+    ref, got, planned = train_zero1("1f1b"), train_zero1("zb-v"), train_zero1("zb-v", MEASURED)
     mesh = ParallelMesh(tp=1, pp=2)
     loop_chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2, seed=5)
     try:
@@ -113,21 +179,24 @@ def zero1_and_wrong_placement() -> tuple:
     except ValueError as exc:
         refused = str(exc)
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (ref, got))
+    dist.all_gather_object(out, (ref, got, planned))
     return out, refused
 
 
 def test_zb_v_through_the_engine_with_zero1_and_chunks_of_another_placement_refused():
-    """ZB-V equals 1F1B to the last bit (each parameter's gradient sums its micro-batches in the same
-    order; the tied copies, both on rank 0 here, are summed locally as over the 1F1B pair), and "loop"
-    chunks under "zb-v" are refused by name before any step."""
+    """ZB-V, on unit costs and planned for MEASURED (another list), equals 1F1B to the last bit (each
+    parameter's gradient sums its micro-batches in the same order; the tied copies, both on rank 0 here, are
+    summed locally as over the 1F1B pair), and "loop" chunks under "zb-v" are refused by name before any step."""
+    assert zb_v(2, 4, costs=MEASURED) != zb_v(2, 4)
     results = run_distributed(zero1_and_wrong_placement, 4)
     per_rank, refused = results[0]
-    ref_all, got_all = {}, {}
-    for (ref_losses, ref), (losses, got) in per_rank:
-        assert losses == ref_losses
+    ref_all, got_all, planned_all = {}, {}, {}
+    for (ref_losses, ref), (losses, got), (planned_losses, planned) in per_rank:
+        assert losses == ref_losses == planned_losses
         ref_all.update(ref)
         got_all.update(got)
-    assert set(got_all) == set(ref_all) and all((got_all[n] == w).all() for n, w in ref_all.items())
+        planned_all.update(planned)
+    for params in (got_all, planned_all):
+        assert set(params) == set(ref_all) and all((params[n] == w).all() for n, w in ref_all.items())
     assert "stage 1 ends at layer 2 but stage 2 starts at layer 5 (placement 'v')" in refused
     assert all(r[1] == refused for r in results)

@@ -7,11 +7,11 @@ from plait.parallel.mesh import ParallelMesh
 from plait.parallel.random import RNGTracker, checkpoint
 from plait.parallel.schedule_check import check_schedule
 from plait.parallel.schedules import SCHEDULES, Action, get_schedule, placement
-from plait.parallel.simulate import SimResult, render, simulate, with_communication
+from plait.parallel.simulate import SimResult, render, simulate, stage_costs, with_communication
 
 __all__ = [
     "ParallelMesh", "LaunchInfo", "init_distributed", "launch_info", "copy_to_tp", "reduce_from_tp",
     "scatter_to_tp", "gather_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
     "RNGTracker", "checkpoint", "Action", "SCHEDULES", "get_schedule", "placement", "check_schedule", "simulate",
-    "SimResult", "render", "with_communication",
+    "SimResult", "render", "stage_costs", "with_communication",
 ]

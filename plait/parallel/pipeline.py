@@ -72,8 +72,14 @@ class PipelineParallel:
             does; a chunk without that attribute keeps whole sends). True: on whenever p > 1 and tp > 1
             (you vouch that the activation and its gradient are identical on the tp ranks of a stage).
             False: whole tensors.
+        schedule_costs: for "zb-v", the per-virtual-stage F/BI/BW durations its list scheduler plans for
+            (``{"F": [...], "BI": [...], "BW": [...]}``, ``p * v`` values each, the same on every rank;
+            ``plait.parallel.simulate.stage_costs`` of a measured step's ``executor.timeline``, gathered
+            over the pipeline group). None: unit costs (the paper's setting).
 
     Attributes:
+        lists: every pipeline rank's compute actions (``get_schedule``'s lists; this rank's, with its
+            transfers, are ``actions``).
         tied_parameters: this rank's copies of parameters that another stage also holds (the chunks'
             ``tied_parameters()``, chunk order; ``[]`` when none or p x v = 1).
         tied_group: the (first stage, last stage) process group of this rank's (dp, tp) coordinate,
@@ -106,7 +112,8 @@ class PipelineParallel:
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
-                 grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None):
+                 grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None,
+                 schedule_costs: dict | None = None):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
         if virtual_stages is not None and virtual_stages != v:
@@ -121,7 +128,7 @@ class PipelineParallel:
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
-        lists = get_schedule(schedule, self.p, micro_batches, v)
+        self.lists = lists = get_schedule(schedule, self.p, micro_batches, v, schedule_costs)
         self.shape = placement(schedule)
         self.actions: list[Action] = with_communication(lists, self.p, v, shape=self.shape)[self.rank]
         forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]

@@ -228,42 +228,65 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     return out
 
 
-def zb_v(p: int, m: int, v: int = 2) -> Schedule:
+def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None) -> Schedule:
     """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, Sec. 3 and Fig. 4):
     two chunks per rank in the "v" placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), the backward
     split into BI and BW as in :func:`zb_h1`.
 
-    The lists come from a greedy list scheduler on unit costs (one chunk's F = BI = BW; the paper's
-    setting, Sec. 3.1), run in time order: a free rank starts the first ready action of BI (chunk 0
-    first), F (chunk 1 first; only while fewer than ``2p`` of its chunk-forwards await their BW, 1F1B's
-    first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles until an action ends.
-    In units of one chunk-forward a step then takes ``6m + p - 1`` for ``m >= 2p`` and p in {1, 2, 3, 4,
-    8} (the bound: rank ``p-1`` waits ``p-1`` before its first forward; at most 2 more for p in 5..7,
-    ``tests/test_zb_v.py``; up to about ``p/3`` more beyond 8), against ``6m + 2(p-1)`` for ZB-H1 and
-    ``6m + 6(p-1)`` for 1F1B. Any ``m >= 1`` works (small m leaves more bubble). Raises ValueError for
-    ``v != 2``.
+    The lists come from a greedy list scheduler run in time order: a free rank starts the first ready
+    action of BI (chunk 0 first), F (chunk 1 first; only while fewer than ``2p`` of its chunk-forwards
+    await their BW, 1F1B's first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles
+    until an action ends. On unit costs (one chunk's F = BI = BW; the paper's setting, Sec. 3.1) a step
+    takes ``6m + p - 1`` units for ``m >= 2p`` and p in {1, 2, 3, 4, 8} (the bound: rank ``p-1`` waits
+    ``p-1`` before its first forward; at most 2 more for p in 5..7, ``tests/test_zb_v.py``; up to about
+    ``p/3`` more beyond 8), against ``6m + 2(p-1)`` for ZB-H1 and ``6m + 6(p-1)`` for 1F1B. Any ``m >= 1``
+    works (small m leaves more bubble).
+
+    Args:
+        costs: measured or estimated durations per virtual stage, ``{"F": [...], "BI": [...], "BW": [...]}``
+            with ``2p`` values each (any unit; e.g. ``stage_costs`` of the executor's timeline), for which
+            the scheduler then plans (as the paper's schedules are planned on profiled times, Sec. 4). Real
+            stages differ: the first stage's BI is empty and its BW a whole backward, the last carries
+            the loss, and a host-bound BI costs more than BW. None: unit costs.
+
+    Raises:
+        ValueError: ``v != 2``, or ``costs`` without ``2p`` non-negative values for each of F, BI, BW.
     """
     check_sizes("zb-v", p, m, v)
     if v != 2:
         raise ValueError(f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2")
-    return _GreedyV(p, m).run()
+    return _GreedyV(p, m, _stage_costs(costs, 2 * p)).run()
+
+
+def _stage_costs(costs: dict | None, stages: int) -> dict[str, tuple]:
+    if costs is None:
+        return {k: (1,) * stages for k in ("F", "BI", "BW")}
+    out = {}
+    for k in ("F", "BI", "BW"):
+        c = tuple(costs.get(k, ()))
+        if len(c) != stages or any(x < 0 for x in c):
+            raise ValueError(f"zb-v costs[{k!r}] needs {stages} non-negative values (one per virtual stage), "
+                             f"got {list(c)}")
+        out[k] = c
+    return out
 
 
 class _GreedyV:
-    """The list scheduler behind :func:`zb_v` (unit costs, integer times)."""
+    """The list scheduler behind :func:`zb_v` (event-driven over the actions' end times)."""
 
-    def __init__(self, p: int, m: int):
-        self.p, self.m, self.last = p, m, 2 * p - 1
-        self.done: dict[tuple[str, int, int], int] = {}   # (kind, micro-batch, stage) -> end time
+    def __init__(self, p: int, m: int, cost: dict[str, tuple]):
+        self.p, self.m, self.last, self.cost = p, m, 2 * p - 1, cost
+        self.done: dict[tuple[str, int, int], float] = {}   # (kind, micro-batch, stage) -> end time
         self.lists: Schedule = [[] for _ in range(p)]
         self.next = {(r, kind, c): 0 for r in range(p) for kind in ("F", "BI") for c in (0, 1)}
         self.weights: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # per rank: (mb, chunk) awaiting BW
         self.held = [0] * p                               # chunk-forwards whose BW has not run
+        self.held_last = [0] * p                          # the same, of chunk 1 only
 
-    def _ready(self, key: tuple[str, int, int], t: int) -> bool:
+    def _ready(self, key: tuple[str, int, int], t) -> bool:
         return key in self.done and self.done[key] <= t
 
-    def _pick(self, r: int, t: int) -> Action | None:
+    def _pick(self, r: int, t) -> Action | None:
         p, m = self.p, self.m
         for c in (0, 1):
             mb, s = self.next[(r, "BI", c)], stage_of(r, c, p, "v")
@@ -271,7 +294,7 @@ class _GreedyV:
                 return Action("BI", mb, c)
         for c in (1, 0):
             mb, s = self.next[(r, "F", c)], stage_of(r, c, p, "v")
-            if mb < m and self.held[r] < 2 * p and (s == 0 or self._ready(("F", mb, s - 1), t)):
+            if mb < m and self._room(r, c) and (s == 0 or self._ready(("F", mb, s - 1), t)):
                 return Action("F", mb, c)
         if self.weights[r]:
             mb, c = self.weights[r][0]
@@ -279,27 +302,46 @@ class _GreedyV:
                 return Action("BW", mb, c)
         return None
 
-    def _start(self, r: int, a: Action, t: int) -> None:
+    def _room(self, r: int, chunk: int) -> bool:
+        """Whether rank r may run another forward of ``chunk``: fewer than ``2p`` held, and chunk 0 takes
+        the last place only while a chunk-1 forward is held (whose backward frees a place without this
+        rank's help; else, with unequal costs, a rank ahead could fill every place with chunk 0 and stall)."""
+        left = 2 * self.p - self.held[r]
+        return left > 1 or (left == 1 and (chunk == 1 or self.held_last[r] > 0))
+
+    def _start(self, r: int, a: Action, t):
+        """Append ``a`` to rank r's list at time t; returns its end time."""
+        s = stage_of(r, a.chunk, self.p, "v")
+        end = t + self.cost[a.kind][s]
         self.lists[r].append(a)
-        self.done[(a.kind, a.microbatch, stage_of(r, a.chunk, self.p, "v"))] = t + 1
+        self.done[(a.kind, a.microbatch, s)] = end
         if a.kind in ("F", "BI"):
             self.next[(r, a.kind, a.chunk)] += 1
         self.held[r] += {"F": 1, "BI": 0, "BW": -1}[a.kind]
+        if a.chunk == 1:
+            self.held_last[r] += {"F": 1, "BI": 0, "BW": -1}[a.kind]
         if a.kind == "BI":
             self.weights[r].append((a.microbatch, a.chunk))
         elif a.kind == "BW":
             self.weights[r].pop(0)
+        return end
 
     def run(self) -> Schedule:
-        total, t, free = 6 * self.m, 0, [0] * self.p
+        total, t, free, ends = 6 * self.m, 0, [0] * self.p, set()
         while any(len(acts) < total for acts in self.lists):
-            if t > total * self.p + 4 * self.p:   # a serial run of every action ends before this
+            started = True
+            while started:   # an action of zero cost ends at t: let every rank look again
+                started = False
+                for r in range(self.p):
+                    while free[r] <= t and (a := self._pick(r, t)) is not None:
+                        free[r] = self._start(r, a, t)
+                        ends.add(free[r])
+                        started = True
+            later = [e for e in ends if e > t]
+            if not later and any(len(acts) < total for acts in self.lists):
                 raise RuntimeError(f"zb-v list scheduler stalled at time {t} (p={self.p}, m={self.m})")
-            for r in range(self.p):
-                if free[r] <= t and (a := self._pick(r, t)) is not None:
-                    self._start(r, a, t)
-                    free[r] = t + 1
-            t += 1
+            t = min(later, default=t)
+            ends = set(later)
         return self.lists
 
 
@@ -320,18 +362,22 @@ def placement(name: str) -> str:
     return PLACEMENTS.get(name, "loop")
 
 
-def get_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def get_schedule(name: str, p: int, m: int, v: int = 1, costs: dict | None = None) -> Schedule:
     """Build the named schedule's per-rank action lists.
 
     Args:
         name: one of ``SCHEDULES`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v").
         p: pipeline ranks; m: micro-batches per step; v: model chunks per rank (interleaved: any
             ``v >= 2``; zb-v: 2; the others: 1). The lists assume ``placement(name)``.
+        costs: per-virtual-stage durations the list scheduler of "zb-v" plans for (see :func:`zb_v`;
+            ``plait.parallel.simulate.stage_costs`` reads them from a measured step). The other schedules
+            are fixed orders and refuse them.
 
     Raises:
         ValueError: unknown name (the closest known name is suggested), ``v > 1`` for a
             single-chunk schedule, ``v == 1`` for "interleaved", ``v != 2`` for "zb-v", or non-positive
-            sizes; each message names the numbers and the fix. Every schedule takes any ``m >= 1``.
+            sizes, ``costs`` for a schedule other than "zb-v"; each message names the numbers and the fix.
+            Every schedule takes any ``m >= 1``.
     """
     if name not in SCHEDULES:
         close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.0)
@@ -340,4 +386,9 @@ def get_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if name == "interleaved" and v == 1:
         raise ValueError(f"schedule 'interleaved' needs v >= 2 model chunks per rank, got v={v}; "
                          f"set v >= 2 or use schedule '1f1b' for one chunk per rank")
+    if costs is not None:
+        if name != "zb-v":
+            raise ValueError(f"schedule {name!r} is a fixed order and takes no costs; only 'zb-v' plans for "
+                             f"measured stage costs (drop schedule_costs or use schedule 'zb-v')")
+        return zb_v(p, m, v, costs)
     return SCHEDULES[name](p, m, v)

@@ -20,6 +20,7 @@ Costs are in any time unit (e.g. the forward time of one whole stage); they may 
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from plait.parallel.schedules import Action, Schedule, crosses_ranks, rank_of, stage_of
@@ -118,9 +119,12 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     Args:
         lists: ``lists[r]`` is rank r's ordered actions (compute only, or with comm actions).
         p: pipeline ranks (``len(lists)``); v: model chunks per rank.
-        cost_f, cost_b, cost_bi, cost_bw: duration of one F, B, BI, BW of one chunk, or a sequence of
-            one per rank (e.g. measured: the first and last ranks carry the embedding and the loss). For an
-            interleaved schedule pass the per-chunk cost (a whole stage's cost divided by v).
+        cost_f, cost_b, cost_bi, cost_bw: duration of one F, B, BI, BW of one chunk; or a sequence of
+            p values, one per rank (e.g. measured: the first and last ranks carry the embedding and the
+            loss); or of ``p * v`` values, one per virtual stage (a rank's chunks differ, e.g. under the
+            "v" placement rank 0 holds the embedding and the loss, and the first stage's BI is empty while
+            its BW is a whole backward). For an interleaved schedule pass the per-chunk cost (a whole
+            stage's cost divided by v).
         cost_comm: latency of one activation/gradient transfer between different ranks (with explicit
             comm actions: from the later of its SEND and RECV posts, after its channel's previous transfer).
         shape: the stage placement the lists assume (``plait.parallel.schedules.placement(name)``).
@@ -129,16 +133,14 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
         SimResult with per-action times, bubble and peak-memory figures.
 
     Raises:
-        ValueError: ``len(lists) != p``, a per-rank cost without p values, or a channel's receives posted
-            out of its send order.
+        ValueError: ``len(lists) != p``, a cost sequence of neither p nor ``p * v`` values, or a channel's
+            receives posted out of its send order.
         DeadlockError: no rank can progress; the message lists what each stuck rank waits for.
     """
     if len(lists) != p:
         raise ValueError(f"got {len(lists)} rank lists but p={p}; give one list per rank")
-    cost = {k: tuple(c) if isinstance(c, (tuple, list)) else (c,) * p
-            for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi), ("BW", cost_bw))}
-    if any(len(c) != p for c in cost.values()):
-        raise ValueError(f"per-rank costs need one value per rank (p={p}), got {[len(c) for c in cost.values()]}")
+    cost = {k: _per_stage(k, c, p, v, shape) for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi),
+                                                           ("BW", cost_bw))}
     cost_comm = cost_comm or 0  # a float 0.0 would turn exact Fraction times into floats
     explicit = any(not a.is_compute for acts in lists for a in acts)
     if explicit:
@@ -158,6 +160,41 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
         if not progressed:
             raise DeadlockError(_stuck_message(lists, pos, sim, p))
     return _sim_result(lists, p, v, sim.timeline, sim.clock)
+
+
+def _per_stage(kind: str, cost, p: int, v: int, shape: str) -> tuple:
+    """``cost`` (one value, p per-rank values or ``p * v`` per-stage values) as one value per virtual stage."""
+    if not isinstance(cost, (tuple, list)):
+        return (cost,) * (p * v)
+    if len(cost) == p * v:
+        return tuple(cost)
+    if len(cost) == p:
+        return tuple(cost[rank_of(s, p, shape)] for s in range(p * v))
+    raise ValueError(f"cost of {kind}: {len(cost)} values; give one, one per rank (p={p}) or one per virtual "
+                     f"stage (p*v={p * v})")
+
+
+def stage_costs(timelines: list, p: int, v: int, shape: str = "loop") -> dict[str, list[float]]:
+    """Median duration of each compute kind per virtual stage, from one measured step of every rank.
+
+    Args:
+        timelines: ``timelines[r]`` is pipeline rank r's timed actions (``PipelineExecutor.timeline``:
+            ``ActionTime`` or its ``__dict__``; kind, chunk, start, end in seconds), e.g. all-gathered over
+            the pipeline group.
+        p, v: pipeline ranks and chunks per rank; shape: the placement the timelines ran in.
+
+    Returns:
+        ``{kind: [p * v medians]}`` for each kind present (F, B, BI, BW), 0.0 for a stage that ran no such
+        action: the ``costs`` of ``zb_v`` / ``PipelineParallel(schedule_costs=...)`` and the per-stage costs
+        of :func:`simulate`.
+    """
+    runs: dict[tuple[str, int], list[float]] = {}
+    for r, timeline in enumerate(timelines):
+        for t in timeline:
+            t = t if isinstance(t, dict) else vars(t)
+            runs.setdefault((t["kind"], stage_of(r, t["chunk"], p, shape)), []).append(t["end"] - t["start"])
+    kinds = sorted({k for k, _ in runs}, key="F B BI BW".split().index)
+    return {k: [statistics.median(runs[(k, s)]) if (k, s) in runs else 0.0 for s in range(p * v)] for k in kinds}
 
 
 class _Run:
@@ -180,8 +217,8 @@ class _Run:
         start, _ = self.ready(r, a)
         if start is None:
             return False
-        end = start + cost[a.kind][r]
         s = stage_of(r, a.chunk, self.p, self.shape)
+        end = start + cost[a.kind][s]
         for k in (("F",) if a.kind == "F" else ("BI", "BW") if a.kind == "B" else (a.kind,)):
             self.done[(k, a.microbatch, s)] = (end, r)
         self.timeline[r].append(Timed(a, start, end))
