@@ -16,6 +16,7 @@ backward's cost). Prints a markdown table on rank 0 and appends JSON lines to --
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -142,6 +143,8 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
 
+    gc.collect()   # the previous arm's engine (reference cycles) must free its memory first
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v, schedule_costs=costs)
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
@@ -151,6 +154,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     engine = plait.initialize(pipe, config, mesh=mesh)
     times = timed_steps(engine.train_batch, make_batch, m, steps)
     del engine, pipe, chunks
+    gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return sum(times) / len(times)
 
