@@ -45,7 +45,9 @@ def build_engine(args, mesh, cfg, arch, chunk_factory=None):
         model = TransformerModel(arch, mesh, sequence_parallel=sp, seed=args.seed, recompute=recompute,
                                  cp_method=cfg.context_parallel.method, device=mesh.device)
     if pipelined:
-        model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps, v)
+        costs = "measure" if cfg.pipeline.schedule_costs == "measure" else None
+        model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps, v,
+                                 schedule_costs=costs)
     return plait.initialize(model, cfg, mesh=mesh)
 
 

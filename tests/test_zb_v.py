@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 import plait
+from plait.config import ConfigError, PipelineConfig
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
@@ -130,6 +131,11 @@ def test_costs_are_checked_and_only_zb_v_takes_them():
         zb_v(2, 4, costs={"F": [1] * 4, "BI": [1, 1], "BW": [1] * 4})
     with pytest.raises(ValueError, match="schedule '1f1b' is a fixed order and takes no costs"):
         get_schedule("1f1b", 2, 4, 1, costs=MEASURED)
+    chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=2), None, seed=0)
+    with pytest.raises(ValueError, match="schedule_costs='measure' with schedule '1f1b': only 'zb-v' plans"):
+        PipelineParallel(chunks, None, "1f1b", 4, schedule_costs="measure")
+    with pytest.raises(ConfigError, match="schedule_costs 'measure' plans schedule 'zb-v' only"):
+        PipelineConfig(size=2, schedule="zb-h1", schedule_costs="measure")
 
 
 def test_stage_costs_reads_medians_per_virtual_stage_and_simulate_takes_them():
@@ -157,20 +163,23 @@ def ds_config(schedule: str) -> dict:
             "pipeline": {"size": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zb-v" else 1}}
 
 
-def train_zero1(schedule: str, costs: dict | None = None) -> tuple:
-    """Two ZeRO-1 steps of a tied GPT-2 at pp=2 x dp=2: the losses and this rank's parameters by name."""
+def train_zero1(schedule: str, costs: dict | str | None = None) -> tuple:
+    """Three ZeRO-1 steps of a tied GPT-2 at pp=2 x dp=2: the losses, this rank's parameters by name and the
+    lists of the last step with the costs they were planned for."""
     mesh = ParallelMesh(tp=1, pp=2)
     chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2 if schedule == "zb-v" else 1,
                                  seed=5, schedule=schedule)
-    engine = plait.initialize(PipelineParallel(chunks, mesh, schedule, micro_batches=4, schedule_costs=costs),
-                              ds_config(schedule), mesh=mesh)
+    pipe = PipelineParallel(chunks, mesh, schedule, micro_batches=4, schedule_costs=costs)
+    engine = plait.initialize(pipe, ds_config(schedule), mesh=mesh)
     losses = [engine.train_batch(iter([helpers.micro_batch(step, g, mesh.dp_rank, micro=2, seq=8)
-                                       for g in range(4)])).item() for step in range(2)]
-    return losses, {n: t.detach().clone() for chunk in chunks for n, t in chunk.named_parameters()}
+                                       for g in range(4)])).item() for step in range(3)]
+    return (losses, {n: t.detach().clone() for chunk in chunks for n, t in chunk.named_parameters()},
+            (pipe.lists, pipe.planned_costs))
 
 
 def zero1_and_wrong_placement() -> tuple:
-    ref, got, planned = train_zero1("1f1b"), train_zero1("zb-v"), train_zero1("zb-v", MEASURED)
+    ref, got, planned, measured = (train_zero1("1f1b"), train_zero1("zb-v"), train_zero1("zb-v", MEASURED),
+                                   train_zero1("zb-v", "measure"))
     mesh = ParallelMesh(tp=1, pp=2)
     loop_chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=4), mesh, v=2, seed=5)
     try:
@@ -179,24 +188,29 @@ def zero1_and_wrong_placement() -> tuple:
     except ValueError as exc:
         refused = str(exc)
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (ref, got, planned))
+    dist.all_gather_object(out, (ref, got, planned, measured))
     return out, refused
 
 
 def test_zb_v_through_the_engine_with_zero1_and_chunks_of_another_placement_refused():
-    """ZB-V, on unit costs and planned for MEASURED (another list), equals 1F1B to the last bit (each
+    """ZB-V, on unit costs, planned for MEASURED (another list) and planned for its own second step's times
+    (schedule_costs="measure": the third step runs those lists), equals 1F1B to the last bit (each
     parameter's gradient sums its micro-batches in the same order; the tied copies, both on rank 0 here, are
-    summed locally as over the 1F1B pair), and "loop" chunks under "zb-v" are refused by name before any step."""
+    summed locally as over the 1F1B pair). The measured plan is the same on all four ranks (gathered over the
+    world), and "loop" chunks under "zb-v" are refused by name before any step."""
     assert zb_v(2, 4, costs=MEASURED) != zb_v(2, 4)
     results = run_distributed(zero1_and_wrong_placement, 4)
     per_rank, refused = results[0]
-    ref_all, got_all, planned_all = {}, {}, {}
-    for (ref_losses, ref), (losses, got), (planned_losses, planned) in per_rank:
-        assert losses == ref_losses == planned_losses
-        ref_all.update(ref)
-        got_all.update(got)
-        planned_all.update(planned)
-    for params in (got_all, planned_all):
-        assert set(params) == set(ref_all) and all((params[n] == w).all() for n, w in ref_all.items())
+    params = [{}, {}, {}, {}]
+    for runs in per_rank:
+        assert runs[0][0] == runs[1][0] == runs[2][0] == runs[3][0]   # the losses of three steps
+        for run, into in zip(runs, params):
+            into.update(run[1])
+    for got in params[1:]:
+        assert set(got) == set(params[0]) and all((got[n] == w).all() for n, w in params[0].items())
+    lists, costs = per_rank[0][3][2]
+    assert set(costs) == {"F", "BI", "BW"} and costs["BI"][0] < 0.5 * min(costs["F"])   # stage 0: an empty BI
+    assert lists == zb_v(2, 4, costs=costs) and all(runs[3][2] == (lists, costs) for runs in per_rank)
+    assert per_rank[0][1][2] == (zb_v(2, 4), None)
     assert "stage 1 ends at layer 2 but stage 2 starts at layer 5 (placement 'v')" in refused
     assert all(r[1] == refused for r in results)

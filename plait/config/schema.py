@@ -154,6 +154,8 @@ class PipelineConfig:
     gradient_accumulation_steps (filled in by the reader). ``partition``: "uniform" (equal layer counts),
     "parameters" (balanced parameter counts), or explicit boundaries ``[0, b1, ..., n_layers]``: one more
     layer index than model chunks (``size * virtual_stages``), chunk i holding layers ``[b_i, b_{i+1})``.
+    ``schedule_costs`` (zb-v only): "unit" plans the lists for equal action times (the paper's setting),
+    "measure" plans them again after timing the second step (``PipelineParallel(schedule_costs="measure")``).
     """
 
     size: int = field(default=1, metadata={"aliases": ("stages",)})
@@ -161,6 +163,7 @@ class PipelineConfig:
     virtual_stages: int = 1
     micro_batches: int | None = None
     partition: Literal["uniform", "parameters"] | list[int] = "uniform"
+    schedule_costs: Literal["unit", "measure"] = "unit"
 
     @property
     def num_chunks(self) -> int:
@@ -180,6 +183,9 @@ class PipelineConfig:
         if self.schedule not in ("interleaved", "zb-v") and self.virtual_stages != 1:
             raise ConfigError(f"pipeline.virtual_stages = {self.virtual_stages} needs schedule 'interleaved' (or "
                              f"'zb-v' with 2), got {self.schedule!r}")
+        if self.schedule_costs == "measure" and self.schedule != "zb-v":
+            raise ConfigError(f"pipeline.schedule_costs 'measure' plans schedule 'zb-v' only, got "
+                             f"{self.schedule!r}; drop schedule_costs or use schedule 'zb-v'")
         mb = self.micro_batches
         if mb is not None and mb < 1:
             raise ConfigError(f"pipeline.micro_batches must be >= 1, got {mb}")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
 from plait.parallel.schedules import Action, get_schedule, placement, rank_of
-from plait.parallel.simulate import with_communication
+from plait.parallel.simulate import stage_costs, with_communication
 from plait.parallel.stage import StageChunk, check_layer_order, missing_members
 
 
@@ -72,14 +72,18 @@ class PipelineParallel:
             does; a chunk without that attribute keeps whole sends). True: on whenever p > 1 and tp > 1
             (you vouch that the activation and its gradient are identical on the tp ranks of a stage).
             False: whole tensors.
-        schedule_costs: for "zb-v", the per-virtual-stage F/BI/BW durations its list scheduler plans for
-            (``{"F": [...], "BI": [...], "BW": [...]}``, ``p * v`` values each, the same on every rank;
-            ``plait.parallel.simulate.stage_costs`` of a measured step's ``executor.timeline``, gathered
-            over the pipeline group). None: unit costs (the paper's setting).
+        schedule_costs: for "zb-v", what its list scheduler plans for. None: unit costs (the paper's
+            setting). A dict: per-virtual-stage durations ``{"F": [...], "BI": [...], "BW": [...]}``, ``p * v``
+            values each, the same on every rank of the world (``plait.parallel.simulate.stage_costs``).
+            "measure": the second ``train_batch`` (the first warms up) times its actions, every rank of the
+            world gathers all of them (once; a host synchronization), and the following steps run the lists
+            planned for those per-stage medians (``planned_costs``).
 
     Attributes:
         lists: every pipeline rank's compute actions (``get_schedule``'s lists; this rank's, with its
             transfers, are ``actions``).
+        planned_costs: the measured per-stage medians (seconds) the lists were planned for after the
+            measured step of ``schedule_costs="measure"`` (None before it, and otherwise).
         tied_parameters: this rank's copies of parameters that another stage also holds (the chunks'
             ``tied_parameters()``, chunk order; ``[]`` when none or p x v = 1).
         tied_group: the (first stage, last stage) process group of this rank's (dp, tp) coordinate,
@@ -128,11 +132,14 @@ class PipelineParallel:
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
-        self.lists = lists = get_schedule(schedule, self.p, micro_batches, v, schedule_costs)
+        measure = isinstance(schedule_costs, str)
+        if measure and (schedule_costs != "measure" or schedule != "zb-v"):
+            raise ValueError(f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
+                             f"measured costs, and the string form is 'measure'")
         self.shape = placement(schedule)
-        self.actions: list[Action] = with_communication(lists, self.p, v, shape=self.shape)[self.rank]
-        forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]
-        self.eval_actions: list[Action] = with_communication(forward_only, self.p, v, shape=self.shape)[self.rank]
+        self._use_lists(get_schedule(schedule, self.p, micro_batches, v, None if measure else schedule_costs))
+        self.planned_costs: dict | None = None
+        self._steps, self._measure_step = 0, 1 if measure else None
         first = next((t for t in self.parameters() if t.is_floating_point()), None)
         dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
@@ -147,6 +154,28 @@ class PipelineParallel:
                                          tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
                                          shape=self.shape)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
+
+    def _use_lists(self, lists) -> None:
+        """Run ``lists`` (every rank's compute actions) from the next step on."""
+        self.lists = lists
+        self.actions: list[Action] = with_communication(lists, self.p, self.v, shape=self.shape)[self.rank]
+        forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]
+        self.eval_actions: list[Action] = with_communication(forward_only, self.p, self.v, shape=self.shape)[self.rank]
+
+    def _plan_from(self, timeline) -> None:
+        """Plan the lists for the stage times of this measured step on every rank of the world (all must run
+        the same lists: tp and ZeRO collectives inside the actions pair up across pipeline columns)."""
+        mine = (self.rank, [{"kind": t.kind, "chunk": t.chunk, "start": t.start, "end": t.end} for t in timeline])
+        world = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = [None] * dist.get_world_size()
+            dist.all_gather_object(world, mine)
+        timelines = [[] for _ in range(self.p)]
+        for rank, actions in world:
+            timelines[rank] += actions
+        self.planned_costs = stage_costs(timelines, self.p, self.v, self.shape)
+        costs = {k: self.planned_costs.get(k, [0.0] * (self.p * self.v)) for k in ("F", "BI", "BW")}
+        self._use_lists(get_schedule(self.schedule, self.p, self.m, self.v, costs))
 
     def _resolve_slice_tp(self, slice_tp: bool | None) -> bool:
         """The ``slice_tp`` argument resolved (class docstring), from the mesh and the chunks'
@@ -271,8 +300,14 @@ class PipelineParallel:
         """
         microbatches = self._pull(data_iter)
         self._refresh_dtype()
+        measuring, timing = self._steps == self._measure_step, self.executor.time_compute
+        self.executor.time_compute = timing or measuring
         losses = self.executor.run(self.actions, microbatches, train=True, scale_loss=scale_loss,
                                    on_micro_batch=on_micro_batch)
+        self.executor.time_compute = timing
+        self._steps += 1
+        if measuring:
+            self._plan_from(self.executor.timeline)
         if sum_tied:
             self.sum_tied_gradients()
         return self._mean_loss(losses)
