@@ -8,8 +8,10 @@ Per configuration: 2 warm-up and --steps timed ``train_batch`` calls (forward + 
 optimizer). The executor times each compute action with CUDA events (``PipelineExecutor.timeline``):
 busy = the summed action time of the busiest rank; measured bubble = step / busy - 1 (idle over useful
 time, the simulator's definition). Simulated bubble: ``plait.parallel.simulate`` on the schedule's
-lists with each rank's measured mean F/B/BI/BW times, so the gap between the two is what the executor
-itself loses (transfers, waits, host stalls). Also printed per rank: each action kind's count per step,
+lists with the measured median F/B/BI/BW times of each virtual stage, so the gap between the two is what
+the executor itself loses (transfers, waits, host stalls). A "zb-v*" row follows each zb-v row: the same
+scheduler planned for the stage times zb-v just measured; its engine arms plan for their own second step
+(``schedule_costs="measure"``), as a user's run would. Also printed per rank: each action kind's count per step,
 device ms and host ms to issue it, and F/B/BI/BW timed in isolation (BI + BW against B: the split
 backward's cost). Prints a markdown table on rank 0 and appends JSON lines to --out.
 """
@@ -138,7 +140,8 @@ def run_config(pipe, chunks, make_batch, m, steps):
 
 def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
-    engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups."""
+    engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups.
+    ``costs`` (zb-v*): plan for the engine's own measured second step instead of unit costs."""
     import plait
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel
@@ -146,7 +149,8 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     gc.collect()   # the previous arm's engine (reference cycles) must free its memory first
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
-    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v, schedule_costs=costs)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v,
+                            schedule_costs="measure" if costs else None)   # planned in the second warm-up
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
