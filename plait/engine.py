@@ -373,5 +373,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         if pipeline.m != config.gradient_accumulation_steps:
             raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
                               f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
+        if config.pipeline.schedule_costs == "measure" and pipeline.schedule_costs != "measure":
+            raise ConfigError("the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
+                              f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'")
     check_context_parallel(config, mesh, model, pipeline)
     return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights)

@@ -111,14 +111,14 @@ def test_zb_v_planned_for_measured_costs_leaves_almost_no_bubble():
         assert got.peak_unfinished == old.peak_unfinished == (4, 4)
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_zb_v_plans_any_costs_without_stalling(p):
-    """Random costs (zero BI or BW included, as on the first stage): every list is valid and keeps at most
+    """Random costs (zero F, BI or BW included; the first stage's BI is empty): every list is valid and keeps at most
     2p chunk-forwards awaiting BW. A chunk-0 forward never takes a rank's last place unless a chunk-1 forward
     is held; without that rule p=2 with MEASURED's costs stalls after four stage-0 forwards on rank 0."""
     rng = random.Random(p)
     for _ in range(40):
-        costs = {k: [rng.choice([1, 2, 3, 5] if k == "F" else [0, 1, 2, 3, 5, 8]) for _ in range(2 * p)]
+        costs = {k: [rng.choice([0, 1, 2, 3, 5] if k == "F" else [0, 1, 2, 3, 5, 8]) for _ in range(2 * p)]
                  for k in ("F", "BI", "BW")}
         for m in (1, p, 2 * p + 1):
             lists = zb_v(p, m, costs=costs)
@@ -127,8 +127,10 @@ def test_zb_v_plans_any_costs_without_stalling(p):
 
 
 def test_costs_are_checked_and_only_zb_v_takes_them():
-    with pytest.raises(ValueError, match=r"zb-v costs\['BI'\] needs 4 non-negative values .* got \[1, 1\]"):
+    with pytest.raises(ValueError, match=r"zb-v costs\['BI'\] needs 4 finite non-negative values .* got \[1, 1\]"):
         zb_v(2, 4, costs={"F": [1] * 4, "BI": [1, 1], "BW": [1] * 4})
+    with pytest.raises(ValueError, match=r"zb-v costs\['F'\] needs 4 finite non-negative values .* got \[1, nan"):
+        zb_v(2, 4, costs={"F": [1, float("nan"), 1, 1], "BI": [1] * 4, "BW": [1] * 4})
     with pytest.raises(ValueError, match="schedule '1f1b' is a fixed order and takes no costs"):
         get_schedule("1f1b", 2, 4, 1, costs=MEASURED)
     chunks = build_stage_modules(helpers.tiny("gpt2", num_layers=2), None, seed=0)
@@ -136,6 +138,13 @@ def test_costs_are_checked_and_only_zb_v_takes_them():
         PipelineParallel(chunks, None, "1f1b", 4, schedule_costs="measure")
     with pytest.raises(ConfigError, match="schedule_costs 'measure' plans schedule 'zb-v' only"):
         PipelineConfig(size=2, schedule="zb-h1", schedule_costs="measure")
+    pipe = PipelineParallel(build_stage_modules(helpers.tiny("gpt2", num_layers=2), None, v=2, seed=0,
+                                                schedule="zb-v"), None, "zb-v", 4)
+    config = dict(ds_config("zb-v"), pipeline={"size": 1, "schedule": "zb-v", "virtual_stages": 2,
+                                               "schedule_costs": "measure"})
+    with pytest.raises(ConfigError, match="pipeline.schedule_costs 'measure' but the PipelineParallel was built "
+                                          "with schedule_costs=None; pass schedule_costs='measure'"):
+        plait.initialize(pipe, config)
 
 
 def test_stage_costs_reads_medians_per_virtual_stage_and_simulate_takes_them():
@@ -174,7 +183,7 @@ def train_zero1(schedule: str, costs: dict | str | None = None) -> tuple:
     losses = [engine.train_batch(iter([helpers.micro_batch(step, g, mesh.dp_rank, micro=2, seq=8)
                                        for g in range(4)])).item() for step in range(3)]
     return (losses, {n: t.detach().clone() for chunk in chunks for n, t in chunk.named_parameters()},
-            (pipe.lists, pipe.planned_costs))
+            (pipe.lists, pipe.planned_costs, pipe.executor.time_compute))
 
 
 def zero1_and_wrong_placement() -> tuple:
@@ -208,9 +217,10 @@ def test_zb_v_through_the_engine_with_zero1_and_chunks_of_another_placement_refu
             into.update(run[1])
     for got in params[1:]:
         assert set(got) == set(params[0]) and all((got[n] == w).all() for n, w in params[0].items())
-    lists, costs = per_rank[0][3][2]
-    assert set(costs) == {"F", "BI", "BW"} and costs["BI"][0] < 0.5 * min(costs["F"])   # stage 0: an empty BI
-    assert lists == zb_v(2, 4, costs=costs) and all(runs[3][2] == (lists, costs) for runs in per_rank)
-    assert per_rank[0][1][2] == (zb_v(2, 4), None)
+    lists, costs, timing = per_rank[0][3][2]
+    assert timing is False   # the measured step's timing was switched off again
+    assert set(costs) == {"F", "BI", "BW"} and all(len(c) == 4 and min(c) > 0 for c in costs.values())
+    assert lists == zb_v(2, 4, costs=costs) and all(runs[3][2] == (lists, costs, False) for runs in per_rank)
+    assert per_rank[0][1][2] == (zb_v(2, 4), None, False)
     assert "stage 1 ends at layer 2 but stage 2 starts at layer 5 (placement 'v')" in refused
     assert all(r[1] == refused for r in results)

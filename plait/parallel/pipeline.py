@@ -80,6 +80,7 @@ class PipelineParallel:
             planned for those per-stage medians (``planned_costs``).
 
     Attributes:
+        schedule_costs: the ``schedule_costs`` argument.
         lists: every pipeline rank's compute actions (``get_schedule``'s lists; this rank's, with its
             transfers, are ``actions``).
         planned_costs: the measured per-stage medians (seconds) the lists were planned for after the
@@ -108,8 +109,9 @@ class PipelineParallel:
 
     Raises:
         TypeError: a chunk lacks a ``StageChunk`` member (named).
-        ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v (from
-            ``get_schedule``: unknown name, v not matching the schedule, ...); ``slice_tp=True`` with a
+        ValueError: ``virtual_stages != len(stage_modules)``, bad schedule/m/v or ``schedule_costs`` (from
+            ``get_schedule``: unknown name, v not matching the schedule, costs for a schedule other than
+            "zb-v", ...; a string other than "measure", or "measure" with another schedule); ``slice_tp=True`` with a
             chunk using sequence parallelism; chunks whose layers do not follow one another in the
             schedule's stage order (e.g. built for another placement; collective over the pipeline group).
     """
@@ -117,7 +119,7 @@ class PipelineParallel:
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
                  grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None,
-                 schedule_costs: dict | None = None):
+                 schedule_costs: dict | str | None = None):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
         if virtual_stages is not None and virtual_stages != v:
@@ -136,7 +138,7 @@ class PipelineParallel:
         if measure and (schedule_costs != "measure" or schedule != "zb-v"):
             raise ValueError(f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
                              f"measured costs, and the string form is 'measure'")
-        self.shape = placement(schedule)
+        self.shape, self.schedule_costs = placement(schedule), schedule_costs
         self._use_lists(get_schedule(schedule, self.p, micro_batches, v, None if measure else schedule_costs))
         self.planned_costs: dict | None = None
         self._steps, self._measure_step = 0, 1 if measure else None
@@ -302,10 +304,12 @@ class PipelineParallel:
         self._refresh_dtype()
         measuring, timing = self._steps == self._measure_step, self.executor.time_compute
         self.executor.time_compute = timing or measuring
-        losses = self.executor.run(self.actions, microbatches, train=True, scale_loss=scale_loss,
-                                   on_micro_batch=on_micro_batch)
-        self.executor.time_compute = timing
-        self._steps += 1
+        try:
+            losses = self.executor.run(self.actions, microbatches, train=True, scale_loss=scale_loss,
+                                       on_micro_batch=on_micro_batch)
+        finally:
+            self.executor.time_compute = timing
+            self._steps += 1
         if measuring:
             self._plan_from(self.executor.timeline)
         if sum_tied:

@@ -23,6 +23,7 @@ docstring for the placement rule that keeps batched isend/irecv deadlock-free.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -250,22 +251,22 @@ def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None) -> Schedule:
             the loss, and a host-bound BI costs more than BW. None: unit costs.
 
     Raises:
-        ValueError: ``v != 2``, or ``costs`` without ``2p`` non-negative values for each of F, BI, BW.
+        ValueError: ``v != 2``, or ``costs`` without ``2p`` finite non-negative values for each of F, BI, BW.
     """
     check_sizes("zb-v", p, m, v)
     if v != 2:
         raise ValueError(f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2")
-    return _GreedyV(p, m, _stage_costs(costs, 2 * p)).run()
+    return _GreedyV(p, m, _checked_costs(costs, 2 * p)).run()
 
 
-def _stage_costs(costs: dict | None, stages: int) -> dict[str, tuple]:
+def _checked_costs(costs: dict | None, stages: int) -> dict[str, tuple]:
     if costs is None:
         return {k: (1,) * stages for k in ("F", "BI", "BW")}
     out = {}
     for k in ("F", "BI", "BW"):
         c = tuple(costs.get(k, ()))
-        if len(c) != stages or any(x < 0 for x in c):
-            raise ValueError(f"zb-v costs[{k!r}] needs {stages} non-negative values (one per virtual stage), "
+        if len(c) != stages or not all(math.isfinite(x) and x >= 0 for x in c):
+            raise ValueError(f"zb-v costs[{k!r}] needs {stages} finite non-negative values (one per virtual stage), "
                              f"got {list(c)}")
         out[k] = c
     return out
@@ -305,9 +306,10 @@ class _GreedyV:
     def _room(self, r: int, chunk: int) -> bool:
         """Whether rank r may run another forward of ``chunk``: fewer than ``2p`` held, and chunk 0 takes
         the last place only while a chunk-1 forward is held (whose backward frees a place without this
-        rank's help; else, with unequal costs, a rank ahead could fill every place with chunk 0 and stall)."""
+        rank's help; else, with unequal costs, a rank ahead could fill every place with chunk 0 and stall).
+        One rank (p = 1) always prefers its chunk-1 forward, which is ready the moment chunk 0's ends."""
         left = 2 * self.p - self.held[r]
-        return left > 1 or (left == 1 and (chunk == 1 or self.held_last[r] > 0))
+        return left > 1 or (left == 1 and (chunk == 1 or self.held_last[r] > 0 or self.p == 1))
 
     def _start(self, r: int, a: Action, t):
         """Append ``a`` to rank r's list at time t; returns its end time."""
@@ -317,9 +319,10 @@ class _GreedyV:
         self.done[(a.kind, a.microbatch, s)] = end
         if a.kind in ("F", "BI"):
             self.next[(r, a.kind, a.chunk)] += 1
-        self.held[r] += {"F": 1, "BI": 0, "BW": -1}[a.kind]
+        held = {"F": 1, "BI": 0, "BW": -1}[a.kind]
+        self.held[r] += held
         if a.chunk == 1:
-            self.held_last[r] += {"F": 1, "BI": 0, "BW": -1}[a.kind]
+            self.held_last[r] += held
         if a.kind == "BI":
             self.weights[r].append((a.microbatch, a.chunk))
         elif a.kind == "BW":

@@ -185,13 +185,18 @@ def stage_costs(timelines: list, p: int, v: int, shape: str = "loop") -> dict[st
 
     Returns:
         ``{kind: [p * v medians]}`` for each kind present (F, B, BI, BW), 0.0 for a stage that ran no such
-        action: the ``costs`` of ``zb_v`` / ``PipelineParallel(schedule_costs=...)`` and the per-stage costs
-        of :func:`simulate`.
+        action (a planner takes that as free: give every rank's timeline): the ``costs`` of ``zb_v`` /
+        ``PipelineParallel(schedule_costs=...)`` and the per-stage costs of :func:`simulate`.
+
+    Raises:
+        ValueError: an action of another kind (e.g. a SEND or RECV).
     """
     runs: dict[tuple[str, int], list[float]] = {}
     for r, timeline in enumerate(timelines):
         for t in timeline:
             t = t if isinstance(t, dict) else vars(t)
+            if t["kind"] not in ("F", "B", "BI", "BW"):
+                raise ValueError(f"rank {r}: action kind {t['kind']!r} is not a compute kind (F, B, BI, BW)")
             runs.setdefault((t["kind"], stage_of(r, t["chunk"], p, shape)), []).append(t["end"] - t["start"])
     kinds = sorted({k for k, _ in runs}, key="F B BI BW".split().index)
     return {k: [statistics.median(runs[(k, s)]) if (k, s) in runs else 0.0 for s in range(p * v)] for k in kinds}
