@@ -94,8 +94,8 @@ MEASURED = {"F": [Fr(9, 2), Fr(9, 2), 6, 5], "BI": [0, 8, 8, 7], "BW": [Fr(19, 2
 
 
 def at(costs: dict) -> dict:
-    return dict(cost_f=costs["F"], cost_bi=costs["BI"], cost_bw=costs["BW"],
-                cost_b=[i + w for i, w in zip(costs["BI"], costs["BW"])], shape="v")
+    """simulate's arguments for ZB-V lists (F, BI and BW only) at per-stage ``costs``."""
+    return dict(cost_f=costs["F"], cost_bi=costs["BI"], cost_bw=costs["BW"], shape="v")
 
 
 def test_zb_v_planned_for_measured_costs_leaves_almost_no_bubble():

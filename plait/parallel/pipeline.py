@@ -167,7 +167,7 @@ class PipelineParallel:
     def _plan_from(self, timeline) -> None:
         """Plan the lists for the stage times of this measured step on every rank of the world (all must run
         the same lists: tp and ZeRO collectives inside the actions pair up across pipeline columns)."""
-        mine = (self.rank, [{"kind": t.kind, "chunk": t.chunk, "start": t.start, "end": t.end} for t in timeline])
+        mine = (self.rank, list(timeline))
         world = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             world = [None] * dist.get_world_size()
