@@ -157,6 +157,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
               "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v}}
     engine = plait.initialize(pipe, config, mesh=mesh)
     times = timed_steps(engine.train_batch, make_batch, m, steps)
+    pipe.close()   # its NCCL communicators hold device memory
     del engine, pipe, chunks
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -253,6 +254,7 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
     busy = max(e["busy"] for e in every)
     timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
     measured = stage_costs([e.pop("actions") for e in every], p, v, pipe.shape)
+    pipe.close()
     row = {"label": args.label, "schedule": name, "p": p, "v": v, "m": m, "micro_batch": mbs,
            "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
            "bubble_measured": step_s / busy - 1 if busy else None,

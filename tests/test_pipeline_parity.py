@@ -256,3 +256,34 @@ def test_zero_bubble_split_falls_back_on_shared_weight_nodes():
     assert not pending.split and w.grad is None
     backward_weight(pending)
     assert torch.allclose(gx, want_x) and torch.allclose(w.grad, want_w)
+
+
+# ---- close(): a process that builds many pipelines keeps no groups of the old ones ----------------
+
+def close_body():
+    from torch.distributed import distributed_c10d
+
+    mesh = ParallelMesh(tp=1, pp=2, dp=1)
+    batches = make_microbatches(4, seed=5)
+    groups_before = len(distributed_c10d._world.pg_map)
+    losses, counts = [], []
+    for _ in range(2):   # gpt2 ties its embedding across the two stages: channels and the tied group
+        chunks = build_stage_modules(make_config("gpt2"), mesh, 1, "uniform", seed=11, schedule="1f1b")
+        pipe = PipelineParallel(chunks, mesh, schedule="1f1b", micro_batches=4)
+        assert pipe.tied_group is not None and None not in pipe.executor.p2p.groups
+        counts.append(len(distributed_c10d._world.pg_map) - groups_before)
+        losses.append(pipe.train_batch(iter(batches)).item())
+        pipe.close()
+        pipe.close()   # twice: nothing more to destroy
+        assert len(distributed_c10d._world.pg_map) == groups_before
+        with pytest.raises(RuntimeError, match="closed"):
+            pipe.train_batch(iter(batches))
+    return counts, losses
+
+
+def test_close_destroys_the_pipelines_groups():
+    """Each pipeline adds its 3 groups (2 p2p channels + the tied pair) and close() removes them, so the
+    second pipeline of the process runs on fresh groups and computes the first one's loss exactly."""
+    for counts, losses in run_distributed(close_body, 2):
+        assert counts == [3, 3], counts
+        assert losses[0] == losses[1], losses

@@ -156,6 +156,7 @@ class PipelineParallel:
                                          tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
                                          shape=self.shape)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
+        self._closed = False
 
     def _use_lists(self, lists) -> None:
         """Run ``lists`` (every rank's compute actions) from the next step on."""
@@ -252,7 +253,21 @@ class PipelineParallel:
             self.executor.dtype = first.dtype
 
     # ---- steps ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroys this rank's process groups of the pipeline (the two p2p channels, the tied-gradient
+        group); local, not collective. Each NCCL group holds communicator buffers on the device, so a process
+        that builds several pipelines (a benchmark, a sweep) should close each one it is done with. Closing
+        twice does nothing; ``train_batch``/``eval_batch`` on a closed pipeline raise RuntimeError."""
+        p2p = self.executor.p2p
+        for group in (*p2p.groups, self.tied_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        p2p.groups, self.tied_group, self._closed = (None, None), None, True
+
     def _pull(self, data_iter) -> list[dict]:
+        if self._closed:
+            raise RuntimeError("this PipelineParallel was closed (its process groups are destroyed); build a "
+                               "new one to run more steps")
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
         out = []
         for i in range(self.m):
