@@ -221,6 +221,7 @@ def parse_args():
     parser.add_argument("--timelines", default=None, help="write every rank's per-action timeline here (JSON)")
     parser.add_argument("--label", default="plait", help="name of this code version in the table")
     parser.add_argument("--preset", default="llama-886m")
+    parser.add_argument("--layers", type=int, default=None, help="blocks instead of the preset's number")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--p2p-ctas", type=int, default=None, help="NCCL max_ctas of the p2p groups (experiment)")
     parser.add_argument("--p2p-lookahead", type=int, default=None, help="receives this many actions ahead")
@@ -276,7 +277,8 @@ def main():
     p2p_knobs(args.p2p_ctas, args.p2p_lookahead, not args.no_gc_pause)
     mesh = ParallelMesh(tp=1, pp=info.world_size)
     device = mesh.device
-    cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048))
+    cfg = preset(args.preset, max_position_embeddings=max(args.seq, 2048),
+                 **({"num_layers": args.layers} if args.layers else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, timelines = [], {}
     for schedule in args.schedules.split(","):
