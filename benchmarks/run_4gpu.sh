@@ -10,7 +10,7 @@
 #   layout    llama-5.9b through examples/pretrain_gpt.py: tp=2 x pp=2 ZeRO-1 against dp=4 ZeRO-1, same
 #             global batch (32 x 2048 tokens), activation recomputation, compile off        (issue 19)
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OUT PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 B=benchmarks
 for part in "$@"; do
