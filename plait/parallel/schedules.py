@@ -250,11 +250,10 @@ def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None, tries: int = 16)
             the scheduler then plans (as the paper's schedules are planned on profiled times, Sec. 4). Real
             stages differ: the first stage's BI is empty and its BW a whole backward, the last carries
             the loss, and a host-bound BI costs more than BW. None: unit costs.
-
         tries: with ``costs``, the greedy list is sensitive to near-ties (two measurements of the same stages
             can plan a 7% or a 14% bubble), so it also plans for ``tries - 1`` copies of ``costs`` jittered by
-            up to 5% (seeded: every rank plans the same) and keeps the list whose simulated step
-            (``plait.parallel.simulate``) at ``costs`` is shortest, the first on ties.
+            up to 5% (seeded) and keeps the list whose simulated step (``plait.parallel.simulate``) at
+            ``costs`` is shortest, the first on ties.
 
     Raises:
         ValueError: ``v != 2``, or ``costs`` without ``2p`` finite non-negative values for each of F, BI, BW.
@@ -267,16 +266,12 @@ def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None, tries: int = 16)
         return _GreedyV(p, m, cost).run()
     from plait.parallel.simulate import simulate   # simulate builds on this module
 
-    best: tuple[float, Schedule] | None = None
-    for k in range(max(tries, 1)):
-        jitter = random.Random(k)
-        trial = cost if k == 0 else {kind: tuple(x * (1 + 0.05 * jitter.uniform(-1, 1)) for x in c)
-                                     for kind, c in cost.items()}
-        lists = _GreedyV(p, m, trial).run()
-        span = simulate(lists, p, 2, cost_f=cost["F"], cost_bi=cost["BI"], cost_bw=cost["BW"], shape="v").makespan
-        if best is None or span < best[0]:
-            best = (span, lists)
-    return best[1]
+    def span(lists: Schedule) -> float:
+        return simulate(lists, p, 2, cost_f=cost["F"], cost_bi=cost["BI"], cost_bw=cost["BW"], shape="v").makespan
+    jitter = [random.Random(k) for k in range(1, max(tries, 1))]   # seeded: every rank plans the same
+    trials = [cost] + [{kind: tuple(x * (1 + 0.05 * rng.uniform(-1, 1)) for x in c) for kind, c in cost.items()}
+                       for rng in jitter]
+    return min((_GreedyV(p, m, trial).run() for trial in trials), key=span)   # the first on ties
 
 
 def _checked_costs(costs: dict | None, stages: int) -> dict[str, tuple]:
