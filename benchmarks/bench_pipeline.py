@@ -138,6 +138,11 @@ def run_config(pipe, chunks, make_batch, m, steps):
     return sum(times) / len(times), timelines, sum(busy) / len(busy)
 
 
+def close(pipe) -> None:
+    """``pipe.close()`` where the plait under test has it (a BASELINE tree may predate it)."""
+    getattr(pipe, "close", lambda: None)()
+
+
 def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
     engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups.
@@ -157,7 +162,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
               "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v}}
     engine = plait.initialize(pipe, config, mesh=mesh)
     times = timed_steps(engine.train_batch, make_batch, m, steps)
-    pipe.close()   # its NCCL communicators hold device memory
+    close(pipe)   # its NCCL communicators hold device memory
     del engine, pipe, chunks
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -255,7 +260,7 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
     busy = max(e["busy"] for e in every)
     timelines[key] = [[t.__dict__ for t in tls[-1]]] if tls else []
     measured = stage_costs([e.pop("actions") for e in every], p, v, pipe.shape)
-    pipe.close()
+    close(pipe)
     row = {"label": args.label, "schedule": name, "p": p, "v": v, "m": m, "micro_batch": mbs,
            "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
            "bubble_measured": step_s / busy - 1 if busy else None,
