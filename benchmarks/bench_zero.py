@@ -166,11 +166,18 @@ def run_arm(arm: str, args) -> dict | None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
     tokens = args.micro * SEQ / dt
-    return {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
+    row = {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
             "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if args.profile:
+        from _timeline import format_summary, profile_one_step
+        trace = os.path.join(args.profile, f"{arm}.trace.json.gz") if dist.get_rank() == 0 else None
+        row["timeline"] = profile_one_step(step, warmup + args.steps + 1, trace)
+        if trace:
+            print(format_summary(arm, row["timeline"]), flush=True)
+    return row
 
 
 def model_name(args) -> str:
@@ -234,6 +241,8 @@ def parse_args():
     p.add_argument("--out", default="bench_zero.jsonl")
     p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
     p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
+    p.add_argument("--profile", metavar="DIR", help="after timing, profile one step: rank 0's trace in DIR, "
+                   "its summary (benchmarks/_timeline.py) in the row")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -244,6 +253,7 @@ def child_args(args) -> list[str]:
     out += ["--layers", str(args.layers)] if args.layers else []
     out += [] if args.warmup is None else ["--warmup", str(args.warmup)]
     out += ["--snapshot", args.snapshot] if args.snapshot else []
+    out += ["--profile", args.profile] if args.profile else []
     return out + (["--ac"] if args.ac else [])
 
 

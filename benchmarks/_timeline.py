@@ -1,0 +1,130 @@
+"""Where one step's GPU time goes, from a torch.profiler chrome trace: compute, communication, their
+overlap and the idle gaps on the compute streams.
+
+    python benchmarks/_timeline.py TRACE.json[.gz] [--gaps 15]      # the summary of a saved trace
+
+``profile_one_step(step, i, path)`` profiles one call ``step(i)`` (CUDA activity), saves the trace gzipped at
+``path`` (when given) and returns ``summarise(kernels)``. Kernels whose name holds ``nccl`` are
+communication; every other kernel is compute. Times in ms:
+
+- span: first kernel start to last kernel end;
+- compute / comm: the union of the compute / communication kernels' intervals (overlap within a kind once);
+- exposed_comm: communication time with no compute kernel running (what overlap did not hide);
+- idle: span minus the union of all kernels (host, launch or dependency waits);
+- gaps: the longest intervals with no compute kernel, with the compute kernels either side and the
+  communication kernels running inside them.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+
+
+def load_kernels(path: str) -> list[tuple[float, float, int, str]]:
+    """``(start_us, end_us, stream, name)`` of every GPU kernel in a chrome trace, sorted by start."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    out = [(e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream", -1), e["name"])
+           for e in events if e.get("cat") == "kernel" and "dur" in e]
+    return sorted(out)
+
+
+def _union(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _length(merged) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def _minus(a, b) -> float:
+    """Total length of the merged intervals ``a`` not covered by the merged intervals ``b``."""
+    out, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        out += max(0.0, e - cur)
+    return out
+
+
+def summarise(kernels, gaps: int = 15) -> dict:
+    """The summary of the module docstring from ``load_kernels``'s tuples (ms)."""
+    if not kernels:
+        return {"span": 0.0}
+    comm = _union((s, e) for s, e, _, n in kernels if "nccl" in n.lower())
+    comp = _union((s, e) for s, e, _, n in kernels if "nccl" not in n.lower())
+    span = max(e for _, e, _, _ in kernels) - kernels[0][0]
+    out = {"span": span / 1e3, "compute": _length(comp) / 1e3, "comm": _length(comm) / 1e3,
+           "exposed_comm": _minus(comm, comp) / 1e3, "idle": (span - _length(_union(comm + comp))) / 1e3}
+    holes = [(comp[i + 1][0] - comp[i][1], comp[i][1], comp[i + 1][0]) for i in range(len(comp) - 1)]
+    compute = [k for k in kernels if "nccl" not in k[3].lower()]
+    rows = []
+    for length, s, e in sorted(holes, reverse=True)[:gaps]:
+        before = max((k for k in compute if k[1] <= s + 1e-3), key=lambda k: k[1], default=None)
+        after = min((k for k in compute if k[0] >= e - 1e-3), key=lambda k: k[0], default=None)
+        inside = sorted({k[3][:40] for k in kernels if "nccl" in k[3].lower() and k[0] < e and k[1] > s})
+        rows.append({"ms": length / 1e3, "at_ms": (s - kernels[0][0]) / 1e3,
+                     "before": before[3][:60] if before else "", "after": after[3][:60] if after else "",
+                     "comm_inside": inside})
+    out["gaps"] = rows
+    return out
+
+
+def profile_one_step(step, i: int, path: str | None, gaps: int = 15) -> dict:
+    """Profile ``step(i)`` (CUDA kernels), keep the trace at ``path`` (gzipped) and return its summary; with no
+    ``path`` (the other ranks of a collective step) run ``step(i)`` unprofiled and return ``{}``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    if path is None:
+        step(i)
+        return {}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(i)
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    raw = path + ".tmp.json"
+    prof.export_chrome_trace(raw)
+    summary = summarise(load_kernels(raw), gaps)
+    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+        g.write(f.read())
+    os.remove(raw)
+    return summary
+
+
+def format_summary(name: str, s: dict) -> str:
+    lines = [f"== {name}: span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, comm {s.get('comm', 0):.1f}, "
+             f"exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
+             "| gap ms | at ms | before | after | communication inside |", "|---|---|---|---|---|"]
+    lines += [f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['before']} | {g['after']} | {', '.join(g['comm_inside'])} |"
+              for g in s.get("gaps", [])]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--gaps", type=int, default=15)
+    args = p.parse_args()
+    for path in args.traces:
+        print(format_summary(os.path.basename(path), summarise(load_kernels(path), args.gaps)))
+
+
+if __name__ == "__main__":
+    main()
