@@ -3,8 +3,8 @@ overlap and the idle gaps on the compute streams.
 
     python benchmarks/_timeline.py TRACE.json[.gz] [--gaps 15]      # the summary of a saved trace
 
-``profile_one_step(step, i, path)`` profiles one call ``step(i)`` (CUDA activity), saves the trace gzipped at
-``path`` (when given) and returns ``summarise(kernels)``. Kernels whose name holds ``nccl`` are
+``profile_timeline(step, i, path)`` profiles ``step(i)`` and ``step(i + 1)`` (CUDA activity), saves the trace
+gzipped at ``path`` (when given) and returns ``summarise(kernels)`` per step, with the host's wall time. Kernels whose name holds ``nccl`` are
 communication; every other kernel is compute. Times in ms:
 
 - span: first kernel start to last kernel end;
@@ -86,18 +86,26 @@ def summarise(kernels, gaps: int = 15) -> dict:
     return out
 
 
-def profile_one_step(step, i: int, path: str | None, gaps: int = 15) -> dict:
-    """Profile ``step(i)`` (CUDA kernels), keep the trace at ``path`` (gzipped) and return its summary; with no
-    ``path`` (the other ranks of a collective step) run ``step(i)`` unprofiled and return ``{}``."""
+def profile_timeline(step, first: int, path: str | None, steps: int = 2, gaps: int = 15) -> dict:
+    """Profile ``step(first)``, ..., ``step(first + steps - 1)`` back to back (CUDA kernels), keep the trace at
+    ``path`` (gzipped) and return its summary with every time divided by ``steps`` (per step; the gaps as they
+    are) and ``wall``, the host's time per step. With no ``path`` (the other ranks of a collective step) run
+    the steps unprofiled and return ``{}``."""
+    import time
+
     import torch
     from torch.profiler import ProfilerActivity, profile
     if path is None:
-        step(i)
+        for i in range(steps):
+            step(first + i)
         return {}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(i)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(first + i)
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     raw = path + ".tmp.json"
     prof.export_chrome_trace(raw)
@@ -105,11 +113,12 @@ def profile_one_step(step, i: int, path: str | None, gaps: int = 15) -> dict:
     with open(raw, "rb") as f, gzip.open(path, "wb") as g:
         g.write(f.read())
     os.remove(raw)
-    return summary
+    per_step = {k: v / steps for k, v in summary.items() if k != "gaps"}
+    return {**per_step, "wall": wall * 1e3 / steps, "steps": steps, "gaps": summary["gaps"]}
 
 
 def format_summary(name: str, s: dict) -> str:
-    lines = [f"== {name}: span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, comm {s.get('comm', 0):.1f}, "
+    lines = [f"== {name}: wall {s.get('wall', 0):.1f} ms, span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, comm {s.get('comm', 0):.1f}, "
              f"exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
              "| gap ms | at ms | before | after | communication inside |", "|---|---|---|---|---|"]
     lines += [f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['before']} | {g['after']} | {', '.join(g['comm_inside'])} |"

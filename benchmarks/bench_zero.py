@@ -172,9 +172,10 @@ def run_arm(arm: str, args) -> dict | None:
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     if args.profile:
-        from _timeline import format_summary, profile_one_step
-        trace = os.path.join(args.profile, f"{arm}.trace.json.gz") if dist.get_rank() == 0 else None
-        row["timeline"] = profile_one_step(step, warmup + args.steps + 1, trace)
+        from _timeline import format_summary, profile_timeline
+        tag = f"{arm}{'-ac' if args.ac else ''}"
+        trace = os.path.join(args.profile, f"{tag}.trace.json.gz") if dist.get_rank() == 0 else None
+        row["timeline"] = profile_timeline(step, warmup + args.steps + 1, trace)
         if trace:
             print(format_summary(arm, row["timeline"]), flush=True)
     return row
@@ -241,7 +242,7 @@ def parse_args():
     p.add_argument("--out", default="bench_zero.jsonl")
     p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
     p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
-    p.add_argument("--profile", metavar="DIR", help="after timing, profile one step: rank 0's trace in DIR, "
+    p.add_argument("--profile", metavar="DIR", help="after timing, profile two steps: rank 0's trace in DIR, "
                    "its summary (benchmarks/_timeline.py) in the row")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
     p.add_argument("--one", help=argparse.SUPPRESS)

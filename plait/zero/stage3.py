@@ -39,9 +39,11 @@ run again inside backward (activation checkpointing's recomputation) releases no
 backward still needs it.
 
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
-all-gather the next units' segments asynchronously while fewer than ``prefetch_bucket_size`` elements are
-taken (as DeepSpeed's ``stage3_prefetch_bucket_size``: the segment that crosses the bound is still taken, so
-a segment larger than the bucket is prefetched alone). A pass that departs from the recorded order simply
+all-gather the next units asynchronously, each unit whole, while fewer than ``prefetch_bucket_size``
+elements are taken (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in whole units: the unit that
+crosses the bound is still taken whole, so any bound >= 1 prefetches at least the next unit, as FSDP2
+prefetches the next module; a bound that cut a unit would leave its other segments to a synchronous
+all-gather behind the running reduce-scatters). A pass that departs from the recorded order simply
 stops prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
 Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
@@ -113,6 +115,7 @@ class ParamGatherer:
                 self.units_of.setdefault(id(p), []).append(u)
         self.params = list({id(p): p for u in units for p in u.params}.values())
         self.task = (-1, False)        # (autograd graph task, whether it computes input gradients only)
+        self.root_task = -1            # the last graph task whose backward began at the root (it prefetched)
         self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
         self.hold_groups: list[set[int]] = []   # per input pass whose weight pass is to come: the units it held
         self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
@@ -231,9 +234,9 @@ class ParamGatherer:
             return
         budget, take, seen = self.prefetch_bucket_size, [], set()
         for index in upcoming:
+            if budget <= 0:
+                break
             for seg in self.units[index].segments:
-                if budget <= 0:
-                    break
                 if id(seg) in seen:
                     continue
                 seen.add(id(seg))
@@ -294,6 +297,10 @@ class ParamGatherer:
             return
         self.on_backward()
         if u.gathered:
+            task = torch._C._current_graph_task_id()
+            if u.module is self.root and self.root_task != task:   # kept from its forward, its backward opens
+                self.root_task = task                                # the pass: gather the next units meanwhile
+                self._prefetch(self.bwd.advance(u.index))
             return
         self.gather(u)
         self._prefetch(self.bwd.advance(u.index))
