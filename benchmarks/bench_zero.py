@@ -26,6 +26,7 @@ over the timed steps), and rank 0's parts of the peak (``_memory.py``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -157,11 +158,20 @@ def run_arm(arm: str, args) -> dict | None:
         return {**_memory.snapshot_step(arm, step, warmup, folder), "model": model_name(args), "ac": args.ac}
     torch.cuda.reset_peak_memory_stats()
     dist.barrier()
+    if args.gc == "freeze":     # collect once, then keep the survivors out of the cyclic collector's scans
+        gc.collect()
+        gc.freeze()
+    pauses = gc_pauses()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     t0 = time.perf_counter()
-    for i in range(warmup, warmup + args.steps):
+    marks[0].record()
+    for k, i in enumerate(range(warmup, warmup + args.steps)):
         loss = step(i)
+        marks[k + 1].record()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
+    step_ms = [round(a.elapsed_time(b), 2) for a, b in zip(marks, marks[1:])]   # stream order, per step
+    gc.callbacks.remove(pauses.note)
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
@@ -169,6 +179,7 @@ def run_arm(arm: str, args) -> dict | None:
     row = {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
             "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
+            "step_ms": step_ms, "gc_pauses_ms": pauses.ms, "gc": args.gc, "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     if args.profile:
@@ -179,6 +190,23 @@ def run_arm(arm: str, args) -> dict | None:
         if trace:
             print(format_summary(arm, row["timeline"]), flush=True)
     return row
+
+
+def gc_pauses():
+    """Record the cyclic garbage collector's pauses of 1 ms or more (generation, ms) while registered."""
+    class Pauses:
+        ms: list = []
+        start = 0.0
+
+        def note(self, phase, info):
+            if phase == "start":
+                self.start = time.perf_counter()
+            elif time.perf_counter() - self.start >= 1e-3:
+                self.ms.append((info["generation"], round((time.perf_counter() - self.start) * 1e3, 2)))
+    pauses = Pauses()
+    pauses.ms = []
+    gc.callbacks.append(pauses.note)
+    return pauses
 
 
 def model_name(args) -> str:
@@ -244,6 +272,8 @@ def parse_args():
     p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
     p.add_argument("--profile", metavar="DIR", help="after timing, profile two steps: rank 0's trace in DIR, "
                    "its summary (benchmarks/_timeline.py) in the row")
+    p.add_argument("--gc", choices=("auto", "freeze"), default="auto", help="freeze: gc.collect() and gc.freeze() "
+                   "after the warm-up (Python's cyclic collector then scans only newer objects)")
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -255,6 +285,7 @@ def child_args(args) -> list[str]:
     out += [] if args.warmup is None else ["--warmup", str(args.warmup)]
     out += ["--snapshot", args.snapshot] if args.snapshot else []
     out += ["--profile", args.profile] if args.profile else []
+    out += ["--gc", args.gc]
     return out + (["--ac"] if args.ac else [])
 
 
