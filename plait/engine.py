@@ -29,6 +29,7 @@ from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
+from plait.gc_schedule import CollectionSchedule
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
 from plait.engine_offload import offload_options
@@ -122,6 +123,7 @@ class Engine(EngineFacts):
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
+        self.collections = CollectionSchedule(config.garbage_collection.interval)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -182,6 +184,7 @@ class Engine(EngineFacts):
         self.report.after_step(global_steps=self.global_steps, global_samples=self.global_samples,
                                skipped_steps=self.skipped_steps, lrs=self.get_lr(), moms=self.get_mom(),
                                loss_scale=self.loss_scale if self.config.fp16.enabled else None)
+        self.collections.after_step(self.global_steps + self.skipped_steps)
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of

@@ -215,6 +215,20 @@ class NonFiniteGuardConfig:
 
 
 @dataclass(frozen=True)
+class GarbageCollectionConfig:
+    """``garbage_collection`` (plait): ``interval`` > 0 turns Python's automatic cyclic collector off for the
+    process and runs a full collection after every ``interval``-th optimizer step, the same step on every
+    rank (``plait.gc_schedule``; Megatron-LM's ``--manual-gc-interval``); 0 leaves the collector alone."""
+
+    interval: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"garbage_collection.interval must be >= 0 optimizer steps (0: off), got "
+                              f"{self.interval}")
+
+
+@dataclass(frozen=True)
 class CommConfig:
     """``comm`` (plait): collective timeouts, in seconds. ``timeout_s`` holds from the first applied
     optimizer step on, so a frozen or hung rank ends its peers' waits with an error after that long;
@@ -261,6 +275,7 @@ class PlaitConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    garbage_collection: GarbageCollectionConfig = field(default_factory=GarbageCollectionConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
