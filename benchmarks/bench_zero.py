@@ -21,7 +21,12 @@ backward (activation checkpointing per block):
 
 Reported per arm: tokens/s per GPU (rank 0's mean step time after the warm-up), MFU = tokens/s x (6N + 6 x
 layers x hidden x seq) / 989e12, peak GiB (the largest ``torch.cuda.max_memory_allocated`` over the ranks,
-over the timed steps), and rank 0's parts of the peak (``_memory.py``).
+over the timed steps), and rank 0's parts of the peak (``_memory.py``); in the JSON line also each timed
+step's GPU time (CUDA events, ``step_ms``), the allocator's retries and the cyclic garbage collector's pauses
+of 1 ms or more. ``--gc freeze`` collects and freezes (``gc.freeze``) after the warm-up in every arm, so a full
+collection of the start-up's objects cannot land inside the few timed steps of one arm and not another's.
+``--profile DIR`` then profiles two more steps (``_timeline.py``: compute, communication, exposed
+communication, idle gaps; rank 0's trace in DIR).
 """
 from __future__ import annotations
 
