@@ -4,8 +4,8 @@ overlap and the idle gaps on the compute streams.
     python benchmarks/_timeline.py TRACE.json[.gz] [--gaps 15]      # the summary of a saved trace
 
 ``profile_timeline(step, i, path)`` profiles ``step(i)`` and ``step(i + 1)`` (CUDA activity), saves the trace
-gzipped at ``path`` (when given) and returns ``summarise(kernels)`` per step, with the host's wall time. Kernels whose name holds ``nccl`` are
-communication; every other kernel is compute. Times in ms:
+gzipped at ``path`` (when given) and returns ``summarise(kernels)`` per step, with the host's wall time.
+Kernels whose name holds ``nccl`` are communication; every other kernel is compute. Times in ms:
 
 - span: first kernel start to last kernel end;
 - compute / comm: the union of the compute / communication kernels' intervals (overlap within a kind once);
@@ -118,8 +118,8 @@ def profile_timeline(step, first: int, path: str | None, steps: int = 2, gaps: i
 
 
 def format_summary(name: str, s: dict) -> str:
-    lines = [f"== {name}: wall {s.get('wall', 0):.1f} ms, span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, comm {s.get('comm', 0):.1f}, "
-             f"exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
+    lines = [f"== {name}: wall {s.get('wall', 0):.1f} ms, span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, "
+             f"comm {s.get('comm', 0):.1f}, exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
              "| gap ms | at ms | before | after | communication inside |", "|---|---|---|---|---|"]
     lines += [f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['before']} | {g['after']} | {', '.join(g['comm_inside'])} |"
               for g in s.get("gaps", [])]

@@ -184,7 +184,8 @@ def run_arm(arm: str, args) -> dict | None:
     row = {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
             "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
-            "step_ms": step_ms, "gc_pauses_ms": pauses.ms, "gc": args.gc, "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            "step_ms": step_ms, "gc_pauses_ms": pauses.ms, "gc": args.gc,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     if args.profile:

@@ -69,6 +69,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
                         "or a checkpoint tag")
     r.add_argument("--stop-at-step", type=int, help="stop (after saving) at this step, as if interrupted")
     r.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    r.add_argument("--gc-interval", type=int, help="full Python garbage collection every N optimizer steps, "
+                   "automatic collection off (default: the config's garbage_collection, else 50; 0: Python's own)")
     r.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: H100/H200 bf16)")
     r.add_argument("--crash-at-step", type=int, help=argparse.SUPPRESS)   # tests: SIGKILL global rank 1
 
@@ -141,6 +143,10 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         if "warmup_max_lr" in sched:
             sched["warmup_max_lr"] = args.lr
     cfg.setdefault("seed", args.seed)
+    gc_interval = getattr(args, "gc_interval", None)
+    if gc_interval is not None:
+        cfg["garbage_collection"] = {"interval": gc_interval}
+    cfg.setdefault("garbage_collection", {"interval": 50})   # torchtitan's gc_freq
     return cfg
 
 

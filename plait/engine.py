@@ -115,15 +115,14 @@ class Engine(EngineFacts):
             attach_lamb_segments(inner, self.optimizer, module, mesh)
         self.lr_scheduler = (scheduler_from_user(lr_scheduler, inner) if lr_scheduler is not None
                              else scheduler_from_config(config.scheduler, inner))
-        self._step_applied = False
-        self.global_samples = 0
+        self._step_applied, self.global_samples = False, 0
         vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
         self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.group("dp_cp"), mesh.pp_group,
                                                        getattr(pipeline, "tied_group", None)), vocab)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
-        self.collections = CollectionSchedule(config.garbage_collection.interval)
+        self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -39,12 +39,11 @@ run again inside backward (activation checkpointing's recomputation) releases no
 backward still needs it.
 
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
-all-gather the next units asynchronously, each unit whole, while fewer than ``prefetch_bucket_size``
-elements are taken (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in whole units: the unit that
-crosses the bound is still taken whole, so any bound >= 1 prefetches at least the next unit, as FSDP2
-prefetches the next module; a bound that cut a unit would leave its other segments to a synchronous
-all-gather behind the running reduce-scatters). A pass that departs from the recorded order simply
-stops prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
+all-gather the next units asynchronously, each whole, while fewer than ``prefetch_bucket_size`` elements are
+taken (DeepSpeed's ``stage3_prefetch_bucket_size`` counted in units: the one crossing the bound is taken, so
+the next unit always is, as FSDP2's next module; the root, gathered into backward, prefetches as its backward
+starts). A pass that departs from the recorded order simply stops prefetching. A unit recomputed inside
+backward (activation checkpointing) starts its backward there.
 
 Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
 re-gathers each unit as above but accumulates no gradient (asked of autograd's engine at the first unit it
@@ -78,7 +77,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.zero.comm import Comms, Pending, gather_segments
 from plait.zero.flat import Segment
-from plait.zero.stage3_units import Unit, UnitOrder, accumulates
+from plait.zero.stage3_units import Unit, UnitOrder, accumulates, ahead
 
 
 class ParamGatherer:
@@ -89,7 +88,7 @@ class ParamGatherer:
         units: from ``build_units``; each unit's ``segments`` must be filled in by the caller.
         comms: the groups each segment is sharded over (``plait.zero.comm.Comms``).
         allgather_bucket_size: elements per coalesced all-gather.
-        prefetch_bucket_size: elements fetched ahead of use (0: no prefetch).
+        prefetch_bucket_size: elements fetched ahead of use, in whole units (0: no prefetch).
         reshard_after_forward: release each unit when its forward ends (module docstring); False keeps
             it gathered until its backward has produced every gradient.
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
@@ -230,21 +229,10 @@ class ParamGatherer:
                 self._drop(seg)
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        if self.prefetch_bucket_size <= 0 or not upcoming:
-            return
-        budget, take, seen = self.prefetch_bucket_size, [], set()
-        for index in upcoming:
-            if budget <= 0:
-                break
-            for seg in self.units[index].segments:
-                if id(seg) in seen:
-                    continue
-                seen.add(id(seg))
-                budget -= seg.padded
-                if seg.full is None and id(seg) not in self.in_flight and \
-                        (self.gate is None or self.gate.consumed(seg)):
-                    take.append(seg)
-        self._fetch(take, async_op=True)
+        if self.prefetch_bucket_size > 0:
+            self._fetch([seg for seg in ahead(self.units, upcoming, self.prefetch_bucket_size)
+                         if seg.full is None and id(seg) not in self.in_flight
+                         and (self.gate is None or self.gate.consumed(seg))], async_op=True)
 
     def _free_unheld(self) -> None:
         for seg in list(self._segments()):

@@ -102,6 +102,22 @@ class UnitOrder:
         return self.order[self.cursor:]
 
 
+def ahead(units: list[Unit], upcoming: list[int], bound: int) -> list:
+    """The segments to all-gather ahead of the units ``upcoming`` (indices in the recorded order): whole
+    units while fewer than ``bound`` elements are taken, the unit that crosses the bound included (so the
+    next unit always is), each segment once (a tied parameter's segment belongs to several units)."""
+    out, seen = [], set()
+    for index in upcoming:
+        if bound <= 0:
+            break
+        for seg in units[index].segments:
+            if id(seg) not in seen:
+                seen.add(id(seg))
+                out.append(seg)
+                bound -= seg.padded
+    return out
+
+
 def accumulates(params: list[nn.Parameter]) -> bool:
     """Whether the running autograd pass (call it inside backward) will accumulate a gradient into one of
     ``params``, i.e. run its ``AccumulateGrad`` (asked of autograd's engine, as ``register_multi_grad_hook``
