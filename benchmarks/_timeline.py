@@ -1,5 +1,5 @@
 """Where one step's GPU time goes, from a torch.profiler chrome trace: compute, communication, their
-overlap and the idle gaps on the compute streams.
+overlap and the gaps in which no compute kernel runs on any stream (memory copies are not counted).
 
     python benchmarks/_timeline.py TRACE.json[.gz] [--gaps 15]      # the summary of a saved trace
 
@@ -66,7 +66,7 @@ def _minus(a, b) -> float:
 def summarise(kernels, gaps: int = 15) -> dict:
     """The summary of the module docstring from ``load_kernels``'s tuples (ms)."""
     if not kernels:
-        return {"span": 0.0}
+        return {"span": 0.0, "gaps": []}
     comm = _union((s, e) for s, e, _, n in kernels if "nccl" in n.lower())
     comp = _union((s, e) for s, e, _, n in kernels if "nccl" not in n.lower())
     span = max(e for _, e, _, _ in kernels) - kernels[0][0]

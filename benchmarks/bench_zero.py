@@ -201,8 +201,8 @@ def run_arm(arm: str, args) -> dict | None:
 def gc_pauses():
     """Record the cyclic garbage collector's pauses of 1 ms or more (generation, ms) while registered."""
     class Pauses:
-        ms: list = []
-        start = 0.0
+        def __init__(self):
+            self.ms, self.start = [], 0.0
 
         def note(self, phase, info):
             if phase == "start":
@@ -210,7 +210,6 @@ def gc_pauses():
             elif time.perf_counter() - self.start >= 1e-3:
                 self.ms.append((info["generation"], round((time.perf_counter() - self.start) * 1e3, 2)))
     pauses = Pauses()
-    pauses.ms = []
     gc.callbacks.append(pauses.note)
     return pauses
 

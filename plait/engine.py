@@ -183,7 +183,7 @@ class Engine(EngineFacts):
         self.report.after_step(global_steps=self.global_steps, global_samples=self.global_samples,
                                skipped_steps=self.skipped_steps, lrs=self.get_lr(), moms=self.get_mom(),
                                loss_scale=self.loss_scale if self.config.fp16.enabled else None)
-        self.collections.after_step(self.global_steps + self.skipped_steps)
+        self.collections.after_step(self.global_steps)   # applied and skipped steps, as every rank counts
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of

@@ -7,8 +7,10 @@ and the ranks pause at different steps. ``garbage_collection.interval = N`` (N >
 collector off for the rest of the process (``gc.disable()``, after one full ``gc.collect()``) and runs a
 full collection after every N-th optimizer step, skipped steps included, so the pauses line up and stay
 out of forward and backward (Megatron-LM's ``--manual-gc``/``--manual-gc-interval``; torchtitan's
-``training.gc_freq``). Reference counting still frees every object that is in no cycle; a cycle made
-between two collections is freed at the next one. ``N = 0`` (the default) leaves the collector as it is.
+``training.gc_freq``, which collects generation 1). Reference counting still frees every object that is in no
+cycle; a cycle made between two collections is freed at the next one. The setting is process-wide and outlives
+the engine. ``N = 0`` (the default) leaves the collector as it is. Independently, a pipeline's step pauses
+the automatic collector for its own duration (``plait.parallel.pipeline_exec``).
 """
 from __future__ import annotations
 

@@ -34,9 +34,10 @@ class Cycle:
         self.me = self
 
 
-def steps_with_a_cycle(engine, steps):
-    """Per step: make a reference cycle, train one step; return, per step, the full collections that ran
-    during it and whether that step's cycle is still alive after it."""
+def steps_with_a_cycle(engine, steps, poisoned=()):
+    """Per step: make a reference cycle, train one step (its loss times inf for the steps in ``poisoned``:
+    the nonfinite guard skips them); return, per step, the full collections that ran during it and whether
+    that step's cycle is still alive after it."""
     full, log = [], []
     note = lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None  # noqa: E731
     gc.callbacks.append(note)
@@ -44,7 +45,8 @@ def steps_with_a_cycle(engine, steps):
         for step in range(steps):
             alive, before = weakref.ref(Cycle()), len(full)
             ids = torch.randint(0, 97, (MICRO, 9), generator=torch.Generator().manual_seed(step))
-            engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
+            loss = engine(input_ids=ids[:, :-1], labels=ids[:, 1:])
+            engine.backward(loss * float("inf") if step in poisoned else loss)
             engine.step()
             log.append((len(full) - before, alive() is not None))
     finally:
@@ -57,6 +59,15 @@ def test_a_full_collection_runs_after_every_nth_step_only():
     engine = engine_with(garbage_collection={"interval": 2})
     assert not gc.isenabled()
     assert steps_with_a_cycle(engine, 5) == [(0, True), (1, False), (0, True), (1, False), (0, True)]
+
+
+def test_skipped_steps_count_once_as_every_rank_counts_them():
+    """Step 0 skipped (a non-finite gradient): the collections still follow ``engine.global_steps`` (applied
+    and skipped steps), after steps 2 and 4; counting the skip twice would move them to steps 1 and 3."""
+    engine = engine_with(garbage_collection={"interval": 2})
+    log = steps_with_a_cycle(engine, 4, poisoned={0})
+    assert (engine.global_steps, engine.skipped_steps) == (4, 1)
+    assert log == [(0, True), (1, False), (0, True), (1, False)]
 
 
 def test_interval_zero_leaves_the_collector_alone():

@@ -224,7 +224,8 @@ class GarbageCollectionConfig:
 
     def __post_init__(self) -> None:
         if self.interval < 0:
-            raise ConfigError(f"garbage_collection.interval must be >= 0 optimizer steps (0: off), got "
+            raise ConfigError(f"garbage_collection.interval must be >= 0 optimizer steps (0: Python's automatic "
+                              f"collection), got "
                               f"{self.interval}")
 
 

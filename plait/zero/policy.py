@@ -56,7 +56,8 @@ class CommOptions:
         allgather_bucket_size: elements per coalesced parameter all-gather (>= 1).
         overlap_comm: asynchronous collectives (reduction overlaps backward; all-gathers overlap each other).
         prefetch_bucket_size: stage 3: elements all-gathered ahead of use, counted in whole units (the next
-            unit is always taken whole; 0: no prefetch).
+            unit is always taken whole, so the GPU holds two units' gathered parameters at a time, also with
+            offload_param; 0: no prefetch, one unit).
         param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every rank.
         reshard_after_forward: stage 3: release a unit's gathered parameters when its forward ends and
             gather them again for its backward; False keeps them gathered in between (``stage3.ParamGatherer``).

@@ -41,8 +41,8 @@ backward still needs it.
 Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
 all-gather the next units asynchronously, each whole, while fewer than ``prefetch_bucket_size`` elements are
 taken (DeepSpeed's ``stage3_prefetch_bucket_size`` counted in units: the one crossing the bound is taken, so
-the next unit always is, as FSDP2's next module; the root, gathered into backward, prefetches as its backward
-starts). A pass that departs from the recorded order simply stops prefetching. A unit recomputed inside
+the next unit always is, as FSDP2's next module; the root module's forward ends by prefetching the first
+units of the recorded backward order). A pass that departs from the recorded order simply stops prefetching. A unit recomputed inside
 backward (activation checkpointing) starts its backward there.
 
 Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
@@ -114,7 +114,6 @@ class ParamGatherer:
                 self.units_of.setdefault(id(p), []).append(u)
         self.params = list({id(p): p for u in units for p in u.params}.values())
         self.task = (-1, False)        # (autograd graph task, whether it computes input gradients only)
-        self.root_task = -1            # the last graph task whose backward began at the root (it prefetched)
         self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
         self.hold_groups: list[set[int]] = []   # per input pass whose weight pass is to come: the units it held
         self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
@@ -248,6 +247,8 @@ class ParamGatherer:
     def _root_post_forward(self, module, args, output):
         self.fwd.stop_recording()
         self._free_unheld()
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._prefetch(self.bwd.order)    # the backward's first units, while the forward's tail runs
 
     def _make_pre(self, u: Unit):
         def pre_forward(module, args):
@@ -285,10 +286,6 @@ class ParamGatherer:
             return
         self.on_backward()
         if u.gathered:
-            task = torch._C._current_graph_task_id()
-            if u.module is self.root and self.root_task != task:   # kept from its forward, its backward opens
-                self.root_task = task                                # the pass: gather the next units meanwhile
-                self._prefetch(self.bwd.advance(u.index))
             return
         self.gather(u)
         self._prefetch(self.bwd.advance(u.index))
