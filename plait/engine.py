@@ -29,11 +29,11 @@ from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
 from plait.engine_report import StepReport
-from plait.gc_schedule import CollectionSchedule
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
 from plait.engine_offload import offload_options
 from plait.engine_pipeline import pipeline_train_step
+from plait.gc_schedule import CollectionSchedule
 from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
 from plait.optim.factory import (

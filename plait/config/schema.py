@@ -224,9 +224,8 @@ class GarbageCollectionConfig:
 
     def __post_init__(self) -> None:
         if self.interval < 0:
-            raise ConfigError(f"garbage_collection.interval must be >= 0 optimizer steps (0: Python's automatic "
-                              f"collection), got "
-                              f"{self.interval}")
+            raise ConfigError("garbage_collection.interval must be >= 0 optimizer steps (0: Python's automatic "
+                              f"collection), got {self.interval}")
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ Prefetch. The order units run forward (and backward) is recorded on the first pa
 all-gather the next units asynchronously, each whole, while fewer than ``prefetch_bucket_size`` elements are
 taken (DeepSpeed's ``stage3_prefetch_bucket_size`` counted in units: the one crossing the bound is taken, so
 the next unit always is, as FSDP2's next module; the root module's forward ends by prefetching the first
-units of the recorded backward order). A pass that departs from the recorded order simply stops prefetching. A unit recomputed inside
-backward (activation checkpointing) starts its backward there.
+units of the recorded backward order). A pass that departs from the recorded order simply stops
+prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
 Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
 re-gathers each unit as above but accumulates no gradient (asked of autograd's engine at the first unit it
