@@ -207,8 +207,8 @@ def gc_pauses():
         def note(self, phase, info):
             if phase == "start":
                 self.start = time.perf_counter()
-            elif time.perf_counter() - self.start >= 1e-3:
-                self.ms.append((info["generation"], round((time.perf_counter() - self.start) * 1e3, 2)))
+            elif (ms := (time.perf_counter() - self.start) * 1e3) >= 1.0:
+                self.ms.append((info["generation"], round(ms, 2)))
     pauses = Pauses()
     gc.callbacks.append(pauses.note)
     return pauses

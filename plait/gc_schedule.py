@@ -18,15 +18,10 @@ import gc
 
 
 class CollectionSchedule:
-    """Full collections after every ``interval``-th optimizer step (0: Python's automatic collection).
-
-    Raises:
-        ValueError: ``interval`` < 0.
-    """
+    """Full collections after every ``interval``-th optimizer step (0: Python's automatic collection;
+    ``GarbageCollectionConfig`` refuses a negative one)."""
 
     def __init__(self, interval: int):
-        if interval < 0:
-            raise ValueError(f"garbage collection interval must be >= 0 optimizer steps, got {interval}")
         self.interval = interval
         if interval > 0:
             gc.collect()

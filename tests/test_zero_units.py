@@ -63,7 +63,7 @@ def test_every_unit_but_the_first_forward_one_is_prefetched_whole():
     before = dict(opt.gatherer.stats)
     train(model, opt, cfg, 1)
     step = {k: opt.gatherer.stats[k] - before[k] for k in before}
-    assert step == {"fetched": 2 * 3, "prefetched": 2 * 2 * 2 * 3, "prefetched_for_backward": 2 * 2 * 3}, step
+    assert step == {"fetched": 2 * 3, "prefetched": 2 * 2 * 2 * 3, "prefetched_in_backward": 2 * 1 * 3}, step
     train(model, opt, cfg, STEPS - 3)
     assert_weights(full_weights(model, opt), reference(2 * MICRO_BS)[0], "stage 3, units prefetched whole")
 

@@ -281,11 +281,12 @@ def parity_cfgs(dp: int) -> list[dict]:
     if dp < 4:  # clipping at dp 1 and 2 (dp=4 adds nothing new to the norm and costs test time)
         cfgs += [dict(stage=s, gas=1 + 2 * (s % 2), max_norm=MAX_NORM, overlap=s > 1) for s in (0, 1, 2, 3)]
     if dp == 2:
-        cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, max_norm=MAX_NORM),
+        # prefetch 2000: below one block (2160 elements), so each prefetch takes exactly the next block
+        cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=2000, overlap=True, max_norm=MAX_NORM),
                  dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, reshard=False),
-                 dict(stage=3, gas=1, units="blocks", prefetch=5000, overlap=True, ckpt=True, max_norm=MAX_NORM),
+                 dict(stage=3, gas=1, units="blocks", prefetch=2000, overlap=True, ckpt=True, max_norm=MAX_NORM),
                  dict(stage=3, gas=1, ckpt=True, reshard=False),
-                 dict(stage=3, gas=2, units="blocks", prefetch=5000, overlap=True, ckpt="reentrant"),
+                 dict(stage=3, gas=2, units="blocks", prefetch=2000, overlap=True, ckpt="reentrant"),
                  dict(stage=2, gas=1, opt="sgd", bucket=500), dict(stage=3, gas=1, opt="sgd", persist=20)]
     return cfgs
 

@@ -257,7 +257,8 @@ class PipelineParallel:
         """Destroys this rank's process groups of the pipeline (the two p2p channels, the tied-gradient
         group). Call it on every rank, in the same order (NCCL may wait for a group's peers). Each NCCL group
         holds communicator buffers on the device, so a process that builds several pipelines (a benchmark, a
-        sweep) should close each one it is done with. Closing twice does nothing; ``train_batch``/``eval_batch`` on a closed pipeline raise RuntimeError."""
+        sweep) should close each one it is done with. Closing twice does nothing; ``train_batch``/``eval_batch``
+        on a closed pipeline raise RuntimeError."""
         p2p = self.executor.p2p
         for group in (*p2p.groups, self.tied_group):
             if group is not None:

@@ -117,7 +117,7 @@ class ParamGatherer:
         self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
         self.hold_groups: list[set[int]] = []   # per input pass whose weight pass is to come: the units it held
         self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
-        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_for_backward": 0}  # segments gathered
+        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
         self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
                         root.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in units:
@@ -178,7 +178,7 @@ class ParamGatherer:
             return
         self.stats["prefetched" if async_op else "fetched"] += len(segs)
         if async_op and torch._C._current_graph_task_id() != -1:
-            self.stats["prefetched_for_backward"] += len(segs)
+            self.stats["prefetched_in_backward"] += len(segs)
         for comm, part in self.comms.split(segs):
             outs, ins = [self._buffer(s) for s in part], self._sources(part)
             launched = gather_segments(outs, ins, comm.group, comm.size, self.allgather_bucket_size, async_op=async_op)
@@ -227,13 +227,12 @@ class ParamGatherer:
             if self.refs[id(seg)] == 0 and id(seg) not in self.in_flight:
                 self._drop(seg)
 
-    def _prefetch(self, upcoming: list[int]) -> list[Segment]:
-        """All-gather ahead what the bound takes of ``upcoming`` (``stage3_units.ahead``); returns it."""
-        take = [seg for seg in ahead(self.units, upcoming, self.prefetch_bucket_size)
-                if seg.full is None and id(seg) not in self.in_flight
-                and (self.gate is None or self.gate.consumed(seg))] if self.prefetch_bucket_size > 0 else []
-        self._fetch(take, async_op=True)
-        return take
+    def _prefetch(self, upcoming: list[int]) -> None:
+        """All-gather ahead what the bound takes of ``upcoming`` (``stage3_units.ahead``)."""
+        if self.prefetch_bucket_size > 0:
+            self._fetch([seg for seg in ahead(self.units, upcoming, self.prefetch_bucket_size)
+                         if seg.full is None and id(seg) not in self.in_flight
+                         and (self.gate is None or self.gate.consumed(seg))], async_op=True)
 
     def _free_unheld(self) -> None:
         for seg in list(self._segments()):
@@ -250,8 +249,7 @@ class ParamGatherer:
         self.fwd.stop_recording()
         self._free_unheld()
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # the backward's first units, while the forward's tail runs
-            self.stats["prefetched_for_backward"] += len(self._prefetch(self.bwd.order))
+            self._prefetch(self.bwd.order)    # the backward's first units, while the forward's tail runs
 
     def _make_pre(self, u: Unit):
         def pre_forward(module, args):
