@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_pipeline.py [--schedules 1f1b,interleaved,zb-h1,zb-v]
         [--micro-batches 8,16] [--micro-batch-sizes 1,2] [--timelines FILE] [--label NAME]
+        [--cuda-graphs off|on|both]
 
 Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, pp = world size.
 Per configuration: 2 warm-up and --steps timed ``train_batch`` calls (forward + backward, no
@@ -14,6 +15,8 @@ scheduler planned for the stage times zb-v just measured; its engine arms plan f
 (``schedule_costs="measure"``), as a user's run would. Also printed per rank: each action kind's count per step,
 device ms and host ms to issue it, and F/B/BI/BW timed in isolation (BI + BW against B: the split
 backward's cost). Prints a markdown table on rank 0 and appends JSON lines to --out.
+``--cuda-graphs both`` runs every row eagerly and then with ``PipelineParallel(cuda_graphs=True)`` (rows
+"<schedule>+g"; their ZeRO-3 engine arms are not run: graphs need resident parameters).
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ def close(pipe) -> None:
     getattr(pipe, "close", lambda: None)()
 
 
-def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None):
+def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None, graphs=False):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
     engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups.
     ``costs`` (zb-v*): plan for the engine's own measured second step instead of unit costs."""
@@ -155,7 +158,8 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v,
-                            schedule_costs="measure" if costs else None)   # planned in the second warm-up
+                            schedule_costs="measure" if costs else None,   # planned in the second warm-up
+                            cuda_graphs=graphs)
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
@@ -235,21 +239,25 @@ def parse_args():
                         "zb-h1/m8/b1,1f1b/m8/b1; tables go to --out with .profile.txt")
     parser.add_argument("--no-plan", dest="plan", action="store_false",
                         help="skip the zb-v row planned for the measured stage times (zb-v*)")
+    parser.add_argument("--cuda-graphs", default="off", choices=("off", "on", "both"),
+                        help="replay the actions as CUDA graphs (PipelineParallel(cuda_graphs=True)); both: each row twice")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     return parser.parse_args()
 
 
-def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines, costs=None) -> dict:
+def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines, costs=None,
+            graphs=False) -> dict:
     """One (schedule, m, micro-batch size) row: raw train_batch timing, every rank's action breakdown, the
     simulator's bubble on the measured times, and the engine arms. ``costs``: zb-v planned for these
-    per-stage times (the row's schedule is then "zb-v*")."""
+    per-stage times (the row's schedule is then "zb-v*"); ``graphs``: CUDA-graphed actions ("+g")."""
     from plait.parallel.pipeline import PipelineParallel
     from plait.parallel.simulate import stage_costs
 
     p = mesh.pp
-    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, schedule_costs=costs)
+    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, schedule_costs=costs,
+                            cuda_graphs=graphs)
     step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
-    name = schedule + ("*" if costs else "")
+    name = schedule + ("*" if costs else "") + ("+g" if graphs else "")
     key = f"{name}/m{m}/b{mbs}"
     if key in args.profile.split(","):
         profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
@@ -266,9 +274,11 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
            "bubble_measured": step_s / busy - 1 if busy else None,
            "bubble_simulated": predicted_bubble(pipe.lists, p, v, pipe.shape, measured) if measured else None,
            "stage_costs_ms": {k: [1e3 * x for x in c] for k, c in measured.items()}, "ranks": every}
-    for stage in [int(x) for x in args.engine.split(",") if x]:
+    del pipe   # its graphs' memory pools
+    gc.collect()
+    for stage in [int(x) for x in args.engine.split(",") if x and not (graphs and int(x) == 3)]:
         row[f"engine_zero{stage}_step_s"] = engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch,
-                                                             args.steps, costs)
+                                                             args.steps, costs, graphs)
     return row
 
 
@@ -286,6 +296,7 @@ def main():
                  **({"num_layers": args.layers} if args.layers else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, timelines = [], {}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     for schedule in args.schedules.split(","):
         v = 2 if schedule in ("interleaved", "zb-v") else 1
         chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=device, dtype=dtype, schedule=schedule)
@@ -296,12 +307,13 @@ def main():
                 return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
             isolated = timed_chunks(chunks, make_batch, (mbs, args.seq, cfg.hidden_size), dtype, device)
-            for m in [int(x) for x in args.micro_batches.split(",")]:
-                new = [measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines)]
+            for m, graphs in [(int(x), g) for x in args.micro_batches.split(",") for g in modes]:
+                new = [measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, timelines,
+                               graphs=graphs)]
                 if schedule == "zb-v" and args.plan:   # again, planned for the stage times just measured
                     costs = {k: new[0]["stage_costs_ms"][k] for k in ("F", "BI", "BW")}
                     new.append(measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated,
-                                       timelines, costs))
+                                       timelines, costs, graphs))
                 rows += new
                 for row in new if info.rank == 0 else []:
                     print(json.dumps({k: x for k, x in row.items() if k != "ranks"}), flush=True)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
+from plait.parallel.pipeline_graphs import ActionGraphs
 from plait.parallel.schedules import Action, get_schedule, placement, rank_of
 from plait.parallel.simulate import stage_costs, with_communication
 from plait.parallel.stage import StageChunk, check_layer_order, missing_members
@@ -78,6 +79,10 @@ class PipelineParallel:
             "measure": the second ``train_batch`` (the first warms up) times its actions, every rank of the
             world gathers all of them (once; a host synchronization), and the following steps run the lists
             planned for those per-stage medians (``planned_costs``).
+        cuda_graphs: replay each training action as a CUDA graph (``plait.parallel.pipeline_graphs``: for
+            micro-batches small enough that issuing the kernels from Python sets the pace). Needs a CUDA
+            device, tp = 1 and ZeRO stage 0-2 without parameter offload (checked at the first step); every
+            micro-batch of a step must have the same shapes.
 
     Attributes:
         schedule_costs: the ``schedule_costs`` argument.
@@ -113,13 +118,14 @@ class PipelineParallel:
             ``get_schedule``: unknown name, v not matching the schedule, costs for a schedule other than
             "zb-v", ...; a string other than "measure", or "measure" with another schedule); ``slice_tp=True`` with a
             chunk using sequence parallelism; chunks whose layers do not follow one another in the
-            schedule's stage order (e.g. built for another placement; collective over the pipeline group).
+            schedule's stage order (e.g. built for another placement; collective over the pipeline group);
+            ``cuda_graphs`` off a CUDA device or with tp > 1.
     """
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
                  grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None,
-                 schedule_costs: dict | str | None = None):
+                 schedule_costs: dict | str | None = None, cuda_graphs: bool = False):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
         if virtual_stages is not None and virtual_stages != v:
@@ -154,9 +160,15 @@ class PipelineParallel:
                                          activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready,
                                          tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
-                                         shape=self.shape)
+                                         shape=self.shape, graphs=self._graphs() if cuda_graphs else None)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
         self._closed = False
+
+    def _graphs(self) -> ActionGraphs:
+        if self.mesh is not None and self.mesh.tp > 1:
+            raise ValueError(f"cuda_graphs with tp={self.mesh.tp}: the tensor-parallel collectives inside the "
+                             f"chunks are not captured; use tp=1 or cuda_graphs=False")
+        return ActionGraphs(self.stage_modules, self.device)
 
     def _use_lists(self, lists) -> None:
         """Run ``lists`` (every rank's compute actions) from the next step on."""

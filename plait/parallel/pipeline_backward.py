@@ -185,15 +185,25 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     if not pending.split:
         torch.autograd.backward(pending.output, pending.grad_output)
         return
+    _in_exec_group(lambda: run_tails(*_weight_halves(pending)))
+
+
+def weight_gradients(pending: PendingWeightGrad) -> tuple[list, list]:
+    """BW's kernels without the accumulation: the parameter-side gradients of a split ``pending``
+    (``split`` True) as ``(edges, grads)`` for :func:`run_tails` (``plait.parallel.pipeline_graphs``
+    captures this part in a CUDA graph and runs the tails after each replay)."""
+    return _in_exec_group(lambda: _weight_halves(pending))
+
+
+def _in_exec_group(fn):
     group = getattr(_checkpoint, "GraphExecGroup", None)
     if group is None or torch._C._get_graph_exec_group() is not None:
-        _weight_halves(pending)
-        return
+        return fn()
     with group():  # a checkpointed region is recomputed once for all of BW, not once per saved tensor
-        _weight_halves(pending)
+        return fn()
 
 
-def _weight_halves(pending: PendingWeightGrad) -> None:
+def _weight_halves(pending: PendingWeightGrad) -> tuple[list, list]:
     tails, tail_grads = [e for e, _ in pending.ready], [g for _, g in pending.ready]
     for node, captured, side, fn in pending.nodes:
         if fn is not None:  # plait.parallel.weight_grad: the autograd formula on the saved tensors
@@ -208,8 +218,7 @@ def _weight_halves(pending: PendingWeightGrad) -> None:
                 tails.append(GradientEdge(child, k))
                 tail_grads.append(g)
     pending.nodes, pending.ready = [], []
-    if tails:
-        _run_tails(tails, tail_grads)
+    return tails, tail_grads
 
 
 def _past_transpose(child, k: int, grad: torch.Tensor):
@@ -223,13 +232,15 @@ def _past_transpose(child, k: int, grad: torch.Tensor):
     return child, k, grad
 
 
-def _run_tails(edges: list, grads: list) -> None:
+def run_tails(edges: list, grads: list) -> None:
     """One engine call from ``edges`` into the parameters (``AccumulateGrad`` and its hooks fire).
 
     Every gradient already has its edge's shape and dtype (``weight_grads`` applies the engine's
     own ``validate_outputs`` rules), so ``torch.autograd.backward``'s Python re-check of each one is
     skipped where torch exposes the engine entry point it wraps.
     """
+    if not edges:
+        return
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:
         torch.autograd.backward(edges, grads)

@@ -89,6 +89,9 @@ class PipelineExecutor:
             when the tensors crossing a stage boundary are identical on all tp ranks of a stage.
         shape: the stage placement of the action lists (``plait.parallel.schedules.stage_of``): "loop"
             (default) or "v" (schedule "zb-v").
+        graphs: ``plait.parallel.pipeline_graphs.ActionGraphs`` over ``chunks``: training steps replay each
+            compute action as a CUDA graph (captured at the first step, and again when shapes change); None
+            (default): eager. Evaluation steps always run eagerly.
 
     ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
 
@@ -101,8 +104,9 @@ class PipelineExecutor:
     def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
                  activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
                  grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None,
-                 shape: str = "loop"):
+                 shape: str = "loop", graphs=None):
         self.chunks, self.p2p, self.p, self.rank, self.shape = chunks, p2p, p, rank, shape
+        self.graphs = graphs
         self.tp_slices = tp_slices
         self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
         self.v = len(chunks)
@@ -145,6 +149,10 @@ class PipelineExecutor:
                 for this rank; ``check_schedule`` names the problem), or state was left over.
         """
         self._begin(actions, microbatches, train, scale_loss, on_micro_batch)
+        if self._graphed:
+            self.graphs.prepare(actions, [self._model_inputs(mb) for mb in range(self._m)],
+                                [None if self.stage(c) == 0 else self._shape(0) for c in range(self.v)], self.dtype,
+                                self._aux_scale)
         collecting = gc.isenabled()
         gc.disable()   # no cyclic-GC pause inside the step (module docstring); reference counting still frees
         try:
@@ -179,6 +187,7 @@ class PipelineExecutor:
 
     def _begin(self, actions, microbatches, train, scale_loss, on_micro_batch) -> None:
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
+        self._graphed = train and self.graphs is not None
         m = self._m
         self._scale_loss = scale_loss or (lambda loss: loss * (1.0 / m))
         self._aux_scale = float(self._scale_loss(torch.ones(())))   # d scaled / d loss, for the chunks' own losses
@@ -274,20 +283,28 @@ class PipelineExecutor:
             self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
 
     # ---- compute ----------------------------------------------------------------------------
+    def _model_inputs(self, mb: int) -> dict:
+        return {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
+
     def _do_F(self, mb: int, chunk: int) -> None:
         s, key = self.stage(chunk), (mb, chunk)
-        x = None if s == 0 else self._take(self._inputs, key, "input activation")[0].requires_grad_(self._train)
-        batch = {k: t for k, t in self._mbs[mb].items() if k in MODEL_INPUTS}
-        with torch.set_grad_enabled(self._train):
-            if self._takes_scale[chunk]:
-                batch["aux_loss_scale"] = self._aux_scale
-            out = self.chunks[chunk](hidden=x, **batch)
+        x = None if s == 0 else self._take(self._inputs, key, "input activation")[0]
+        batch = self._model_inputs(mb)
+        if self._graphed:
+            out = self.graphs.forward(chunk, mb, x, batch)   # the slot's static output, kept until its backward
+            x = None
+        else:
+            x = None if x is None else x.requires_grad_(self._train)
+            with torch.set_grad_enabled(self._train):
+                if self._takes_scale[chunk]:
+                    batch["aux_loss_scale"] = self._aux_scale
+                out = self.chunks[chunk](hidden=x, **batch)
         if s == self.last:
             if out.dim() != 0:
                 raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
                                  f"loss; give every micro-batch 'labels'")
-            self._losses[mb] = out.detach()
-            out = self._scale_loss(out)
+            self._losses[mb] = out.detach().clone() if self._graphed else out.detach()
+            out = None if self._graphed else self._scale_loss(out)
         elif (nxt := self._local_chunk(s + 1)) is not None:   # a chunk of this same rank: hand over directly
             self._inputs[(mb, nxt)] = (out.detach(), None)
         else:
@@ -321,18 +338,28 @@ class PipelineExecutor:
 
     def _do_B(self, mb: int, chunk: int) -> None:
         out, grad, x = self._backward_inputs(mb, chunk)
-        torch.autograd.backward(out, grad)  # parameters and the stage input (a leaf of our own)
-        gx = None if x is None else x.grad
+        if self._graphed:
+            gx = self.graphs.backward("B", chunk, mb, grad, self._aux_scale)
+        else:
+            torch.autograd.backward(out, grad)  # parameters and the stage input (a leaf of our own)
+            gx = None if x is None else x.grad
         del out, grad, x
         self._input_grad_ready(mb, chunk, gx)
         self._weights_done(mb, chunk)
 
     def _do_BI(self, mb: int, chunk: int) -> None:
         out, grad, x = self._backward_inputs(mb, chunk)
-        gx, self._pending[(mb, chunk)] = backward_input(out, grad, x)
+        if self._graphed:
+            gx, self._pending[(mb, chunk)] = self.graphs.backward("BI", chunk, mb, grad, self._aux_scale), None
+        else:
+            gx, self._pending[(mb, chunk)] = backward_input(out, grad, x)
         del out, grad, x
         self._input_grad_ready(mb, chunk, gx)
 
     def _do_BW(self, mb: int, chunk: int) -> None:
-        backward_weight(self._take(self._pending, (mb, chunk), "BI result"))
+        pending = self._take(self._pending, (mb, chunk), "BI result")
+        if self._graphed:
+            self.graphs.backward("BW", chunk, mb, None, self._aux_scale)
+        else:
+            backward_weight(pending)
         self._weights_done(mb, chunk)

@@ -1,0 +1,256 @@
+"""CUDA graphs for a pipeline rank's compute actions: each action's kernels launched by one graph replay.
+
+At small micro-batches a pipeline action is host-bound: the GPU finishes each kernel before Python has issued
+the next, so a schedule with more actions than 1F1B (interleaved, ZB-H1, ZB-V) pays in host time what it
+saves in bubble (``benchmarks/results/pipeline_2xH100.md``). A replayed graph issues all of an action's
+kernels at once (the mechanism of ``torch.cuda.make_graphed_callables`` and of Megatron-LM's per-micro-batch
+graphs, applied to the pipeline's actions and to the zero-bubble split).
+
+How:
+
+- A *slot* of chunk ``c`` holds one micro-batch from its F to its last backward action (B, or BW). A chunk
+  needs as many slots as its action list holds micro-batches in flight (:func:`slots_needed`).
+- Per slot, before the first step that needs it (at the step's start, with no transfer in flight), and in
+  the order they always replay, into the slot's own memory pool:
+  F (static stage input and micro-batch tensors -> static output), then either B (``torch.autograd.grad`` of
+  the output w.r.t. the stage input and the parameters), or BI (``pipeline_backward.backward_input``) and BW
+  (``pipeline_backward.weight_gradients``; on the first stage, which has no input gradient, BI is empty and
+  BW the whole backward, as without graphs).
+- Each action then copies its inputs into the slot's static tensors and replays. The loss and the input
+  gradient leave the slot as copies. After B and BW one autograd-engine call (``run_tails``) accumulates the
+  parameter gradients into ``.grad``, so post-accumulate hooks (ZeRO-1/2) fire as they do without graphs.
+- The kernels are the eager executor's, so the results are too (``tests/gpu/run_pipeline_graphs.py``).
+
+Requirements (``ValueError`` naming the cause, from ``PipelineParallel`` or the first graphed step): a CUDA
+device; tp = 1; chunks without forward or backward hooks, so no ZeRO-3 or parameter offload, whose hooks gather
+and free parameters; every micro-batch of a step with the same shapes; and
+no host synchronization inside a chunk's forward or backward (the capture fails, naming the op). A step whose
+shapes, action list or parameter addresses differ from the captured ones captures again first, and so does
+one with another ``aux_loss_scale`` for chunks that take it (it is a constant of the captured kernels; with
+bf16 or float32 it is ``1/m`` in every step, with fp16's dynamic loss scale it changes when the scale does).
+
+Memory: each slot keeps its pool from its capture on: the activations of one micro-batch (as the eager
+executor holds per micro-batch in flight), the backward's workspace and one set of the chunk's parameter
+gradients. ``eval_batch`` runs eagerly.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from plait.parallel.pipeline_backward import backward_input, run_tails, weight_gradients
+from plait.parallel.stage import takes_keyword
+
+
+def slots_needed(actions, v: int) -> list[int]:
+    """Per chunk, the most micro-batches ``actions`` (one rank's list) holds between their F and their last
+    backward action (B or BW) at once: the CUDA-graph slots that chunk needs."""
+    held, peak = [0] * v, [0] * v
+    for a in actions:
+        if a.kind == "F":
+            held[a.chunk] += 1
+            peak[a.chunk] = max(peak[a.chunk], held[a.chunk])
+        elif a.kind in ("B", "BW"):
+            held[a.chunk] -= 1
+    return peak
+
+
+def backward_kinds(actions, v: int) -> list[str | None]:
+    """Per chunk, "B" or "BI/BW": the backward actions ``actions`` runs it with (None: none).
+
+    Raises:
+        ValueError: a chunk runs both B and the BI/BW split in one list.
+    """
+    kinds: list[set] = [set() for _ in range(v)]
+    for a in actions:
+        if a.kind in ("B", "BI", "BW"):
+            kinds[a.chunk].add("B" if a.kind == "B" else "BI/BW")
+    if any(len(k) > 1 for k in kinds):
+        raise ValueError("cuda_graphs captures one backward per chunk, but this action list runs a chunk with "
+                         "both B and BI/BW; use the eager executor (cuda_graphs=False) for this list")
+    return [next(iter(k)) if k else None for k in kinds]
+
+
+@dataclass
+class _Slot:
+    pool: object
+    x: torch.Tensor | None
+    batch: dict
+    out: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    gx: torch.Tensor | None = None
+    tails: tuple = ((), ())
+    graphs: dict = field(default_factory=dict)
+    busy: bool = False
+
+
+class ActionGraphs:
+    """CUDA graphs of one rank's pipeline actions (module docstring); the executor's ``graphs`` argument.
+
+    Args:
+        chunks: this rank's chunks (the executor's).
+        device: their CUDA device.
+
+    Attributes:
+        captures: how many times the slots were captured (once per new shape, list or parameter address).
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+    """
+
+    def __init__(self, chunks: list, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the pipeline on a CUDA device, not {device}; pass "
+                             f"cuda_graphs=False on CPU")
+        self.chunks, self.device = chunks, device
+        self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
+        self.captures = 0
+        self._slots: list[list[_Slot]] = [[] for _ in chunks]
+        self._held: dict = {}
+        self._key = None
+        self._stream = torch.cuda.Stream(device)
+
+    # ---- capture ------------------------------------------------------------------------------
+    def prepare(self, actions, batches: list[dict], x_shapes: list, dtype: torch.dtype, aux_scale: float) -> None:
+        """Capture the slots ``actions`` needs for the step's micro-batches ``batches`` (model inputs only) and,
+        per chunk, stage inputs of ``x_shapes[c]`` (None: the first stage) and ``dtype``, unless they are
+        captured already. ``aux_scale`` is passed as ``aux_loss_scale`` to the chunks whose forward takes it.
+        Call at the step's start.
+
+        Raises:
+            ValueError: the micro-batches differ in their tensors' shapes or dtypes (named).
+        """
+        batch, v = batches[0], len(self.chunks)
+        for i, other in enumerate(batches):
+            if any(k not in batch or t.shape != batch[k].shape or t.dtype != batch[k].dtype for k, t in other.items()):
+                raise ValueError(f"cuda_graphs replays one shape per step, but micro-batch {i} has "
+                                 f"{_shapes(other)} and micro-batch 0 {_shapes(batch)}; pad the micro-batches of a "
+                                 f"step to one shape, or pass cuda_graphs=False")
+        slots, kinds = slots_needed(actions, v), backward_kinds(actions, v)
+        params = [self._params(c) for c in range(v)]
+        scaled = [dict(aux_loss_scale=aux_scale) if takes else {} for takes in self._takes_scale]
+        key = (tuple((k, tuple(t.shape), t.dtype) for k, t in sorted(batch.items())), tuple(x_shapes), dtype,
+               aux_scale if any(self._takes_scale) else None,
+               tuple(slots), tuple(kinds), tuple(p.data_ptr() for ps in params for p in ps))
+        if key == self._key:
+            return
+        self._check_hooks()
+        self._slots, self._held, self._key = [[] for _ in range(v)], {}, None
+        for c, chunk in enumerate(self.chunks):
+            x = None if x_shapes[c] is None else torch.zeros(x_shapes[c], dtype=dtype, device=self.device)
+            self._warm_up(chunk, x, {**batch, **scaled[c]}, params[c])
+            self._slots[c] = [self._capture(c, kinds[c], x, batch, params[c], scaled[c]) for _ in range(slots[c])]
+        self._key = key
+        self.captures += 1
+
+    def _params(self, c: int) -> list[torch.nn.Parameter]:
+        return [p for p in self.chunks[c].parameters() if p.requires_grad]
+
+    def _check_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks:
+            raise ValueError("cuda_graphs cannot capture chunks while global module forward hooks are registered")
+        for c, chunk in enumerate(self.chunks):
+            for name, mod in chunk.named_modules():
+                if mod._forward_pre_hooks or mod._forward_hooks or mod._backward_hooks:
+                    raise ValueError(f"cuda_graphs: chunk {c}'s module {name or '<chunk>'} has forward or backward "
+                                     f"hooks (ZeRO-3 and parameter offload gather and free parameters in them); "
+                                     f"a graph would replay them once, at capture. Use ZeRO stage 0-2 without "
+                                     f"offload_param, or cuda_graphs=False")
+            for name, p in chunk.named_parameters():
+                if p._backward_hooks:
+                    raise ValueError(f"cuda_graphs: parameter {name} of chunk {c} has a gradient hook "
+                                     f"(register_hook), which a graph would run only at capture; use "
+                                     f"register_post_accumulate_grad_hook, or cuda_graphs=False")
+
+    def _warm_up(self, chunk, x, batch, params) -> None:
+        """One eager forward and backward on the capture stream (lazy library set-up must not happen inside
+        a capture); ``autograd.grad``, so nothing accumulates into ``.grad``."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            inp = None if x is None else x.detach().clone().requires_grad_()
+            out = chunk(hidden=inp, **batch)
+            torch.autograd.grad(out, ([] if inp is None else [inp]) + params, torch.ones_like(out),
+                                allow_unused=True)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    @contextmanager
+    def _graph(self, slot: _Slot, kind: str):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=slot.pool, stream=self._stream, capture_error_mode="thread_local"):
+            yield
+        slot.graphs[kind] = graph
+
+    def _capture(self, c: int, kind: str | None, x, batch: dict, params: list, extra: dict) -> _Slot:
+        slot = _Slot(pool=torch.cuda.graph_pool_handle(), batch={k: t.clone() for k, t in batch.items()},
+                     x=None if x is None else x.clone().requires_grad_())
+        with self._graph(slot, "F"):
+            out = self.chunks[c](hidden=slot.x, **slot.batch, **extra)
+        slot.out = out.detach()
+        slot.grad = torch.ones_like(out) if out.dim() == 0 else torch.zeros_like(out)
+        inputs = [] if slot.x is None else [slot.x]
+        if kind == "B" or (kind is not None and slot.x is None):   # first stage: BI is empty, BW the whole backward
+            with self._graph(slot, "B" if kind == "B" else "BW"):
+                grads = torch.autograd.grad(out, inputs + params, slot.grad, allow_unused=True)
+            slot.gx = grads[0] if inputs else None
+            slot.tails = _param_tails(params, grads[len(inputs):])
+        elif kind is not None:
+            with self._graph(slot, "BI"):
+                slot.gx, pending = backward_input(out, slot.grad, slot.x)
+            with self._graph(slot, "BW"):
+                if pending.split:
+                    slot.tails = weight_gradients(pending)
+                else:   # the cut's fallback: BW is the whole backward (pipeline_backward)
+                    grads = torch.autograd.grad(pending.output, params, pending.grad_output, allow_unused=True)
+                    slot.tails = _param_tails(params, grads)
+        return slot
+
+    # ---- replay -------------------------------------------------------------------------------
+    def forward(self, chunk: int, mb: int, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """F of micro-batch ``mb``: takes a free slot of ``chunk`` until its last backward action; returns the
+        slot's static output (the scalar loss on the last stage), valid until that action."""
+        slot = next((s for s in self._slots[chunk] if not s.busy), None)
+        if slot is None:
+            raise RuntimeError(f"cuda_graphs: no free slot of chunk {chunk} for micro-batch {mb}; the action list "
+                               f"differs from the one prepare() captured for")
+        slot.busy, self._held[(mb, chunk)] = True, slot
+        with torch.no_grad():
+            if slot.x is not None:
+                slot.x.copy_(x)
+            for k, t in batch.items():
+                slot.batch[k].copy_(t)
+        slot.graphs["F"].replay()
+        return slot.out
+
+    def backward(self, kind: str, chunk: int, mb: int, grad: torch.Tensor | None, loss_grad: float):
+        """B, BI or BW of micro-batch ``mb``: ``grad`` is the output's gradient (B, BI; None on the last stage,
+        whose loss gets ``loss_grad``). Returns a copy of the input gradient (B, BI; None on the first stage)."""
+        slot = self._held[(mb, chunk)]
+        if kind != "BW":
+            if grad is None:
+                slot.grad.fill_(loss_grad)
+            else:
+                slot.grad.copy_(grad)
+        if kind in slot.graphs:
+            slot.graphs[kind].replay()
+        if kind != "BI":
+            run_tails(*slot.tails)
+            slot.busy = False
+            del self._held[(mb, chunk)]
+        if kind != "BW" and slot.gx is not None:
+            return slot.gx.clone()
+        return None
+
+
+def _shapes(batch: dict) -> dict:
+    return {k: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for k, t in batch.items()}
+
+
+def _param_tails(params: list, grads) -> tuple[list, list]:
+    """``(edges, grads)`` for ``run_tails``: each parameter's gradient into its ``AccumulateGrad``."""
+    pairs = [(get_gradient_edge(p), g) for p, g in zip(params, grads) if g is not None]
+    return [e for e, _ in pairs], [g for _, g in pairs]
