@@ -36,6 +36,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
                                                      "over this many dp ranks (default 1)")
     g.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule")
     g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved; zb-v: 2)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each pipeline action as a CUDA graph (pipeline.cuda_graphs; pp > 1, tp 1, ZeRO <= 2)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--offload", choices=["none", "optimizer", "param", "all"],
@@ -120,6 +122,8 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         pipe["schedule"] = args.schedule
     if args.virtual_stages:
         pipe["virtual_stages"] = args.virtual_stages
+    if getattr(args, "cuda_graphs", None) is not None:
+        pipe["cuda_graphs"] = args.cuda_graphs
     if pipe.get("schedule") == "interleaved" and pipe.get("virtual_stages", 1) < 2:
         pipe["virtual_stages"] = 2
     if pipe.get("schedule") == "zb-v":

@@ -47,7 +47,7 @@ def build_engine(args, mesh, cfg, arch, chunk_factory=None):
     if pipelined:
         costs = "measure" if cfg.pipeline.schedule_costs == "measure" else None
         model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps, v,
-                                 schedule_costs=costs)
+                                 schedule_costs=costs, cuda_graphs=cfg.pipeline.cuda_graphs)
     return plait.initialize(model, cfg, mesh=mesh)
 
 

@@ -71,3 +71,15 @@ def test_bw_kernels_then_tails_equal_backward_weight_bitwise(head):
         for p in params:
             p.grad = None
     assert_bitwise(results[0], results[1])
+
+
+def test_config_key_and_its_refusals():
+    from plait.config import ConfigError, load_config
+
+    base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}
+    cfg = load_config({**base, "pipeline": {"size": 2, "cuda_graphs": True}, "zero_optimization": {"stage": 1}})
+    assert cfg.pipeline.cuda_graphs and not load_config(base).pipeline.cuda_graphs
+    for extra, named in (({"zero_optimization": {"stage": 3}}, "got stage 3 and size 1"),
+                         ({"tensor_parallel": {"size": 2}}, "got stage 0 and size 2")):
+        with pytest.raises(ConfigError, match=named):
+            load_config({**base, "pipeline": {"size": 2, "cuda_graphs": True}, **extra})

@@ -156,6 +156,10 @@ class PipelineConfig:
     layer index than model chunks (``size * virtual_stages``), chunk i holding layers ``[b_i, b_{i+1})``.
     ``schedule_costs`` (zb-v only): "unit" plans the lists for equal action times (the paper's setting),
     "measure" plans them again after timing the second step (``PipelineParallel(schedule_costs="measure")``).
+    ``cuda_graphs``: replay each training action as a CUDA graph (``PipelineParallel(cuda_graphs=True)``,
+    ``plait.parallel.pipeline_graphs``; Megatron-LM's ``--enable-cuda-graph`` for pipeline actions): for small
+    micro-batches, where issuing kernels from Python sets the pace. Needs tensor_parallel.size 1 and ZeRO
+    stage 0-2 (ZeRO-3 gathers parameters in hooks a graph cannot replay).
     """
 
     size: int = field(default=1, metadata={"aliases": ("stages",)})
@@ -164,6 +168,7 @@ class PipelineConfig:
     micro_batches: int | None = None
     partition: Literal["uniform", "parameters"] | list[int] = "uniform"
     schedule_costs: Literal["unit", "measure"] = "unit"
+    cuda_graphs: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -305,6 +310,11 @@ class PlaitConfig:
         if mb is not None and mb != gas:
             raise ConfigError(f"pipeline.micro_batches ({mb}) differs from gradient_accumulation_steps ({gas}); "
                              "a pipeline step runs one micro-batch per accumulation step: make them equal")
+        if self.pipeline.cuda_graphs and (self.zero_optimization.stage == 3 or self.tensor_parallel.size > 1):
+            raise ConfigError(f"pipeline.cuda_graphs needs zero_optimization.stage <= 2 and tensor_parallel.size 1, "
+                              f"got stage {self.zero_optimization.stage} and size {self.tensor_parallel.size}: "
+                              "ZeRO-3 gathers parameters in hooks and tp runs collectives inside the actions, "
+                              "which a graph cannot replay; set pipeline.cuda_graphs false")
 
     @property
     def data_parallel_size(self) -> int:
