@@ -183,6 +183,8 @@ def test_stage_costs_reads_medians_per_virtual_stage_and_simulate_takes_them():
     with pytest.raises(ValueError, match=r"cost of F: 3 values; give one, one per rank \(p=2\) or one per "
                                          r"virtual stage \(p\*v=4\)"):
         simulate(lists, 2, 2, cost_f=(1, 2, 3), shape="v")
+    with pytest.raises(ValueError, match=r"cost of BI: \[1, -1\] has a value that is not finite and >= 0"):
+        simulate(lists, 2, 2, cost_bi=(1, -1), shape="v")
 
 
 def ds_config(schedule: str) -> dict:

@@ -20,6 +20,7 @@ Costs are in any time unit (e.g. the forward time of one whole stage); they may 
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -133,13 +134,13 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
         SimResult with per-action times, bubble and peak-memory figures.
 
     Raises:
-        ValueError: ``len(lists) != p``, a cost sequence of neither p nor ``p * v`` values, or a channel's
-            receives posted out of its send order.
+        ValueError: ``len(lists) != p``, a cost sequence of neither p nor ``p * v`` values, a cost that is
+            not finite and >= 0, or a channel's receives posted out of its send order.
         DeadlockError: no rank can progress; the message lists what each stuck rank waits for.
     """
     if len(lists) != p:
         raise ValueError(f"got {len(lists)} rank lists but p={p}; give one list per rank")
-    cost = {k: _per_stage(k, c, p, v, shape) for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi),
+    cost = {k: per_stage_costs(k, c, p, v, shape) for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi),
                                                            ("BW", cost_bw))}
     cost_comm = cost_comm or 0  # a float 0.0 would turn exact Fraction times into floats
     explicit = any(not a.is_compute for acts in lists for a in acts)
@@ -162,15 +163,35 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     return _sim_result(lists, p, v, sim.timeline, sim.clock)
 
 
-def _per_stage(kind: str, cost, p: int, v: int, shape: str) -> tuple:
-    """``cost`` (one value, p per-rank values or ``p * v`` per-stage values) as one value per virtual stage."""
-    if not isinstance(cost, (tuple, list)):
-        return (cost,) * (p * v)
-    if len(cost) == p * v:
-        return tuple(cost)
-    if len(cost) == p:
-        return tuple(cost[rank_of(s, p, shape)] for s in range(p * v))
-    raise ValueError(f"cost of {kind}: {len(cost)} values; give one, one per rank (p={p}) or one per virtual "
+def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str | None = None) -> tuple:
+    """``cost`` of one action kind as one value per virtual stage: the one place costs are normalised
+    (:func:`simulate`, and the ZB-V planner through ``owner``).
+
+    Args:
+        cost: one value, ``p`` per-rank values (each rank's chunks alike) or ``p * v`` per-stage values;
+            with ``owner`` only the per-stage form.
+        owner: the schedule the costs are for (named in the error), e.g. "zb-v".
+
+    Raises:
+        ValueError: another number of values, or a value that is not finite and >= 0.
+    """
+    values = tuple(cost) if isinstance(cost, (tuple, list)) else None
+    if owner is not None:
+        if values is None or len(values) != p * v or not all(math.isfinite(x) and x >= 0 for x in values):
+            raise ValueError(f"{owner} costs[{kind!r}] needs {p * v} finite non-negative values (one per virtual "
+                             f"stage), got {list(values) if values is not None else cost!r}")
+        return values
+    if values is None:
+        values = (cost,)
+    if not all(math.isfinite(x) and x >= 0 for x in values):
+        raise ValueError(f"cost of {kind}: {list(values)} has a value that is not finite and >= 0")
+    if len(values) == 1 and not isinstance(cost, (tuple, list)):
+        return values * (p * v)
+    if len(values) == p * v:
+        return values
+    if len(values) == p:
+        return tuple(values[rank_of(s, p, shape)] for s in range(p * v))
+    raise ValueError(f"cost of {kind}: {len(values)} values; give one, one per rank (p={p}) or one per virtual "
                      f"stage (p*v={p * v})")
 
 

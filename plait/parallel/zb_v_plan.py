@@ -4,18 +4,17 @@ the best of several such plans by simulated step. ``zb_v``'s docstring gives the
 """
 from __future__ import annotations
 
-import math
 import random
 
 from plait.parallel.schedules import Action, Schedule, stage_of
-from plait.parallel.simulate import simulate
+from plait.parallel.simulate import per_stage_costs, simulate
 
 
 def plan_zb_v(p: int, m: int, costs: dict | None, tries: int) -> Schedule:
     """ZB-V lists for ``p`` ranks and ``m`` micro-batches planned for ``costs`` (unit costs when None): the
     greedy plan for ``costs`` and for ``tries - 1`` seeded copies jittered by up to 5%, the one whose
     simulated step at ``costs`` is shortest (the first on ties). Raises ValueError for bad ``costs``."""
-    cost = checked_costs(costs, 2 * p)
+    cost = checked_costs(costs, p)
     if costs is None:
         return _GreedyV(p, m, cost).run()
 
@@ -27,17 +26,11 @@ def plan_zb_v(p: int, m: int, costs: dict | None, tries: int) -> Schedule:
     return min((_GreedyV(p, m, trial).run() for trial in trials), key=span)   # the first on ties
 
 
-def checked_costs(costs: dict | None, stages: int) -> dict[str, tuple]:
+def checked_costs(costs: dict | None, p: int) -> dict[str, tuple]:
+    """Per-stage F, BI and BW costs for ``p`` ranks in the V placement (unit costs when None)."""
     if costs is None:
-        return {k: (1,) * stages for k in ("F", "BI", "BW")}
-    out = {}
-    for k in ("F", "BI", "BW"):
-        c = tuple(costs.get(k, ()))
-        if len(c) != stages or not all(math.isfinite(x) and x >= 0 for x in c):
-            raise ValueError(f"zb-v costs[{k!r}] needs {stages} finite non-negative values (one per virtual stage), "
-                             f"got {list(c)}")
-        out[k] = c
-    return out
+        return {k: (1,) * (2 * p) for k in ("F", "BI", "BW")}
+    return {k: per_stage_costs(k, costs.get(k, ()), p, 2, "v", owner="zb-v") for k in ("F", "BI", "BW")}
 
 
 class _GreedyV:
