@@ -240,7 +240,8 @@ def parse_args():
     parser.add_argument("--no-plan", dest="plan", action="store_false",
                         help="skip the zb-v row planned for the measured stage times (zb-v*)")
     parser.add_argument("--cuda-graphs", default="off", choices=("off", "on", "both"),
-                        help="replay the actions as CUDA graphs (PipelineParallel(cuda_graphs=True)); both: each row twice")
+                        help="replay the actions as CUDA graphs (PipelineParallel(cuda_graphs=True)); "
+                             "both: each row twice")
     parser.add_argument("--engine", default="", help="ZeRO stages to also time through engine.train_batch, e.g. 1,3")
     return parser.parse_args()
 

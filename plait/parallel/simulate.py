@@ -175,22 +175,18 @@ def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str |
     Raises:
         ValueError: another number of values, or a value that is not finite and >= 0.
     """
-    values = tuple(cost) if isinstance(cost, (tuple, list)) else None
-    if owner is not None:
-        if values is None or len(values) != p * v or not all(math.isfinite(x) and x >= 0 for x in values):
-            raise ValueError(f"{owner} costs[{kind!r}] needs {p * v} finite non-negative values (one per virtual "
-                             f"stage), got {list(values) if values is not None else cost!r}")
-        return values
-    if values is None:
-        values = (cost,)
-    if not all(math.isfinite(x) and x >= 0 for x in values):
+    seq = isinstance(cost, (tuple, list))
+    values = tuple(cost) if seq else (cost,)
+    valid = all(math.isfinite(x) and x >= 0 for x in values)
+    if owner is not None and not (seq and len(values) == p * v and valid):
+        raise ValueError(f"{owner} costs[{kind!r}] needs {p * v} finite non-negative values (one per virtual "
+                         f"stage), got {list(values) if seq else cost!r}")
+    if not valid:
         raise ValueError(f"cost of {kind}: {list(values)} has a value that is not finite and >= 0")
-    if len(values) == 1 and not isinstance(cost, (tuple, list)):
-        return values * (p * v)
+    if not seq or len(values) == p:
+        return tuple(values[0 if not seq else rank_of(s, p, shape)] for s in range(p * v))
     if len(values) == p * v:
         return values
-    if len(values) == p:
-        return tuple(values[rank_of(s, p, shape)] for s in range(p * v))
     raise ValueError(f"cost of {kind}: {len(values)} values; give one, one per rank (p={p}) or one per virtual "
                      f"stage (p*v={p * v})")
 
