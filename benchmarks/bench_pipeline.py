@@ -257,12 +257,15 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
     p = mesh.pp
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, schedule_costs=costs,
                             cuda_graphs=graphs)
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     step_s, tls, busy_s = run_config(pipe, chunks, make_batch, m, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
     name = schedule + ("*" if costs else "") + ("+g" if graphs else "")
     key = f"{name}/m{m}/b{mbs}"
     if key in args.profile.split(","):
         profile_step(pipe, chunks, make_batch, m, f"{args.out}.{schedule}-m{m}-b{mbs}.profile.txt")
-    mine = {"busy": busy_s, "kinds": breakdown([t for tl in tls for t in tl], len(tls)), "isolated": isolated,
+    mine = {"busy": busy_s, "peak_gib": peak, "kinds": breakdown([t for tl in tls for t in tl], len(tls)),
+            "isolated": isolated,
             "actions": [t.__dict__ for tl in tls for t in tl]}
     every = [None] * p
     dist.all_gather_object(every, mine)
@@ -272,6 +275,7 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
     close(pipe)
     row = {"label": args.label, "schedule": name, "p": p, "v": v, "m": m, "micro_batch": mbs,
            "step_s": step_s, "busy_s": busy, "tokens_per_s": m * mbs * args.seq / step_s,
+           "peak_gib": max(e["peak_gib"] for e in every),
            "bubble_measured": step_s / busy - 1 if busy else None,
            "bubble_simulated": predicted_bubble(pipe.lists, p, v, pipe.shape, measured) if measured else None,
            "stage_costs_ms": {k: [1e3 * x for x in c] for k, c in measured.items()}, "ranks": every}
@@ -334,13 +338,13 @@ def report(rows, args, p, dtype):
     write_jsonl(args.out, rows, append=True)
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"\n{args.preset} {dtype}, seq {args.seq}, pp={p} on {where}; torch {torch.__version__}; {args.label}")
-    print("| code | schedule | m | micro-batch | step s | tokens/s | bubble measured | simulated |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| code | schedule | m | micro-batch | step s | tokens/s | bubble measured | simulated | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bm = "n/a" if r["bubble_measured"] is None else f"{100 * r['bubble_measured']:.1f}%"
         bs = "n/a" if r["bubble_simulated"] is None else f"{100 * r['bubble_simulated']:.1f}%"
         print(f"| {r['label']} | {r['schedule']}{' v=2' if r['v'] == 2 else ''} | {r['m']} | {r['micro_batch']} | "
-              f"{r['step_s']:.3f} | {r['tokens_per_s'] / 1e3:.1f}k | {bm} | {bs} |")
+              f"{r['step_s']:.3f} | {r['tokens_per_s'] / 1e3:.1f}k | {bm} | {bs} | {r.get('peak_gib', 0):.2f} |")
     engine = sorted({k for r in rows for k in r if k.startswith("engine_")})
     if engine:
         print("\nthrough engine.train_batch (bf16, AdamW step), tokens/s:")

@@ -378,5 +378,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         if config.pipeline.schedule_costs == "measure" and pipeline.schedule_costs != "measure":
             raise ConfigError("the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
                               f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'")
+        if config.pipeline.cuda_graphs and not pipeline.cuda_graphs:
+            raise ConfigError("the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
+                              "it; pass cuda_graphs=True")
     check_context_parallel(config, mesh, model, pipeline)
     return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights)

@@ -9,11 +9,10 @@ import torch
 
 from plait.layers.stages import build_stage_modules
 from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.pipeline_backward import backward_input, backward_weight, run_tails, weight_gradients
-from plait.parallel.pipeline_graphs import backward_kinds, slots_needed
+from plait.parallel.pipeline_backward import backward_input, run_tails, weight_gradients
+from plait.parallel.pipeline_graphs import backward_kinds, check_capturable, check_same_shapes, slots_needed
 from plait.parallel.schedules import Action, get_schedule, placement
 from plait.parallel.simulate import simulate
-from test_zb_split import assert_bitwise, model_case
 
 
 @pytest.mark.parametrize("name, v, want", [
@@ -55,22 +54,61 @@ def test_cuda_graphs_on_cpu_is_refused_with_the_fix():
         PipelineParallel(chunks, None, schedule="1f1b", micro_batches=2, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("head", [False, True])
-def test_bw_kernels_then_tails_equal_backward_weight_bitwise(head):
-    """What a graph captures (``weight_gradients``) followed by ``run_tails`` after the replay leaves
-    ``.grad`` bitwise as ``backward_weight`` does (float32 Llama stage; with the head: the loss)."""
-    model, fn, x0, grad_out = model_case("llama", torch.float32, head)
-    params = list(model.parameters())
-    results = []
-    for split in (backward_weight, lambda pending: run_tails(*weight_gradients(pending))):
-        x = x0.clone().requires_grad_()
-        gx, pending = backward_input(fn(x), grad_out, x)
+def test_tails_run_again_at_every_replay_only_when_kept():
+    """A graph replays BW's kernels and then runs the same tail nodes again. A weight used as ``(w * s).t()``
+    leaves a ``MulBackward0`` tail (saved tensors w and s): kept, a second run adds the same gradients again;
+    not kept, torch refuses the second run (what replays did before ``keep_graph``)."""
+    g = torch.Generator().manual_seed(0)
+    w, s = torch.randn(6, 5, generator=g, requires_grad=True), torch.randn(6, 5, generator=g, requires_grad=True)
+    x = torch.randn(3, 5, generator=g, requires_grad=True)
+    for keep in (True, False):
+        w.grad = s.grad = None
+        gx, pending = backward_input(torch.tanh(x @ (w * s).t()).sum(), None, x)
         assert pending.split
-        split(pending)
-        results.append([gx] + [p.grad.clone() for p in params])
-        for p in params:
-            p.grad = None
-    assert_bitwise(results[0], results[1])
+        tails = weight_gradients(pending)
+        run_tails(*tails, keep_graph=keep)
+        once = (w.grad.clone(), s.grad.clone())
+        if not keep:
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                run_tails(*tails)
+            continue
+        run_tails(*tails, keep_graph=True)
+        assert torch.equal(w.grad, 2 * once[0]) and torch.equal(s.grad, 2 * once[1])
+    w.grad = s.grad = None
+    torch.tanh(x.detach() @ (w * s).t()).sum().backward()   # one plain backward: what one run must add
+    assert torch.equal(once[0], w.grad) and torch.equal(once[1], s.grad)
+
+
+def test_micro_batches_of_other_keys_or_shapes_are_refused():
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    check_same_shapes([{"input_ids": ids, "labels": ids}] * 3)
+    for other, named in (({"input_ids": ids[:, :4], "labels": ids[:, :4]}, r"\(2, 4\)"),
+                         ({"input_ids": ids, "labels": ids, "attention_mask": ids}, "attention_mask"),
+                         ({"input_ids": ids.int(), "labels": ids}, "int32")):
+        with pytest.raises(ValueError, match=f"micro-batch 1 has .*{named}.*same keys"):
+            check_same_shapes([{"input_ids": ids, "labels": ids}, other])
+
+
+def test_what_a_capture_cannot_replay_is_refused_by_name():
+    from plait.layers import preset
+
+    def chunk(**kw):
+        cfg = preset("llama-886m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
+                     vocab_size=128, max_position_embeddings=16, **kw)
+        return build_stage_modules(cfg, None, v=1, seed=0)[0]
+    check_capturable([chunk()])
+    hooked = chunk()
+    hooked.layers["1"].register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"module layers\.1 has module hooks .*ZeRO stage 0-2"):
+        check_capturable([hooked])
+    graded = chunk()
+    next(graded.parameters()).register_hook(lambda g: g)
+    with pytest.raises(ValueError, match="gradient hook .*register_post_accumulate_grad_hook"):
+        check_capturable([graded])
+    dropped = chunk(hidden_dropout=0.1)
+    with pytest.raises(ValueError, match="dropout 0.1"):
+        check_capturable([dropped])
+    check_capturable([dropped.eval()])
 
 
 def test_config_key_and_its_refusals():

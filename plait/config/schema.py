@@ -310,6 +310,9 @@ class PlaitConfig:
         if mb is not None and mb != gas:
             raise ConfigError(f"pipeline.micro_batches ({mb}) differs from gradient_accumulation_steps ({gas}); "
                              "a pipeline step runs one micro-batch per accumulation step: make them equal")
+        if self.pipeline.cuda_graphs and self.pipeline.num_chunks == 1:
+            raise ConfigError("pipeline.cuda_graphs replays pipeline actions, but pipeline.size and virtual_stages "
+                              "are 1 (no pipeline); set pipeline.size > 1 or drop cuda_graphs")
         if self.pipeline.cuda_graphs and (self.zero_optimization.stage == 3 or self.tensor_parallel.size > 1):
             raise ConfigError(f"pipeline.cuda_graphs needs zero_optimization.stage <= 2 and tensor_parallel.size 1, "
                               f"got stage {self.zero_optimization.stage} and size {self.tensor_parallel.size}: "

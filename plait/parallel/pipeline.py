@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
 from plait.parallel.pipeline_exec import PipelineExecutor
-from plait.parallel.pipeline_graphs import ActionGraphs
+from plait.parallel.pipeline_graphs import check_device
 from plait.parallel.schedules import Action, get_schedule, placement, rank_of
 from plait.parallel.simulate import stage_costs, with_communication
 from plait.parallel.stage import StageChunk, check_layer_order, missing_members
@@ -80,12 +80,12 @@ class PipelineParallel:
             world gathers all of them (once; a host synchronization), and the following steps run the lists
             planned for those per-stage medians (``planned_costs``).
         cuda_graphs: replay each training action as a CUDA graph (``plait.parallel.pipeline_graphs``: for
-            micro-batches small enough that issuing the kernels from Python sets the pace). Needs a CUDA
-            device, tp = 1 and ZeRO stage 0-2 without parameter offload (checked at the first step); every
-            micro-batch of a step must have the same shapes.
+            micro-batches small enough that issuing the kernels from Python sets the pace). Needs a CUDA device
+            and tp = cp = ep = 1 (checked here); ZeRO stage 0-2 without parameter offload, no dropout and
+            micro-batches of one shape per step (checked at the first training step).
 
     Attributes:
-        schedule_costs: the ``schedule_costs`` argument.
+        schedule_costs, cuda_graphs: the arguments.
         lists: every pipeline rank's compute actions (``get_schedule``'s lists; this rank's, with its
             transfers, are ``actions``).
         planned_costs: the measured per-stage medians (seconds) the lists were planned for after the
@@ -119,7 +119,7 @@ class PipelineParallel:
             "zb-v", ...; a string other than "measure", or "measure" with another schedule); ``slice_tp=True`` with a
             chunk using sequence parallelism; chunks whose layers do not follow one another in the
             schedule's stage order (e.g. built for another placement; collective over the pipeline group);
-            ``cuda_graphs`` off a CUDA device or with tp > 1.
+            ``cuda_graphs`` off a CUDA device or with tp, cp or ep > 1.
     """
 
     def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
@@ -138,6 +138,9 @@ class PipelineParallel:
                 raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
                                 f"{missing} (see plait.parallel.stage; plait.layers.stages builds plait's)")
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            self._check_graphs()
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
         measure = isinstance(schedule_costs, str)
@@ -160,15 +163,16 @@ class PipelineParallel:
                                          activation_shape or self.stage_modules[0].activation_shape,
                                          dtype, self.device, grads_ready,
                                          tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
-                                         shape=self.shape, graphs=self._graphs() if cuda_graphs else None)
+                                         shape=self.shape, cuda_graphs=cuda_graphs)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
         self._closed = False
 
-    def _graphs(self) -> ActionGraphs:
-        if self.mesh is not None and self.mesh.tp > 1:
-            raise ValueError(f"cuda_graphs with tp={self.mesh.tp}: the tensor-parallel collectives inside the "
-                             f"chunks are not captured; use tp=1 or cuda_graphs=False")
-        return ActionGraphs(self.stage_modules, self.device)
+    def _check_graphs(self) -> None:
+        check_device(torch.device("cpu") if self.mesh is None else self.mesh.device)
+        sizes = {name: getattr(self.mesh, name, 1) for name in ("tp", "cp", "ep")} if self.mesh is not None else {}
+        if any(size > 1 for size in sizes.values()):
+            raise ValueError(f"cuda_graphs with {sizes}: the tensor-, context- and expert-parallel collectives inside "
+                             f"the chunks are not captured; use tp = cp = ep = 1 or cuda_graphs=False")
 
     def _use_lists(self, lists) -> None:
         """Run ``lists`` (every rank's compute actions) from the next step on."""

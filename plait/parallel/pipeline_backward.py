@@ -232,8 +232,9 @@ def _past_transpose(child, k: int, grad: torch.Tensor):
     return child, k, grad
 
 
-def run_tails(edges: list, grads: list) -> None:
-    """One engine call from ``edges`` into the parameters (``AccumulateGrad`` and its hooks fire).
+def run_tails(edges: list, grads: list, keep_graph: bool = False) -> None:
+    """One engine call from ``edges`` into the parameters (``AccumulateGrad`` and its hooks fire);
+    ``keep_graph``: keep the tail nodes' saved tensors, to run the same tails again (CUDA-graph replays).
 
     Every gradient already has its edge's shape and dtype (``weight_grads`` applies the engine's
     own ``validate_outputs`` rules), so ``torch.autograd.backward``'s Python re-check of each one is
@@ -243,6 +244,6 @@ def run_tails(edges: list, grads: list) -> None:
         return
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:
-        torch.autograd.backward(edges, grads)
+        torch.autograd.backward(edges, grads, retain_graph=keep_graph)
     else:
-        run(tuple(edges), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+        run(tuple(edges), tuple(grads), keep_graph, False, (), allow_unreachable=True, accumulate_grad=True)

@@ -49,6 +49,7 @@ import torch
 
 from plait.parallel.p2p import StageP2P, TPSlices, Transfer
 from plait.parallel.pipeline_backward import backward_input, backward_weight
+from plait.parallel.pipeline_graphs import ActionGraphs
 from plait.parallel.schedules import Action, rank_chunk_of, stage_of
 from plait.parallel.stage import takes_keyword
 
@@ -89,9 +90,9 @@ class PipelineExecutor:
             when the tensors crossing a stage boundary are identical on all tp ranks of a stage.
         shape: the stage placement of the action lists (``plait.parallel.schedules.stage_of``): "loop"
             (default) or "v" (schedule "zb-v").
-        graphs: ``plait.parallel.pipeline_graphs.ActionGraphs`` over ``chunks``: training steps replay each
-            compute action as a CUDA graph (captured at the first step, and again when shapes change); None
-            (default): eager. Evaluation steps always run eagerly.
+        cuda_graphs: training steps replay each compute action as a CUDA graph
+            (``plait.parallel.pipeline_graphs.ActionGraphs``, built here over ``chunks``: captured at the first
+            step, and again when shapes change); False (default): eager. Evaluation steps always run eagerly.
 
     ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
 
@@ -104,11 +105,11 @@ class PipelineExecutor:
     def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
                  activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
                  grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None,
-                 shape: str = "loop", graphs=None):
+                 shape: str = "loop", cuda_graphs: bool = False):
         self.chunks, self.p2p, self.p, self.rank, self.shape = chunks, p2p, p, rank, shape
-        self.graphs = graphs
         self.tp_slices = tp_slices
         self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
+        self.graphs = ActionGraphs(chunks, self._takes_scale, device) if cuda_graphs else None
         self.v = len(chunks)
         self.last = p * self.v - 1
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
@@ -147,6 +148,7 @@ class PipelineExecutor:
         Raises:
             RuntimeError: an action found its input missing (the list is not a valid schedule
                 for this rank; ``check_schedule`` names the problem), or state was left over.
+            ValueError: with ``cuda_graphs``, what a capture cannot replay (``ActionGraphs.prepare``).
         """
         self._begin(actions, microbatches, train, scale_loss, on_micro_batch)
         if self._graphed:

@@ -19,15 +19,22 @@ How:
 - Each action then copies its inputs into the slot's static tensors and replays. The loss and the input
   gradient leave the slot as copies. After B and BW one autograd-engine call (``run_tails``) accumulates the
   parameter gradients into ``.grad``, so post-accumulate hooks (ZeRO-1/2) fire as they do without graphs.
-- The kernels are the eager executor's, so the results are too (``tests/gpu/run_pipeline_graphs.py``).
+- The parameters' ``AccumulateGrad`` nodes are made on the current stream before any capture and kept, so
+  the accumulation and its hooks run on the stream the step runs on.
+- The replays run the eager executor's kernels: losses, gradients and parameters were found bitwise equal to
+  the eager executor's in float32 (``tests/gpu/run_pipeline_graphs.py``: 1F1B, interleaved, ZB-H1, ZB-V;
+  ZeRO-1 and ZeRO-2 through the engine).
 
-Requirements (``ValueError`` naming the cause, from ``PipelineParallel`` or the first graphed step): a CUDA
-device; tp = 1; chunks without forward or backward hooks, so no ZeRO-3 or parameter offload, whose hooks gather
-and free parameters; every micro-batch of a step with the same shapes; and
-no host synchronization inside a chunk's forward or backward (the capture fails, naming the op). A step whose
-shapes, action list or parameter addresses differ from the captured ones captures again first, and so does
-one with another ``aux_loss_scale`` for chunks that take it (it is a constant of the captured kernels; with
-bf16 or float32 it is ``1/m`` in every step, with fp16's dynamic loss scale it changes when the scale does).
+Requirements (``ValueError`` naming the cause, from ``PipelineParallel`` or from the first graphed step): a
+CUDA device; tp, cp and ep 1 (their collectives run inside the actions); no dropout in training (its RNG
+state is set per call); chunks without module or gradient hooks, so no ZeRO-3 or parameter offload, whose hooks
+gather and free parameters; every micro-batch of a step with the same keys and shapes. Any other host
+synchronization inside a chunk (e.g. ``.item()``, ``.tolist()``) fails the capture with CUDA's "operation not
+permitted when stream is capturing". A step whose shapes, slot counts, backward kinds, parameter addresses or
+``train()`` modes differ from the captured ones captures again first, and so does one with another
+``aux_loss_scale`` when a chunk's forward takes it (a constant of the captured kernels: ``1/m`` in every step
+with bf16 or float32; with fp16 it follows the dynamic loss scale, so each change of the scale captures again;
+plait's chunks all take it).
 
 Memory: each slot keeps its pool from its capture on: the activations of one micro-batch (as the eager
 executor holds per micro-batch in flight), the backward's workspace and one set of the chunk's parameter
@@ -42,7 +49,6 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from plait.parallel.pipeline_backward import backward_input, run_tails, weight_gradients
-from plait.parallel.stage import takes_keyword
 
 
 def slots_needed(actions, v: int) -> list[int]:
@@ -74,6 +80,51 @@ def backward_kinds(actions, v: int) -> list[str | None]:
     return [next(iter(k)) if k else None for k in kinds]
 
 
+def check_device(device: torch.device) -> None:
+    """Raise ValueError unless ``device`` is a CUDA device."""
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs the pipeline on a CUDA device, not {device}; pass cuda_graphs=False "
+                         f"on CPU")
+
+
+def check_same_shapes(batches: list[dict]) -> None:
+    """Raise ValueError unless every micro-batch has micro-batch 0's keys, shapes and dtypes (named)."""
+    first = _shapes(batches[0])
+    for i, other in enumerate(batches):
+        if _shapes(other) != first:
+            raise ValueError(f"cuda_graphs replays one shape per step, but micro-batch {i} has {_shapes(other)} and "
+                             f"micro-batch 0 {first}; give the micro-batches of a step the same keys and pad them to "
+                             f"one shape, or pass cuda_graphs=False")
+
+
+def check_capturable(chunks: list) -> None:
+    """Raise ValueError (naming the module or parameter and the fix) for what a graph cannot replay: module
+    hooks (ZeRO-3 and parameter offload gather and free parameters in them), gradient hooks on parameters,
+    and dropout in training (plait's ``config.hidden_dropout`` / ``attention_dropout``)."""
+    from torch.nn.modules import module as nn_module
+
+    if any(getattr(nn_module, name) for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                                 "_global_backward_pre_hooks", "_global_backward_hooks")):
+        raise ValueError("cuda_graphs cannot capture chunks while global module hooks are registered; remove them "
+                         "or pass cuda_graphs=False")
+    for c, chunk in enumerate(chunks):
+        for name, mod in chunk.named_modules():
+            if mod._forward_pre_hooks or mod._forward_hooks or mod._backward_hooks or mod._backward_pre_hooks:
+                raise ValueError(f"cuda_graphs: chunk {c}'s module {name or '<chunk>'} has module hooks (ZeRO-3 and "
+                                 f"parameter offload gather and free parameters in them); a graph would run them "
+                                 f"once, at capture. Use ZeRO stage 0-2 without offload_param, or cuda_graphs=False")
+        for name, p in chunk.named_parameters():
+            if p._backward_hooks:
+                raise ValueError(f"cuda_graphs: parameter {name} of chunk {c} has a gradient hook (register_hook), "
+                                 f"which a graph would run only at capture; use register_post_accumulate_grad_hook, "
+                                 f"or cuda_graphs=False")
+        config = getattr(chunk, "config", None)
+        drop = max(getattr(config, "hidden_dropout", 0.0), getattr(config, "attention_dropout", 0.0))
+        if chunk.training and drop > 0:
+            raise ValueError(f"cuda_graphs: chunk {c} trains with dropout {drop} (its RNG state is set per call, "
+                             f"which a capture cannot do); set the dropouts to 0 or pass cuda_graphs=False")
+
+
 @dataclass
 class _Slot:
     pool: object
@@ -88,29 +139,28 @@ class _Slot:
 
 
 class ActionGraphs:
-    """CUDA graphs of one rank's pipeline actions (module docstring); the executor's ``graphs`` argument.
+    """CUDA graphs of one rank's pipeline actions (module docstring), built by the executor.
 
     Args:
         chunks: this rank's chunks (the executor's).
+        takes_scale: per chunk, whether its forward takes ``aux_loss_scale``.
         device: their CUDA device.
 
     Attributes:
-        captures: how many times the slots were captured (once per new shape, list or parameter address).
+        captures: how many times the slots were captured (once, then again per change listed above).
 
     Raises:
         ValueError: ``device`` is not a CUDA device.
     """
 
-    def __init__(self, chunks: list, device: torch.device):
-        if device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs the pipeline on a CUDA device, not {device}; pass "
-                             f"cuda_graphs=False on CPU")
-        self.chunks, self.device = chunks, device
-        self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
+    def __init__(self, chunks: list, takes_scale: list[bool], device: torch.device):
+        check_device(device)
+        self.chunks, self.device, self._takes_scale = chunks, device, takes_scale
         self.captures = 0
         self._slots: list[list[_Slot]] = [[] for _ in chunks]
         self._held: dict = {}
         self._key = None
+        self._accumulators: list = []
         self._stream = torch.cuda.Stream(device)
 
     # ---- capture ------------------------------------------------------------------------------
@@ -118,54 +168,36 @@ class ActionGraphs:
         """Capture the slots ``actions`` needs for the step's micro-batches ``batches`` (model inputs only) and,
         per chunk, stage inputs of ``x_shapes[c]`` (None: the first stage) and ``dtype``, unless they are
         captured already. ``aux_scale`` is passed as ``aux_loss_scale`` to the chunks whose forward takes it.
-        Call at the step's start.
+        Call at the step's start, with no transfer in flight.
 
         Raises:
-            ValueError: the micro-batches differ in their tensors' shapes or dtypes (named).
+            ValueError: micro-batches of different keys, shapes or dtypes (:func:`check_same_shapes`); hooks or
+                dropout in a chunk (:func:`check_capturable`); a chunk run with both B and BI/BW
+                (:func:`backward_kinds`).
         """
+        check_same_shapes(batches)
         batch, v = batches[0], len(self.chunks)
-        for i, other in enumerate(batches):
-            if any(k not in batch or t.shape != batch[k].shape or t.dtype != batch[k].dtype for k, t in other.items()):
-                raise ValueError(f"cuda_graphs replays one shape per step, but micro-batch {i} has "
-                                 f"{_shapes(other)} and micro-batch 0 {_shapes(batch)}; pad the micro-batches of a "
-                                 f"step to one shape, or pass cuda_graphs=False")
         slots, kinds = slots_needed(actions, v), backward_kinds(actions, v)
-        params = [self._params(c) for c in range(v)]
+        params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
         scaled = [dict(aux_loss_scale=aux_scale) if takes else {} for takes in self._takes_scale]
         key = (tuple((k, tuple(t.shape), t.dtype) for k, t in sorted(batch.items())), tuple(x_shapes), dtype,
-               aux_scale if any(self._takes_scale) else None,
-               tuple(slots), tuple(kinds), tuple(p.data_ptr() for ps in params for p in ps))
+               aux_scale if any(self._takes_scale) else None, tuple(slots), tuple(kinds),
+               tuple(chunk.training for chunk in self.chunks), tuple(p.data_ptr() for ps in params for p in ps))
+        for slot in (s for chunk_slots in self._slots for s in chunk_slots):
+            slot.busy = False   # a step that raised may have left slots taken
+        self._held = {}
         if key == self._key:
             return
-        self._check_hooks()
-        self._slots, self._held, self._key = [[] for _ in range(v)], {}, None
+        check_capturable(self.chunks)
+        self._slots, self._key = [[] for _ in range(v)], None
+        # AccumulateGrad nodes made here, on the step's stream, and kept: the captures and replays reuse them
+        self._accumulators = [get_gradient_edge(p) for ps in params for p in ps]
         for c, chunk in enumerate(self.chunks):
             x = None if x_shapes[c] is None else torch.zeros(x_shapes[c], dtype=dtype, device=self.device)
             self._warm_up(chunk, x, {**batch, **scaled[c]}, params[c])
             self._slots[c] = [self._capture(c, kinds[c], x, batch, params[c], scaled[c]) for _ in range(slots[c])]
         self._key = key
         self.captures += 1
-
-    def _params(self, c: int) -> list[torch.nn.Parameter]:
-        return [p for p in self.chunks[c].parameters() if p.requires_grad]
-
-    def _check_hooks(self) -> None:
-        from torch.nn.modules import module as nn_module
-
-        if nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks:
-            raise ValueError("cuda_graphs cannot capture chunks while global module forward hooks are registered")
-        for c, chunk in enumerate(self.chunks):
-            for name, mod in chunk.named_modules():
-                if mod._forward_pre_hooks or mod._forward_hooks or mod._backward_hooks:
-                    raise ValueError(f"cuda_graphs: chunk {c}'s module {name or '<chunk>'} has forward or backward "
-                                     f"hooks (ZeRO-3 and parameter offload gather and free parameters in them); "
-                                     f"a graph would replay them once, at capture. Use ZeRO stage 0-2 without "
-                                     f"offload_param, or cuda_graphs=False")
-            for name, p in chunk.named_parameters():
-                if p._backward_hooks:
-                    raise ValueError(f"cuda_graphs: parameter {name} of chunk {c} has a gradient hook "
-                                     f"(register_hook), which a graph would run only at capture; use "
-                                     f"register_post_accumulate_grad_hook, or cuda_graphs=False")
 
     def _warm_up(self, chunk, x, batch, params) -> None:
         """One eager forward and backward on the capture stream (lazy library set-up must not happen inside
@@ -238,7 +270,7 @@ class ActionGraphs:
         if kind in slot.graphs:
             slot.graphs[kind].replay()
         if kind != "BI":
-            run_tails(*slot.tails)
+            run_tails(*slot.tails, keep_graph=True)   # the same tail nodes run again at every replay
             slot.busy = False
             del self._held[(mb, chunk)]
         if kind != "BW" and slot.gx is not None:

@@ -21,6 +21,7 @@ Costs are in any time unit (e.g. the forward time of one whole stage); they may 
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from dataclasses import dataclass
 
@@ -164,8 +165,7 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
 
 
 def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str | None = None) -> tuple:
-    """``cost`` of one action kind as one value per virtual stage: the one place costs are normalised
-    (:func:`simulate`, and the ZB-V planner through ``owner``).
+    """``cost`` of one action kind as one value per virtual stage (for :func:`simulate` and the ZB-V planner).
 
     Args:
         cost: one value, ``p`` per-rank values (each rank's chunks alike) or ``p * v`` per-stage values;
@@ -175,7 +175,7 @@ def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str |
     Raises:
         ValueError: another number of values, or a value that is not finite and >= 0.
     """
-    seq = isinstance(cost, (tuple, list))
+    seq = not isinstance(cost, numbers.Real)   # a tuple, list or array of values
     values = tuple(cost) if seq else (cost,)
     valid = all(math.isfinite(x) and x >= 0 for x in values)
     if owner is not None and not (seq and len(values) == p * v and valid):
