@@ -19,8 +19,10 @@ How:
 - Each action then copies its inputs into the slot's static tensors and replays. The loss and the input
   gradient leave the slot as copies. After B and BW one autograd-engine call (``run_tails``) accumulates the
   parameter gradients into ``.grad``, so post-accumulate hooks (ZeRO-1/2) fire as they do without graphs.
-- The parameters' ``AccumulateGrad`` nodes are made on the current stream before any capture and kept, so
-  the accumulation and its hooks run on the stream the step runs on.
+- The parameters' ``AccumulateGrad`` nodes are made during the capture, on the capture stream (made on the
+  step's stream, the capture of a backward into them fails: CUDA forbids the legacy stream to wait on a
+  capturing one), so the accumulation and its hooks run there, ordered with the step's stream by the
+  autograd engine; torch warns once that the streams differ.
 - The replays run the eager executor's kernels: losses, gradients and parameters were found bitwise equal to
   the eager executor's in float32 (``tests/gpu/run_pipeline_graphs.py``: 1F1B, interleaved, ZB-H1, ZB-V;
   ZeRO-1 and ZeRO-2 through the engine).
@@ -160,7 +162,6 @@ class ActionGraphs:
         self._slots: list[list[_Slot]] = [[] for _ in chunks]
         self._held: dict = {}
         self._key = None
-        self._accumulators: list = []
         self._stream = torch.cuda.Stream(device)
 
     # ---- capture ------------------------------------------------------------------------------
@@ -190,8 +191,6 @@ class ActionGraphs:
             return
         check_capturable(self.chunks)
         self._slots, self._key = [[] for _ in range(v)], None
-        # AccumulateGrad nodes made here, on the step's stream, and kept: the captures and replays reuse them
-        self._accumulators = [get_gradient_edge(p) for ps in params for p in ps]
         for c, chunk in enumerate(self.chunks):
             x = None if x_shapes[c] is None else torch.zeros(x_shapes[c], dtype=dtype, device=self.device)
             self._warm_up(chunk, x, {**batch, **scaled[c]}, params[c])
