@@ -149,7 +149,8 @@ def close(pipe) -> None:
 def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None, graphs=False):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
     engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups.
-    ``costs`` (zb-v*): plan for the engine's own measured second step instead of unit costs."""
+    ``costs`` (zb-v*): plan for the engine's own measured second step instead of unit costs; ``graphs``: the
+    pipeline's actions as CUDA graphs."""
     import plait
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline import PipelineParallel

@@ -242,8 +242,10 @@ class ActionGraphs:
 
     # ---- replay -------------------------------------------------------------------------------
     def forward(self, chunk: int, mb: int, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
-        """F of micro-batch ``mb``: takes a free slot of ``chunk`` until its last backward action; returns the
-        slot's static output (the scalar loss on the last stage), valid until that action."""
+        """F of micro-batch ``mb``: takes a free slot of ``chunk`` until its last backward action, copies ``x`` (the
+        stage input, ``activation_shape``; None on the first stage) and ``batch`` (its captured keys and shapes)
+        into it and replays. Returns the slot's static output (``activation_shape``; the scalar loss on the last
+        stage), valid until that backward action."""
         slot = next((s for s in self._slots[chunk] if not s.busy), None)
         if slot is None:
             raise RuntimeError(f"cuda_graphs: no free slot of chunk {chunk} for micro-batch {mb}; the action list "
@@ -258,8 +260,9 @@ class ActionGraphs:
         return slot.out
 
     def backward(self, kind: str, chunk: int, mb: int, grad: torch.Tensor | None, loss_grad: float):
-        """B, BI or BW of micro-batch ``mb``: ``grad`` is the output's gradient (B, BI; None on the last stage,
-        whose loss gets ``loss_grad``). Returns a copy of the input gradient (B, BI; None on the first stage)."""
+        """B, BI or BW of micro-batch ``mb``: ``grad`` is the output's gradient (B, BI: the output's shape; None on
+        the last stage, whose scalar loss gets ``loss_grad``). Returns a copy of the input gradient (B, BI: the
+        stage input's shape; None on the first stage and for BW); B and BW accumulate into ``.grad``."""
         slot = self._held[(mb, chunk)]
         if kind != "BW":
             if grad is None:
