@@ -169,7 +169,7 @@ class PipelineParallel:
 
     def _check_graphs(self) -> None:
         check_device(torch.device("cpu") if self.mesh is None else self.mesh.device)
-        sizes = {name: getattr(self.mesh, name, 1) for name in ("tp", "cp", "ep")} if self.mesh is not None else {}
+        sizes = {} if self.mesh is None else {"tp": self.mesh.tp, "cp": self.mesh.cp, "ep": self.mesh.ep}
         if any(size > 1 for size in sizes.values()):
             raise ValueError(f"cuda_graphs with {sizes}: the tensor-, context- and expert-parallel collectives inside "
                              f"the chunks are not captured; use tp = cp = ep = 1 or cuda_graphs=False")

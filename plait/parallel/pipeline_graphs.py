@@ -137,7 +137,6 @@ class _Slot:
     gx: torch.Tensor | None = None
     tails: tuple = ((), ())
     graphs: dict = field(default_factory=dict)
-    busy: bool = False
 
 
 class ActionGraphs:
@@ -160,7 +159,7 @@ class ActionGraphs:
         self.chunks, self.device, self._takes_scale = chunks, device, takes_scale
         self.captures = 0
         self._slots: list[list[_Slot]] = [[] for _ in chunks]
-        self._held: dict = {}
+        self._held: dict = {}   # (micro-batch, chunk) -> its slot, from F to its last backward action
         self._key = None
         self._stream = torch.cuda.Stream(device)
 
@@ -181,12 +180,10 @@ class ActionGraphs:
         slots, kinds = slots_needed(actions, v), backward_kinds(actions, v)
         params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
         scaled = [dict(aux_loss_scale=aux_scale) if takes else {} for takes in self._takes_scale]
-        key = (tuple((k, tuple(t.shape), t.dtype) for k, t in sorted(batch.items())), tuple(x_shapes), dtype,
+        key = (_shapes(batch), tuple(x_shapes), dtype,
                aux_scale if any(self._takes_scale) else None, tuple(slots), tuple(kinds),
                tuple(chunk.training for chunk in self.chunks), tuple(p.data_ptr() for ps in params for p in ps))
-        for slot in (s for chunk_slots in self._slots for s in chunk_slots):
-            slot.busy = False   # a step that raised may have left slots taken
-        self._held = {}
+        self._held = {}   # a step that raised may have left slots taken
         if key == self._key:
             return
         check_capturable(self.chunks)
@@ -246,11 +243,12 @@ class ActionGraphs:
         stage input, ``activation_shape``; None on the first stage) and ``batch`` (its captured keys and shapes)
         into it and replays. Returns the slot's static output (``activation_shape``; the scalar loss on the last
         stage), valid until that backward action."""
-        slot = next((s for s in self._slots[chunk] if not s.busy), None)
+        taken = {id(s) for s in self._held.values()}
+        slot = next((s for s in self._slots[chunk] if id(s) not in taken), None)
         if slot is None:
             raise RuntimeError(f"cuda_graphs: no free slot of chunk {chunk} for micro-batch {mb}; the action list "
                                f"differs from the one prepare() captured for")
-        slot.busy, self._held[(mb, chunk)] = True, slot
+        self._held[(mb, chunk)] = slot
         with torch.no_grad():
             if slot.x is not None:
                 slot.x.copy_(x)
@@ -273,7 +271,6 @@ class ActionGraphs:
             slot.graphs[kind].replay()
         if kind != "BI":
             run_tails(*slot.tails, keep_graph=True)   # the same tail nodes run again at every replay
-            slot.busy = False
             del self._held[(mb, chunk)]
         if kind != "BW" and slot.gx is not None:
             return slot.gx.clone()
