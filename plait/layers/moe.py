@@ -44,7 +44,7 @@ from torch import nn
 from plait.layers.linear import replicated_param, sharded_param
 from plait.layers.mlp import MLP
 from plait.parallel.collectives import group_size
-from plait.parallel.experts import expert_parallel, select_rows
+from plait.parallel.experts import expert_parallel, select_rows, stable_order
 from plait.parallel.mesh import check_divisible, divisors
 
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
@@ -155,7 +155,7 @@ def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
     ``(slots [M], rows_per_expert [E], dropped)``; with ``capacity`` only each expert's first ``capacity``
     slots are kept (``dropped`` counts the rest; 0 without)."""
     flat = experts.reshape(-1)
-    slots = torch.argsort(flat, stable=True)
+    slots = stable_order(flat, num_experts)
     counts = expert_counts(flat, num_experts)
     if capacity is None:
         return slots, counts, torch.zeros((), dtype=counts.dtype, device=counts.device)

@@ -53,6 +53,20 @@ def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _SelectRows.apply(x, index)
 
 
+def stable_order(ids: torch.Tensor, bound: int) -> torch.Tensor:
+    """``torch.argsort(ids, stable=True)`` of integer ``ids`` in ``[0, bound)``, sorted as the narrowest of
+    int16 / int32 that holds ``bound``: a GPU radix sort makes one pass per key byte, so int64 ids of a few
+    experts took 8 passes where 2 do. Returns int64 ``[N]``."""
+    key = torch.int16 if bound <= torch.iinfo(torch.int16).max else torch.int32
+    return torch.argsort(ids.to(key), stable=True)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[i]] = i`` (equal to ``torch.argsort(order)`` for a permutation ``order [N]``)
+    by one scatter instead of a sort."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def expert_parallel(xs: torch.Tensor, rows: torch.Tensor, experts, group) -> torch.Tensor:
     """Run this rank's assignments ``xs [M, h]`` (sorted by expert; ``rows [E]`` of them per expert) through
     experts held across the ep ``group``: ``experts(x_local [N, h], rows_local [E/P]) -> [N, h_out]`` runs this
@@ -70,7 +84,7 @@ def expert_parallel(xs: torch.Tensor, rows: torch.Tensor, experts, group) -> tor
     local = send.shape[1]
     expert_of = torch.arange(local, device=xs.device).repeat(ranks).repeat_interleave(
         recv.reshape(-1), output_size=sum(recv_sizes))
-    order = torch.argsort(expert_of, stable=True)            # by my expert, then by source rank
+    order = stable_order(expert_of, local)                   # by my expert, then by source rank
     out = experts(select_rows(got, order), recv.sum(0))
-    back = select_rows(out, torch.argsort(order))          # (source rank, my expert) order again
+    back = select_rows(out, inverse_permutation(order))     # (source rank, my expert) order again
     return _AllToAll.apply(back, send_sizes, recv_sizes, group)
