@@ -14,6 +14,7 @@ from helpers import rel_err
 from plait.layers.init import init_parameters
 from plait.layers import MoE
 from plait.layers.moe import balance_loss, dispatch, expert_capacity, grouped_mm, route, z_loss
+from plait.parallel.experts import inverse_permutation, stable_order
 
 H, FFN, E, T = 16, 8, 4, 24
 
@@ -217,3 +218,23 @@ def test_experts_must_split_evenly_over_ep():
     from plait.testing import run_distributed
     assert run_distributed(uneven_experts_body, 3)[0] == (
         "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]")
+
+
+@pytest.mark.parametrize("bound", [8, 40000])
+def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound):
+    # the int16 (or, past 32767, int32) keys must give the order of the int64 sort, ties kept in place; each
+    # id is repeated ~N/bound times, so an unstable sort or a key too narrow for the ids (int16 at 40000
+    # wraps to negative) gives another permutation: checked below with the int16 key forced
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, bound, (6000,), generator=g)
+    want = torch.argsort(ids, stable=True)
+    assert torch.equal(stable_order(ids, bound), want)
+    if bound > torch.iinfo(torch.int16).max:
+        assert not torch.equal(torch.argsort(ids.to(torch.int16), stable=True), want)
+
+
+def test_inverse_permutation_undoes_the_permutation():
+    order = torch.randperm(1000, generator=torch.Generator().manual_seed(1))
+    inv = inverse_permutation(order)
+    assert torch.equal(inv, torch.argsort(order))
+    assert torch.equal(order[inv], torch.arange(1000)) and torch.equal(inv[order], torch.arange(1000))
