@@ -222,9 +222,9 @@ def test_experts_must_split_evenly_over_ep():
 
 @pytest.mark.parametrize("bound", [8, 40000])
 def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound):
-    # the int16 (or, past 32767, int32) keys must give the order of the int64 sort, ties kept in place; each
-    # id is repeated ~N/bound times, so an unstable sort or a key too narrow for the ids (int16 at 40000
-    # wraps to negative) gives another permutation: checked below with the int16 key forced
+    # the int16 (or, past 32767, int32) keys must give the int64 sort's order, ties in place (each id of 8
+    # appears ~750 times); a key too narrow for the ids (int16 at 40000 wraps to negative) gives another
+    # permutation: checked below with the int16 key forced
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, bound, (6000,), generator=g)
     want = torch.argsort(ids, stable=True)
