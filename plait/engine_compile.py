@@ -17,15 +17,9 @@ trace (the tensor-parallel ``copy_to_tp`` / ``reduce_from_tp`` functions run c10
 autograd function), the RNG tracker's state forks around dropout (``torch.cuda.set_rng_state``), and
 selective recomputation's replaying closure. Each break splits the block into compiled pieces with
 eager code between them: the results are the same, only the fusions across the break are lost.
-
-An expert-parallel MoE block reads its all-to-all's split sizes from the device (``.tolist()``). Such a
-region is traced with dynamo's ``capture_scalar_outputs`` (scoped to its calls, never set globally): the
-sizes become unbacked symbolic ints inside one graph instead of a break that cuts the block in two, and
-the host then runs one compiled piece per block instead of two (the device sync itself stays).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import types
 
@@ -67,15 +61,12 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     if "backend" in kwargs:
         raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
     done, compiled = [], {}   # one compiled function per region class, bound to each region
-    targets = compile_targets(module)
-    for region in targets:
+    for region in compile_targets(module):
         if getattr(region, COMPILED_ATTR, False):
             continue
         cls = type(region)
         if cls not in compiled:
-            fn = torch.compile(cls.forward, backend=backend, **kwargs)
-            compiled[cls] = _capturing_scalars(fn) if any(
-                reads_split_sizes(r) for r in targets if type(r) is cls) else fn
+            compiled[cls] = torch.compile(cls.forward, backend=backend, **kwargs)
         # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
         region.forward = types.MethodType(compiled[cls], region)
         setattr(region, COMPILED_ATTR, backend)
@@ -84,21 +75,6 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
         logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
                                         len(done), type(done[0]).__name__, backend)
     return done
-
-
-def reads_split_sizes(region: nn.Module) -> bool:
-    """Whether ``region`` holds an expert-parallel MoE layer (its all-to-all sizes are read by the host)."""
-    from plait.layers.moe import MoE
-    return any(isinstance(m, MoE) and m.ep_group is not None for m in region.modules())
-
-
-def _capturing_scalars(fn):
-    """``fn`` (a ``torch.compile`` result) traced with ``capture_scalar_outputs`` during its own calls only."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            return fn(*args, **kwargs)
-    return run
 
 
 def compiled_backend(module: nn.Module):
