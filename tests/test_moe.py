@@ -220,7 +220,7 @@ def test_experts_must_split_evenly_over_ep():
         "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]")
 
 
-@pytest.mark.parametrize("bound", [8, 40000])
+@pytest.mark.parametrize("bound", [8, 32767, 40000])
 def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound):
     # the int16 (or, past 32767, int32) keys must give the int64 sort's order, ties in place (each id of 8
     # appears ~750 times); a key too narrow for the ids (int16 at 40000 wraps to negative) gives another
@@ -233,8 +233,9 @@ def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound):
         assert not torch.equal(torch.argsort(ids.to(torch.int16), stable=True), want)
 
 
-def test_inverse_permutation_undoes_the_permutation():
-    order = torch.randperm(1000, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_inverse_permutation_undoes_the_permutation(dtype):
+    order = torch.randperm(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
     inv = inverse_permutation(order)
-    assert torch.equal(inv, torch.argsort(order))
+    assert inv.dtype == dtype and torch.equal(inv, torch.argsort(order).to(dtype))
     assert torch.equal(order[inv], torch.arange(1000)) and torch.equal(inv[order], torch.arange(1000))

@@ -64,7 +64,8 @@ def stable_order(ids: torch.Tensor, bound: int) -> torch.Tensor:
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[order[i]] = i`` (equal to ``torch.argsort(order)`` for a permutation ``order [N]``)
     by one scatter instead of a sort."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device,
+                                                                     dtype=order.dtype))
 
 
 def expert_parallel(xs: torch.Tensor, rows: torch.Tensor, experts, group) -> torch.Tensor:
