@@ -220,15 +220,19 @@ def test_experts_must_split_evenly_over_ep():
         "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]")
 
 
-@pytest.mark.parametrize("bound", [8, 32767, 40000])
-def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound):
+@pytest.mark.parametrize("bound, key", [(8, torch.int16), (32767, torch.int16), (40000, torch.int32),
+                                        (2**40, torch.int64)])
+def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound, key, monkeypatch):
     # the int16 (or, past 32767, int32) keys must give the int64 sort's order, ties in place (each id of 8
     # appears ~750 times); a key too narrow for the ids (int16 at 40000 wraps to negative) gives another
     # permutation: checked below with the int16 key forced
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, bound, (6000,), generator=g)
     want = torch.argsort(ids, stable=True)
-    assert torch.equal(stable_order(ids, bound), want)
+    sorted_as, argsort = [], torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda t, **kw: sorted_as.append(t.dtype) or argsort(t, **kw))
+    assert torch.equal(stable_order(ids, bound), want) and sorted_as == [key]   # the narrow key is what sorts
+    monkeypatch.undo()
     if bound > torch.iinfo(torch.int16).max:
         assert not torch.equal(torch.argsort(ids.to(torch.int16), stable=True), want)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.parallel.collectives import all_gather_flat, group_size
+from plait.parallel.experts import inverse_permutation
 
 
 # ---- sharding --------------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | Non
                              f"divides {n}")
     seq = q.shape[2] * cp
     order = torch.cat([positions(seq, cp, r, q.device) for r in range(cp)])   # gathered slot -> token
-    natural = torch.argsort(order)
+    natural = inverse_permutation(order)
     q, k, v = (_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
     mask = None if keep is None else unshard_sequence(list(_gather(keep, group).unbind(0)))[:, None, None, :]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,

@@ -55,9 +55,10 @@ def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def stable_order(ids: torch.Tensor, bound: int) -> torch.Tensor:
     """``torch.argsort(ids, stable=True)`` of integer ``ids`` in ``[0, bound)``, sorted as the narrowest of
-    int16 / int32 that holds ``bound``: a GPU radix sort makes one pass per key byte, so int64 ids of a few
-    experts took 8 passes where 2 do. Returns int64 ``[N]``."""
-    key = torch.int16 if bound <= torch.iinfo(torch.int16).max else torch.int32
+    int16 / int32 that holds ``bound`` (else ``ids``' own dtype): a GPU radix sort makes one pass per key
+    byte, so int64 ids of a few experts took 8 passes where 2 do. Ids outside ``[0, bound)`` are not checked
+    (that would cost a host sync). Returns int64 ``[N]``."""
+    key = next((t for t in (torch.int16, torch.int32) if bound <= torch.iinfo(t).max), ids.dtype)
     return torch.argsort(ids.to(key), stable=True)
 
 
