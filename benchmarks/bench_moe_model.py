@@ -88,11 +88,15 @@ def run_arm(arm: str, args) -> dict:
     warmup = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     dist.barrier()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     t0 = time.perf_counter()
+    marks[0].record()
     for i in range(2, 2 + args.steps):
         loss = step(i)
+        marks[i - 1].record()      # per-step device times, read after the loop (no sync inside it)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
+    steps_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     total = loss.detach().float().clone()
@@ -111,7 +115,8 @@ def run_arm(arm: str, args) -> dict:
             "mfu": tokens_gpu * flops / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": warmup, "loss": total.item() / 2,
             "params": cfg.num_parameters(), "active_params": active, "steps": args.steps,
-            "imbalance": moe["load_imbalance"] if moe else None,
+            "imbalance": moe["load_imbalance"] if moe else None, "steps_ms": steps_ms,
+            "cpus": sorted(os.sched_getaffinity(0))[:4] + [len(os.sched_getaffinity(0))],
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
 
 
@@ -156,7 +161,9 @@ def main() -> None:
         return
     child = ["--steps", str(args.steps), "--micro", str(args.micro), "--gas", str(args.gas), "--seq", str(args.seq)] + \
         (["--profile"] if args.profile else []) + (["--compile"] if args.compile else [])
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # TORCHRUN_ARGS: more torchrun options, e.g. "--numa-binding node" (each rank's host threads on its GPU's node)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                *os.environ.get("TORCHRUN_ARGS", "").split()]
     rows = run_arms(__file__, known_arms(args.arms, ARMS), args, child, launcher=launcher)
     print(report(rows))
 

@@ -17,9 +17,17 @@ trace (the tensor-parallel ``copy_to_tp`` / ``reduce_from_tp`` functions run c10
 autograd function), the RNG tracker's state forks around dropout (``torch.cuda.set_rng_state``), and
 selective recomputation's replaying closure. Each break splits the block into compiled pieces with
 eager code between them: the results are the same, only the fusions across the break are lost.
+
+A break inside a call nested in the block (an expert-parallel MoE reads its all-to-all's split sizes with
+``.tolist()``, two calls down) used to cut every frame on the way: the block, the MoE layer and the
+all-to-all function each ran as two compiled pieces, six per block, each with its own guard checks and
+autograd node on the host. Regions holding such a layer are traced with dynamo's ``nested_graph_breaks``
+(scoped to their calls, never set globally): dynamo resumes inside the nested frame, so the block runs as
+two pieces, one on each side of the read (the device sync itself stays).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -61,12 +69,15 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     if "backend" in kwargs:
         raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
     done, compiled = [], {}   # one compiled function per region class, bound to each region
-    for region in compile_targets(module):
+    targets = compile_targets(module)
+    for region in targets:
         if getattr(region, COMPILED_ATTR, False):
             continue
         cls = type(region)
         if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=backend, **kwargs)
+            fn = torch.compile(cls.forward, backend=backend, **kwargs)
+            nested = any(reads_split_sizes(r) for r in targets if type(r) is cls)
+            compiled[cls] = _resuming_nested_breaks(fn) if nested else fn
         # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
         region.forward = types.MethodType(compiled[cls], region)
         setattr(region, COMPILED_ATTR, backend)
@@ -75,6 +86,25 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
         logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
                                         len(done), type(done[0]).__name__, backend)
     return done
+
+
+def reads_split_sizes(region: nn.Module) -> bool:
+    """Whether ``region`` holds an expert-parallel MoE layer (its all-to-all's sizes are read by the host)."""
+    from plait.layers.moe import MoE
+    return any(isinstance(m, MoE) and m.ep_group is not None for m in region.modules())
+
+
+def _resuming_nested_breaks(fn):
+    """``fn`` (a ``torch.compile`` result) traced with dynamo's ``nested_graph_breaks`` during its own calls
+    only; unchanged on a torch without that option."""
+    if not hasattr(torch._dynamo.config, "nested_graph_breaks"):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(nested_graph_breaks=True):
+            return fn(*args, **kwargs)
+    return run
 
 
 def compiled_backend(module: nn.Module):

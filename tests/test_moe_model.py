@@ -356,3 +356,51 @@ def test_evaluation_forwards_in_train_mode_are_not_counted():
     assert moe.tokens_seen.sum() == 0 and moe.stats.sum() == 0
     moe(x)
     assert moe.tokens_seen.sum() == 12 and moe.stats[-1] == 1
+
+
+def compiled_ep_body(regions):
+    """ep 2 (gloo): the model compiled per block (aot_eager: the same ops as eager, so a bitwise comparison)
+    with ``compile_regions`` (``regions`` True) or a bare ``torch.compile`` of each block; two steps. Returns
+    the graph breaks, the graphs compiled, whether both steps' loss and gradients equal the eager copy's
+    bitwise, and the last loss."""
+    import types
+
+    from test_engine import micro_batch
+    from torch._dynamo.utils import counters
+
+    from plait.engine_compile import compile_regions
+    from plait.layers import TransformerBlock
+    from plait.parallel import ParallelMesh
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = ParallelMesh(ep=2)
+    model, ref = (TransformerModel(moe_tiny(), mesh, seed=5).to(torch.bfloat16) for _ in range(2))
+    if regions:
+        compile_regions(model, backend="aot_eager")
+    else:
+        for block in (m for m in model.modules() if isinstance(m, TransformerBlock)):
+            block.forward = types.MethodType(torch.compile(TransformerBlock.forward, backend="aot_eager"), block)
+    same = []
+    for step in range(2):
+        losses = [m(**micro_batch(0, step, dist.get_rank())) for m in (model, ref)]
+        for loss in losses:
+            loss.backward()
+        same.append(losses[0].item() == losses[1].item() and all(
+            torch.equal(g, grads_of(ref)[n]) for n, g in grads_of(model).items()))
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], all(same), losses[0].item()
+
+
+def test_a_compiled_expert_parallel_block_breaks_once_with_eager_results():
+    """``compile_regions`` traces an ep>1 MoE block with ``nested_graph_breaks``: the host's read of the
+    all-to-all's split sizes (two calls down) breaks the block's graph once, not once per frame on the way,
+    and loss and gradients equal eager's bitwise on both ranks over two steps. A bare ``torch.compile`` of the
+    same blocks breaks in each of the three frames (block, MoE, all-to-all) and compiles more graphs (the
+    control)."""
+    from plait.engine_compile import reads_split_sizes
+    from plait.testing import run_distributed
+    nested = run_distributed(compiled_ep_body, 2, True)
+    bare = run_distributed(compiled_ep_body, 2, False)
+    for (breaks, graphs, same, loss), (bare_breaks, bare_graphs, bare_same, _) in zip(nested, bare):
+        assert breaks == 1 and same and loss > 0
+        assert bare_breaks > 1 and bare_graphs > graphs and bare_same
+    assert not reads_split_sizes(TransformerModel(moe_tiny(), None, seed=5))
