@@ -28,6 +28,7 @@ the last step's loss (mean over the ranks), and each arm over moe-ep2 and over d
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -58,7 +59,7 @@ def run_arm(arm: str, args) -> dict:
     import torch.distributed as dist
 
     import plait
-    from bench_zero import init_distributed
+    from bench_zero import gc_pauses, init_distributed
     from plait.layers import MoE, TransformerModel
     from plait.parallel import ParallelMesh
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -88,6 +89,10 @@ def run_arm(arm: str, args) -> dict:
     warmup = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     dist.barrier()
+    if args.gc == "freeze":     # as bench_zero's --gc freeze: the start-up's objects leave the collector's scans
+        gc.collect()
+        gc.freeze()
+    pauses = gc_pauses()
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     t0 = time.perf_counter()
     marks[0].record()
@@ -97,6 +102,7 @@ def run_arm(arm: str, args) -> dict:
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
     steps_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
+    gc.callbacks.remove(pauses.note)
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     total = loss.detach().float().clone()
@@ -116,6 +122,7 @@ def run_arm(arm: str, args) -> dict:
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": warmup, "loss": total.item() / 2,
             "params": cfg.num_parameters(), "active_params": active, "steps": args.steps,
             "imbalance": moe["load_imbalance"] if moe else None, "steps_ms": steps_ms,
+            "gc": args.gc, "gc_pauses_ms": pauses.ms,
             "cpus": sorted(os.sched_getaffinity(0))[:4] + [len(os.sched_getaffinity(0))],
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
 
@@ -153,13 +160,16 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="bench_moe.jsonl")
     p.add_argument("--logs")
+    p.add_argument("--gc", choices=("auto", "freeze"), default="auto", help="freeze: gc.collect() and gc.freeze() "
+                   "after the warm-up, as bench_zero.py's")
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile 2 more on rank 0 (its log)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--report", nargs="+")
     args = p.parse_args()
     if child_or_report(args, run_arm, report):
         return
-    child = ["--steps", str(args.steps), "--micro", str(args.micro), "--gas", str(args.gas), "--seq", str(args.seq)] + \
+    child = ["--steps", str(args.steps), "--micro", str(args.micro), "--gas", str(args.gas), "--seq", str(args.seq),
+             "--gc", args.gc] + \
         (["--profile"] if args.profile else []) + (["--compile"] if args.compile else [])
     # TORCHRUN_ARGS: more torchrun options, e.g. "--numa-binding node" (each rank's host threads on its GPU's node)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
