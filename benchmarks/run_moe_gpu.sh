@@ -8,5 +8,5 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 NAME=${1:-moe}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 benchmarks/bench_moe_model.py --out "$OUT/$NAME.jsonl" --logs "$OUT/$NAME-logs" --steps "${STEPS:-10}" \
-    --micro "${MICRO:-2}" --gas "${GAS:-1}" --seq "${SEQ:-2048}" ${ARMS:+--arms $ARMS} ${COMPILE:+--compile} ${GC:+--gc $GC} \
-    --timeout "${TIMEOUT:-300}"
+    --micro "${MICRO:-2}" --gas "${GAS:-1}" --seq "${SEQ:-2048}" ${ARMS:+--arms $ARMS} ${COMPILE:+--compile} \
+    ${GC:+--gc $GC} --timeout "${TIMEOUT:-300}"

@@ -359,10 +359,9 @@ def test_evaluation_forwards_in_train_mode_are_not_counted():
 
 
 def compiled_ep_body(regions):
-    """ep 2 (gloo): the model compiled per block (aot_eager: the same ops as eager, so a bitwise comparison)
-    with ``compile_regions`` (``regions`` True) or a bare ``torch.compile`` of each block; two steps. Returns
-    the graph breaks, the graphs compiled, whether both steps' loss and gradients equal the eager copy's
-    bitwise, and the last loss."""
+    """ep 2 (gloo), two steps of the model compiled per block (aot_eager: eager's ops, so bitwise) with
+    ``compile_regions`` (``regions``) or a bare ``torch.compile`` per block: (graph breaks, graphs compiled,
+    loss and gradients equal to an eager copy's at both steps, last loss)."""
     import types
 
     from test_engine import micro_batch
@@ -373,8 +372,7 @@ def compiled_ep_body(regions):
     from plait.parallel import ParallelMesh
     torch._dynamo.reset()
     counters.clear()
-    mesh = ParallelMesh(ep=2)
-    model, ref = (TransformerModel(moe_tiny(), mesh, seed=5).to(torch.bfloat16) for _ in range(2))
+    model, ref = (TransformerModel(moe_tiny(), ParallelMesh(ep=2), seed=5).to(torch.bfloat16) for _ in range(2))
     if regions:
         compile_regions(model, backend="aot_eager")
     else:
@@ -393,13 +391,11 @@ def compiled_ep_body(regions):
 def test_a_compiled_expert_parallel_block_breaks_once_with_eager_results():
     """``compile_regions`` traces an ep>1 MoE block with ``nested_graph_breaks``: the host's read of the
     all-to-all's split sizes (two calls down) breaks the block's graph once, not once per frame on the way,
-    and loss and gradients equal eager's bitwise on both ranks over two steps. A bare ``torch.compile`` of the
-    same blocks breaks in each of the three frames (block, MoE, all-to-all) and compiles more graphs (the
-    control)."""
+    with eager's loss and gradients bitwise on both ranks. A bare ``torch.compile`` breaks in each of the three
+    frames (block, MoE, all-to-all) and compiles more graphs (the control)."""
     from plait.engine_compile import reads_split_sizes
     from plait.testing import run_distributed
-    nested = run_distributed(compiled_ep_body, 2, True)
-    bare = run_distributed(compiled_ep_body, 2, False)
+    nested, bare = (run_distributed(compiled_ep_body, 2, regions) for regions in (True, False))
     for (breaks, graphs, same, loss), (bare_breaks, bare_graphs, bare_same, _) in zip(nested, bare):
         assert breaks == 1 and same and loss > 0
         assert bare_breaks > 1 and bare_graphs > graphs and bare_same
