@@ -4,6 +4,7 @@ DeepSpeed read, one-process distributed init, and running each arm in a child pr
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -206,3 +207,47 @@ def profile_steps(step, first: int, name: str, top: int = 25, steps: int = 2) ->
     print("\n| host ms/step (self) | calls/step | op |\n|---|---|---|")
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"| {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |", flush=True)
+
+
+def gc_pauses():
+    """Record the cyclic garbage collector's pauses of 1 ms or more (generation, ms) while registered."""
+    class Pauses:
+        def __init__(self):
+            self.ms, self.start = [], 0.0
+
+        def note(self, phase, info):
+            if phase == "start":
+                self.start = time.perf_counter()
+            elif (ms := (time.perf_counter() - self.start) * 1e3) >= 1.0:
+                self.ms.append((info["generation"], round(ms, 2)))
+    pauses = Pauses()
+    gc.callbacks.append(pauses.note)
+    return pauses
+
+
+def timed_steps(step, first: int, count: int, gc_mode: str = "auto") -> dict:
+    """The timed steps of an arm, on every rank: ``step(first)`` .. ``step(first + count - 1)``. With
+    ``gc_mode`` "freeze" the cyclic collector collects and freezes (``gc.freeze``) first, so a full collection
+    of the start-up's objects cannot land inside the few timed steps of one arm and not another's; then a
+    barrier, so no rank's collection is timed in another's first step. Returns ``loss`` (the last step's
+    result), ``step_s`` (wall seconds per step, to the device's end), ``step_ms`` (each step's device time in
+    ms, CUDA events in stream order, no sync inside the loop) and ``gc_pauses_ms`` (``gc_pauses``)."""
+    import torch.distributed as dist
+    if gc_mode == "freeze":
+        gc.collect()
+        gc.freeze()
+    dist.barrier()
+    pauses = gc_pauses()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    try:
+        t0 = time.perf_counter()
+        marks[0].record()
+        for k in range(count):
+            loss = step(first + k)
+            marks[k + 1].record()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / count
+    finally:
+        gc.callbacks.remove(pauses.note)
+    return {"loss": loss, "step_s": dt, "step_ms": [round(a.elapsed_time(b), 2) for a, b in zip(marks, marks[1:])],
+            "gc_pauses_ms": pauses.ms}

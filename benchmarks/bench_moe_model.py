@@ -28,7 +28,6 @@ the last step's loss (mean over the ranks), and each arm over moe-ep2 and over d
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import PEAK_FLOPS, batch, child_or_report, ds_like_config, known_arms, run_arms  # noqa: E402
-from _common import profile_steps  # noqa: E402
+from _common import profile_steps, timed_steps  # noqa: E402
 
 ARMS = ("moe-ep2", "moe-ep2-loop", "moe-ep1", "dense")
 MODEL = "mixtral-1b-active"
@@ -59,7 +58,7 @@ def run_arm(arm: str, args) -> dict:
     import torch.distributed as dist
 
     import plait
-    from bench_zero import gc_pauses, init_distributed
+    from bench_zero import init_distributed
     from plait.layers import MoE, TransformerModel
     from plait.parallel import ParallelMesh
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -88,21 +87,8 @@ def run_arm(arm: str, args) -> dict:
     torch.cuda.synchronize()
     warmup = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    if args.gc == "freeze":     # as bench_zero's --gc freeze: the start-up's objects leave the collector's scans
-        gc.collect()
-        gc.freeze()
-    pauses = gc_pauses()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    t0 = time.perf_counter()
-    marks[0].record()
-    for i in range(2, 2 + args.steps):
-        loss = step(i)
-        marks[i - 1].record()      # per-step device times, read after the loop (no sync inside it)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    steps_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
-    gc.callbacks.remove(pauses.note)
+    timed = timed_steps(step, 2, args.steps, args.gc)
+    loss, dt = timed["loss"], timed["step_s"]
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     total = loss.detach().float().clone()
@@ -121,9 +107,8 @@ def run_arm(arm: str, args) -> dict:
             "mfu": tokens_gpu * flops / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": warmup, "loss": total.item() / 2,
             "params": cfg.num_parameters(), "active_params": active, "steps": args.steps,
-            "imbalance": moe["load_imbalance"] if moe else None, "steps_ms": steps_ms,
-            "gc": args.gc, "gc_pauses_ms": pauses.ms,
-            "cpus": sorted(os.sched_getaffinity(0))[:4] + [len(os.sched_getaffinity(0))],
+            "imbalance": moe["load_imbalance"] if moe else None, "step_ms": timed["step_ms"],
+            "gc": args.gc, "gc_pauses_ms": timed["gc_pauses_ms"], "cpu_count": len(os.sched_getaffinity(0)),
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
 
 
@@ -161,7 +146,7 @@ def main() -> None:
     p.add_argument("--out", default="bench_moe.jsonl")
     p.add_argument("--logs")
     p.add_argument("--gc", choices=("auto", "freeze"), default="auto", help="freeze: gc.collect() and gc.freeze() "
-                   "after the warm-up, as bench_zero.py's")
+                   "after the warm-up (_common.timed_steps)")
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile 2 more on rank 0 (its log)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--report", nargs="+")

@@ -31,7 +31,6 @@ communication, idle gaps; rank 0's trace in DIR).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -42,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, ds_like_config  # noqa: E402
 from _common import child_or_report, engine_step, fsdp2_wrap, known_arms, model_flops_per_token, run_arms  # noqa: E402
-from _common import torch_step  # noqa: E402
+from _common import timed_steps, torch_step  # noqa: E402
 
 ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
         "plait-z3-keep", "plait-z3-bf16reduce")
@@ -162,21 +161,8 @@ def run_arm(arm: str, args) -> dict | None:
         folder = os.path.join(args.snapshot, f"rank{dist.get_rank()}")
         return {**_memory.snapshot_step(arm, step, warmup, folder), "model": model_name(args), "ac": args.ac}
     torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    if args.gc == "freeze":     # collect once, then keep the survivors out of the cyclic collector's scans
-        gc.collect()
-        gc.freeze()
-    pauses = gc_pauses()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    t0 = time.perf_counter()
-    marks[0].record()
-    for k, i in enumerate(range(warmup, warmup + args.steps)):
-        loss = step(i)
-        marks[k + 1].record()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    step_ms = [round(a.elapsed_time(b), 2) for a, b in zip(marks, marks[1:])]   # stream order, per step
-    gc.callbacks.remove(pauses.note)
+    timed = timed_steps(step, warmup, args.steps, args.gc)
+    loss, dt = timed["loss"], timed["step_s"]
     peak = torch.tensor(float(torch.cuda.max_memory_allocated()), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
@@ -184,7 +170,7 @@ def run_arm(arm: str, args) -> dict | None:
     row = {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
             "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
             "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
-            "step_ms": step_ms, "gc_pauses_ms": pauses.ms, "gc": args.gc,
+            "step_ms": timed["step_ms"], "gc_pauses_ms": timed["gc_pauses_ms"], "gc": args.gc,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
             "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
             "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
@@ -196,22 +182,6 @@ def run_arm(arm: str, args) -> dict | None:
         if trace:
             print(format_summary(arm, row["timeline"]), flush=True)
     return row
-
-
-def gc_pauses():
-    """Record the cyclic garbage collector's pauses of 1 ms or more (generation, ms) while registered."""
-    class Pauses:
-        def __init__(self):
-            self.ms, self.start = [], 0.0
-
-        def note(self, phase, info):
-            if phase == "start":
-                self.start = time.perf_counter()
-            elif (ms := (time.perf_counter() - self.start) * 1e3) >= 1.0:
-                self.ms.append((info["generation"], round(ms, 2)))
-    pauses = Pauses()
-    gc.callbacks.append(pauses.note)
-    return pauses
 
 
 def model_name(args) -> str:

@@ -4,8 +4,8 @@ Compiling the whole training step (or the whole model) puts ZeRO's parameter gat
 the pipeline schedule inside the traced region, where data-dependent Python and collectives break the
 graph. Compiling each transformer block instead (torchtitan's ``apply_compile``; Ansel et al.,
 "PyTorch 2", ASPLOS'24 for dynamo/inductor) gives inductor the fusions that matter -- norms, RoPE, the
-SwiGLU product, residual adds, dropout, the loss's softmax -- while the module hooks ZeRO-3 and ZeRO-Offload register on a
-block run eagerly around it: the block's ``forward`` is replaced by its compiled version (a method
+SwiGLU product, residual adds, dropout, the loss's softmax -- while the module hooks ZeRO-3 and ZeRO-Offload
+register on a block run eagerly around it: the block's ``forward`` is replaced by its compiled version (a method
 bound to the block, so ``copy.deepcopy`` gives a copy that computes with its own weights; pickling a
 whole compiled model is not supported, save its ``state_dict``), so ``nn.Module.__call__`` still runs
 the hooks, and parameter names (checkpoints) do not change.
@@ -18,12 +18,12 @@ autograd function), the RNG tracker's state forks around dropout (``torch.cuda.s
 selective recomputation's replaying closure. Each break splits the block into compiled pieces with
 eager code between them: the results are the same, only the fusions across the break are lost.
 
-A break inside a call nested in the block (an expert-parallel MoE reads its all-to-all's split sizes with
-``.tolist()``, two calls down) used to cut every frame on the way: the block, the MoE layer and the
-all-to-all function each ran as two compiled pieces, six per block, each with its own guard checks and
-autograd node on the host. Regions holding such a layer are traced with dynamo's ``nested_graph_breaks``
-(scoped to their calls, never set globally): dynamo resumes inside the nested frame, so the block runs as
-two pieces, one on each side of the read (the device sync itself stays).
+A break inside a call nested in the block used to cut every frame on the way. A MoE layer reads sizes on the
+host (an expert-parallel layer its all-to-all's split sizes, the per-expert loop its block sizes, with
+``.tolist()``) several calls below the block's ``forward``, so each of those frames ran as two compiled pieces,
+each with its own guard checks and autograd node on the host. Regions holding a MoE layer are traced with
+dynamo's ``nested_graph_breaks`` (scoped to their calls, never set globally): dynamo resumes inside the
+nested frame, so the block runs as two pieces, one on each side of the read (the device sync itself stays).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
         cls = type(region)
         if cls not in compiled:
             fn = torch.compile(cls.forward, backend=backend, **kwargs)
-            nested = any(reads_split_sizes(r) for r in targets if type(r) is cls)
+            nested = any(holds_moe(r) for r in targets if type(r) is cls)
             compiled[cls] = _resuming_nested_breaks(fn) if nested else fn
         # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
         region.forward = types.MethodType(compiled[cls], region)
@@ -88,10 +88,10 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     return done
 
 
-def reads_split_sizes(region: nn.Module) -> bool:
-    """Whether ``region`` holds an expert-parallel MoE layer (its all-to-all's sizes are read by the host)."""
+def holds_moe(region: nn.Module) -> bool:
+    """Whether ``region`` holds a MoE layer (whose forward may read sizes on the host; module docstring)."""
     from plait.layers.moe import MoE
-    return any(isinstance(m, MoE) and m.ep_group is not None for m in region.modules())
+    return any(isinstance(m, MoE) for m in region.modules())
 
 
 def _resuming_nested_breaks(fn):
@@ -100,11 +100,12 @@ def _resuming_nested_breaks(fn):
     if not hasattr(torch._dynamo.config, "nested_graph_breaks"):
         return fn
 
-    @functools.wraps(fn)
     def run(*args, **kwargs):
         with torch._dynamo.config.patch(nested_graph_breaks=True):
             return fn(*args, **kwargs)
-    return run
+    # name and docstring only: copying fn's __dict__ would copy dynamo's markers, and an outer compile would
+    # then inline fn past the patch
+    return functools.update_wrapper(run, fn, updated=())
 
 
 def compiled_backend(module: nn.Module):

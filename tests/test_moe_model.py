@@ -389,14 +389,17 @@ def compiled_ep_body(regions):
 
 
 def test_a_compiled_expert_parallel_block_breaks_once_with_eager_results():
-    """``compile_regions`` traces an ep>1 MoE block with ``nested_graph_breaks``: the host's read of the
-    all-to-all's split sizes (two calls down) breaks the block's graph once, not once per frame on the way,
-    with eager's loss and gradients bitwise on both ranks. A bare ``torch.compile`` breaks in each of the three
-    frames (block, MoE, all-to-all) and compiles more graphs (the control)."""
-    from plait.engine_compile import reads_split_sizes
+    """``compile_regions`` traces a MoE block with ``nested_graph_breaks``: the host's read of the ep
+    all-to-all's split sizes (in ``expert_parallel``, four calls below the block's ``forward``) breaks the
+    block's graph once, not once per frame on the way, with eager's loss and gradients bitwise on both ranks.
+    A bare ``torch.compile`` of the blocks (the head left eager) breaks in every frame and compiles more
+    graphs (the control)."""
+    from test_engine import tiny
+
+    from plait.engine_compile import holds_moe
     from plait.testing import run_distributed
     nested, bare = (run_distributed(compiled_ep_body, 2, regions) for regions in (True, False))
     for (breaks, graphs, same, loss), (bare_breaks, bare_graphs, bare_same, _) in zip(nested, bare):
         assert breaks == 1 and same and loss > 0
         assert bare_breaks > 1 and bare_graphs > graphs and bare_same
-    assert not reads_split_sizes(TransformerModel(moe_tiny(), None, seed=5))
+    assert holds_moe(TransformerModel(moe_tiny(), None, seed=5)) and not holds_moe(TransformerModel(tiny(), None, seed=5))
