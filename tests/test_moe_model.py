@@ -402,4 +402,5 @@ def test_a_compiled_expert_parallel_block_breaks_once_with_eager_results():
     for (breaks, graphs, same, loss), (bare_breaks, bare_graphs, bare_same, _) in zip(nested, bare):
         assert breaks == 1 and same and loss > 0
         assert bare_breaks > 1 and bare_graphs > graphs and bare_same
-    assert holds_moe(TransformerModel(moe_tiny(), None, seed=5)) and not holds_moe(TransformerModel(tiny(), None, seed=5))
+    assert holds_moe(TransformerModel(moe_tiny(), None, seed=5))
+    assert not holds_moe(TransformerModel(tiny(), None, seed=5))
