@@ -18,12 +18,12 @@ autograd function), the RNG tracker's state forks around dropout (``torch.cuda.s
 selective recomputation's replaying closure. Each break splits the block into compiled pieces with
 eager code between them: the results are the same, only the fusions across the break are lost.
 
-A break inside a call nested in the block used to cut every frame on the way. A MoE layer reads sizes on the
-host (an expert-parallel layer its all-to-all's split sizes, the per-expert loop its block sizes, with
-``.tolist()``) several calls below the block's ``forward``, so each of those frames ran as two compiled pieces,
-each with its own guard checks and autograd node on the host. Regions holding a MoE layer are traced with
-dynamo's ``nested_graph_breaks`` (scoped to their calls, never set globally): dynamo resumes inside the
-nested frame, so the block runs as two pieces, one on each side of the read (the device sync itself stays).
+A break inside a call nested in the block used to cut every frame on the way, each then running as two
+compiled pieces with their own guard checks and autograd node on the host: a MoE layer's read of sizes on
+the host (the expert-parallel all-to-all's split sizes, the per-expert loop's block sizes, with ``.tolist()``)
+four calls below the block's ``forward`` made six pieces of a block. Regions are traced with dynamo's
+``nested_graph_breaks`` (scoped to their calls, never set globally): dynamo resumes inside the nested frame,
+so a block runs as one piece more than it has breaks (the device sync itself stays).
 """
 from __future__ import annotations
 
@@ -69,15 +69,12 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     if "backend" in kwargs:
         raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
     done, compiled = [], {}   # one compiled function per region class, bound to each region
-    targets = compile_targets(module)
-    for region in targets:
+    for region in compile_targets(module):
         if getattr(region, COMPILED_ATTR, False):
             continue
         cls = type(region)
         if cls not in compiled:
-            fn = torch.compile(cls.forward, backend=backend, **kwargs)
-            nested = any(holds_moe(r) for r in targets if type(r) is cls)
-            compiled[cls] = _resuming_nested_breaks(fn) if nested else fn
+            compiled[cls] = _resuming_nested_breaks(torch.compile(cls.forward, backend=backend, **kwargs))
         # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
         region.forward = types.MethodType(compiled[cls], region)
         setattr(region, COMPILED_ATTR, backend)
@@ -86,12 +83,6 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
         logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
                                         len(done), type(done[0]).__name__, backend)
     return done
-
-
-def holds_moe(region: nn.Module) -> bool:
-    """Whether ``region`` holds a MoE layer (whose forward may read sizes on the host; module docstring)."""
-    from plait.layers.moe import MoE
-    return any(isinstance(m, MoE) for m in region.modules())
 
 
 def _resuming_nested_breaks(fn):
