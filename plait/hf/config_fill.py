@@ -14,8 +14,11 @@ The pairs (ds_config key <- TrainingArguments):
     optimizer.params.weight_decay    weight_decay
     scheduler.params.warmup_min_lr   0 (filled only)
     scheduler.params.warmup_max_lr   learning_rate
-    scheduler.params.warmup_num_steps  get_warmup_steps(max_steps)
+    scheduler.params.warmup_num_steps  max(1, get_warmup_steps(max_steps))  (DeepSpeed >= 0.19.6 refuses 0)
     scheduler.params.total_num_steps   max_steps
+    zero_optimization.reduce_bucket_size                 h x h      (filled only; h: the model's hidden size,
+    zero_optimization.stage3_prefetch_bucket_size        0.9 h x h   as ``hf_hidden_size`` finds it; the two
+    zero_optimization.stage3_param_persistence_threshold 10 h        stage-3 keys at ZeRO stage 3 only)
     fp16.enabled                     fp16 or fp16_full_eval
     bf16.enabled                     bf16 or bf16_full_eval
 
@@ -23,7 +26,8 @@ A micro-batch or accumulation key the config does not give takes the argument's 
 does (the Hugging Face test configs give no batch key; the engine's are checked against the arguments);
 ``bf16=True`` (``fp16=True``) adds a ``bf16`` (``fp16``, with ``auto_cast``) section the config lacks, as
 accelerate's DeepSpeed plugin does.
-The ZeRO bucket sizes left "auto" are filled by plait from the model's hidden size (``plait.config.resolve``).
+The table is transformers' (``trainer_config_process`` and ``trainer_config_finalize``); tests/test_hf_config_fill.py
+checks every key against the installed transformers' own code.
 """
 from __future__ import annotations
 
@@ -53,8 +57,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def fill_from_args(ds_config: dict, args, dp: int, max_steps: int) -> dict:
-    """A copy of ``ds_config`` with the "auto" values above filled from ``args`` (a ``TrainingArguments``).
+def hf_hidden_size(model) -> int | None:
+    """The hidden size transformers reads for the ZeRO bucket sizes: ``config.hidden_size``, else the largest
+    of ``config.hidden_sizes``, else the same from ``config.text_config``; None when there is none."""
+    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if getattr(config, "hidden_size", None) is not None:
+            return config.hidden_size
+        if getattr(config, "hidden_sizes", None):
+            return max(config.hidden_sizes)
+    return None
+
+
+def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: int | None = None) -> dict:
+    """A copy of ``ds_config`` with the "auto" values above filled from ``args`` (a ``TrainingArguments``)
+    and ``hidden_size`` (the model's, ``hf_hidden_size``; None leaves the bucket sizes to plait's resolver).
 
     Raises:
         ConfigError: values that are not "auto" disagree with the arguments (all of them named, each with
@@ -74,11 +90,17 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int) -> dict:
         ("optimizer.params.weight_decay", args.weight_decay, "weight_decay", True),
         ("scheduler.params.warmup_min_lr", 0, None, False),
         ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate", True),
-        ("scheduler.params.warmup_num_steps", args.get_warmup_steps(max_steps), "warmup_steps", True),
+        ("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(max_steps)), "warmup_steps", True),
         ("scheduler.params.total_num_steps", max_steps, "max_steps (computed)", True),
         ("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval", True),
         ("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval", True),
     ]
+    if hidden_size is not None:
+        stage3 = config.get("zero_optimization", {}).get("stage") == 3
+        pairs += [("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, None, False)]
+        pairs += [("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), None, False),
+                  ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, None, False)
+                  ] if stage3 else []
     if "bfloat16" in config and "bf16" not in config:
         config["bf16"] = config.pop("bfloat16")
     # the Trainer's mixed precision enables a section the config does not have (accelerate's DeepSpeed plugin)

@@ -49,7 +49,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
-from plait.hf.config_fill import fill_from_args
+from plait.hf.config_fill import fill_from_args, hf_hidden_size
 from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
@@ -101,7 +101,8 @@ class Trainer(transformers.Trainer):
     def _build_engine(self, max_steps: int):
         """Raises ConfigError: the engine's micro-batch or accumulation differs from the arguments'."""
         args = self.args
-        config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps)
+        config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps,
+                                hidden_size=hf_hidden_size(self.model))
         optimizer = self.create_optimizer() if not config.get("optimizer") else None
 
         def hf_scheduler(opt):

@@ -55,7 +55,7 @@ class LossFile(TrainerCallback):
 args = TrainingArguments(output_dir=opt.out, deepspeed=opt.ds_config, per_device_train_batch_size=2,
                          gradient_accumulation_steps=opt.gas, learning_rate=1e-3, max_steps=opt.max_steps,
                          logging_steps=1, save_steps=3, eval_strategy="steps", eval_steps=3, report_to=[], seed=7,
-                         warmup_steps=2, use_cpu=True, bf16=opt.bf16)
+                         use_cpu=True, bf16=opt.bf16)   # warm-up left at its default (0 steps)
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[LossFile()])
 trainer.train(resume_from_checkpoint=opt.resume)
 trainer.save_model(f"{opt.out}/final")
