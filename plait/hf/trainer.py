@@ -33,6 +33,7 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import transformers
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
@@ -128,9 +129,10 @@ class Trainer(transformers.Trainer):
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         return self.engine
 
-    def _train_loader(self, engine) -> tuple[DataLoader, DistributedSampler]:
+    def _train_loader(self, engine, skip: int = 0) -> tuple[DataLoader, DistributedSampler]:
         """Micro-batches of this dp rank: a ``DistributedSampler`` (seeded with ``args.seed``, reshuffled by
-        ``set_epoch``, at any dp) over the dataset with transformers' unused columns removed."""
+        ``set_epoch``, at any dp) over the dataset with transformers' unused columns removed; the first
+        ``skip`` micro-batches (already trained, on resume) are left out before anything is read or collated."""
         args, data = self.args, self.train_dataset
         collate = self.data_collator
         if _is_datasets_dataset(data) and args.remove_unused_columns:
@@ -140,8 +142,9 @@ class Trainer(transformers.Trainer):
         mesh = engine.mesh
         sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
         workers = args.dataloader_num_workers
-        loader = DataLoader(data, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                            collate_fn=collate, drop_last=args.dataloader_drop_last, num_workers=workers,
+        batches = BatchSampler(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
+        loader = DataLoader(data, batch_sampler=_Skip(batches, skip) if skip else batches,
+                            collate_fn=collate, num_workers=workers,
                             pin_memory=args.dataloader_pin_memory,
                             persistent_workers=bool(args.dataloader_persistent_workers and workers))
         return loader, sampler
@@ -152,18 +155,22 @@ class Trainer(transformers.Trainer):
         args = args or self.args
         max_steps, epochs, updates_per_epoch = self._plan(args)
         engine = self.engine or self._build_engine(max_steps)
+        first_epoch, skip, resumed = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
+                                                       resume_from_checkpoint)
         loader, sampler = self._train_loader(engine)
-        first_epoch, skip = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
-                                              resume_from_checkpoint)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         window = _LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
         for epoch in range(first_epoch, epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            for i, inputs in enumerate(loader):
-                if epoch == first_epoch and i < skip:
-                    continue
+            start = skip if epoch == first_epoch else 0
+            batches = iter(self._train_loader(engine, start)[0] if start else loader)
+            if resumed is not None and epoch == first_epoch:
+                # after the iterator drew its seed and with no skipped micro-batch collated: the generators
+                # then stand where the uninterrupted run's stood at this micro-batch (transformers' order)
+                self._load_rng_state(resumed)
+            for i, inputs in enumerate(batches, start=start):
                 if not self._micro_step(engine, inputs, i, len(loader), epoch, window):
                     continue
                 self._log_evaluate_save(engine, window, trial, ignore_keys_for_eval)
@@ -192,18 +199,19 @@ class Trainer(transformers.Trainer):
             return args.max_steps, math.ceil(args.max_steps / updates_per_epoch), updates_per_epoch
         return math.ceil(args.num_train_epochs * updates_per_epoch), math.ceil(args.num_train_epochs), updates_per_epoch
 
-    def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int]:
+    def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int, str | None]:
         """A fresh ``TrainerState``, or the checkpoint's (with this run's limits); (first epoch, micro-batches
-        of it already trained)."""
+        of it already trained, the checkpoint folder whose RNG states the loop restores, or None)."""
         self.state = _new_state(args, max_steps, epochs)
-        if resume is None:
-            return 0, 0
-        first_epoch, skip = self._resume(engine, resume, updates_per_epoch, args.gradient_accumulation_steps)
+        if resume is None or resume is False:
+            return 0, 0, None
+        path = get_last_checkpoint(self.args.output_dir) if resume is True else resume
+        first_epoch, skip = self._resume(engine, path, updates_per_epoch, args.gradient_accumulation_steps)
         fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
         for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
                     "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
             setattr(self.state, key, getattr(fresh, key))
-        return first_epoch, skip
+        return first_epoch, skip, path
 
     def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: _LossWindow) -> bool:
         """Forward, backward and ``engine.step()`` of micro-batch ``i`` of ``count``; True when it ended an
@@ -254,14 +262,11 @@ class Trainer(transformers.Trainer):
         """No-op: the engine loads the checkpoint inside ``train()`` (transformers calls this before)."""
 
     def _resume(self, engine, path: str, updates_per_epoch: int, gas: int) -> tuple[int, int]:
-        if path is True:
-            path = get_last_checkpoint(self.args.output_dir)
         state_file = os.path.join(path, STATE_NAME)
         if not os.path.isfile(state_file):
             raise ValueError(f"{path} has no {STATE_NAME}: not a checkpoint written by plait.hf.Trainer")
         engine.load_checkpoint(path)
         self.state = TrainerState.load_from_json(state_file)
-        self._load_rng_state(path)
         step = self.state.global_step
         return step // updates_per_epoch, (step % updates_per_epoch) * gas
 
@@ -307,6 +312,20 @@ class _LossWindow:
         self.sum.zero_()
         self.logged_at = step
         return mean
+
+
+@dataclass
+class _Skip:
+    """A batch sampler without its first ``skip`` batches (their indices are drawn, nothing is read)."""
+
+    batches: BatchSampler
+    skip: int
+
+    def __iter__(self):
+        return itertools.islice(iter(self.batches), self.skip, None)
+
+    def __len__(self):
+        return max(len(self.batches) - self.skip, 0)
 
 
 def _is_datasets_dataset(data) -> bool:
