@@ -99,11 +99,13 @@ def _write_latest(root: str, tag: str) -> None:
     fsync_path(root)
 
 
-def publish(root: str, tag: str, tmp_dir: str, nonce: str, pause=lambda phase: None) -> None:
+def publish(root: str, tag: str, tmp_dir: str, nonce: str, pause=lambda phase: None,
+            pointer: bool = True) -> None:
     """Move the finished, fsynced ``tmp_dir`` to ``<root>/<tag>`` and point ``latest`` at it.
 
     An existing ``<tag>`` is first renamed to ``.old-<tag>-<nonce>`` and deleted only after
-    ``latest`` is updated. ``pause(phase)`` is a test hook called before each step.
+    ``latest`` is updated. ``pointer=False``: a root without ``latest`` (the Trainer's ``output_dir``,
+    whose ``checkpoint-N`` folders are found by name). ``pause(phase)`` is a test hook called before each step.
     """
     final = os.path.join(root, tag)
     old = None
@@ -114,13 +116,16 @@ def publish(root: str, tag: str, tmp_dir: str, nonce: str, pause=lambda phase: N
     pause("rename")
     os.rename(tmp_dir, final)
     fsync_path(root)
-    pause("latest")
-    _write_latest(root, tag)
+    if pointer:
+        pause("latest")
+        _write_latest(root, tag)
     if old is not None:
-        _delete(root, old)
+        delete_dir(root, old)
 
 
-def _delete(root: str, path: str) -> None:
+def delete_dir(root: str, path: str) -> None:
+    """Delete the folder ``path`` in ``root``; renamed to ``.del-<name>`` first, so that a crash midway never
+    leaves a half-deleted folder under a checkpoint's name (``remove_leftovers`` finishes the job)."""
     name = os.path.basename(path)
     doomed = path if name.startswith((".del-", ".tmp-")) else os.path.join(root, ".del-" + name.lstrip("."))
     if doomed != path:
@@ -128,9 +133,11 @@ def _delete(root: str, path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def remove_leftovers(root: str, keep: str) -> None:
+def remove_leftovers(root: str, keep: str, complete=None) -> None:
     """Clean up after crashed saves: delete ``.tmp-*`` and ``.del-*`` dirs (except ``keep``);
-    put a complete ``.old-<tag>-*`` back as ``<tag>`` when ``<tag>`` is missing, else delete it."""
+    put a complete ``.old-<tag>-*`` back as ``<tag>`` when ``<tag>`` is missing, else delete it.
+    ``complete(path) -> bool`` tells a complete checkpoint folder (default: it holds ``index.json``)."""
+    complete = complete or (lambda path: os.path.isfile(os.path.join(path, INDEX_FILE)))
     for e in _entries(root):
         path = os.path.join(root, e)
         if path == keep:
@@ -141,7 +148,7 @@ def remove_leftovers(root: str, keep: str) -> None:
             tag = e[len(".old-"):].rsplit("-", 1)[0]
             if os.path.lexists(os.path.join(root, tag)):
                 shutil.rmtree(path, ignore_errors=True)
-            elif os.path.isfile(os.path.join(path, INDEX_FILE)):  # crash between publish's renames
+            elif complete(path):  # crash between publish's renames
                 os.rename(path, os.path.join(root, tag))
                 fsync_path(root)
 
@@ -158,7 +165,7 @@ def prune(root: str, keep_last: int) -> list[str]:
         keep.add(latest)
     doomed = sorted(t for t in tags if t not in keep)
     for t in doomed:
-        _delete(root, os.path.join(root, t))
+        delete_dir(root, os.path.join(root, t))
     if doomed:
         fsync_path(root)
     return doomed

@@ -20,8 +20,9 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
   semantics; transformers' token-count normalisation across micro-batches is not applied).
 * Checkpoints: ``output_dir/checkpoint-N/`` holds plait's sharded engine checkpoint (any dp/ZeRO layout can
   resume from it), ``trainer_state.json``, the ranks' RNG states and, when the weights can be gathered,
-  the 16-bit model (``save_model``). ``train(resume_from_checkpoint=...)`` loads the engine checkpoint and
-  skips the micro-batches already trained.
+  the 16-bit model (``save_model``). It appears whole or not at all (written in a temporary folder, renamed
+  when every rank has written: ``plait.hf.checkpoints``). ``train(resume_from_checkpoint=...)`` loads the
+  engine checkpoint and skips the micro-batches already trained; ``True`` takes the newest complete folder.
 * ``save_model(dir)``: the whole model in its training dtype, written by rank 0 with the model's
   ``save_pretrained`` (``from_pretrained`` loads it), the processing class beside it. Under ZeRO-3 it
   needs ``stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed); otherwise it logs and writes none.
@@ -37,7 +38,6 @@ import itertools
 import logging
 import math
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -45,19 +45,17 @@ import torch.distributed as dist
 import transformers
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput
 
 import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
+from plait.hf.checkpoints import PREFIX, STATE_NAME, on_rank0, resume_folder, rotate, write_folder
 from plait.hf.config_fill import fill_from_args, hf_hidden_size
 from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
 log = logging.getLogger("plait")
-
-STATE_NAME = "trainer_state.json"
-CHECKPOINT_PREFIX = "checkpoint"
 
 
 class Trainer(transformers.Trainer):
@@ -83,6 +81,21 @@ class Trainer(transformers.Trainer):
         args, model = self.args, self.model
         return not (has_meta_parameters(model) or getattr(self, "is_model_parallel", False) or getattr(model, "is_quantized", False)
                     or ((args.fp16_full_eval or args.bf16_full_eval) and not args.do_train))
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """transformers' ``train``. ``resume_from_checkpoint=True``: the newest complete ``checkpoint-N`` in
+        ``output_dir``, passing over (with a one-line warning each) newer folders a crashed save left.
+
+        Raises:
+            CheckpointError: the path given names an incomplete or damaged checkpoint (the message names it
+                and the last complete one beside it).
+            ValueError: ``True`` and no complete checkpoint in ``output_dir``.
+        """
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = on_rank0(lambda: resume_folder(self.args.output_dir, resume_from_checkpoint,
+                                                                    warn=True))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def evaluate(self, *a, **kw):
         """transformers' ``evaluate``; a model from ``plait.hf.from_pretrained`` called before ``train()``
@@ -205,13 +218,13 @@ class Trainer(transformers.Trainer):
         self.state = _new_state(args, max_steps, epochs)
         if resume is None or resume is False:
             return 0, 0, None
-        path = get_last_checkpoint(self.args.output_dir) if resume is True else resume
-        first_epoch, skip = self._resume(engine, path, updates_per_epoch, args.gradient_accumulation_steps)
+        # a folder (``train`` resolved True to the newest complete checkpoint)
+        first_epoch, skip = self._resume(engine, resume, updates_per_epoch, args.gradient_accumulation_steps)
         fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
         for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
                     "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
             setattr(self.state, key, getattr(fresh, key))
-        return first_epoch, skip, path
+        return first_epoch, skip, resume
 
     def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: _LossWindow) -> bool:
         """Forward, backward and ``engine.step()`` of micro-batch ``i`` of ``count``; True when it ended an
@@ -248,25 +261,27 @@ class Trainer(transformers.Trainer):
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial) -> None:
-        out = os.path.join(self.args.output_dir, f"{CHECKPOINT_PREFIX}-{self.state.global_step}")
-        self.engine.save_checkpoint(out)
-        self.save_model(out, _internal_call=True)
-        self._save_rng_state(out)
+        """``output_dir/checkpoint-N``, whole or not at all (``write_folder``), then ``save_total_limit``.
+        Raises ``CheckpointError`` on every rank when any rank could not write (nothing is published)."""
+        def write(tmp: str) -> None:
+            self.engine.save_checkpoint(tmp)
+            self._write_model(tmp)
+            self._save_rng_state(tmp)
+            if self._is_rank0():
+                self.state.save_to_json(os.path.join(tmp, STATE_NAME))
+
+        folder = write_folder(self.args.output_dir, f"{PREFIX}-{self.state.global_step}", write)
         if self._is_rank0():
-            self.state.save_to_json(os.path.join(out, STATE_NAME))
-            _rotate(self.args.output_dir, self.args.save_total_limit)
-        if dist.is_initialized():
-            dist.barrier()
+            rotate(self.args.output_dir, self.args.save_total_limit, keep=(folder, self.state.best_model_checkpoint))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         """No-op: the engine loads the checkpoint inside ``train()`` (transformers calls this before)."""
 
     def _resume(self, engine, path: str, updates_per_epoch: int, gas: int) -> tuple[int, int]:
-        state_file = os.path.join(path, STATE_NAME)
-        if not os.path.isfile(state_file):
-            raise ValueError(f"{path} has no {STATE_NAME}: not a checkpoint written by plait.hf.Trainer")
+        """Load ``path`` (a complete checkpoint: ``train`` checked it); (first epoch, micro-batches to skip).
+        The RNG states are restored later, by the loop (``_inner_training_loop``)."""
         engine.load_checkpoint(path)
-        self.state = TrainerState.load_from_json(state_file)
+        self.state = TrainerState.load_from_json(os.path.join(path, STATE_NAME))
         step = self.state.global_step
         return step // updates_per_epoch, (step % updates_per_epoch) * gas
 
@@ -275,17 +290,19 @@ class Trainer(transformers.Trainer):
         docstring). Collective once ``train()`` has built the engine."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        state = gathered_state_dict(self.engine, output_dir)
-        if state is False:
-            return
-        if state is not None:
-            os.makedirs(output_dir, exist_ok=True)
-            self.engine.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+        self._write_model(output_dir or self.args.output_dir)
         if dist.is_initialized():
             dist.barrier()
+
+    def _write_model(self, output_dir: str) -> None:
+        """``save_model`` without its closing barrier (a checkpoint's save agrees once, at its end)."""
+        state = gathered_state_dict(self.engine, output_dir)
+        if state is False or state is None:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.engine.module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
 
     def _is_rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
@@ -351,15 +368,3 @@ def _new_state(args, max_steps: int, epochs: int) -> TrainerState:
     state.is_local_process_zero = state.is_world_process_zero = not dist.is_initialized() or dist.get_rank() == 0
     return state
 
-
-def _rotate(output_dir: str, limit: int | None) -> None:
-    """Keep the newest ``limit`` ``checkpoint-N`` folders (``save_total_limit``)."""
-    if not limit:
-        return
-    found = []
-    for name in os.listdir(output_dir):
-        tail = name[len(CHECKPOINT_PREFIX) + 1:]
-        if name.startswith(CHECKPOINT_PREFIX + "-") and tail.isdigit():
-            found.append((int(tail), name))
-    for _, name in sorted(found)[:-limit]:
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
