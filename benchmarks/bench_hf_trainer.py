@@ -26,6 +26,11 @@ loads it its own way under ZeRO-3: DeepSpeed through ``LlamaForCausalLM.from_pre
 ``TrainingArguments`` (``zero.Init``), plait through ``plait.hf.from_pretrained`` (meta construction, each
 rank reading its shards).
 
+``--largest 10b,13b --ratio 0.45 [--act-ckpt] [--micro 4]``: plait's GPU-first placement instead of full
+offload (arms ``plait-z3-gpufirst-<size>``): ZeRO-3 with the weights on the GPU and ``offload_optimizer.ratio``
+of the optimizer states on the host, the rest resident on the GPU (``plait.zero.offload.placement``);
+``--act-ckpt`` turns on the Trainer's ``gradient_checkpointing`` in every arm, ``--micro`` sets the micro-batch.
+
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
 step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
 last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table.
@@ -58,7 +63,12 @@ if SMOKE:
     SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
 
 
-def ds_config(arm: str) -> dict:
+def ds_config(arm: str, ratio: float = 1.0) -> dict:
+    if "gpufirst" in arm:   # the weights on the GPU, a ratio of the optimizer states on the host
+        config = ds_config("z3-offload")
+        del config["zero_optimization"]["offload_param"]
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+        return config
     if "z3-offload" in arm:
         with open(os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")) as f:
             config = json.load(f)
@@ -121,7 +131,8 @@ def write_checkpoint(folder: str, size: str) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) -> dict:
+def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ratio: float = 1.0,
+            act_ckpt: bool = False, micro: int | None = None) -> dict:
     import torch
     import transformers
     if arm.startswith("plait"):
@@ -130,13 +141,12 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
         from transformers import Trainer, TrainingArguments
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    shape, micro = dict(SHAPE), MICRO
-    if "z3-offload-" in arm:   # --largest: micro-batch 1 at a named size
-        micro = 1
-    if "z3-offload-" in arm and arm.startswith("plait"):
+    shape, sized = dict(SHAPE), "z3-offload-" in arm or "gpufirst" in arm
+    micro = micro or (1 if sized else MICRO)   # --largest: micro-batch 1 at a named size unless --micro
+    if sized and arm.startswith("plait"):
         from plait.hf import from_pretrained
         model = from_pretrained(transformers.LlamaForCausalLM, checkpoint)
-    elif "z3-offload-" not in arm:
+    elif not sized:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
 
     class Tokens(torch.utils.data.Dataset):
@@ -160,7 +170,7 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
 
     extra = {}
     if arm.startswith(("plait", "ds")):
-        extra["deepspeed"] = ds_config(arm)
+        extra["deepspeed"] = ds_config(arm, ratio)
     if arm == "fsdp2":
         extra.update(fsdp="full_shard auto_wrap",
                      fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
@@ -171,7 +181,7 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
                              max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
                              lr_scheduler_type="constant", warmup_steps=1,
                              dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")),
-                             use_cpu=SMOKE, bf16=not SMOKE, **extra)
+                             use_cpu=SMOKE, bf16=not SMOKE, gradient_checkpointing=act_ckpt, **extra)
     if "z3-offload-" in arm and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ds_numel: under zero.Init
@@ -183,9 +193,20 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None) ->
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"arm": arm, "params": n_params, "tokens_per_s": micro * SEQ * steps / dt, "step_s": dt / steps,
             "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
+            "host_peak_gib": _host_peak_gib(), "ratio": ratio if "gpufirst" in arm else 1.0, "micro": micro,
+            "act_ckpt": act_ckpt, "state_dtype": "fp32",
             "loss": losses[-1] if losses else None, "train_s": total,
             "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "host": _host_threads()}
+
+
+def _host_peak_gib() -> float:
+    """This process's peak resident host memory (VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 def _host_threads() -> dict:
@@ -208,16 +229,22 @@ def main() -> None:
     cli.add_argument("--warmup", type=int, default=3)
     cli.add_argument("--out", default=None)
     cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
+    cli.add_argument("--ratio", type=float, default=None,
+                     help="--largest with plait's GPU-first placement: share of optimizer states on the host")
+    cli.add_argument("--act-ckpt", action="store_true", help="the Trainer's gradient_checkpointing in every arm")
+    cli.add_argument("--micro", type=int, default=None, help="micro-batch (default: 4; --largest: 1)")
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
     cli.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opt = cli.parse_args()
     if opt.arm:
-        print("RESULT " + json.dumps(run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint)), flush=True)
+        result = run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint, opt.ratio or 1.0, opt.act_ckpt, opt.micro)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     rows = []
     arms = opt.arms.split(",")
     if opt.largest:
-        arms = [f"{fw}-z3-offload-{size}" for fw in ("plait", "ds") for size in opt.largest.split(",")]
+        kinds = ["plait-z3-gpufirst"] if opt.ratio is not None else ["plait-z3-offload", "ds-z3-offload"]
+        arms = [f"{kind}-{size}" for kind in kinds for size in opt.largest.split(",")]
     failed = set()
     for arm in arms:
         fw = arm.split("-")[0]
@@ -226,7 +253,8 @@ def main() -> None:
         if opt.largest:
             h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
             params = n * (2 * h * h * (1 + kv / heads) + 3 * h * ffn) + 2 * 32000 * h
-            need, have = params * HOST_BYTES[fw] / 2**30, mem_available_gib()
+            on_host = opt.ratio if "gpufirst" in arm else 1.0
+            need, have = params * HOST_BYTES[fw] * on_host / 2**30, mem_available_gib()
             if need > 0.9 * have:
                 row = {"arm": arm, "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available"}
                 print(json.dumps(row), flush=True)
@@ -235,6 +263,8 @@ def main() -> None:
                 continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
                "--arm", arm, "--steps", str(opt.steps), "--warmup", str(opt.warmup)]
+        cmd += (["--ratio", str(opt.ratio)] if opt.ratio is not None else []) + (["--act-ckpt"] if opt.act_ckpt else [])
+        cmd += ["--micro", str(opt.micro)] if opt.micro else []
         if opt.largest:
             size = arm.rsplit("-", 1)[1]
             folder = os.path.join(tempfile.gettempdir(), f"bench_llama_{size}")

@@ -37,6 +37,7 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
                           pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
                           num_threads=int(threads) if threads else None,
                           device_step_fraction=z.offload_optimizer.device_step_fraction,
+                          ratio=z.offload_optimizer.ratio,
                           final_at_step=pipeline is not None)
 
 

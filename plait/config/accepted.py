@@ -89,8 +89,6 @@ ACCEPTED_KEYS = MappingProxyType({
     "zero_optimization.offload_optimizer": _table({
         "buffer_count": (ANY, None), "fast_init": (ANY, None), "pipeline_read": (ANY, None),
         "pipeline_write": (ANY, None), "pipeline": (ANY, None), "nvme_path": ((None,), _NVME),
-        "ratio": ((1, 1.0), "the whole optimizer partition is offloaded (device_step_fraction moves part "
-                            "of its update back to the GPU)"),
     }),
     "zero_optimization.offload_param": _table({
         "buffer_count": (ANY, None), "buffer_size": (ANY, None), "max_in_cpu": (ANY, None),

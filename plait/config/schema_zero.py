@@ -24,20 +24,28 @@ class OffloadConfig:
     and device times; this "auto" is the value itself, not a placeholder that ``plait.config.resolve`` or
     the Hugging Face Trainer fills. Left out (None): "auto" where the model is on a GPU and the step allows
     a device share, else 0.
+    ``ratio`` (DeepSpeed's; ``offload_optimizer`` only): the share, in [0, 1], of the optimizer states
+    (fp32 masters and moments) kept in host memory; the rest stay on the GPU and are stepped there
+    (``plait.zero.offload.placement``; Adam/AdamW, GAS 1). 1 (default): all on the host.
     ``device_step_adaptive: true``: the deprecated spelling of ``device_step_fraction: "auto"`` (a warning;
     refused together with a fraction other than 0); read into ``device_step_fraction``, then None.
 
     Raises:
         ConfigError: ``device_step_fraction`` neither None, "auto" nor in [0, 1); ``device_step_adaptive`` with
-            a fraction.
+            a fraction; ``ratio`` not a number in [0, 1].
     """
 
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False
     device_step_fraction: float | Literal["auto"] | None = None
     device_step_adaptive: bool | None = None
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0.0 <= r <= 1.0):
+            raise ConfigError(f"offload_optimizer.ratio = {r!r} must be a number in [0, 1] (the share of the optimizer "
+                              "states in host memory; 1: all of them, as DeepSpeed's default)")
         fraction, adaptive = self.device_step_fraction, self.device_step_adaptive
         if adaptive is not None:
             if adaptive and fraction not in (None, 0, AUTO):
@@ -98,6 +106,9 @@ class ZeroConfig:
                 "config: zero_optimization.offload_param is accepted and not used: parameters are offloaded "
                 "at stage 3 only (stage %d here), as in DeepSpeed", self.stage)
             object.__setattr__(self, "offload_param", OffloadConfig())
+        if self.offload_param.ratio != 1:
+            raise ConfigError(f"zero_optimization.offload_param.ratio = {self.offload_param.ratio} is not a key of "
+                              "offload_param; the share of optimizer states on the host is offload_optimizer.ratio")
         if self.offload_optimizer.enabled and self.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
                              "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")

@@ -94,8 +94,11 @@ class FlatOptimizer:
         self.step_count = 0
         self._step_lr: float | None = None
         self._nan_bits = np.uint16(torch_bf16_nan_bits())
+        # states beside the parameters: host memory, or device memory for a master that ZeRO-Offload's
+        # placement keeps on the device (stepped there by ``plait.zero.offload.device_share``, never by _run)
+        device = params.device if isinstance(params, torch.Tensor) else torch.device("cpu")
         for name in self._state_names:
-            setattr(self, name, keep_from_children(torch.zeros(numel, dtype=torch.float32)))
+            setattr(self, name, keep_from_children(torch.zeros(numel, dtype=torch.float32, device=device)))
 
     # ---- stepping -------------------------------------------------------------------------------
     def begin_step(self, lr: float | None = None) -> int:

@@ -17,6 +17,7 @@ from torch import nn
 from plait.kernels.host_memory import keep_from_children
 from plait.parallel.sharding import shard_of
 from plait.zero.flat import Entry, FlatGroup, GroupKey
+from plait.zero.offload.placement import placement_blocks, resident_params
 from plait.zero.pinned import to_host
 from plait.zero.policy import StagePolicy
 from plait.zero.stage3_units import Unit, build_units
@@ -115,23 +116,33 @@ def resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
 
 
 def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, policy: StagePolicy,
-                   persistence_threshold: int, units) -> tuple[list[Entry], list[Unit]]:
+                   persistence_threshold: int, units, host_ratio: float = 1.0) -> tuple[list[Entry], list[Unit]]:
     """Layout entries in packing order and the stage-3 units (empty below stage 3).
+
+    ``host_ratio`` < 1 (offload, ``OffloadOptions.ratio``): the parameters ``placement.resident_params`` keeps
+    on the device get flat groups of their own (``GroupKey.resident``).
 
     Below stage 3: reverse registration order (~ the order backward produces gradients). Stage 3:
     parameters grouped by the unit that first holds them (the unit is part of their ``GroupKey``: one flat
     group per unit), then the persistent ones (fewer than ``persistence_threshold`` elements, whole on every
     rank) in reverse registration order.
     """
+    resident: set[int] = set()
+
     def key(p, persistent=False, unit=None):
         spec = shard_of(p)
         experts = spec.axis == "ep" and spec.world > 1    # expert weights split over ep ranks
-        return GroupKey(group_of[id(p)], dtype or p.dtype, not spec.tp_split, persistent, unit, experts)
+        return GroupKey(group_of[id(p)], dtype or p.dtype, not spec.tp_split, persistent, unit, experts,
+                        id(p) in resident)
 
     if not policy.parameters:
+        if host_ratio < 1:
+            resident = resident_params(placement_blocks(named, []), host_ratio)
         return [Entry(n, p, key(p)) for n, p in reversed(named)], []
     persistent = {id(p) for _, p in named if p.numel() < persistence_threshold}
     built = build_units(module, {id(p) for _, p in named if id(p) not in persistent}, units)
+    if host_ratio < 1:
+        resident = resident_params(placement_blocks(named, built), host_ratio)
     owner = {}
     for u in built:
         for p in u.params:

@@ -37,6 +37,7 @@ class GroupKey(NamedTuple):
     unit: int | None = None   # stage 3: the unit holding these parameters (one flat group, master and
     #                           gradient shard per unit, as FSDP2 keeps one per fully_shard module)
     experts: bool = False     # expert weights split over ep ranks: sharded over the expert-data-parallel ranks
+    resident: bool = False    # offload: master and optimizer state in device memory (``offload.placement``)
 
 
 @dataclass(eq=False)

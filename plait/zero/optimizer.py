@@ -137,8 +137,9 @@ class ZeroOptimizer:
             if getattr(p, SHARD_ATTR, None) is None:
                 mark(p, shard_of(p))
         group_opts, group_of = resolve_groups(named, param_groups)
+        host_ratio = self.offload_options.ratio if self._host else 1.0
         entries, self.units = layout_entries(self.module, named, group_of, dtype, self.policy,
-                                             self.comm.param_persistence_threshold, units)
+                                             self.comm.param_persistence_threshold, units, host_ratio)
         world, rank = self.policy.shard_world(self.dp_size, self.dp_rank)
         experts = self.policy.shard_world(self.comms.experts.size, self.comms.experts.rank)
         self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size, experts)
@@ -150,17 +151,20 @@ class ZeroOptimizer:
     def _build_masters(self, weights) -> None:
         """fp32 master shards (host with offload) and gradient shards, one per flat group."""
         off = self.offload_options
-        master_device = torch.device("cpu") if self._host else self.device
         host_params = off is not None and off.param
-        self.masters = [materialize(g, self.policy, self.device, master_device, host_params,
+
+        def master_device(g):   # offload: the host, but for the groups placed on the device (``placement``)
+            return torch.device("cpu") if self._host and not g.key.resident else self.device
+        self.masters = [materialize(g, self.policy, self.device, master_device(g), host_params,
                                     host_params and off.pin_memory, weights) for g in self.groups]
         if not (self._host or host_params):   # offload: the host stepper writes the (host) shards itself
             derive_shards(self.groups, self.masters)
         world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]   # bf16 host shards: see grad_dtypes
         grad_dtype, self._land_dtype = grad_dtypes(self._host, self.gradient_accumulation_steps, self.groups, world,
                                                    self.comm.reduce_dtype)
-        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_() if self._host
-                            else torch.zeros_like(m) for m in self.masters]
+        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_()
+                            if self._host and not g.key.resident else torch.zeros_like(m, dtype=grad_dtype)
+                            for g, m in zip(self.groups, self.masters)]
 
     def _build_optimizer(self, optimizer, optimizer_kwargs: dict | None, group_opts: list[dict]) -> None:
         """The torch optimizer (``HostOptimizer`` with offload) over the master shards."""

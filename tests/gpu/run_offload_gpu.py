@@ -12,7 +12,8 @@ Checks, printed one line each (exit status 1 on any failure):
 * Every case of ``tests/test_offload.CASES`` (stages 1-3, offload_param, early and deferred host steps,
   bf16 with bf16 host gradients) on CUDA (TF32 off): after 5 steps every whole weight equals the
   non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6; device-step cases 1e-5, see
-  tests/test_offload.py), losses to 1e-6.
+  tests/test_offload.py), losses to 1e-6; with ``offload_optimizer.ratio`` < 1 each resident group's
+  master and Adam moments are in device memory and every other group's in host memory.
 """
 import os
 import sys
@@ -104,15 +105,21 @@ def main() -> int:
         ref, got = train(ref_cfg, STEPS, device="cuda"), train(off_cfg, STEPS, device="cuda")
         if info.rank != 0:
             continue
-        tol = 1e-4 if case.startswith("bf16") else 1e-5 if "device step" in case else 1e-6   # as test_offload
-        mtol = 1e-5 if "device step" in case else 1e-6
+        stepped_on_device = "device step" in case or "ratio" in case
+        tol = 1e-4 if case.startswith("bf16") else 1e-5 if stepped_on_device else 1e-6   # as test_offload
+        mtol = 1e-5 if stepped_on_device else 1e-6
         w_err = max(rel_err(got["weights"][n].cpu(), w.cpu(), floor=1e-12) for n, w in ref["weights"].items())
         m_err = max(rel_err(got["masters"][k].cpu(), m.cpu(), floor=1e-12) for k, m in ref["masters"].items())
         l_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-        ok = w_err <= tol and m_err <= mtol and l_err <= 1e-6 and got["steps"] == STEPS
+        # the placement: a resident group's master and moments in device memory, every other group's on the host
+        misplaced = [p for p in got["placed"] if p[2:] != (("cuda", "cuda") if p[0] else ("cpu", "cpu"))] \
+            if "offload_optimizer" in off_cfg["zero_optimization"] else []
+        resident = sum(n for on_device, n, *_ in got["placed"] if on_device) / sum(n for _, n, *_ in got["placed"])
+        ok = w_err <= tol and m_err <= mtol and l_err <= 1e-6 and got["steps"] == STEPS and not misplaced
         failures += not ok
         lines.append(f"{case} dp={info.world_size}: weights {w_err:.1e} (tol {tol:.0e}), masters {m_err:.1e}, "
-                     f"losses {l_err:.1e}, host grads {got['grad_dtype']} {'ok' if ok else 'FAILED'}")
+                     f"losses {l_err:.1e}, host grads {got['grad_dtype']}, states on the GPU {resident:.0%}"
+                     f"{', misplaced ' + str(misplaced) if misplaced else ''} {'ok' if ok else 'FAILED'}")
     lines.append(check_default_share())
     failures += "FAILED" in lines[-1]
     if info.rank == 0:

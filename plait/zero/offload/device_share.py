@@ -56,14 +56,17 @@ class DeviceShare:
         adaptive: after every step, move the boundary towards equal CPU and device times
             (``rebalance``); results do not depend on it (the two updates are bit-identical and
             the gradient norm is computed on the device for every segment either way).
+        resident: segments whose masters and moments live in device memory (``plait.zero.offload.placement``):
+            always stepped here, in place, with no copy; not part of ``eligible`` or ``total``.
     """
 
     def __init__(self, shards: ShardSet, device: torch.device, dest, eligible: list[Segment], count: int,
-                 total: int, adaptive: bool = False):
+                 total: int, adaptive: bool = False, resident: list[Segment] = ()):
         self.shards, self.dest = shards, dest
         self.device, self.cuda = device, device.type == "cuda"
         self.eligible, self.count, self.total, self.adaptive = eligible, count, total, adaptive
-        self.ids = {id(s) for s in eligible[:count]}
+        self.resident = frozenset(id(s) for s in resident)
+        self.ids = self.resident | {id(s) for s in eligible[:count]}
         self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
         self.events: list = []                      # copies back to the host still in flight
         self.turn = 0
@@ -75,7 +78,7 @@ class DeviceShare:
             self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
             host = shards.optimizer
             chosen = eligible if adaptive else eligible[:count]
-            for gi in {s.group for s in chosen}:     # page-lock the host states the device streams
+            for gi in {s.group for s in chosen} - {s.group for s in resident}:   # page-lock the streamed states
                 master = shards.masters[gi]
                 pin_existing(master)
                 k = host.kernels[master]
@@ -100,6 +103,8 @@ class DeviceShare:
         dest = self.dest(seg)
         grad = self.grads.pop(id(seg))
         host_w, host_m, host_v = master.detach()[lo:lo + n], k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
+        if master.device == self.device and self.cuda:   # resident states: updated where they live
+            return self._step_resident(host_w, grad, host_m, host_v, k, grad_coef, dest)
         stream, event = None, None
         t0 = time.perf_counter()
         if self.cuda:
@@ -129,6 +134,12 @@ class DeviceShare:
         else:
             self._seconds += time.perf_counter() - t0
         return event
+
+    def _step_resident(self, w, grad, m, v, k, grad_coef: float, dest):
+        """The update of a segment whose states live on the device, on the compute stream (it follows
+        backward, and the next forward follows it): no copy, no side stream. Returns None (done in order)."""
+        adam_update_(w, grad, m, v, k, grad_coef)
+        dest.copy_(w)
 
     def wait(self) -> None:
         """Host: every queued copy back to host memory has finished (host states may be read)."""
@@ -166,7 +177,7 @@ class DeviceShare:
             diff = balanced - self.count
             target = self.count + (int(math.copysign(max(1, abs(diff) // 2), diff)) if diff else 0)
         self.count = min(max(target, 0), len(sizes))
-        self.ids = {id(s) for s in self.eligible[:self.count]}
+        self.ids = self.resident | {id(s) for s in self.eligible[:self.count]}
         self.history.append(self.count)
 
     def reset(self) -> None:

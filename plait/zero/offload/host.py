@@ -72,18 +72,20 @@ class HostStepper:
         self._reset()
 
     def _device_share(self, fraction, gas: int) -> DeviceShare | None:
-        """The ``DeviceShare`` for the first ``fraction`` of the partition in forward order, adaptive for
-        "auto"; None (default): "auto" on a CUDA device where the step allows it and ``pin_memory`` is on (and
-        the host states could be page-locked), else no share.
+        """The ``DeviceShare``: the segments whose states the placement keeps on the device
+        (``OffloadOptions.ratio`` < 1), and of the others the first ``fraction`` of the partition in forward
+        order, adaptive for "auto"; None (default): "auto" on a CUDA device where the step allows it and
+        ``pin_memory`` is on (and the host states could be page-locked), else no share.
 
         Raises:
-            ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, ``final_at_step``, or no segment whose
-                weights live on the device.
+            ValueError: a fraction > 0, "auto" or a ratio < 1 with Lion, GAS > 1, ``final_at_step``, or no
+                segment whose weights live on the device.
         """
         by_default = fraction is None
+        resident = [s for s in self.order if self.shards.groups[s.group].key.resident]
         # the default streams page-locked host states: only where the config lets plait page-lock (pin_memory)
         adaptive = fraction == "auto" or (by_default and self.device.type == "cuda" and self.options.pin_memory)
-        if not adaptive and not fraction:
+        if not adaptive and not fraction and not resident:
             return None
         optimizer, problems = self.shards.optimizer, []
         if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
@@ -97,20 +99,26 @@ class HostStepper:
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
                             "host)")
+        if problems and resident:
+            raise ValueError(f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
+                             "be used with " + "; ".join(problems) + "; set the ratio to 1")
         if problems and by_default:
             return None
         if problems:
             what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
-        total = sum(s.shard_size for s in self.order)
+        on_device = {id(s) for s in resident}
+        eligible = [s for s in eligible if id(s) not in on_device]
+        total = sum(s.shard_size for s in self.order if id(s) not in on_device)
         count, acc = 0, 0
         for s in eligible:
-            if adaptive or acc >= fraction * total:
+            if adaptive or acc >= (fraction or 0) * total:
                 break
             count += 1
             acc += s.shard_size
         try:
-            return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive)
+            return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive,
+                               resident)
         except RuntimeError:   # page-locking refused (pinned.pin_existing): the default steps on the CPU
             if not by_default:
                 raise

@@ -34,8 +34,10 @@ class HostOptimizer(torch.optim.Optimizer):
     """Adam / AdamW / Lion over host fp32 flat tensors (see module docstring).
 
     Args:
-        params: torch-style params or param groups; every tensor must be a contiguous CPU float32
-            1-D tensor (a ZeRO master shard ``[shard_numel]``).
+        params: torch-style params or param groups; every tensor must be a contiguous float32 1-D tensor
+            (a ZeRO master shard ``[shard_numel]``) in host memory, or for Adam/AdamW in device memory (a
+            master the placement keeps there, ``plait.zero.offload.placement``: its moments are allocated
+            beside it and ``DeviceShare`` steps it; ``step_range`` steps host masters only).
         kind: "adamw", "adam" or "lion".
         lr, betas, eps, weight_decay, bias_correction: per-group defaults, as in torch (eps and
             bias_correction are ignored by Lion).
@@ -64,9 +66,10 @@ class HostOptimizer(torch.optim.Optimizer):
         self.kernels: dict[torch.Tensor, object] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or p.dim() != 1:
-                    raise ValueError(f"HostOptimizer steps contiguous 1-D float32 CPU tensors; got {p.dtype} "
-                                     f"{tuple(p.shape)} on {p.device}")
+                on_host = p.device.type == "cpu" or kind != "lion"
+                if not on_host or p.dtype != torch.float32 or not p.is_contiguous() or p.dim() != 1:
+                    raise ValueError(f"HostOptimizer steps contiguous 1-D float32 tensors (CPU ones for Lion); got "
+                                     f"{p.dtype} {tuple(p.shape)} on {p.device}")
                 self.kernels[p] = self._make_kernel(p, group)
 
     def _make_kernel(self, p: torch.Tensor, group: dict):

@@ -29,6 +29,11 @@ class OffloadOptions:
             GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device,
             those conditions hold and ``pin_memory`` is on, else 0. A device share keeps its segments'
             reduced gradients on the device until the step (the share x the partition x 4 bytes, fp32).
+        ratio: the fraction, in [0, 1], of the optimizer partition (elements) whose fp32 masters and Adam
+            moments live in host memory (DeepSpeed's ``offload_optimizer.ratio``); the first ``1 - ratio`` in
+            forward order keep theirs in device memory for the whole run and are stepped there, with the same
+            roundings as the host kernels (``plait.zero.offload.placement``). 1 (default): all on the host.
+            Below 1: Adam/AdamW, gradient accumulation 1, compute weights on the device (no ``param``).
         final_at_step: the gradients are final only at ``step()``, not when backward lands them: the caller
             edits them between backward and ``step()`` (a pipeline sums its tied embedding copies' gradients
             after its schedule, ``plait.engine_pipeline``) or one micro-batch lands a segment several times
@@ -37,7 +42,7 @@ class OffloadOptions:
             forward): no early steps, no device-side norms, no device share. The engine sets it for pipelines.
 
     Raises:
-        ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1).
+        ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1); ``ratio`` not in [0, 1].
     """
 
     optimizer: bool = True
@@ -47,6 +52,7 @@ class OffloadOptions:
     overlap_step: bool = True
     device_step_fraction: float | str | None = None
     final_at_step: bool = False
+    ratio: float = 1.0
 
     @property
     def adaptive(self) -> bool:
@@ -55,6 +61,10 @@ class OffloadOptions:
         return self.device_step_fraction == "auto"
 
     def __post_init__(self):
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"offload ratio={r!r} must be a number in [0, 1] (the share of the optimizer states in "
+                             "host memory; 1 = all of them)")
         f = self.device_step_fraction
         number = isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0
         if f is not None and not self.adaptive and not number:
