@@ -27,8 +27,10 @@ loads it its own way under ZeRO-3: DeepSpeed through ``LlamaForCausalLM.from_pre
 rank reading its shards).
 
 ``--largest 10b,13b --ratio 0.45 [--act-ckpt] [--micro 4]``: plait's GPU-first placement instead of full
-offload (arms ``plait-z3-gpufirst-<size>``): ZeRO-3 with the weights on the GPU and ``offload_optimizer.ratio``
-of the optimizer states on the host, the rest resident on the GPU (``plait.zero.offload.placement``);
+offload (arms ``plait-z3-gpufirst-<size>``; ``ds-z3-gpufirst-<size>``: the same config read by DeepSpeed,
+whose ZeRO-3 keeps the same share of its optimizer states on the GPU): ZeRO-3 with the weights on the GPU and
+``offload_optimizer.ratio`` of the optimizer states on the host, the rest resident on the GPU
+(``plait.zero.offload.placement``); ``--frameworks plait`` runs one framework only;
 ``--act-ckpt`` turns on the Trainer's ``gradient_checkpointing`` in every arm, ``--micro`` sets the micro-batch.
 
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
@@ -182,7 +184,7 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
                              lr_scheduler_type="constant", warmup_steps=1,
                              dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")),
                              use_cpu=SMOKE, bf16=not SMOKE, gradient_checkpointing=act_ckpt, **extra)
-    if "z3-offload-" in arm and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
+    if sized and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ds_numel: under zero.Init
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
@@ -231,6 +233,7 @@ def main() -> None:
     cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
     cli.add_argument("--ratio", type=float, default=None,
                      help="--largest with plait's GPU-first placement: share of optimizer states on the host")
+    cli.add_argument("--frameworks", default="plait,ds", help="--largest: the frameworks, in order")
     cli.add_argument("--act-ckpt", action="store_true", help="the Trainer's gradient_checkpointing in every arm")
     cli.add_argument("--micro", type=int, default=None, help="micro-batch (default: 4; --largest: 1)")
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
@@ -243,7 +246,8 @@ def main() -> None:
     rows = []
     arms = opt.arms.split(",")
     if opt.largest:
-        kinds = ["plait-z3-gpufirst"] if opt.ratio is not None else ["plait-z3-offload", "ds-z3-offload"]
+        kinds = [f"{fw}-z3-gpufirst" for fw in opt.frameworks.split(",")] if opt.ratio is not None else \
+            [f"{fw}-z3-offload" for fw in opt.frameworks.split(",")]
         arms = [f"{kind}-{size}" for kind in kinds for size in opt.largest.split(",")]
     failed = set()
     for arm in arms:
