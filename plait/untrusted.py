@@ -92,8 +92,9 @@ def read_small(path: str, what: str = "file", cap: int = SMALL_FILE_CAP, *, erro
     """
     size = file_size(path, what, error=error)
     if size > cap:
-        raise error(f"{what} {path} has {size} bytes, more than the {cap} ({cap / 2**20:g} MiB) plait reads of "
-                    f"such a file; it is not a {what}: restore the file or point to another folder")
+        raise error(f"{what} {path} has {size} bytes, more than the {cap} ({cap / 2**20:g} MiB) plait reads of a "
+                    f"JSON or text file from elsewhere; refusing to read it (restore the file, or point to another "
+                    f"folder)")
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     try:
         info = os.fstat(fd)
