@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 
-from plait.checkpoint.errors import CheckpointError, read_json, read_text
+from plait.checkpoint.errors import CheckpointError, inside, read_json, read_text
 from plait.checkpoint.index import INDEX_FILE
 from plait.checkpoint.integrity import fsync_path
 
@@ -35,9 +35,14 @@ def check_tag(tag: str) -> None:
 
 
 def read_latest(root: str) -> str | None:
-    """The tag ``<root>/latest`` names, or None if there is no ``latest`` file."""
+    """The tag ``<root>/latest`` names, or None if there is no ``latest`` file.
+
+    Raises:
+        CheckpointError: ``latest`` resolves outside ``root``, is not a regular file, is too large or not text.
+    """
+    what = "the latest-checkpoint pointer"
     try:
-        return read_text(os.path.join(root, LATEST), "the latest-checkpoint pointer")
+        return read_text(inside(root, LATEST, what), what)
     except FileNotFoundError:
         return None
 
@@ -83,7 +88,8 @@ def list_tags(root: str) -> dict[str, float]:
         if e.startswith(".") or e == LATEST:
             continue
         try:
-            out[e] = float(read_json(os.path.join(root, e, INDEX_FILE), "checkpoint index").get("saved_at", 0.0))
+            index = inside(os.path.join(root, e), INDEX_FILE, "checkpoint index")
+            out[e] = float(read_json(index, "checkpoint index").get("saved_at", 0.0))
         except (OSError, ValueError, AttributeError, TypeError, CheckpointError):
             continue
     return out

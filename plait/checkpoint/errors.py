@@ -1,7 +1,7 @@
-"""The one exception type of the checkpoint package."""
+"""The one exception type of the checkpoint package, and its reads of small files from elsewhere."""
 from __future__ import annotations
 
-import json
+from plait import untrusted
 
 
 class CheckpointError(RuntimeError):
@@ -12,25 +12,22 @@ class CheckpointError(RuntimeError):
 
 
 def read_json(path: str, what: str = "checkpoint file"):
-    """The parsed JSON file at ``path``: the one path every checkpoint JSON is read through.
+    """The parsed JSON file at ``path``: the one path every checkpoint JSON is read through
+    (``plait.untrusted.read_json``: a regular file of at most ``SMALL_FILE_CAP`` bytes).
 
     Raises:
         FileNotFoundError: no such file (callers that treat it specially catch it).
-        CheckpointError: the bytes are not UTF-8 or not JSON, naming ``what``, ``path`` and the error.
+        CheckpointError: not a regular file, too large, or not UTF-8 JSON, naming ``what``, ``path`` and why.
     """
-    return _parse(path, what, json.loads)
+    return untrusted.read_json(path, what, error=CheckpointError)
 
 
 def read_text(path: str, what: str = "checkpoint file") -> str:
-    """The UTF-8 text of ``path``, stripped (``latest``); decode errors as in ``read_json``."""
-    return _parse(path, what, str.strip)
+    """The UTF-8 text of ``path``, stripped (``latest``); errors as in ``read_json``."""
+    return untrusted.read_text(path, what, error=CheckpointError)
 
 
-def _parse(path: str, what: str, parse):
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return parse(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what} {path} is damaged: not UTF-8 JSON text ({e}); restore it or point to another "
-                              "checkpoint") from None
+def inside(folder: str, name: str, what: str = "checkpoint file") -> str:
+    """``folder/name``, refused with ``CheckpointError`` unless it resolves inside ``folder``
+    (``plait.untrusted.inside``)."""
+    return untrusted.inside(folder, name, what, error=CheckpointError)

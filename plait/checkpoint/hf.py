@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
 from plait.models.hf_base import TRANSFORMS, HFLayout, Rule, to_hf, to_plait
+from plait.models.hf_sizes import check_hf_sizes
 from plait.models.registry import HF_MODEL_TYPES, family_for_model_type, get_family
 
 SUPPORTED_MODEL_TYPES = tuple(HF_MODEL_TYPES)
@@ -20,7 +21,7 @@ SUPPORTED_MODEL_TYPES = tuple(HF_MODEL_TYPES)
 CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "unk_token_id")
 
 __all__ = ["CARRIED_FIELDS", "HFLayout", "Rule", "SUPPORTED_MODEL_TYPES", "TRANSFORMS", "alias_names",
-           "check_model_type", "config_from_hf", "config_to_hf", "detect_layout", "export_layout",
+           "check_hf_sizes", "check_model_type", "config_from_hf", "config_to_hf", "detect_layout", "export_layout",
            "ignored_hf_name", "rules", "to_hf", "to_plait"]
 
 

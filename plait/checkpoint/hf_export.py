@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import save_file
 
+from plait import untrusted
 from plait.checkpoint import hf as hfmap
-from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.errors import CheckpointError, inside
 from plait.checkpoint.hf_import import HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS
 from plait.checkpoint.index import OPTIMIZER_PREFIX
 from plait.checkpoint.model_io import EXTRA_PREFIX, config_from_meta
@@ -122,7 +122,7 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         config: the architecture, when the checkpoint's meta has no ``model_config``.
         overwrite: replace weights files already in ``out_dir`` (otherwise FileExistsError).
         tokenizer_from: a directory to copy the tokenizer and generation files from (e.g. the
-            ``hf_dir`` of ``from_hf``; see :data:`TOKENIZER_FILES`).
+            ``hf_dir`` of ``from_hf``; see :data:`TOKENIZER_FILES`); each must be a regular file inside it.
 
     Returns:
         ``ExportReport`` naming the HF class (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
@@ -132,6 +132,8 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         CheckpointError: no usable config, a tensor's shape disagrees with it, or a fused group is
             only partly present.
         ValueError: the config cannot be expressed as the HF class.
+        CheckpointError: also, a tokenizer file that resolves outside ``tokenizer_from``, is not a regular
+            file, or is larger than ``plait.untrusted.SMALL_FILE_CAP``.
     """
     dtype, max_shard_bytes = parse_dtype(dtype), parse_size(max_shard_bytes)
     reader = CheckpointReader(plait_root, tag)
@@ -154,11 +156,23 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     out_dtype = dtype or (stored.most_common(1)[0][0] if stored else torch.float32)
     setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", out_dtype)
     hf_config.to_json_file(os.path.join(out_dir, HF_CONFIG), use_diff=True)
-    for fname in TOKENIZER_FILES if tokenizer_from else ():
-        if os.path.isfile(os.path.join(tokenizer_from, fname)):
-            shutil.copyfile(os.path.join(tokenizer_from, fname), os.path.join(out_dir, fname))
-            files.append(fname)
+    files += _copy_tokenizer(tokenizer_from, out_dir) if tokenizer_from else []
     return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
+
+
+def _copy_tokenizer(tokenizer_from: str, out_dir: str) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` present in ``tokenizer_from`` to ``out_dir``; each must resolve inside
+    ``tokenizer_from`` and be a regular file of at most ``plait.untrusted.SMALL_FILE_CAP`` bytes (a link to a
+    private file or an endless device is refused, naming it). Returns the names copied."""
+    copied = []
+    for fname in TOKENIZER_FILES:
+        if os.path.lexists(os.path.join(tokenizer_from, fname)):
+            data = untrusted.read_small(inside(tokenizer_from, fname, "tokenizer file"), "tokenizer file",
+                                        error=CheckpointError)
+            with open(os.path.join(out_dir, fname), "wb") as f:
+                f.write(data)
+            copied.append(fname)
+    return copied
 
 
 def _shard_tensors(reader: CheckpointReader, shard: list, dtype) -> dict[str, torch.Tensor]:

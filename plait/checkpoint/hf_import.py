@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from plait import untrusted
 from plait.checkpoint import hf as hfmap
-from plait.checkpoint.errors import CheckpointError, read_json
+from plait.checkpoint.errors import CheckpointError, inside, read_json
 from plait.checkpoint.model_io import EXTRA_PREFIX, MODEL_CONFIG_KEY
 from plait.checkpoint.writer import CheckpointWriter, ShardItem
 from plait.dtypes import cast_floating, parse_dtype
@@ -26,37 +27,25 @@ from plait.layers.config import TransformerConfig
 from plait.layers.model import logical_shapes
 
 HF_KEY = "hf"                                   # meta.json: what from_hf saw
-HF_WEIGHTS = "model.safetensors"
-HF_INDEX = "model.safetensors.index.json"
+HF_WEIGHTS, HF_INDEX = untrusted.HF_WEIGHTS, untrusted.HF_INDEX
 HF_CONFIG = "config.json"
 
 
 class HFWeights:
-    """Lazy read access to the safetensors weights of a Hugging Face model directory.
+    """Lazy read access to the safetensors weights of a Hugging Face model directory; ``nbytes`` is the size
+    of its weight files. Every file is inside ``hf_dir`` and regular (``plait.untrusted.hf_weight_files``).
 
     Raises:
         FileNotFoundError: neither ``model.safetensors`` nor ``model.safetensors.index.json``
             (or a shard it lists) exists in ``hf_dir``.
+        CheckpointError: the index is damaged, or names a file outside ``hf_dir`` or not a regular file.
     """
 
     def __init__(self, hf_dir: str):
         self.dir = os.fspath(hf_dir)
-        single, index = os.path.join(self.dir, HF_WEIGHTS), os.path.join(self.dir, HF_INDEX)
         self._handles: dict[str, object] = {}
-        if os.path.isfile(single):
-            self.file_of = dict.fromkeys(self._open(single).keys(), single)
-        elif os.path.isfile(index):
-            weight_map = read_json(index, "Hugging Face weight index").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no 'weight_map' dict")
-            self.file_of = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
-            for path in sorted(set(self.file_of.values())):
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"{index} lists {os.path.basename(path)}, which is not in {self.dir}")
-        else:
-            raise FileNotFoundError(f"{self.dir} has neither {HF_WEIGHTS} nor {HF_INDEX}; pickled "
-                                    f"pytorch_model.bin files are not read: re-save the model with "
-                                    f"save_pretrained(..., safe_serialization=True)")
+        self.file_of = untrusted.hf_weight_files(self.dir, error=CheckpointError)
+        self.nbytes = sum(os.path.getsize(path) for path in set(self.file_of.values()))
 
     def _open(self, path: str):
         if path not in self._handles:
@@ -75,11 +64,21 @@ class HFWeights:
 
 
 def read_hf_config(hf_dir: str) -> dict:
-    """The parsed ``config.json`` of ``hf_dir`` (FileNotFoundError naming the path if absent)."""
-    path = os.path.join(os.fspath(hf_dir), HF_CONFIG)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs its config.json")
-    return read_json(path, "Hugging Face config")
+    """The parsed ``config.json`` of ``hf_dir``: inside the folder, regular, at most
+    ``plait.untrusted.SMALL_FILE_CAP`` bytes.
+
+    Raises:
+        FileNotFoundError: no config.json (names the path).
+        CheckpointError: it resolves outside ``hf_dir``, is not a regular file, too large or not a JSON object.
+    """
+    path = inside(os.fspath(hf_dir), HF_CONFIG, "Hugging Face config")
+    try:
+        raw = read_json(path, "Hugging Face config")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs its config.json") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"Hugging Face config {path} is a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 @dataclass
@@ -144,9 +143,10 @@ def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtyp
         head of a plain ``BertModel``), which ``load_model_weights(strict=False)`` leaves at init.
 
     Raises:
-        ValueError: unsupported model_type or architecture feature.
-        CheckpointError: a tensor's shape disagrees with the config (names both), or a fused
-            tensor is only partly present.
+        ValueError: unsupported model_type or architecture feature; a size in config.json that is not a
+            positive whole number, or one implying more weights than the folder's files hold (names the key).
+        CheckpointError: a tensor's shape disagrees with the config (names both), a fused tensor is only
+            partly present, or a file the folder names resolves outside it or is not a regular file.
         RuntimeError: called inside a multi-process ``torch.distributed`` job (run it in one process).
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -154,8 +154,10 @@ def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtyp
                            "or use the `plait convert from-hf` command")
     dtype = parse_dtype(dtype)
     raw = read_hf_config(hf_dir)
-    config = hfmap.config_from_hf(raw)
+    hfmap.check_model_type(raw.get("model_type"))
     weights = HFWeights(hf_dir)
+    hfmap.check_hf_sizes(raw, os.path.join(os.fspath(hf_dir), HF_CONFIG), weights.nbytes)
+    config = hfmap.config_from_hf(raw)
     layout = hfmap.detect_layout(raw["model_type"], weights.names())
     shapes = logical_shapes(config)
     rule_list = hfmap.rules(config, layout)

@@ -11,6 +11,7 @@ import json
 import os
 import zlib
 
+from plait import untrusted
 from plait.checkpoint.errors import CheckpointError
 
 ALGORITHM = "crc32"
@@ -48,12 +49,13 @@ def checksum_file(path: str) -> str:
 
 
 def verify_file(path: str, expected_bytes: int, expected_checksum: str | None) -> None:
-    """Raise ``CheckpointError`` naming ``path`` if it is missing, has another size, or another checksum.
+    """Raise ``CheckpointError`` naming ``path`` if it is missing, not a regular file, has another size, or
+    another checksum.
 
     ``expected_checksum=None`` checks presence and size only.
     """
     try:
-        size = os.path.getsize(path)
+        size = untrusted.file_size(path, "checkpoint file", error=CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing (the index lists it with "
                               f"{expected_bytes} bytes)") from None

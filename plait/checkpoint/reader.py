@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from plait.checkpoint.boxes import box_error, flat_range_boxes, intersect, volume
 from plait.checkpoint.dirs import resolve_tag
-from plait.checkpoint.errors import CheckpointError, read_json
+from plait.checkpoint.errors import CheckpointError, inside, read_json
 from plait.checkpoint.index import (
     INDEX_FILE,
     META_FILE,
@@ -52,8 +52,9 @@ class CheckpointReader:
 
     Raises:
         CheckpointError: no such checkpoint; index missing, unparsable or inconsistent; a file
-            missing, of another size, or corrupted (message names the file); header and index
-            disagree; model mismatch.
+            missing, of another size, or corrupted (message names the file); a file that resolves
+            outside the checkpoint folder or is not a regular file; header and index disagree; model
+            mismatch.
     """
 
     def __init__(self, root: str, tag: str | None = None, *, verify: str = "full",
@@ -62,7 +63,7 @@ class CheckpointReader:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.root = os.fspath(root)
         self.tag, self.path = resolve_tag(self.root, tag)
-        self.index = load_index(os.path.join(self.path, INDEX_FILE))
+        self.index = load_index(self._file(INDEX_FILE))
         self._tensors = self.index["tensors"]
         self._handles: dict[str, object] = {}
         self._verified: set[str] = set()
@@ -80,7 +81,8 @@ class CheckpointReader:
 
     # ----------------------------------------------------------------------------- files
     def _file(self, fname: str) -> str:
-        return os.path.join(self.path, fname)
+        """The path of ``fname`` in the checkpoint, refused unless it resolves inside the checkpoint folder."""
+        return inside(self.path, fname)
 
     def _json(self, fname: str, default):
         if fname not in self.index["files"]:

@@ -27,17 +27,26 @@ def from_pretrained(model_class, name_or_path: str | os.PathLike, **config_kwarg
     checkpoint folder is recorded as ``model.config.name_or_path``, where ``plait.hf.Trainer`` reads the
     weights from. ``config_kwargs`` override config fields, as ``from_pretrained``'s do.
 
+    Before transformers reads the folder, its files are checked as any file from elsewhere is
+    (``plait.untrusted``: inside the folder, regular, config and index read with a bound) and the config's
+    sizes (with ``config_kwargs``) are checked against the weight files (``plait.checkpoint.hf.check_hf_sizes``).
+
     Raises:
         FileNotFoundError: the folder (or the Hub snapshot) holds no safetensors weights.
+        ValueError: a config size that is not a positive whole number, or sizes implying far more weights than
+            the folder holds (names the key).
+        CheckpointError: a file the folder names resolves outside it, or is not a regular file, or too large.
     """
     import transformers
+
+    from plait.checkpoint.convert import HF_CONFIG, HFWeights, read_hf_config
+    from plait.checkpoint.hf import check_hf_sizes
     folder = os.fspath(name_or_path)
     if not os.path.isdir(folder):
         from huggingface_hub import snapshot_download
         folder = snapshot_download(folder, allow_patterns=WEIGHT_FILES)
-    if not any(f.endswith(".safetensors") for f in os.listdir(folder)):
-        raise FileNotFoundError(f"{folder} holds no .safetensors weights; convert the checkpoint with "
-                                f"save_pretrained(..., safe_serialization=True)")
+    weights = HFWeights(folder)
+    check_hf_sizes({**read_hf_config(folder), **config_kwargs}, os.path.join(folder, HF_CONFIG), weights.nbytes)
     config = transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
     with meta_parameters():
         if hasattr(model_class, "from_config"):   # an auto class

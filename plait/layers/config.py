@@ -13,6 +13,12 @@ from dataclasses import dataclass
 _FROM_MODELS = ("ARCHES", "PRESETS", "preset", "gpt2_config", "llama_config", "bert_config")
 
 
+#: Integer size fields of ``TransformerConfig`` and their least value (checked at construction, by name).
+SIZE_FIELDS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
+               "ffn_hidden_size": 1, "max_position_embeddings": 1, "type_vocab_size": 0, "vocab_alignment": 1,
+               "num_experts": 0, "moe_top_k": 0, "moe_ffn_hidden_size": 1, "moe_shared_ffn_hidden_size": 0}
+
+
 @dataclass
 class TransformerConfig:
     """Architecture hyper-parameters (sizes in elements; no parallel layout here).
@@ -51,8 +57,9 @@ class TransformerConfig:
     weight ``[head_dim]`` for all heads of q and one for k (Qwen3; ``Attention``).
 
     Raises:
-        ValueError: unknown ``arch``, sizes that do not divide (names both numbers), a ``head_dim`` < 1, or a
-            negative ``fused_loss_chunk_tokens`` or ``mlp_chunk_tokens``.
+        ValueError: unknown ``arch``, a size that is not an int in range (:data:`SIZE_FIELDS`, named), sizes that
+            do not divide (names both numbers), a ``head_dim`` < 1, or a negative ``fused_loss_chunk_tokens`` or
+            ``mlp_chunk_tokens``.
     """
 
     arch: str
@@ -97,6 +104,7 @@ class TransformerConfig:
         from plait.models.registry import get_family  # local: plait.models imports this module
 
         get_family(self.arch)  # ValueError naming the known arch names
+        self._check_sizes()
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
@@ -122,6 +130,14 @@ class TransformerConfig:
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: {what}), got {chunk!r}")
 
+    def _check_sizes(self) -> None:
+        """ValueError naming the first size field (:data:`SIZE_FIELDS`) that is not an int >= its least value;
+        fields still None (derived) are skipped. Runs before anything divides by or allocates from them."""
+        for name, least in SIZE_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"TransformerConfig {name} must be an int >= {least}, got {value!r}")
+
     @property
     def family(self):
         """The :class:`plait.models.ModelFamily` of ``arch`` (presets, wiring, Hugging Face mapping)."""
@@ -130,11 +146,16 @@ class TransformerConfig:
         return get_family(self.arch)
 
     def num_parameters(self) -> int:
-        """Logical parameter count (no vocabulary padding; tied weights counted once)."""
+        """Logical parameter count (no vocabulary padding; tied weights counted once), from the shapes of the
+        embedding, one block and the head (every block has the same): fast at any ``num_layers``."""
         import math
 
         from plait.layers.model import logical_shapes  # local: the model imports this module
-        return sum(math.prod(shape) for shape in logical_shapes(self).values())
+        last = self.num_layers + 1
+        per_layer = dict.fromkeys((0, 1, last), 0)
+        for name, shape in logical_shapes(self, layers=(0, 1, last)).items():
+            per_layer[int(name.split(".")[1])] += math.prod(shape)
+        return per_layer[0] + self.num_layers * per_layer[1] + per_layer[last]
 
     def num_active_parameters(self) -> int:
         """Parameters each token passes through: ``num_parameters()`` less, in every block, the

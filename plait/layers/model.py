@@ -24,6 +24,7 @@ from plait.layers.init import TIED_ATTR, init_parameters
 from plait.layers.linear import ReplicatedLinear, divide, enter_tp_region, replicated_param, sharded_param
 from plait.layers.norm import make_norm
 from plait.layers.rope import rope_cos_sin
+from plait.layers.sizes import check_build_fits
 from plait.parallel import context
 from plait.parallel.collectives import _split, copy_to_tp, gather_from_tp, group_size
 from plait.parallel.random import RNGTracker
@@ -179,7 +180,8 @@ class TransformerModel(nn.Module):
     ``loss.backward()``; pass the factor a backward of ``c x loss`` applies, e.g. 1/GAS, as the engine does).
 
     Raises:
-        ValueError: sizes not divisible by tp, or layer indices out of range.
+        ValueError: sizes not divisible by tp, layer indices out of range, or (off the meta device) parameters
+            that alone need more memory than the device has (``plait.layers.sizes.check_build_fits``).
     """
 
     def __init__(self, config: TransformerConfig, mesh=None, *, sequence_parallel: bool = False,
@@ -197,6 +199,7 @@ class TransformerModel(nn.Module):
         if not indices or indices[0] < 0 or indices[-1] >= total:
             raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
         self.layer_indices = indices
+        check_build_fits(config, mesh, indices, device, dtype)
         if config.num_experts and group_size(cp_group) > 1:
             raise ValueError("num_experts > 0 with context parallelism is not supported yet (each cp rank's "
                              "balance loss would see only its part of every sequence): use cp 1")

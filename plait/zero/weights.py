@@ -19,7 +19,6 @@ costs the rows that hold it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from contextlib import contextmanager
@@ -27,6 +26,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from plait.untrusted import hf_weight_files
 
 
 class WeightSource(Protocol):
@@ -43,22 +44,14 @@ class SafetensorsWeights:
 
     Raises:
         FileNotFoundError: the folder holds neither ``model.safetensors`` nor its index.
+        plait.untrusted.UntrustedFileError: the index is damaged, or names a file outside the folder or not
+            a regular file (``plait.untrusted.hf_weight_files``).
         KeyError (from ``read``): a parameter the checkpoint does not hold, named with the folder.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        single = os.path.join(self.path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as fh:
-                self.files = {k: os.path.join(self.path, v) for k, v in json.load(fh)["weight_map"].items()}
-        elif os.path.exists(single):
-            from safetensors import safe_open
-            with safe_open(single, "pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
-        else:
-            raise FileNotFoundError(f"{self.path} holds neither model.safetensors nor model.safetensors.index.json")
+        self.files = hf_weight_files(self.path)
         self.elements_read = 0
 
     def _file(self, name: str) -> str:
