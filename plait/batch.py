@@ -52,10 +52,14 @@ def batch_limits(model_config) -> BatchLimits:
     vocab = getattr(model_config, "vocab_size", None)
     positions = getattr(model_config, "max_position_embeddings", None)
     scaling = getattr(model_config, "rope_scaling", None) or getattr(model_config, "rope_parameters", None)
-    if isinstance(scaling, Mapping) and scaling.get("rope_type", scaling.get("type", "default")) not in (None, "default"):
+    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    if rope_type not in (None, "default"):
         positions = None
-    as_int = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
-    return BatchLimits(as_int(vocab), as_int(positions))
+    return BatchLimits(_positive_int(vocab), _positive_int(positions))
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class _Ids(NamedTuple):
@@ -158,7 +162,7 @@ def _out_of_range(todo: list[_Ids], bounds: list) -> str | None:
     return None
 
 
-class Found:
+class Verdict:
     """The verdict on a micro-batch checked at once: ``problem()`` is the message, or None for a good one."""
 
     def __init__(self, message: str | None):
@@ -185,7 +189,7 @@ class PendingCheck:
         return self.known or _out_of_range(self.todo, self.bounds.tolist())
 
 
-def screen_micro_batch(batch, limits: BatchLimits) -> tuple[dict, Found | PendingCheck | None]:
+def screen_micro_batch(batch, limits: BatchLimits) -> tuple[dict, Verdict | PendingCheck | None]:
     """``check_micro_batch`` for the engine's forward: ``(batch to compute with, verdict or None)``.
 
     With autograd off (evaluation) the batch is checked now and returned (ids as int64). With it on, types
@@ -208,7 +212,7 @@ def screen_micro_batch(batch, limits: BatchLimits) -> tuple[dict, Found | Pendin
     problem = too_long or _out_of_range(todo, _bounds(todo).tolist())
     if problem is None:
         return _as_long(batch, todo), None
-    return _stand_in(batch, todo, limits, cut=too_long is not None), Found(problem)
+    return _stand_in(batch, todo, limits, cut=too_long is not None), Verdict(problem)
 
 
 def _stand_in(batch, todo: list[_Ids], limits: BatchLimits, cut: bool) -> dict:

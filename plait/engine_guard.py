@@ -41,7 +41,7 @@ class RunGuard:
                  pipelined: bool):
         self.optimizer, self.config, self.groups = optimizer, config, tuple(groups)
         self.limits, self.device, self.pipelined = limits, device, pipelined
-        self.pending: list = []   # plait.batch verdicts (Found, PendingCheck) of this step's micro-batches
+        self.pending: list = []   # plait.batch verdicts (Verdict, PendingCheck) of this step's micro-batches
         self.loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
         self.last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
         self.scale_before: float | None = None   # the fp16 loss scale the last step ran at
@@ -59,21 +59,25 @@ class RunGuard:
         return batch
 
     def before_step(self) -> None:
-        """At the boundary: read this step's verdicts and agree on them over every rank (``agree``)."""
+        """At the boundary: read this step's verdicts and agree on them over every rank (``agreed_error``); a
+        bad micro-batch on any rank drops the step's accumulation on every rank and raises there."""
         pending, self.pending = self.pending, []
         scaler = self.optimizer.scaler
         self.scale_before = scaler.scale if scaler is not None else None
         if self.pipelined:
             return
         problems = [p for p in (v.problem() for v in pending) if p is not None]
-        self.agree(ValueError(problems[0]) if problems else None)
-
-    def agree(self, problem: Exception | None) -> None:
-        """Collective over every rank: when any rank has a ``problem`` (its first bad micro-batch of this
-        step), drop the step's accumulation and raise on every rank the same error (``agreed_error``)."""
-        error = agreed_error(problem, self.device)
+        error = agreed_error(ValueError(problems[0]) if problems else None, self.device)
         if error is not None:
             self.drop_step()
+            raise error
+
+    def agree(self, problem: Exception | None) -> None:
+        """Collective over every rank, for micro-batches checked before any computes (a pipeline's, an
+        evaluation's): when any rank has a ``problem`` (its first bad micro-batch), raise on every rank the
+        same error (``agreed_error``); nothing accumulated is dropped."""
+        error = agreed_error(problem, self.device)
+        if error is not None:
             raise error
 
     def after_step(self, applied: bool, global_steps: int) -> None:
@@ -152,10 +156,15 @@ def agreed_error(problem: Exception | None, device: torch.device) -> Exception |
     for rank, entry in enumerate(seen):
         if entry is not None:
             by_text.setdefault(tuple(entry), []).append(rank)
-    ranks = sorted(r for rs in by_text.values() for r in rs)
-    head = (f"a bad micro-batch on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {len(seen)} "
-            "(every rank dropped this step's accumulated gradients and raises this error)")
-    parts = ([text for (_, text) in by_text] if len(by_text) == 1 else
-             [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}" for (_, text), rs in by_text.items()])
+    head = (f"a bad micro-batch on {_ranks(sorted(r for rs in by_text.values() for r in rs))} of {len(seen)} "
+            "(every rank stops this step, nothing of it applied, and raises this error)")
+    if len(by_text) == 1:
+        parts = [text for (_, text) in by_text]
+    else:
+        parts = [f"{_ranks(rs)}: {text}" for (_, text), rs in by_text.items()]
     kind = TypeError if next(iter(by_text))[0] == "TypeError" else ValueError
     return kind(f"{head}: " + "; ".join(parts))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))

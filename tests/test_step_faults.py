@@ -21,7 +21,7 @@ from plait.zero.precision import NonFiniteError
 from helpers import micro_batch, tiny
 from test_faults import GAS, _good_step, _tp_pp_engine, ds_config
 
-HEAD = "(every rank dropped this step's accumulated gradients and raises this error)"
+HEAD = "(every rank stops this step, nothing of it applied, and raises this error)"
 
 
 def _dp_engine():
