@@ -72,17 +72,17 @@ def time_arm(arm, engine, cfg, steps, start):
 
 
 def check_alone(cfg, reps=200):
-    from plait.batch import check_micro_batch
-    out = {}
+    from plait.batch import BatchLimits, check_micro_batch
+    out, limits = {}, BatchLimits(cfg.vocab_size, cfg.max_position_embeddings)
     for device in ("cuda", "cpu"):
         b = batch(cfg, 0, device)
         for _ in range(10):
-            check_micro_batch(b, cfg.vocab_size)
+            check_micro_batch(b, limits)
         times = []
         for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            check_micro_batch(b, cfg.vocab_size)
+            check_micro_batch(b, limits)
             times.append(time.perf_counter() - t0)
         out[device] = statistics.median(times) * 1e6
     return out

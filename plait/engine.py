@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.batch import check_micro_batch, to_half
+from plait.batch import batch_limits, check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
 from plait.engine_compile import compile_regions, compiled_backend, is_compiled
 from plait.engine_context import check_context_parallel, shard_batch
@@ -116,9 +116,10 @@ class Engine(EngineFacts):
         self.lr_scheduler = (scheduler_from_user(lr_scheduler, inner) if lr_scheduler is not None
                              else scheduler_from_config(config.scheduler, inner))
         self._step_applied, self.global_samples = False, 0
-        vocab = getattr(getattr(module[0] if pipeline is not None else module, "config", None), "vocab_size", None)
+        limits = batch_limits(getattr(module[0] if pipeline is not None else module, "config", None))
         self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.group("dp_cp"), mesh.pp_group,
-                                                       getattr(pipeline, "tied_group", None)), vocab)
+                                                       getattr(pipeline, "tied_group", None)), limits, mesh.device,
+                              pipelined=pipeline is not None)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
@@ -129,8 +130,8 @@ class Engine(EngineFacts):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """The model's forward. ``input_ids``/``labels`` keyword tensors are checked first
-        (``plait.batch.screen_micro_batch``: on a GPU, read at the accumulation boundary without a sync);
+        """The model's forward. ``input_ids``/``labels``/``position_ids`` keyword tensors are screened first
+        (``plait.batch.screen_micro_batch``: the verdict is agreed over every rank at the accumulation boundary);
         with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
         kwargs = shard_batch(self.guard.screen(kwargs), self.mesh, args)   # context parallel: this rank's chunks
         self.optimizer.rebind_views()
@@ -166,7 +167,9 @@ class Engine(EngineFacts):
         step on every rank and does not advance the schedule.
 
         Raises:
-            NonFiniteError: ``nonfinite_guard.max_consecutive_skips`` steps in a row were skipped (fp32/bf16).
+            ValueError: a bad micro-batch of this step on any rank (every rank raises it, with nothing applied).
+            NonFiniteError: ``nonfinite_guard.max_consecutive_skips`` steps in a row were skipped (fp32/bf16;
+                fp16 with a loss scale that cannot recover).
         """
         if not self.is_gradient_accumulation_boundary():
             self._step_applied = False
@@ -212,17 +215,18 @@ class Engine(EngineFacts):
     def eval_batch(self, data_iter) -> torch.Tensor:
         """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1); the same type
         as ``train_batch``'s (float32, shape ``[]``, on the device)."""
-        batches = self._pull(data_iter)
+        batches = self._pull(data_iter, check=True)
         if self.pipeline is not None:
             return self.dp_mean(self.pipeline.eval_batch(iter(batches)))
         loss = sum(loss_of(self.forward(**self._to_device(b))).float() for b in batches) / len(batches)
         return self.dp_mean(loss)
 
-    def _pull(self, data_iter) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline each is checked (``plait.batch``,
-        so every rank decides alike before any computes) and cut to this cp rank's chunks here, else in ``forward``."""
+    def _pull(self, data_iter, check: bool = False) -> list[dict]:
+        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline, or ``check`` (evaluation),
+        each is checked (``plait.batch``) and the verdict agreed over every rank before any computes; with a
+        pipeline each is cut to this cp rank's chunks here, else in ``forward``."""
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
-        out, n = [], self.config.gradient_accumulation_steps
+        out, n, problem = [], self.config.gradient_accumulation_steps, None
         for i in range(n):
             try:
                 batch = next(it)
@@ -230,11 +234,15 @@ class Engine(EngineFacts):
                 raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
                                  f"{self.global_steps + 1} (gradient_accumulation_steps={n}); "
                                  "give train_batch an iterator with enough batches (or one that cycles)") from None
-            if self.pipeline is not None:
-                check_micro_batch(batch, self.guard.vocab_size)
-                batch = shard_batch(batch, self.mesh)
+            if self.pipeline is not None or check:
+                try:
+                    batch = check_micro_batch(batch, self.guard.limits)
+                except (TypeError, ValueError) as err:
+                    problem = problem or err
             out.append(batch)
-        return out
+        if self.pipeline is not None or check:
+            self.guard.agree(problem)
+        return [shard_batch(b, self.mesh) for b in out] if self.pipeline is not None else out
 
     def _to_device(self, batch: dict) -> dict:
         device = self.mesh.device

@@ -58,7 +58,10 @@ def check_sequence(seq: int, cp: int) -> int:
 
 
 def positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions ``[s/cp]`` of the tokens rank ``rank`` holds (for RoPE and the labels)."""
+    """Global positions ``[s/cp]`` of the tokens rank ``rank`` holds (for RoPE and the labels); at cp 1 the
+    whole sequence's, of any length."""
+    if cp == 1:
+        return torch.arange(seq, device=device)
     c = check_sequence(seq, cp)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank)])
 

@@ -323,7 +323,7 @@ class ZeroOptimizer:
         self.consecutive_skips += 1
         if self.scaler is not None:
             self.scaler.update(True)
-        else:
+        if self.scaler is None or not self.scaler.dynamic:   # a dynamic scale's overflows are routine
             log_skipped_step(self.global_steps + self.skipped_steps, norm, self.consecutive_skips)
         return False
 
