@@ -59,7 +59,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
     Raises:
         ConfigError (a ValueError): unknown key (with the closest valid key), wrong value type, batch sizes
             that do not multiply out (naming all four numbers), "auto" without the fact it needs, fp16 and
-            bf16 both enabled, zero stage outside 0..3, offload_param without stage 3.
+            bf16 both enabled, zero stage outside 0..3, offload_param without stage 3, a number outside its
+            range (NaN, inf, an integer beyond 64 bits, or a key's own range such as a scheduler's
+            ``total_num_steps`` below its ``warmup_num_steps``), named with the range it must be in.
         UnsupportedConfigError (a ConfigError): a DeepSpeed feature plait does not implement.
         FileNotFoundError: ``source`` path does not exist.
     """
@@ -200,11 +202,11 @@ def _sections_with_key(key: str, cls: type = PlaitConfig, section: str = "") -> 
 
 
 def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
-    path = _join(section, f.name)
+    path, written = _join(section, f.name), _join(section, key)   # messages name the key as the user wrote it
     if isinstance(value, str) and value == AUTO and not takes_auto(hint):
         if f.metadata.get("auto"):
             return AUTO
-        raise ConfigError(f"'{path}' does not accept \"auto\"; write {_describe(hint)}")
+        raise ConfigError(f"'{written}' does not accept \"auto\"; write {_describe(hint)}")
     check_unsupported_value(section, key, value)
     inner = _strip_optional(hint)
     if inner is OptimizerConfig:
@@ -212,8 +214,8 @@ def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
     if inner is SchedulerConfig:
         return None if value is None else _read_typed(value, path, SCHEDULER_PARAMS, UNSUPPORTED_SCHEDULERS)
     if is_dataclass(inner):
-        return _read_section(value, inner, path)
-    return _coerce(value, hint, path)
+        return _read_section(value, inner, path if isinstance(value, dict) else written)   # keys: canonical section
+    return _coerce(value, hint, written)
 
 
 def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozenset) -> dict:
@@ -267,6 +269,8 @@ def _describe(hint: Any) -> str:
         return f"a list of {len(args)} numbers"
     if origin is list:
         return "a list of integers"
+    if is_dataclass(hint):
+        return "a JSON object (a section)"
     if origin in _UNIONS:
         parts = [_describe(a) for a in args if a is not type(None)]
         return " or ".join(parts) + (" or null" if type(None) in args else "")

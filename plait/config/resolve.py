@@ -47,7 +47,7 @@ from typing import Any
 
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
                                  OptimizerConfig, PlaitConfig, SchedulerConfig, ZeroConfig)
-from plait.config.schema_base import takes_auto
+from plait.config.schema_base import INT_LIMIT, check_number, takes_auto
 
 _TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -158,8 +158,8 @@ def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, fa
         v = cfg.get(key)
         vals[key] = fact if v == AUTO or (v is None and none_given) else v
     for key, v in vals.items():
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+        if v is not None and (not isinstance(v, int) or not 1 <= v < INT_LIMIT):
+            raise ConfigError(f"{key} must be a positive integer below 2**63, got {v!r}")
     train, micro, gas = (vals[k] for k in _TRIPLE)
     dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
 
@@ -222,31 +222,41 @@ def _check_no_auto(value: Any, path: str, cls: Any = PlaitConfig) -> None:
 
 # ------------------------------------------------------------------------------------------------- build
 def build_config(cfg: dict) -> PlaitConfig:
-    """Construct the frozen dataclasses from a resolved dict; defaults fill absent keys."""
-    return _build(PlaitConfig, cfg)
+    """Construct the frozen dataclasses from a resolved dict; defaults fill absent keys. Every value given
+    passes :func:`check_number` with its field's ``bounds`` first (ConfigError naming the key)."""
+    return _build(PlaitConfig, cfg, "")
 
 
-def _build(cls: type, data: dict) -> Any:
+def _build(cls: type, data: dict, path: str) -> Any:
     hints = typing.get_type_hints(cls)
+    _check_numbers(cls, data, path)
     kwargs = {}
     for f in fields(cls):
         if f.name not in data:
             continue
-        value, hint = data[f.name], hints[f.name]
+        value, hint, where = data[f.name], hints[f.name], f"{path}.{f.name}" if path else f.name
         inner = _unwrap(hint)
         if value is None:
             kwargs[f.name] = None
         elif inner is OptimizerConfig:
-            kwargs[f.name] = OptimizerConfig(value["type"], _params(OPTIMIZER_PARAMS[value["type"]], value,
-                                                                    "optimizer"))
+            kwargs[f.name] = OptimizerConfig(value["type"], _params(OPTIMIZER_PARAMS[value["type"]], value, where))
         elif inner is SchedulerConfig:
-            kwargs[f.name] = SchedulerConfig(value["type"], _params(SCHEDULER_PARAMS[value["type"]], value,
-                                                                    "scheduler"))
+            kwargs[f.name] = SchedulerConfig(value["type"], _params(SCHEDULER_PARAMS[value["type"]], value, where))
         elif is_dataclass(inner):
-            kwargs[f.name] = _build(inner, value)
+            kwargs[f.name] = _build(inner, value, where)
         else:
             kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _check_numbers(cls: type, data: dict, path: str) -> None:
+    """``check_number`` for each value of ``data`` that fills a field of ``cls`` (a section dataclass)."""
+    for f in fields(cls):
+        if f.name in data and not isinstance(data[f.name], dict):
+            where = f"{path}.{f.name}" if path else f.name
+            spellings = f.metadata.get("aliases", ())
+            check_number(where + (f" (or {', '.join(spellings)})" if spellings else ""), data[f.name],
+                         f.metadata.get("bounds"))
 
 
 def _unwrap(hint: Any) -> Any:
@@ -256,6 +266,7 @@ def _unwrap(hint: Any) -> Any:
 
 
 def _params(cls: type, value: dict, section: str) -> dict:
+    _check_numbers(cls, value["params"], section + ".params")
     params = asdict(cls(**value["params"]))
     for key in REQUIRED_PARAMS & params.keys():
         if params[key] is None:

@@ -15,6 +15,9 @@ The optimizer and scheduler sections live in ``schema_optim``, the ZeRO sections
 Field metadata used by the reader (``plait.config.reader``):
     ``auto``: the key may be ``"auto"`` in JSON; ``plait.config.resolve`` documents each rule.
     ``aliases``: other JSON spellings accepted for the same key (giving two spellings is an error).
+    ``bounds``: the allowed range of a number (``schema_base.bounded``), checked when the config is built
+    (``plait.config.resolve``), after "auto" is filled in. Every number of a config must also be finite and
+    every integer fit in 64 bits, bounds or not (``schema_base.check_number``).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from plait.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
-from plait.config.schema_base import AUTO, ConfigError, _auto  # noqa: F401
+from plait.config.schema_base import AUTO, ConfigError, _auto, bounded  # noqa: F401
 from plait.config.schema_optim import (OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS,  # noqa: F401
                                        AdamParams, LambParams, LionParams, OptimizerConfig, SchedulerConfig,
                                        SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams)
@@ -42,12 +45,12 @@ class FP16Config:
 
     enabled: bool = _auto(False)
     auto_cast: bool = False
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    loss_scale: float = bounded(0.0, ge=0)
+    initial_scale_power: int = bounded(16, ge=0, le=127)   # 2**127: the largest power of two in fp32
+    loss_scale_window: int = bounded(1000, ge=1)
+    hysteresis: int = bounded(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = bounded(1.0, gt=0)
 
     @property
     def dynamic(self) -> bool:
@@ -70,7 +73,7 @@ class ActivationCheckpointingConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
+    number_checkpoints: int | None = bounded(None, ge=0)
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
@@ -113,12 +116,8 @@ class TensorParallelConfig:
     """``tensor_parallel``: ``size`` ranks split each layer's weights (Shoeybi et al. 2019);
     ``sequence_parallel`` also splits norms/dropout activations along the sequence (Korthikanti et al. 2022)."""
 
-    size: int = 1
+    size: int = bounded(1, ge=1)
     sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ConfigError(f"tensor_parallel.size must be >= 1, got {self.size}")
 
 
 CP_METHODS = ("ring", "all_to_all")
@@ -130,12 +129,10 @@ class ContextParallelConfig:
     "ring" (ring attention, Liu et al. 2023) or "all_to_all" (DeepSpeed-Ulysses, Jacobs et al. 2023). The
     model must be built with the same method (``TransformerModel(..., cp_method=...)``)."""
 
-    size: int = 1
+    size: int = bounded(1, ge=1)
     method: Literal["ring", "all_to_all"] = "ring"
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ConfigError(f"context_parallel.size must be >= 1, got {self.size}")
         if self.method not in CP_METHODS:
             raise ConfigError(f"context_parallel.method {self.method!r} is not one of {CP_METHODS}")
 
@@ -162,10 +159,10 @@ class PipelineConfig:
     stage 0-2 (ZeRO-3 gathers parameters in hooks a graph cannot replay).
     """
 
-    size: int = field(default=1, metadata={"aliases": ("stages",)})
+    size: int = bounded(1, ge=1, aliases=("stages",))
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
-    virtual_stages: int = 1
-    micro_batches: int | None = None
+    virtual_stages: int = bounded(1, ge=1)
+    micro_batches: int | None = bounded(None, ge=1)
     partition: Literal["uniform", "parameters"] | list[int] = "uniform"
     schedule_costs: Literal["unit", "measure"] = "unit"
     cuda_graphs: bool = False
@@ -176,9 +173,6 @@ class PipelineConfig:
         return self.size * self.virtual_stages
 
     def __post_init__(self) -> None:
-        if self.size < 1 or self.virtual_stages < 1:
-            raise ConfigError(f"pipeline.size ({self.size}) and pipeline.virtual_stages ({self.virtual_stages}) "
-                             "must be >= 1")
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ConfigError(f"pipeline.schedule 'interleaved' needs virtual_stages >= 2, got "
                              f"{self.virtual_stages}; set virtual_stages or use schedule '1f1b'")
@@ -191,9 +185,6 @@ class PipelineConfig:
         if self.schedule_costs == "measure" and self.schedule != "zb-v":
             raise ConfigError(f"pipeline.schedule_costs 'measure' plans schedule 'zb-v' only, got "
                              f"{self.schedule!r}; drop schedule_costs or use schedule 'zb-v'")
-        mb = self.micro_batches
-        if mb is not None and mb < 1:
-            raise ConfigError(f"pipeline.micro_batches must be >= 1, got {mb}")
         if isinstance(self.partition, list):
             b, chunks = self.partition, self.num_chunks
             if len(b) != chunks + 1 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
@@ -267,7 +258,7 @@ class PlaitConfig:
     train_micro_batch_size_per_gpu: int = field(metadata={"auto": True})
     gradient_accumulation_steps: int = field(metadata={"auto": True})
     steps_per_print: int = 10
-    gradient_clipping: float = _auto(0.0)
+    gradient_clipping: float = bounded(0.0, ge=0, auto=True)   # the max global gradient norm; 0 = off
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config, metadata={"aliases": ("bfloat16",)})
     optimizer: OptimizerConfig | None = None
@@ -288,7 +279,7 @@ class PlaitConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
+    gradient_predivide_factor: float = bounded(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     zero_allow_untested_optimizer: bool = False
     seed: int = 1234
@@ -296,11 +287,6 @@ class PlaitConfig:
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
-        if not (math.isfinite(self.gradient_clipping) and self.gradient_clipping >= 0):
-            raise ConfigError(f"gradient_clipping = {self.gradient_clipping!r} is out of range: it must be a finite "
-                              "number >= 0 (the max global gradient norm; 0 = off)")
-        if self.gradient_predivide_factor <= 0:
-            raise ConfigError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
         micro, gas, train = (self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
                              self.train_batch_size)
         if min(micro, gas, train) < 1 or train % (micro * gas) != 0:

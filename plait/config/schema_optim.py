@@ -1,35 +1,16 @@
 """``optimizer`` and ``scheduler`` sections: the params dataclasses per ``type`` and their registries.
 
 Part of the config schema (:mod:`plait.config.schema` re-exports every name here); field metadata as
-described there.
+described there. Ranges follow DeepSpeed's meaning of each key (``deepspeed.runtime.lr_schedules``): warm-up
+steps >= 1, a decay that ends no earlier than the warm-up, ratios in [0, 1], learning rates >= 0.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from plait.config.schema_base import ConfigError, _auto
-
-
-def _check_hparams(params: Any) -> None:
-    """Range checks of ``optimizer.params`` (values still "auto" are checked once filled in).
-
-    Raises:
-        ConfigError: naming the key, the value and the allowed range.
-    """
-    def bad(key: str, value: Any, allowed: str) -> ConfigError:
-        return ConfigError(f"optimizer.params.{key} = {value!r} is out of range: it must be {allowed}")
-
-    for key in ("lr", "eps", "weight_decay"):
-        v = getattr(params, key, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
-            raise bad(key, v, "a finite number >= 0")
-    betas = getattr(params, "betas", None)
-    if isinstance(betas, (tuple, list)) and not (len(betas) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
-        raise bad("betas", list(betas), "two numbers in [0, 1), e.g. [0.9, 0.999]")
+from plait.config.schema_base import ConfigError, bounded
 
 
 @dataclass(frozen=True)
@@ -40,15 +21,12 @@ class AdamParams:
     set ``adam_w_mode: false`` for L2-regularised Adam. ``"AdamW"`` requires ``adam_w_mode`` true.
     """
 
-    lr: float = _auto(1e-3)
-    betas: tuple[float, float] = _auto((0.9, 0.999))
-    eps: float = _auto(1e-8)
-    weight_decay: float = _auto(0.0)
+    lr: float = bounded(1e-3, ge=0, auto=True)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1, auto=True)
+    eps: float = bounded(1e-8, ge=0, auto=True)
+    weight_decay: float = bounded(0.0, ge=0, auto=True)
     bias_correction: bool = True
     adam_w_mode: bool = True
-
-    def __post_init__(self) -> None:
-        _check_hparams(self)
 
 
 @dataclass(frozen=True)
@@ -56,75 +34,111 @@ class LambParams:
     """``optimizer.params`` for LAMB (You et al. 2020, Alg. 2); the trust ratio is clamped to
     ``[min_coeff, max_coeff]`` as in DeepSpeed's FusedLamb."""
 
-    lr: float = _auto(1e-3)
-    betas: tuple[float, float] = _auto((0.9, 0.999))
-    eps: float = _auto(1e-8)
-    weight_decay: float = _auto(0.0)
+    lr: float = bounded(1e-3, ge=0, auto=True)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1, auto=True)
+    eps: float = bounded(1e-8, ge=0, auto=True)
+    weight_decay: float = bounded(0.0, ge=0, auto=True)
     bias_correction: bool = True
-    max_coeff: float = 10.0
-    min_coeff: float = 0.01
+    max_coeff: float = bounded(10.0, ge=0)
+    min_coeff: float = bounded(0.01, ge=0)
 
     def __post_init__(self) -> None:
-        _check_hparams(self)
+        if self.min_coeff > self.max_coeff:
+            raise ConfigError(f"optimizer.params.min_coeff = {self.min_coeff!r} is above optimizer.params.max_coeff = "
+                              f"{self.max_coeff!r}: the trust ratio is clamped to [min_coeff, max_coeff]; make "
+                              "min_coeff <= max_coeff (DeepSpeed's defaults: 0.01 and 10)")
 
 
 @dataclass(frozen=True)
 class SGDParams:
     """``optimizer.params`` for SGD with optional (Nesterov) momentum, torch.optim.SGD semantics."""
 
-    lr: float = _auto(1e-3)
-    momentum: float = 0.0
+    lr: float = bounded(1e-3, ge=0, auto=True)
+    momentum: float = bounded(0.0, ge=0)
     dampening: float = 0.0
-    weight_decay: float = _auto(0.0)
+    weight_decay: float = bounded(0.0, ge=0, auto=True)
     nesterov: bool = False
 
     def __post_init__(self) -> None:
-        _check_hparams(self)
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError(f"optimizer.params.nesterov = true needs momentum > 0 and dampening 0, got momentum "
+                              f"{self.momentum!r} and dampening {self.dampening!r}; set them or nesterov false")
 
 
 @dataclass(frozen=True)
 class LionParams:
     """``optimizer.params`` for Lion (Chen et al. 2023, Alg. 2)."""
 
-    lr: float = _auto(1e-4)
-    betas: tuple[float, float] = _auto((0.9, 0.99))
-    weight_decay: float = _auto(0.0)
+    lr: float = bounded(1e-4, ge=0, auto=True)
+    betas: tuple[float, float] = bounded((0.9, 0.99), ge=0, lt=1, auto=True)
+    weight_decay: float = bounded(0.0, ge=0, auto=True)
 
-    def __post_init__(self) -> None:
-        _check_hparams(self)
+
+def _check_decay(params: Any, floor: str) -> None:
+    """A decay must end no earlier than the warm-up: with ``total_num_steps`` below ``warmup_num_steps`` the lr
+    never reaches its peak and drops to the ``floor`` at the end of the warm-up (DeepSpeed only warns).
+
+    Raises:
+        ConfigError: naming both keys, both values and the fix.
+    """
+    total, warmup = params.total_num_steps, params.warmup_num_steps
+    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+        raise ConfigError(f"scheduler.params.total_num_steps = {total} is below scheduler.params.warmup_num_steps "
+                          f"= {warmup}: the lr would never reach its peak and would drop to {floor} after step "
+                          f"{warmup}; set total_num_steps to the run's length in optimizer steps (>= "
+                          "warmup_num_steps) or lower warmup_num_steps")
 
 
 @dataclass(frozen=True)
 class WarmupLRParams:
     """``scheduler.params`` for WarmupLR: lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over
-    ``warmup_num_steps`` steps (``warmup_type`` "log" or "linear"), then stays at ``warmup_max_lr``."""
+    ``warmup_num_steps`` steps (``warmup_type`` "log" or "linear"), then stays at ``warmup_max_lr``.
 
-    warmup_min_lr: float = _auto(0.0)
-    warmup_max_lr: float = _auto(0.001)
-    warmup_num_steps: int = _auto(1000)
+    Raises:
+        ConfigError: ``warmup_min_lr`` above ``warmup_max_lr`` (the warm-up would lower the lr).
+    """
+
+    warmup_min_lr: float = bounded(0.0, ge=0, auto=True)
+    warmup_max_lr: float = bounded(0.001, ge=0, auto=True)
+    warmup_num_steps: int = bounded(1000, ge=1, auto=True)
     warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
+    last_batch_iteration: int = bounded(-1, ge=-1)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.warmup_min_lr, self.warmup_max_lr
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+            raise ConfigError(f"scheduler.params.warmup_min_lr = {lo!r} is above scheduler.params.warmup_max_lr = "
+                              f"{hi!r}: the warm-up would lower the lr; make warmup_min_lr <= warmup_max_lr")
 
 
 @dataclass(frozen=True)
 class WarmupDecayLRParams(WarmupLRParams):
-    """``scheduler.params`` for WarmupDecayLR: WarmupLR's, then linear decay to 0 at ``total_num_steps``."""
+    """``scheduler.params`` for WarmupDecayLR: WarmupLR's, then linear decay to ``warmup_min_lr`` at
+    ``total_num_steps`` (>= ``warmup_num_steps``; ConfigError otherwise)."""
 
-    total_num_steps: int = _auto(None)  # required
+    total_num_steps: int = bounded(None, ge=1, auto=True)  # required
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_decay(self, "warmup_min_lr")
 
 
 @dataclass(frozen=True)
 class WarmupCosineLRParams:
     """``scheduler.params`` for WarmupCosineLR: the lr *ratio* (of the optimizer's lr) warms up from
     ``warmup_min_ratio`` to 1 over ``warmup_num_steps``, then follows a cosine down to ``cos_min_ratio`` at
-    ``total_num_steps`` (Loshchilov & Hutter 2017, Eq. 5 without restarts)."""
+    ``total_num_steps`` (>= ``warmup_num_steps``; ConfigError otherwise) (Loshchilov & Hutter 2017, Eq. 5
+    without restarts). Both ratios lie in [0, 1]."""
 
-    total_num_steps: int = _auto(None)  # required
-    warmup_min_ratio: float = 0.0
-    warmup_num_steps: int = _auto(1000)
-    cos_min_ratio: float = 0.0001
+    total_num_steps: int = bounded(None, ge=1, auto=True)  # required
+    warmup_min_ratio: float = bounded(0.0, ge=0, le=1)
+    warmup_num_steps: int = bounded(1000, ge=1, auto=True)
+    cos_min_ratio: float = bounded(0.0001, ge=0, le=1)
     warmup_type: Literal["log", "linear"] = "log"
-    last_batch_iteration: int = -1
+    last_batch_iteration: int = bounded(-1, ge=-1)
+
+    def __post_init__(self) -> None:
+        _check_decay(self, "cos_min_ratio x lr")
 
 
 #: Optimizer ``type`` (canonical spelling) -> its params dataclass. Matched case-insensitively.

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from plait.config.schema_base import AUTO, ConfigError, _auto
+from plait.config.schema_base import AUTO, ConfigError, _auto, bounded
 
 
 @dataclass(frozen=True)
@@ -79,18 +79,19 @@ class ZeroConfig:
 
     stage: int = 0
     allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = bounded(500_000_000, ge=0)
     overlap_comm: bool | None = None  # None: True for stage 3, else False (DeepSpeed's default)
     reduce_scatter: bool = True
-    reduce_bucket_size: int = _auto(500_000_000)
+    reduce_bucket_size: int = bounded(500_000_000, ge=0, auto=True)
     contiguous_gradients: bool = True
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    sub_group_size: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = _auto(50_000_000, aliases=("prefetch_bucket_size",))
-    stage3_param_persistence_threshold: int = _auto(100_000, aliases=("param_persistence_threshold",))
-    stage3_max_live_parameters: int = _auto(1_000_000_000, aliases=("max_live_parameters",))
-    stage3_max_reuse_distance: int = _auto(1_000_000_000, aliases=("max_reuse_distance",))
+    sub_group_size: int = bounded(1_000_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = bounded(50_000_000, ge=0, auto=True, aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: int = bounded(100_000, ge=0, auto=True,
+                                                      aliases=("param_persistence_threshold",))
+    stage3_max_live_parameters: int = bounded(1_000_000_000, ge=0, auto=True, aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = bounded(1_000_000_000, ge=0, auto=True, aliases=("max_reuse_distance",))
     stage3_gather_16bit_weights_on_model_save: bool = _auto(
         False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     ignore_unused_parameters: bool = True

@@ -7,11 +7,15 @@ Each schedule sets ``lr`` of every param group of the optimizer it wraps at cons
 ("log", DeepSpeed's default) or ``t / W`` ("linear"):
 
 * ``WarmupLR``: ``min_lr + (max_lr - min_lr) * frac`` during warm-up, then ``max_lr``.
-* ``WarmupDecayLR``: the same warm-up, then linear decay ``max_lr * (T - t) / (T - W)`` to 0 at
-  ``total_num_steps = T``.
+* ``WarmupDecayLR``: the same warm-up, then linear decay ``min_lr + (max_lr - min_lr) * (T - t) / (T - W)``
+  down to ``min_lr`` at ``total_num_steps = T``.
 * ``WarmupCosineLR``: a ratio of each group's initial lr: from ``warmup_min_ratio`` to 1 during
   warm-up, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * progress)) / 2`` with
   ``progress = min(1, (t - W + 1) / max(1, T - W))``.
+
+Built directly, the classes check what DeepSpeed's check (``warmup_num_steps >= 1``); a ds_config's
+``scheduler.params`` are range-checked when the config is read (``plait.config.schema_optim``:
+``T >= warmup_num_steps >= 1``, ratios in [0, 1], lrs >= 0 with ``min_lr <= max_lr``).
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ class WarmupLR(_WarmupBase):
 
 
 class WarmupDecayLR(WarmupLR):
-    """``WarmupLR`` then linear decay to 0 at ``total_num_steps``."""
+    """``WarmupLR`` then linear decay to ``warmup_min_lr`` at ``total_num_steps``."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
