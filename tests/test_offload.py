@@ -161,6 +161,9 @@ CASES = {  # name: (reference config, offloaded config)
     "stage3 ratio 0.3, device step 0.5": (ds_config(3, gas=1), ds_config(3, offload=True, gas=1, ratio=0.3,
                                                                          device_step=0.5)),
     "bf16 stage2 ratio 0": (ds_config(2, gas=1, bf16=True), ds_config(2, offload=True, gas=1, bf16=True, ratio=0.0)),
+    # GAS 2: a resident group accumulates its gradient in its device shard (no device share of the host part)
+    "stage1 ratio 0.5, GAS 2": (ds_config(1), ds_config(1, offload=True, ratio=0.5)),
+    "stage3 ratio 0.4, GAS 2": (ds_config(3), ds_config(3, offload=True, ratio=0.4)),
 }
 
 

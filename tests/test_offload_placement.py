@@ -56,11 +56,13 @@ def test_a_checkpoint_resumes_in_another_placement_exactly(first, second, tmp_pa
 
 
 def test_a_placement_the_step_cannot_serve_is_refused_naming_the_ratio():
-    with pytest.raises(ValueError, match=r"offload_optimizer.ratio=0.5 .*gradient_accumulation_steps=2 \(needs 1\)"
-                                         r".*set the ratio to 1"):
-        train(ds_config(2, offload=True, gas=2, ratio=0.5), 1)
+    with pytest.raises(ValueError, match=r"offload_optimizer.ratio=0.5 .*offload_param \(the weights of a resident "
+                                         r"group must live on the device\); set the ratio to 1"):
+        train(ds_config(3, offload=True, param=True, ratio=0.5), 1)
+    with pytest.raises(ValueError, match=r"device_step_fraction 0.5 needs gradient_accumulation_steps=1 \(got 2\)"):
+        train(ds_config(2, offload=True, gas=2, ratio=0.5, device_step=0.5), 1)
     for bad in (1.5, -0.1, math.nan, "half", True):
-        with pytest.raises(ConfigError, match=r"offload_optimizer.ratio'? (= .* )?must be a number"):
+        with pytest.raises(ConfigError, match=r"offload_optimizer\.ratio'? (= \S+ )?(is out of range: it )?must be a"):
             load_config(ds_config(2, offload=True, ratio=bad), dp_size=1)
     with pytest.raises(ConfigError, match="offload_param.ratio = 0.5 is not a key of offload_param"):
         load_config({**ds_config(3), "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",

@@ -26,7 +26,7 @@ class OffloadConfig:
     a device share, else 0.
     ``ratio`` (DeepSpeed's; ``offload_optimizer`` only): the share, in [0, 1], of the optimizer states
     (fp32 masters and moments) kept in host memory; the rest stay on the GPU and are stepped there
-    (``plait.zero.offload.placement``; Adam/AdamW, GAS 1). 1 (default): all on the host.
+    (``plait.zero.offload.placement``; Adam/AdamW, weights on the GPU). 1 (default): all on the host.
     ``device_step_adaptive: true``: the deprecated spelling of ``device_step_fraction: "auto"`` (a warning;
     refused together with a fraction other than 0); read into ``device_step_fraction``, then None.
 

@@ -78,8 +78,8 @@ class HostStepper:
         ``pin_memory`` is on (and the host states could be page-locked), else no share.
 
         Raises:
-            ValueError: a fraction > 0, "auto" or a ratio < 1 with Lion, GAS > 1, ``final_at_step``, or no
-                segment whose weights live on the device.
+            ValueError: a fraction > 0 or "auto" with Lion, GAS > 1, ``final_at_step``, or no segment whose
+                weights live on the device; a ratio < 1 with Lion, ``final_at_step`` or ``offload_param``.
         """
         by_default = fraction is None
         resident = [s for s in self.order if self.shards.groups[s.group].key.resident]
@@ -90,12 +90,18 @@ class HostStepper:
         optimizer, problems = self.shards.optimizer, []
         if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
             problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
-        if gas != 1:
+        if gas != 1 and not resident:   # a resident group accumulates on the device; a streamed share cannot
             problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
+        if gas != 1 and resident and not by_default and (adaptive or fraction):
+            raise ValueError(f"device_step_fraction {fraction!r} needs gradient_accumulation_steps=1 (got {gas}); set "
+                             "it to 0 (offload_optimizer.ratio < 1 keeps its states on the device at any accumulation)")
+        adaptive = adaptive and gas == 1
         if self.options.final_at_step:
             problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
                             "and a device share keeps its gradients where that edit does not reach)")
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
+        if any(self.writer.dest(s) is None for s in resident):
+            problems.append("offload_param (the weights of a resident group must live on the device)")
         if not eligible:
             problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
                             "host)")

@@ -68,6 +68,13 @@ class Landing:
         queue its host work. ``fresh``: first landing of this step (copy, not add)."""
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
         last = not self.final_at_step and self.is_last_micro_step()
+        if not self.device_norms and self.share is not None and id(seg) in self.share.resident:
+            grad = self.grad(seg)   # GAS > 1: accumulated in the resident group's device gradient shard
+            if out is not None:
+                grad.copy_(out) if fresh else grad.add_(out)
+            if last:
+                self.finish_resident(seg)
+            return
         if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
             self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
@@ -89,6 +96,16 @@ class Landing:
         if last:
             self.finalized.add(id(seg))
         self.submit(self._landed, seg, host, src, out, event, fresh, last, used)
+
+    def finish_resident(self, seg: Segment) -> None:
+        """Main thread: the final gradient of a segment whose states live on the device (``placement``) is in
+        its device gradient shard: its norm partial (on the device) and its hand-over to the ``DeviceShare``."""
+        grad = self.grad(seg)
+        self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
+                                   if seg.key.tp_replicated and self.tp_skip
+                                   else sum_squares64(grad, self.excluded(seg)))
+        self.share.land(seg, grad)
+        self.finalized.add(id(seg))
 
     def _to_host(self, out: torch.Tensor, host: torch.Tensor, fresh: bool):
         """Queue the device->host copy of ``out`` on the side stream: straight into ``host`` when it is the
@@ -120,7 +137,7 @@ class Landing:
             self.finalize(seg, used)
 
     def grad(self, seg: Segment) -> torch.Tensor:
-        """The host gradient ``[S]`` of ``seg`` (a view of its grad shard)."""
+        """The gradient ``[S]`` of ``seg``: a view of its grad shard (host; device for a resident group)."""
         return self.shards.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
 
     def finalize(self, seg: Segment, used=None) -> None:
@@ -139,7 +156,9 @@ class Landing:
         the device wait for an event recorded now on the compute stream (after every use of the step)."""
         used = None
         for seg in self.segments:
-            if id(seg) not in self.finalized:
+            if id(seg) not in self.finalized and self.share is not None and id(seg) in self.share.resident:
+                self.finish_resident(seg)
+            elif id(seg) not in self.finalized:
                 if used is None and self.cuda:
                     used = torch.cuda.Event()
                     used.record(torch.cuda.current_stream(self.device))

@@ -33,7 +33,7 @@ class OffloadOptions:
             moments live in host memory (DeepSpeed's ``offload_optimizer.ratio``); the first ``1 - ratio`` in
             forward order keep theirs in device memory for the whole run and are stepped there, with the same
             roundings as the host kernels (``plait.zero.offload.placement``). 1 (default): all on the host.
-            Below 1: Adam/AdamW, gradient accumulation 1, compute weights on the device (no ``param``).
+            Below 1: Adam/AdamW, compute weights on the device (no ``param``), no pipeline (``final_at_step``).
         final_at_step: the gradients are final only at ``step()``, not when backward lands them: the caller
             edits them between backward and ``step()`` (a pipeline sums its tied embedding copies' gradients
             after its schedule, ``plait.engine_pipeline``) or one micro-batch lands a segment several times
