@@ -9,9 +9,15 @@
 * The fp32 master shards on the host are ``MADV_DONTFORK`` like the other host buffers: a forked child
   reading them dies with SIGSEGV (``plait.kernels.host_memory``), so a DataLoader worker never makes the
   next host step copy them page by page.
+* An engine dropped without ``close()`` frees its optimizer and the offload worker thread (the gradient hooks,
+  held by C++ autograd nodes, reach the optimizer only weakly).
 """
 import faulthandler
 import functools
+import gc
+import threading
+import time
+import weakref
 import multiprocessing as mp
 import os
 import signal
@@ -181,3 +187,20 @@ def test_default_share_is_no_error_where_it_cannot_apply_on_a_gpu():
         if gas == 2:
             with pytest.raises(ValueError, match=r"'auto' cannot be used with gradient_accumulation_steps=2"):
                 stepper._device_share("auto", gas)
+
+
+def test_an_engine_dropped_without_close_frees_its_optimizer_and_offload_thread():
+    before = threading.active_count()
+    refs = []
+    for _ in range(3):
+        engine = plait.initialize(torch.nn.Linear(4, 4), offload_config())
+        engine.backward(engine(torch.ones(2, 4)).square().mean())
+        engine.step()   # the worker thread exists once a host step ran
+        refs.append(weakref.ref(engine.optimizer))
+        del engine
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r() for r in refs] == [None, None, None]
+    assert threading.active_count() == before

@@ -1,9 +1,10 @@
 """Whole gradients of chosen parameters, whatever the ZeRO stage: for code that must combine the
 gradients of several parameters after backward (a pipeline summing the tied embedding and its head
-copy on two stages) without knowing where the stage keeps them."""
+copy on two stages) without knowing where the stage keeps them; and the weak gradient hook."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -58,3 +59,16 @@ def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[tor
     for full, pieces in zip(fulls, where):
         for pc, gi in pieces:
             zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length] = full[pc.start:pc.start + pc.length]
+
+
+def weak_hook(method):
+    """A gradient hook calling the bound ``method`` while its object lives (a no-op after), holding it weakly:
+    hooks live in C++ autograd nodes that hold the parameters out of the garbage collector's sight, so a bound
+    method there would keep its object (a ``ZeroOptimizer`` and its offload thread) alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call

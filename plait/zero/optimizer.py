@@ -53,6 +53,7 @@ from plait.zero.clip import clip_coefficient
 from plait.zero.comm import make_comms
 from plait.zero.edits import gathered, mark_owner
 from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
+from plait.zero.grads import weak_hook
 from plait.zero.memory import held_bytes
 from plait.zero.offload import HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer
 from plait.zero.pinned import host_empty
@@ -149,22 +150,21 @@ class ZeroOptimizer:
         return group_opts
 
     def _build_masters(self, weights) -> None:
-        """fp32 master shards (host with offload) and gradient shards, one per flat group."""
+        """fp32 master shards and gradient shards, one per flat group: on the host with offload, but for the
+        groups the placement keeps on the device (``GroupKey.resident``)."""
         off = self.offload_options
         host_params = off is not None and off.param
-
-        def master_device(g):   # offload: the host, but for the groups placed on the device (``placement``)
-            return torch.device("cpu") if self._host and not g.key.resident else self.device
-        self.masters = [materialize(g, self.policy, self.device, master_device(g), host_params,
-                                    host_params and off.pin_memory, weights) for g in self.groups]
+        on_host = [self._host and not g.key.resident for g in self.groups]   # offload: but resident groups
+        self.masters = [materialize(g, self.policy, self.device, torch.device("cpu") if h else self.device,
+                                    host_params, host_params and off.pin_memory, weights)
+                        for g, h in zip(self.groups, on_host)]
         if not (self._host or host_params):   # offload: the host stepper writes the (host) shards itself
             derive_shards(self.groups, self.masters)
         world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]   # bf16 host shards: see grad_dtypes
         grad_dtype, self._land_dtype = grad_dtypes(self._host, self.gradient_accumulation_steps, self.groups, world,
                                                    self.comm.reduce_dtype)
-        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_()
-                            if self._host and not g.key.resident else torch.zeros_like(m, dtype=grad_dtype)
-                            for g, m in zip(self.groups, self.masters)]
+        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_() if h
+                            else torch.zeros_like(m, dtype=grad_dtype) for h, m in zip(on_host, self.masters)]
 
     def _build_optimizer(self, optimizer, optimizer_kwargs: dict | None, group_opts: list[dict]) -> None:
         """The torch optimizer (``HostOptimizer`` with offload) over the master shards."""
@@ -195,7 +195,8 @@ class ZeroOptimizer:
             self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
                 self.module, self.units, self.comms, comm.allgather_bucket_size, comm.prefetch_bucket_size,
                 self._note_backward, gate=ready, reshard_after_forward=comm.reshard_after_forward, **extra)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params] \
+        on_grad = weak_hook(self._on_grad)   # a bound method in a C++ hook would keep this optimizer alive
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params] \
             if self.policy.gradients else []
         self.shards = ShardSet(tuple(self.groups), tuple(self.masters), tuple(self.grad_shards), self.optimizer,
                                self.clip.norm_groups, self.clip.norm_exclude)
@@ -400,4 +401,3 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
         self.stepper.close()
-

@@ -95,7 +95,6 @@ class HostStepper:
         if gas != 1 and resident and not by_default and (adaptive or fraction):
             raise ValueError(f"device_step_fraction {fraction!r} needs gradient_accumulation_steps=1 (got {gas}); set "
                              "it to 0 (offload_optimizer.ratio < 1 keeps its states on the device at any accumulation)")
-        adaptive = adaptive and gas == 1
         if self.options.final_at_step:
             problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
                             "and a device share keeps its gradients where that edit does not reach)")
@@ -113,6 +112,7 @@ class HostStepper:
         if problems:
             what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
+        adaptive = adaptive and gas == 1   # by default with a resident group at GAS > 1: no streamed share
         on_device = {id(s) for s in resident}
         eligible = [s for s in eligible if id(s) not in on_device]
         total = sum(s.shard_size for s in self.order if id(s) not in on_device)
