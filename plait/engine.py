@@ -37,6 +37,8 @@ from plait.gc_schedule import CollectionSchedule
 from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
 from plait.optim.factory import (
+    NO_OPTIMIZER,
+    NoOptimizer,
     optimizer_from_config,
     optimizer_from_user,
     scheduler_from_config,
@@ -82,6 +84,11 @@ class Engine(EngineFacts):
             params = dict(config.optimizer.params)
             factory, kwargs = functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}
             groups = None
+        elif optimizer is None and config.optimizer is None:   # forward only, as DeepSpeed builds it
+            if z.offload_optimizer.enabled:
+                raise ConfigError("zero_optimization.offload_optimizer is set but there is no optimizer (no "
+                                  "'optimizer' section, none passed); remove offload_optimizer or add an optimizer")
+            factory, kwargs, groups = NoOptimizer, {}, None
         elif optimizer is None:
             factory, kwargs = optimizer_from_config(config.optimizer, mesh.device.type)
             groups = None
@@ -125,6 +132,11 @@ class Engine(EngineFacts):
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
         self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
 
+    @property
+    def forward_only(self) -> bool:
+        """Built without an optimizer (``plait.optim.factory.NoOptimizer``): forward passes only."""
+        return isinstance(self.optimizer.optimizer, NoOptimizer)
+
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -153,6 +165,8 @@ class Engine(EngineFacts):
             shape = list(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
             raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
                              "no 'labels' returns its logits: put the labels in the batch")
+        if self.forward_only:
+            raise ConfigError(NO_OPTIMIZER)
         self.guard.loss = loss.detach()
         self.report.add_micro_loss(loss)
         with self.report.timed("backward"):
@@ -171,6 +185,8 @@ class Engine(EngineFacts):
             NonFiniteError: ``nonfinite_guard.max_consecutive_skips`` steps in a row were skipped (fp32/bf16;
                 fp16 with a loss scale that cannot recover).
         """
+        if self.forward_only:
+            raise ConfigError(NO_OPTIMIZER)
         if not self.is_gradient_accumulation_boundary():
             self._step_applied = False
             return

@@ -24,6 +24,27 @@ from plait.optim.lamb import Lamb
 from plait.optim.schedulers import SCHEDULERS
 
 
+NO_OPTIMIZER = ("this engine was built without an optimizer (no 'optimizer' section in the config and none passed "
+                "to initialize), for forward passes only; add \"optimizer\": {\"type\": \"AdamW\", \"params\": "
+                "{\"lr\": ...}} or pass optimizer= to train")
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """The optimizer of an engine built without one (evaluation, inference, a frozen reference model), as
+    DeepSpeed's ``initialize`` builds one when no optimizer is given: ZeRO shards and gathers the parameters as
+    for training; nothing steps them.
+
+    Raises:
+        ConfigError: ``step`` (naming the missing optimizer and the fix).
+    """
+
+    def __init__(self, params, **_):
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure=None):
+        raise ConfigError(NO_OPTIMIZER)
+
+
 def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
     """``(factory, kwargs)`` for ``ZeroOptimizer`` from a resolved ``OptimizerConfig``. Raises ConfigError
     for a type plait cannot build, and for no optimizer at all (a learning rate is never guessed)."""
