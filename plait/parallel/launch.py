@@ -109,8 +109,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     timeout = timedelta(seconds=STARTUP_TIMEOUT_S if timeout_s is None else timeout_s)
     _start_group(backend, info, os.environ if env is None else env, env is None, timeout)
     store = dist.distributed_c10d._get_default_store()
-    if timeout_s is not None:
-        store.set(SCRIPT_TIMEOUT_KEY.format(rank=info.rank), repr(float(timeout_s)))
+    store.set(SCRIPT_TIMEOUT_KEY.format(rank=info.rank), "none" if timeout_s is None else repr(float(timeout_s)))
     if info.world_size > 1:   # the last rank to join releases the others
         if store.add("plait/joined", 1) == info.world_size:
             store.set("plait/all_joined", "1")
@@ -147,7 +146,8 @@ def explicit_timeout_s() -> float | None:
         return None
     store = dist.distributed_c10d._get_default_store()
     key = SCRIPT_TIMEOUT_KEY.format(rank=dist.get_rank())
-    return float(store.get(key)) if store.check([key]) else None
+    value = store.get(key).decode() if store.check([key]) else "none"
+    return None if value == "none" else float(value)
 
 
 def leave_at_exit() -> None:
@@ -166,8 +166,9 @@ def leave_at_exit() -> None:
     a collective must close its connections at once: in a barrier it would hold them until the timeout
     (180 s at the default). Its peers' collectives then fail within about a second (gloo), or the launcher
     sees the exit and stops them (NCCL, torchrun), as after an uncaught exception. A clean exit needs no
-    barrier: a rank's collectives have returned (a graceful close still delivers what it sent), and every
-    rank finished joining in ``init_distributed``.
+    barrier: every rank finished joining in ``init_distributed``, a rank's gloo collectives have returned
+    (closing a socket still delivers what was sent), and NCCL's shutdown lets the rank's queued kernels
+    finish first (torch >= 2.5; they complete as the peers reach the same collectives).
     """
     import atexit
     import time
