@@ -28,6 +28,7 @@ from plait.engine_compile import compile_regions, compiled_backend, is_compiled
 from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
+from plait.engine_ranks import check_ranks_agree, start_up, timeout_groups
 from plait.engine_report import StepReport
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
@@ -124,8 +125,7 @@ class Engine(EngineFacts):
                              else scheduler_from_config(config.scheduler, inner))
         self._step_applied, self.global_samples = False, 0
         limits = batch_limits(getattr(module[0] if pipeline is not None else module, "config", None))
-        self.guard = RunGuard(self.optimizer, config, (mesh.tp_group, mesh.group("dp_cp"), mesh.pp_group,
-                                                       getattr(pipeline, "tied_group", None)), limits, mesh.device,
+        self.guard = RunGuard(self.optimizer, config, timeout_groups(mesh, pipeline), limits, mesh.device,
                               pipelined=pipeline is not None)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
@@ -371,7 +371,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:
-        ConfigError: unknown or inconsistent config keys (named, with the fix).
+        ConfigError: unknown or inconsistent config keys (named, with the fix), or ranks started with
+            different configs or models (the same message on every rank, naming keys, values and ranks).
         ValueError: parameters on the meta device without ``weights``, ``weights`` for a model whose
             parameters are not on the meta device, or a checkpoint tensor of another shape.
     """
@@ -384,12 +385,14 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         raw = config if isinstance(config, PlaitConfig) else load_config(
             config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
             **config_facts)
+        check_ranks_agree(raw, model, None)   # before the mesh: every rank builds it from its config
         mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size, cp=raw.context_parallel.size)
     if not isinstance(config, PlaitConfig):
         config = load_config(config, dp_size=mesh.dp, **config_facts)
     if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
+    config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
     torch.manual_seed(config.seed)
     pipeline = None
     weights = prepare_weights(model, weights, mesh.device)

@@ -16,11 +16,16 @@ from plait.parallel import launch
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
-                     timeout: timedelta = timedelta(minutes=30), init_method=None,
+                     timeout: timedelta | None = None, init_method=None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1,
                      world_size: int = -1) -> None:
     """Join the launcher's process group (torchrun or SLURM environment), as ``deepspeed.init_distributed``;
-    a no-op when one exists. The group is left at a normal exit (``plait.parallel.launch.leave_at_exit``).
+    a no-op when one exists. The group is left at every exit (``plait.parallel.launch.leave_at_exit``).
+
+    ``timeout``: None (default; DeepSpeed's is 30 minutes): plait's ``comm`` timeouts, 600 s until the engine
+    exists, then its config's ``comm.startup_timeout_s`` and, after the first step, ``comm.timeout_s``. A
+    ``timedelta`` the script passes holds for every collective of the run (the engine logs that it replaces
+    the config's ``comm`` values).
 
     Raises:
         ValueError: ``init_method``, ``rank`` or ``world_size`` given (plait reads them from the
@@ -31,7 +36,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                          "environment (torchrun, srun); drop init_method/rank/world_size and launch with torchrun")
     if dist.is_initialized() or dist_init_required is False:
         return
-    launch.init_distributed(dist_backend, timeout_s=timeout.total_seconds())
+    launch.init_distributed(dist_backend, timeout_s=None if timeout is None else timeout.total_seconds())
     launch.leave_at_exit()
 
 

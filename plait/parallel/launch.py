@@ -77,15 +77,22 @@ def launcher_world_size(env: dict | None = None) -> int:
     return int(env.get("SLURM_NTASKS", 1)) if "SLURM_PROCID" in env else 1
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+STARTUP_TIMEOUT_S = 600.0   # until an engine applies its config's comm timeouts (comm.startup_timeout_s's default)
+SCRIPT_TIMEOUT_KEY = "plait/script_timeout_s/{rank}"   # in the group's store: a timeout the script chose
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None,
                      env: dict | None = None) -> LaunchInfo:
-    """Initialize the default process group from the launcher's environment.
+    """Initialize the default process group from the launcher's environment; return when every rank has
+    joined it (so no rank can leave while another is still connecting).
 
     Args:
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
-        timeout_s: collective timeout in seconds during start-up; a dead peer raises after this instead of
-            hanging. An engine lowers it to its config's ``comm.timeout_s`` after the first applied step
-            (``set_collective_timeout``), so a rank frozen later is caught within minutes.
+        timeout_s: collective timeout in seconds; a dead or frozen peer raises after this instead of
+            hanging. None (default): 600 s until an engine exists; ``plait.initialize`` then applies its
+            config's ``comm.startup_timeout_s`` (until the first applied step and during checkpoint I/O)
+            and ``comm.timeout_s`` (after it). A value: the script's choice, kept for the whole run (the
+            engine's config takes it as both ``comm`` timeouts and logs that once; ``explicit_timeout_s``).
 
     Returns the ``LaunchInfo``. Calling it when a group already exists returns the facts unchanged.
     """
@@ -99,54 +106,77 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         # NCCL's watchdog aborts a collective that outlives the timeout and ends the process (3: without
         # cleanup, torch's default), so a launcher sees the failure and --max-restarts resumes the job
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    source = os.environ if env is None else env
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=STARTUP_TIMEOUT_S if timeout_s is None else timeout_s)
+    _start_group(backend, info, os.environ if env is None else env, env is None, timeout)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(SCRIPT_TIMEOUT_KEY.format(rank=info.rank), "none" if timeout_s is None else repr(float(timeout_s)))
+    if info.world_size > 1:   # the last rank to join releases the others
+        if store.add("plait/joined", 1) == info.world_size:
+            store.set("plait/all_joined", "1")
+        store.wait(["plait/all_joined"], timeout)
+    return info
+
+
+def _start_group(backend: str, info: LaunchInfo, source, own_env: bool, timeout: timedelta) -> None:
     if info.world_size == 1 and "MASTER_PORT" not in source:
         # one process and no launcher (DeepSpeed's init_distributed in a plain script): an in-memory store,
         # so no port is taken and a later group in the same process can start again
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return info
+        return
     attempt = int(source.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if env is None and attempt > 0 and source.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if own_env and attempt > 0 and source.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A worker group restarted by ``torchrun --max-restarts`` meets in the elastic agent's store,
         # which still holds the previous attempt's addresses: keep each attempt's keys apart.
         store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
                               timeout=timeout)
         dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt{attempt}", store),
                                 rank=info.rank, world_size=info.world_size, timeout=timeout)
-        return info
+        return
     # Under torchrun, env:// lets torch reuse the elastic agent's store; elsewhere rank 0 hosts one.
-    init_method = ("env://" if env is None and "RANK" in source and "MASTER_ADDR" in source
+    init_method = ("env://" if own_env and "RANK" in source and "MASTER_ADDR" in source
                    else f"tcp://{info.master_addr}:{info.master_port}")
     dist.init_process_group(backend, init_method=init_method, rank=info.rank,
                             world_size=info.world_size, timeout=timeout)
-    return info
+
+
+def explicit_timeout_s() -> float | None:
+    """The collective timeout this rank's script passed to ``init_distributed(timeout_s=...)`` (seconds),
+    or None: no value was passed, no group exists, or plait did not start it."""
+    if not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    key = SCRIPT_TIMEOUT_KEY.format(rank=dist.get_rank())
+    value = store.get(key).decode() if store.check([key]) else "none"
+    return None if value == "none" else float(value)
 
 
 def leave_at_exit() -> None:
     """Leave the default process group when the interpreter exits, for scripts that never call
-    ``destroy_process_group`` (DeepSpeed's examples do not).
+    ``destroy_process_group`` (DeepSpeed's examples do not): destroy the groups, then release the GIL
+    for 0.1 s, at every exit, whatever its status.
 
-    At a normal exit every rank meets the others in a barrier, destroys its groups, then releases the
-    GIL for 0.1 s. The pause is the fix: gloo's worker threads drop their references to a finished
-    collective's tensors only after the waiting Python thread has resumed, and with torch's tensor
-    ownership that drop takes the GIL; a worker still doing it when the interpreter finalizes is ended
-    there and the process aborts ("terminate called without an active exception", pytorch/pytorch
-    issue 190489) after its work is done. Destroying the groups does not join those threads, and
-    waiting without a pause left 3 of 100 loaded two-rank runs aborting (0 of 100 with it). After an
-    uncaught exception (``sys.last_value`` set) there is no barrier: the other ranks may never arrive.
+    The pause: gloo's worker threads drop their references to a finished collective's tensors only after
+    the waiting Python thread has resumed, and with torch's tensor ownership that drop takes the GIL; a
+    worker still doing it when the interpreter finalizes is ended there and the process aborts ("terminate
+    called without an active exception", pytorch/pytorch issue 190489) after its work is done (3 of 100
+    loaded two-rank runs without the pause, 0 of 100 with it).
+
+    No barrier first: Python does not tell an exit hook the exit status (``sys.exit(1)`` sets neither
+    ``sys.last_value`` nor calls ``sys.excepthook``), and a rank that ends early while its peers wait in
+    a collective must close its connections at once: in a barrier it would hold them until the timeout
+    (180 s at the default). Its peers' collectives then fail within about a second (gloo), or the launcher
+    sees the exit and stops them (NCCL, torchrun), as after an uncaught exception. A clean exit needs no
+    barrier: every rank finished joining in ``init_distributed``, a rank's gloo collectives have returned
+    (closing a socket still delivers what was sent), and NCCL's shutdown lets the rank's queued kernels
+    finish first (torch >= 2.5; they complete as the peers reach the same collectives).
     """
     import atexit
-    import sys
     import time
 
     def teardown() -> None:
-        if not dist.is_initialized():
-            return
-        if getattr(sys, "last_value", None) is None:
-            dist.barrier()
-        dist.destroy_process_group()
-        time.sleep(0.1)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            time.sleep(0.1)
 
     atexit.register(teardown)
 
