@@ -110,3 +110,17 @@ def test_the_default_warmup_fills_a_positive_step_count_that_the_config_accepts(
     ({"text_config": types.SimpleNamespace(hidden_sizes=[4, 40])}, 40), ({"vocab_size": 8}, None)])
 def test_the_hidden_size_is_found_where_transformers_finds_it(config, expected):
     assert hf_hidden_size(hf_model(**config)) == expected
+
+
+def test_a_ddp_timeout_the_script_set_becomes_the_collective_timeouts(tmp_path):
+    """The Trainer starts the group with ``ddp_timeout``; the engine must not replace a value the script wrote
+    with its own 180 s (issue 41.6). The default, or a config that sets ``comm``, is left alone."""
+    def comm(config, **kw):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+        return fill_from_args(config, args, dp=1, max_steps=MAX_STEPS).get("comm")
+    assert comm(EVERY_AUTO, ddp_timeout=7200) == {"timeout_s": 7200.0, "startup_timeout_s": 7200.0}
+    assert load_config(fill_from_args(EVERY_AUTO, TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                                    use_cpu=True, ddp_timeout=7200),
+                                      dp=1, max_steps=MAX_STEPS, hidden_size=48), dp_size=1).comm.timeout_s == 7200
+    assert comm(EVERY_AUTO) is None
+    assert comm({**EVERY_AUTO, "comm": {"timeout_s": 60}}, ddp_timeout=7200) == {"timeout_s": 60}

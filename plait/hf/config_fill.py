@@ -26,14 +26,24 @@ A micro-batch or accumulation key the config does not give takes the argument's 
 does (the Hugging Face test configs give no batch key; the engine's are checked against the arguments);
 ``bf16=True`` (``fp16=True``) adds a ``bf16`` (``fp16``, with ``auto_cast``) section the config lacks, as
 accelerate's DeepSpeed plugin does.
+Beyond transformers' table: a ``ddp_timeout`` the script set (not its default) becomes both ``comm`` timeouts
+when the config sets neither (the Trainer starts the process group with it; plait's engine would otherwise
+apply its own collective timeouts), logged once.
+
 The table is transformers' (``trainer_config_process`` and ``trainer_config_finalize``); tests/test_hf_config_fill.py
 checks every key against the installed transformers' own code.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
+
+import torch.distributed as dist
 
 from plait.config import ConfigError
+
+log = logging.getLogger("plait")
 
 
 def _node(config: dict, path: str):
@@ -119,7 +129,20 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
             node[key] = value
         elif must_match and key in node and not _same(node[key], value):
             mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")
+    _script_timeout(config, args)
     if mismatches:
         raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
                           "or make them equal:\n" + "\n".join(mismatches))
     return config
+
+
+def _script_timeout(config: dict, args) -> None:
+    """``comm.timeout_s`` and ``comm.startup_timeout_s`` from a ``ddp_timeout`` the script set (see the module
+    docstring)."""
+    default = next((f.default for f in dataclasses.fields(args) if f.name == "ddp_timeout"), None)
+    comm = config.get("comm", {})
+    if args.ddp_timeout == default or "timeout_s" in comm or "startup_timeout_s" in comm:
+        return
+    config["comm"] = {**comm, "timeout_s": float(args.ddp_timeout), "startup_timeout_s": float(args.ddp_timeout)}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("comm timeouts: %s s from TrainingArguments.ddp_timeout", args.ddp_timeout)
