@@ -23,6 +23,10 @@ ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
                                                                      "stage3_param_persistence_threshold": 0}}
 
 
+def _both_stages():
+    return {stage: _losses(stage) for stage in (0, 3)}
+
+
 def _losses(stage):
     mesh = ParallelMesh()
     plain = TransformerModel(tiny(), mesh, seed=5)
@@ -37,13 +41,19 @@ def _losses(stage):
     return want, got, evaluated, sharded, dist.get_world_size()
 
 
+@pytest.fixture(scope="module")
+def dp2():
+    """Per rank of a 2-rank run: {stage: (plain losses, engine losses, eval_batch loss, sharded?, world)}."""
+    return run_distributed(_both_stages, 2)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_forward_only_engine_computes_the_plain_models_losses_at_dp_2(stage):
-    for want, got, evaluated, sharded, world in run_distributed(_losses, 2, stage):
+def test_a_forward_only_engine_computes_the_plain_models_losses_at_dp_2(dp2, stage):
+    ranks = [r[stage] for r in dp2]
+    for want, got, evaluated, sharded, world in ranks:
         assert got == want and world == 2
         assert sharded == (stage == 3)           # ZeRO-3: each rank holds only its shards between uses
     # eval_batch: the mean over the dp ranks of their first micro-batch's loss
-    ranks = run_distributed(_losses, 2, stage)
     assert ranks[0][2] == pytest.approx(sum(r[0][0] for r in ranks) / 2, rel=1e-6)
 
 
