@@ -15,7 +15,6 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -32,7 +31,7 @@ from plait.engine_ranks import check_ranks_agree, start_up, timeout_groups
 from plait.engine_report import StepReport
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
-from plait.engine_offload import offload_options
+from plait.engine_offload import engine_optimizer, offload_options
 from plait.engine_pipeline import pipeline_train_step
 from plait.gc_schedule import CollectionSchedule
 from plait.monitor import build_monitors
@@ -40,8 +39,6 @@ from plait.layers.init import TIED_ATTR
 from plait.optim.factory import (
     NO_OPTIMIZER,
     NoOptimizer,
-    optimizer_from_config,
-    optimizer_from_user,
     scheduler_from_config,
     scheduler_from_user,
 )
@@ -52,7 +49,6 @@ from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
 from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
                         weight_decay_groups)
-from plait.zero.offload import HostOptimizer
 from plait.zero.weights import prepare_weights
 
 
@@ -81,20 +77,7 @@ class Engine(EngineFacts):
                                 f.min_loss_scale, f.consecutive_hysteresis)
         else:
             param_dtype, scaler = (torch.bfloat16 if config.bf16.enabled else None), None
-        if optimizer is None and offload and offload.optimizer and getattr(config.optimizer, "type", "") == "Lion":
-            params = dict(config.optimizer.params)
-            factory, kwargs = functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}
-            groups = None
-        elif optimizer is None and config.optimizer is None:   # forward only, as DeepSpeed builds it
-            if z.offload_optimizer.enabled:
-                raise ConfigError("zero_optimization.offload_optimizer is set but there is no optimizer (no "
-                                  "'optimizer' section, none passed); remove offload_optimizer or add an optimizer")
-            factory, kwargs, groups = NoOptimizer, {}, None
-        elif optimizer is None:
-            factory, kwargs = optimizer_from_config(config.optimizer, mesh.device.type)
-            groups = None
-        else:
-            factory, kwargs, groups = optimizer_from_user(optimizer)
+        factory, kwargs, groups = engine_optimizer(config, optimizer, offload, mesh.device.type)
         if groups is None and model_parameters is not None:
             groups = as_groups(model_parameters)
         if groups is None:

@@ -1,11 +1,35 @@
-"""ZeRO-Offload options from a ds_config, with the combinations the engine refuses."""
+"""ZeRO-Offload options from a ds_config, with the combinations the engine refuses, and the optimizer the
+engine builds (which depends on them)."""
 from __future__ import annotations
 
+import functools
 import os
 
 from plait.config import ConfigError, PlaitConfig
+from plait.optim.factory import NoOptimizer, optimizer_from_config, optimizer_from_user
 from plait.optim.lamb import Lamb
-from plait.zero.offload import OffloadOptions
+from plait.zero.offload import HostOptimizer, OffloadOptions
+
+
+def engine_optimizer(config: PlaitConfig, optimizer, offload: OffloadOptions | None, device_type: str):
+    """``(factory, kwargs, param groups or None)`` of the engine's optimizer: the user's (``optimizer``), else the
+    config's (Lion offloaded: the host kernel), else none at all (``NoOptimizer``: forward only, as DeepSpeed
+    builds an engine without an optimizer).
+
+    Raises:
+        ConfigError: ``offload_optimizer`` without any optimizer; an optimizer type plait cannot build.
+    """
+    if optimizer is not None:
+        return optimizer_from_user(optimizer)
+    if config.optimizer is None:
+        if config.zero_optimization.offload_optimizer.enabled:
+            raise ConfigError("zero_optimization.offload_optimizer is set but there is no optimizer (no "
+                              "'optimizer' section, none passed); remove offload_optimizer or add an optimizer")
+        return NoOptimizer, {}, None
+    if offload and offload.optimizer and config.optimizer.type == "Lion":
+        params = dict(config.optimizer.params)
+        return functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}, None
+    return (*optimizer_from_config(config.optimizer, device_type), None)
 
 
 def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions | None:
