@@ -77,9 +77,7 @@ class Landing:
             return
         if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
             grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
-            self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
-                                       if seg.key.tp_replicated and self.tp_skip
-                                       else sum_squares64(grad, self.excluded(seg)))
+            self.device_sq[id(seg)] = self._device_norm(seg, grad)
             if self.share is not None and seg in self.share:
                 self.share.land(seg, grad)
                 self.finalized.add(id(seg))
@@ -101,11 +99,16 @@ class Landing:
         """Main thread: the final gradient of a segment whose states live on the device (``placement``) is in
         its device gradient shard: its norm partial (on the device) and its hand-over to the ``DeviceShare``."""
         grad = self.grad(seg)
-        self.device_sq[id(seg)] = (torch.zeros((), dtype=torch.float64, device=grad.device)
-                                   if seg.key.tp_replicated and self.tp_skip
-                                   else sum_squares64(grad, self.excluded(seg)))
+        self.device_sq[id(seg)] = self._device_norm(seg, grad)
         self.share.land(seg, grad)
         self.finalized.add(id(seg))
+
+    def _device_norm(self, seg: Segment, grad: torch.Tensor) -> torch.Tensor:
+        """float64 device scalar: the squared norm of ``seg``'s final gradient ``grad`` as counted in the global
+        norm (0 on tp ranks > 0 for tp-replicated segments; ``norm_exclude`` ranges left out)."""
+        if seg.key.tp_replicated and self.tp_skip:
+            return torch.zeros((), dtype=torch.float64, device=grad.device)
+        return sum_squares64(grad, self.excluded(seg))
 
     def _to_host(self, out: torch.Tensor, host: torch.Tensor, fresh: bool):
         """Queue the device->host copy of ``out`` on the side stream: straight into ``host`` when it is the
