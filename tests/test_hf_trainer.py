@@ -28,8 +28,8 @@ ZERO2_OFFLOAD = Path(__file__).parent.parent / "examples" / "configs" / "zero2_o
 HF_ZERO3 = DATA / "ds_configs" / "transformers__ds_config_zero3_bf16.json"
 
 
-def launch(out, config, model, steps, *extra, procs=2):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def launch(out, config, model, steps, *extra, procs=2, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
            str(SCRIPT), str(out), str(config), model, str(steps), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -49,6 +49,15 @@ def test_trainer_script_trains_resumes_and_saves(model, config, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     assert max(abs(resumed[s] - full[s]) for s in (4, 5, 6)) <= 1e-6
     assert any(abs(full[s] - full[s + 1]) > 1e-6 for s in (3, 4, 5))   # a one-step shift would be visible
+
+
+def test_the_config_sets_the_precision_whatever_accelerate_launch_says(tmp_path):
+    """``accelerate launch --mixed_precision bf16`` exports ACCELERATE_MIXED_PRECISION=bf16; with a float32
+    ds_config the engine trains and evaluates in float32 (accelerate's autocast stays off, as under DeepSpeed),
+    so the saved model still gives the trained model's logits bit for bit. With the autocast the first
+    ``evaluate()`` switched on, they differed by 1.8e-3."""
+    _, result = launch(tmp_path, ZERO2_OFFLOAD, "llama", 3, procs=1, env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert result["max_logit_diff"] == 0.0 and len(result["eval_losses"]) == 1
 
 
 def test_a_checkpoint_resumes_at_another_process_count(tmp_path):

@@ -75,6 +75,15 @@ class Trainer(transformers.Trainer):
         if self._places_model():
             self._move_model_to_device(self.model, self.args.device)
 
+    def create_accelerator_and_postprocess(self):
+        """transformers' accelerator, without accelerate's autocast: the ds_config sets the precision (the
+        engine casts the model), as accelerate leaves it to DeepSpeed. ``ACCELERATE_MIXED_PRECISION`` in the
+        environment (set by ``accelerate launch``, and by transformers 4.x's ``TrainingArguments(bf16=True)``)
+        would otherwise wrap the model's forward in autocast at the first ``evaluate()`` and change every later
+        step."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.native_amp = False
+
     def _places_model(self) -> bool:
         """transformers' rule for moving the model at construction (not a model-parallel or quantized model,
         nor under fp16/bf16 full evaluation without training); a meta model is placed by the engine."""
