@@ -67,6 +67,16 @@ def _need(value: Any, key: str, fact: str) -> Any:
     return value
 
 
+BUCKET_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def bucket_sizes(hidden: int) -> dict[str, int]:
+    """The ZeRO bucket sizes "auto" means for a model of hidden size ``hidden`` (elements; the rules of
+    transformers' and accelerate's DeepSpeed integrations), keyed by ``BUCKET_KEYS``."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
 def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidden: int | None,
                  micro: int | None, gas: int | None, train: int | None, mixed_precision: str | None,
                  gradient_clipping: float | None, lr: float | None, betas: Any, eps: float | None,
@@ -109,11 +119,9 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
             p["total_num_steps"] = _need(total_num_steps, where + "total_num_steps", "total_num_steps")
 
     zero = cfg.get("zero_optimization", {})
-    rules = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-             "stage3_param_persistence_threshold": lambda h: 10 * h}
-    for key, rule in rules.items():
+    for key in BUCKET_KEYS:
         if zero.get(key) == AUTO:
-            zero[key] = rule(_need(hidden, f"zero_optimization.{key}", "model_hidden_size"))
+            zero[key] = bucket_sizes(_need(hidden, f"zero_optimization.{key}", "model_hidden_size"))[key]
     for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):   # memory knobs: DeepSpeed's default
         if zero.get(key) == AUTO:
             zero[key] = field_default(ZeroConfig, key)

@@ -42,6 +42,7 @@ import logging
 import torch.distributed as dist
 
 from plait.config import ConfigError
+from plait.config.resolve import bucket_sizes
 
 log = logging.getLogger("plait")
 
@@ -107,10 +108,8 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
     ]
     if hidden_size is not None:
         stage3 = config.get("zero_optimization", {}).get("stage") == 3
-        pairs += [("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, None, False)]
-        pairs += [("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), None, False),
-                  ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, None, False)
-                  ] if stage3 else []
+        pairs += [(f"zero_optimization.{key}", size, None, False) for key, size in bucket_sizes(hidden_size).items()
+                  if stage3 or not key.startswith("stage3_")]
     if "bfloat16" in config and "bf16" not in config:
         config["bf16"] = config.pop("bfloat16")
     # the Trainer's mixed precision enables a section the config does not have (accelerate's DeepSpeed plugin)
