@@ -158,21 +158,23 @@ def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, mas
     """The fp32 master shard ``[shard_numel]`` of ``group`` on ``master_device``; its parameters are pointed
     at flat storage (compute dtype, on ``device``; stage-3 shards in ``seg.local``, on the host with
     ``host_params``). Values from the parameters, or from ``weights`` (a ``WeightSource``: only this
-    rank's shard of stage-3 segments is read)."""
-    slices = []
+    rank's shard of stage-3 segments is read). The masters are filled in place, segment by segment: no second
+    fp32 copy of the group is ever held."""
     sharded = policy.parameters and not group.key.persistent
+    master = torch.empty(sum(seg.shard_size for seg in group.segments), dtype=torch.float32, device=master_device)
+    at = 0
     for seg in group.segments:
         for slot in seg.slots:
             slot.param.grad = None
         if weights is not None and sharded:
             shard32 = read_shard(seg, weights, device)
-            slices.append(shard32.to(master_device, copy=True))
+            master[at:at + seg.shard_size].copy_(shard32)
             own = shard32.to(group.key.dtype)
         else:
             get = (lambda s: s.param.detach()) if weights is None else \
                 (lambda s: weights.read(s.name, 0, s.numel).to(device))
             full32 = seg.pack(get, torch.float32, device=device)
-            slices.append(full32[seg.lo:seg.lo + seg.shard_size].to(master_device, copy=True))
+            master[at:at + seg.shard_size].copy_(full32[seg.lo:seg.lo + seg.shard_size])
             full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
             own = full[seg.lo:seg.lo + seg.shard_size]
         if sharded:
@@ -180,7 +182,8 @@ def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, mas
             seg.free()
         else:
             seg.set_views(full)
-    return keep_from_children(nn.Parameter(torch.cat(slices)))   # host masters: not copied into forked workers
+        at += seg.shard_size
+    return keep_from_children(nn.Parameter(master))   # host masters: not copied into forked workers
 
 
 def derive_shards(groups: list[FlatGroup], masters) -> None:
