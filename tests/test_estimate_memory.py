@@ -151,3 +151,15 @@ def test_missing_file_unknown_preset_and_bad_sizes(tmp_path, capsys):
     assert "--gpu-gib -3.0 must be a number of GiB" in capsys.readouterr().err
     assert main(["estimate-memory", "llama-886m", "--gpu-gib", "80", "--host-gib", "64", "--micro", "0"]) == 2
     assert "micro_batch=0 must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_cli_reads_stage_and_offload_from_a_real_ds_config(tmp_path, capsys):
+    write_config(tmp_path, LLAMA2_7B)
+    ds = os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "80", "--host-gib", "125", "--micro", "4",
+                 "--act-ckpt", "--ds-config", ds]) == 0
+    out = capsys.readouterr().out
+    # the Hugging Face test suite's ZeRO-3 config offloads optimizer and parameters: 16 B/param on the host
+    assert "run: ZeRO-3, dp 1, offload_optimizer ratio 1, offload_param, micro-batch 4 x 2048 tokens" in out
+    assert "weights (bf16)                                    0.00     12.55" in out
+    assert "largest of these widths that fits: 35 layers, 7,345,565,696 parameters" in out

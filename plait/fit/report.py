@@ -34,12 +34,14 @@ def machine_bytes(gib: float | None, what: str) -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def settings(args: argparse.Namespace) -> Settings:
+def settings(args: argparse.Namespace, shape: ModelShape) -> Settings:
+    """The run's :class:`Settings` from the flags, or from ``--ds-config`` (stage, offload, ratio, micro-batch)."""
     gpu, host = machine_bytes(args.gpu_gib, "gpu"), machine_bytes(args.host_gib, "host")
     if args.ds_config:
         from plait.config import load_config
         from plait.fit.check import settings_from_config
         config = load_config(args.ds_config, dp_size=args.dp or 1, micro_batch_size=args.micro,
+                             model_hidden_size=shape.hidden_size,
                              gradient_accumulation_steps=1, mixed_precision="bf16", gradient_clipping=1.0, lr=1e-4,
                              warmup_num_steps=1, total_num_steps=1000, warmup_min_lr=0.0, betas=(0.9, 0.999),
                              eps=1e-8, weight_decay=0.0)
@@ -81,7 +83,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the plan of ``args.model``; exit status 0, or 2 with the error on stderr for bad input."""
     from plait.config import ConfigError
     try:
-        print(render(estimate(resolve_shape(args.model), settings(args))))
+        shape = resolve_shape(args.model)
+        print(render(estimate(shape, settings(args, shape))))
     except (ValueError, OSError, ConfigError) as err:
         print(f"plait estimate-memory: {err}", file=sys.stderr)
         return 2
