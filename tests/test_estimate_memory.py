@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -96,7 +97,8 @@ def tiny_llama():
 
 
 def _config(**check):
-    return load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+    return load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "bf16": {"enabled": True},
                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3},
                         "memory_check": check}, dp_size=1)
 
@@ -137,7 +139,7 @@ def test_bad_config_json_gets_a_clear_error(tmp_path, capsys, content, message):
     assert main(["estimate-memory", str(tmp_path / "config.json"), "--gpu-gib", "80", "--host-gib", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("plait estimate-memory: ")
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 def test_missing_file_unknown_preset_and_bad_sizes(tmp_path, capsys):

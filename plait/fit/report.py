@@ -66,6 +66,8 @@ def render(plan: Plan) -> str:
     lines += [f"{'activations + loss (peak)':<44}{plan.activations / GiB:>10.2f}{0:>10.2f}",
               f"{'process (host)':<44}{0:>10.2f}{HOST_PROCESS_BYTES / GiB:>10.2f}",
               f"{'peak':<44}{plan.gpu_peak / GiB:>10.2f}{plan.host_peak / GiB:>10.2f}",
+              *(["(ZeRO-3: the fp32 gradient shard lives from backward to the step, after the activations peak: "
+                 "the peak counts the larger of the two)"] if s.stage == 3 and not s.offload_optimizer else []),
               f"GPU need: peak + CUDA context {CUDA_CONTEXT_BYTES / GiB:.2f} + allocator reserve "
               f"{ALLOCATOR_SLACK_BYTES / GiB:.2f} = {plan.gpu_need / GiB:.2f} GiB of {s.gpu_bytes / GiB:.2f}; "
               f"host {plan.host_peak / GiB:.2f} GiB of {s.host_bytes / GiB:.2f}",
