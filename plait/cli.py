@@ -5,6 +5,7 @@ that adds its arguments to an ``argparse`` parser, and a function that runs it a
 Adding a subcommand (e.g. ``convert``) means writing those two functions and one table entry; import heavy
 modules inside ``run`` so ``plait --help`` stays fast.
 
+    plait estimate-memory CONFIG_JSON|PRESET [--gpu-gib 80] [--micro 4] [--seq 2048] [--act-ckpt] [--ds-config X]
     plait estimate-memory --params 7e9 --dp 8 --stage 3 [--offload-optimizer] [--offload-param]
     plait check-config ds_config.json --dp 8 [--hidden 4096]
     plait convert from-hf HF_DIR ROOT | to-hf ROOT OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
@@ -46,10 +47,12 @@ def parse_count(text: str) -> int:
 
 # -------------------------------------------------------------------------------------- estimate-memory
 def _configure_estimate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=parse_count, required=True, help="parameter count, e.g. 7e9 or 7B")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel size (ranks ZeRO partitions over)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face config.json (or its folder) or a plait preset: plan this run on one GPU")
+    p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7e9 or 7B (ZeRO table)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (ranks ZeRO partitions over)")
     p.add_argument("--stage", type=int, choices=range(4), default=None,
-                   help="ZeRO stage to mark in the table (all stages 0-3 are printed)")
+                   help="ZeRO stage (table: the row to mark; model: default 3)")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states on the host (stage>=1)")
     p.add_argument("--offload-param", action="store_true", help="parameters on the host too (stage 3)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default 8)")
@@ -58,10 +61,26 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--largest-layer-params", type=parse_count, default=0,
                    help="stage 3: params of the largest layer, gathered whole while it runs (default 0)")
     p.add_argument("--unit", choices=("GiB", "GB"), default="GiB")
+    g = p.add_argument_group("planning a model (with MODEL)")
+    g.add_argument("--gpu-gib", type=float, default=None, help="GPU memory, GiB (default: this machine's GPU)")
+    g.add_argument("--host-gib", type=float, default=None, help="host memory, GiB (default: this machine's)")
+    g.add_argument("--micro", type=int, default=1, help="micro-batch per GPU (default 1)")
+    g.add_argument("--seq", type=int, default=2048, help="sequence length, tokens (default 2048)")
+    g.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block")
+    g.add_argument("--ratio", type=float, default=1.0,
+                   help="offload_optimizer.ratio: share of optimizer states on the host (default 1)")
+    g.add_argument("--ds-config", default=None, help="read stage, offload and micro-batch from this ds_config")
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from plait.zero.memory import estimate_all_stages, format_memory_table
+
+    if args.model is not None:
+        from plait.fit.report import run_plan
+        return run_plan(args)
+    if args.params is None or args.dp is None:
+        print("plait estimate-memory: give a model (config.json or preset) or --params and --dp", file=sys.stderr)
+        return 2
 
     rows = estimate_all_stages(args.params, args.dp, args.offload_optimizer, args.offload_param,
                                mixed_precision=not args.fp32, num_gpus_per_node=args.gpus_per_node,

@@ -242,6 +242,20 @@ class CommConfig:
                 raise ConfigError(f"comm.{key} = {value!r} is out of range: it must be a number of seconds > 0")
 
 
+@dataclass(frozen=True)
+class MemoryCheckConfig:
+    """``memory_check`` (plait): ``initialize`` refuses a Llama-style run whose planned GPU or host bytes exceed
+    the memory by more than ``margin`` (``plait.fit.check``), before anything is allocated on the device.
+    ``seq_len``: tokens per sample for the activations (None: model states only). ``gpu_bytes`` /
+    ``host_bytes``: the memory to plan against (None: the device's and the host's own)."""
+
+    enabled: bool = True
+    margin: float = bounded(0.10, ge=0)
+    seq_len: int | None = bounded(None, ge=1)
+    gpu_bytes: int | None = bounded(None, ge=1)
+    host_bytes: int | None = bounded(None, ge=1)
+
+
 # ------------------------------------------------------------------------------------------------ the whole
 @dataclass(frozen=True)
 class PlaitConfig:
@@ -272,6 +286,7 @@ class PlaitConfig:
     nonfinite_guard: NonFiniteGuardConfig = field(default_factory=NonFiniteGuardConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     garbage_collection: GarbageCollectionConfig = field(default_factory=GarbageCollectionConfig)
+    memory_check: MemoryCheckConfig = field(default_factory=MemoryCheckConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False

@@ -1,0 +1,97 @@
+"""The engine's refusal of a run that clearly cannot fit, before anything is allocated on the device.
+
+``plait.initialize`` calls :func:`check_fits` before it moves the model to its device. For a Llama-style model
+(a Hugging Face ``config`` with a dense Llama ``model_type``, or a plait Llama) it plans the run
+(``plait.fit.plan``) from the ds_config (ZeRO stage, offload, ratio, micro-batch) and refuses it when the
+planned bytes exceed the memory by more than ``memory_check.margin`` (default 10%), naming the bytes on each
+side and the single changes that would make it fit. The sequence length is ``memory_check.seq_len`` (None:
+activations are left out, so only model states can refuse a run). Off with ``memory_check.enabled: false`` or
+the environment variable ``PLAIT_MEMORY_CHECK=0``. The memory is the device's total memory and the host's
+physical memory, or ``memory_check.gpu_bytes`` / ``host_bytes`` where given (a simulated GPU in tests).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from plait.config import ConfigError, PlaitConfig
+from plait.fit.plan import Plan, Settings, estimate, fixes
+from plait.fit.shape import ModelShape, shape_from_hf
+
+GiB = 2**30
+
+
+def settings_from_config(config: PlaitConfig, gpu_bytes: int, host_bytes: int, seq_len: int,
+                         checkpointing: bool, dp: int = 1) -> Settings:
+    """:class:`Settings` of a resolved ds_config (stage, offload, ratio, micro-batch, accumulation)."""
+    z = config.zero_optimization
+    fraction = z.offload_optimizer.device_step_fraction
+    return Settings(gpu_bytes=gpu_bytes, host_bytes=host_bytes, micro_batch=config.train_micro_batch_size_per_gpu,
+                    seq_len=seq_len, checkpointing=checkpointing, stage=z.stage, dp=dp,
+                    offload_optimizer=z.offload_optimizer.enabled, offload_param=z.offload_param.enabled,
+                    ratio=z.offload_optimizer.ratio if z.offload_optimizer.enabled else 1.0,
+                    gradient_accumulation=config.gradient_accumulation_steps,
+                    device_share=fraction not in (0, 0.0) and (fraction is not None or z.offload_optimizer.pin_memory))
+
+
+def model_shape(model) -> ModelShape | None:
+    """The shape of a Hugging Face Llama-style model (its ``config``) or a plait Llama; None for others."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict") and getattr(config, "model_type", None):
+        try:
+            return shape_from_hf(config.to_dict(), f"{type(model).__name__}.config")
+        except ValueError:
+            return None
+    if getattr(config, "arch", None) == "llama" and not getattr(config, "num_experts", 0):
+        return ModelShape(type(model).__name__, config.vocab_size, config.hidden_size, config.num_layers,
+                          config.num_heads, config.num_kv_heads,
+                          config.head_dim or config.hidden_size // config.num_heads, config.ffn_hidden_size,
+                          config.tie_embeddings)
+    return None
+
+
+def refusal(plan: Plan, margin: float) -> str | None:
+    """The refusal message when ``plan`` exceeds the GPU or the host by more than ``margin``; else None."""
+    s = plan.settings
+    over_gpu = plan.gpu_need > (1 + margin) * s.gpu_bytes
+    over_host = plan.host_peak > (1 + margin) * s.host_bytes
+    if not (over_gpu or over_host):
+        return None
+    seq = f"micro-batch {s.micro_batch} x {s.seq_len} tokens" if s.seq_len > 1 else \
+        f"micro-batch {s.micro_batch}, activations not counted (set memory_check.seq_len)"
+    where = " and ".join(w for w, o in (("GPU", over_gpu), ("host", over_host)) if o)
+    found = fixes(plan.shape, s)
+    fix = ("; it would fit with any one of: " + "; ".join(found)) if found else \
+        "; no single change of offload ratio, offload_param, micro-batch or checkpointing makes it fit"
+    return (f"{plan.shape.name} ({plan.shape.params:,} parameters) does not fit the {where}: it needs "
+            f"{plan.gpu_need / GiB:.1f} GiB on the GPU (of {s.gpu_bytes / GiB:.1f} GiB) and "
+            f"{plan.host_peak / GiB:.1f} GiB on the host (of {s.host_bytes / GiB:.1f} GiB) with ZeRO-{s.stage}, "
+            f"offload_optimizer {'ratio ' + format(s.ratio, 'g') if s.offload_optimizer else 'off'}, "
+            f"offload_param {'on' if s.offload_param else 'off'}, {seq}, activation checkpointing "
+            f"{'on' if s.checkpointing else 'off'}{fix}. Refused before allocating (plait.fit); "
+            "memory_check.enabled false or PLAIT_MEMORY_CHECK=0 turns the check off")
+
+
+def check_fits(model, config: PlaitConfig, device: torch.device, dp: int = 1) -> None:
+    """Refuse (ConfigError) a run of ``model`` with ``config`` on ``device`` that clearly does not fit (module
+    docstring); return silently when it fits, when the check is off, or when the model is not one it plans."""
+    c = config.memory_check
+    if not c.enabled or os.environ.get("PLAIT_MEMORY_CHECK", "1") == "0":
+        return
+    gpu = c.gpu_bytes or (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    shape = model_shape(model) if gpu else None
+    if shape is None:
+        return
+    host = c.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"   # transformers 5 renamed it
+    checkpointing = bool(getattr(model, name, False))
+    s = settings_from_config(config, gpu, host, c.seq_len or 1, checkpointing, dp)
+    plan = estimate(shape, s)
+    if c.seq_len is None:
+        plan = replace(plan, gpu_peak=plan.gpu_peak - plan.activations, activations=0)
+    message = refusal(plan, c.margin)
+    if message:
+        raise ConfigError(message)

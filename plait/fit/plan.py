@@ -1,0 +1,201 @@
+"""What a training run of a model shape holds on one GPU and on its host, and whether it fits.
+
+Model states follow plait's own accounting (``plait.zero.memory``, ``accounting="plait"``, from the ZeRO paper,
+Rajbhandari et al., SC'20, Sec. 3.1) and, with ``offload_optimizer``, plait's GPU-first placement
+(``plait.zero.offload.placement``: the first ``1 - ratio`` of the optimizer partition, in forward order and
+rounded to whole units, keeps its fp32 master, Adam moments and gradient shard in device memory). Per element
+with mixed precision (bf16/fp16 weights, Adam), ``g`` the gradient shard's bytes (2 with offload at gradient
+accumulation 1, where the shard stays bf16, ``plait.zero.build.grad_dtypes``; else 4):
+
+    GPU: weights 2 (stage 3: of the partition); without offload ``plait.zero.memory``'s stage rows, where at
+         stage 3 the fp32 gradient shard is allocated in backward and freed at the step, so it and the
+         activations peak apart (the larger counts); resident share (g + 4 + 8), the streamed device share's
+         gradients up to g x the host share (``device_step_fraction`` "auto", the default on a GPU with
+         pin_memory; it moves step by step and may take every host segment), stage 3's gathered units
+         (the two largest, bf16: the one running and the one prefetched; none where the weights on the GPU
+         are the whole model), activations and loss (``plait.fit.activations``)
+    host: host share (g + 4 + 8) + its bf16 copy-out buffer 2 (none with offload_param, whose host weight
+          shard of 2 takes its place), plus the process (:data:`HOST_PROCESS_BYTES`)
+
+A run fits when the GPU peak plus :data:`CUDA_CONTEXT_BYTES` and :data:`ALLOCATOR_SLACK_BYTES` is at most the
+GPU's memory and the host peak at most the host's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from plait.fit.activations import activation_peak
+from plait.fit.shape import MAX_PARAMS, ModelShape
+from plait.zero.memory import estimate_model_state_memory
+from plait.zero.offload.placement import resident_params
+
+GiB = 2**30
+#: Device memory the CUDA driver holds outside torch's allocator (context, cuBLAS and attention kernels' code
+#: and workspaces): 804,061,184 bytes measured on one H200 (torch 2.11.0+cu130; used minus reserved after three
+#: Trainer-style steps of a 1.1B Llama; ``benchmarks/probe_memory_overheads.py``, ``results/estimate_memory.md``).
+CUDA_CONTEXT_BYTES = 804_061_184
+#: The caching allocator's reserve above the allocated peak (fragmentation): 2,139,895,296 bytes, max reserved
+#: minus max allocated in the same measurement at micro-batch 4, sequence 2048.
+ALLOCATOR_SLACK_BYTES = 2_139_895_296
+#: Host memory of the training process besides the planned states (Python, torch, CUDA's host side,
+#: transformers, the weight loader's shard): peak resident set (VmHWM) minus the planned host states in
+#: ``results/gpu_first_1xH200.jsonl``: 11.4 GiB (6.74B) and 13.8 GiB (13.02B); their mean.
+HOST_PROCESS_BYTES = int(12.6 * GiB)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A run on one GPU of ``gpu_bytes`` and a host of ``host_bytes`` (bytes); ``ratio``: the share of the
+    optimizer states on the host with ``offload_optimizer`` (DeepSpeed's ``offload_optimizer.ratio``);
+    ``device_share``: the default streamed device share of the host step is on (``device_step_fraction``
+    None or "auto" with pin_memory)."""
+
+    gpu_bytes: int
+    host_bytes: int
+    micro_batch: int = 1
+    seq_len: int = 2048
+    checkpointing: bool = False
+    stage: int = 3
+    dp: int = 1
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    ratio: float = 1.0
+    gradient_accumulation: int = 1
+    device_share: bool = True
+
+    def __post_init__(self):
+        for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be a whole number >= 1")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage={self.stage!r} must be 0, 1, 2 or 3")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"offload_optimizer.ratio={self.ratio!r} must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes of one run: ``rows`` (state, GPU bytes, host bytes), the peaks, and whether it fits."""
+
+    shape: ModelShape
+    settings: Settings
+    rows: tuple[tuple[str, int, int], ...]
+    activations: int
+    gpu_peak: int
+    host_peak: int
+
+    @property
+    def gpu_need(self) -> int:
+        """The GPU peak plus the CUDA context and the allocator's reserve."""
+        return self.gpu_peak + CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK_BYTES
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_need <= self.settings.gpu_bytes and self.host_peak <= self.settings.host_bytes
+
+
+def unit_sizes(shape: ModelShape, stage: int) -> list[int]:
+    """Elements of the units of placement in forward order: ZeRO-3's units (embedding, each block, final norm,
+    head: ``plait.engine_model.stage3_units``), below stage 3 each parameter in registration order."""
+    h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
+        shape.ffn_hidden_size
+    block = [shape.block_params] if stage == 3 else [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h, h, h]
+    head = [] if shape.tied_embeddings else [shape.vocab_size * h]
+    return [shape.embedding_params] + block * shape.num_layers + [h] + head
+
+
+def resident_elements(shape: ModelShape, stage: int, ratio: float) -> int:
+    """Elements whose optimizer states stay on the GPU at host share ``ratio``: ``placement.resident_params``
+    over meta tensors of the units' sizes (nothing is allocated)."""
+    if ratio >= 1.0:
+        return 0
+    blocks = [[torch.empty(n, device="meta")] for n in unit_sizes(shape, stage)]
+    chosen = resident_params(blocks, ratio)
+    return sum(b[0].numel() for b in blocks if id(b[0]) in chosen)
+
+
+def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, int, int]]:
+    res = resident_elements(shape, s.stage, s.ratio) * part // shape.params
+    host = part - res
+    g = 2 if s.gradient_accumulation == 1 else 4
+    weights = part if s.stage == 3 else shape.params
+    rows = [("weights (bf16)", 0 if s.offload_param else 2 * weights, 2 * weights if s.offload_param else 0)]
+    if s.stage == 1:
+        rows.append(("gradients (bf16, before the step)", 2 * shape.params, 0))
+    rows += [(f"gradient shard ({'bf16' if g == 2 else 'fp32'})", g * res, g * host),
+             ("fp32 master weights", 4 * res, 4 * host), ("Adam moments (fp32)", 8 * res, 8 * host)]
+    if not s.offload_param:
+        rows.append(("bf16 copy-out buffer", 0, 2 * host))
+    if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host:
+        rows.append(("device share: streamed gradients (at most)", g * host, 0))
+    return rows
+
+
+def estimate(shape: ModelShape, s: Settings) -> Plan:
+    """The :class:`Plan` of training ``shape`` with settings ``s`` (module docstring)."""
+    part = math.ceil(shape.params / s.dp)
+    if s.offload_optimizer:
+        if s.stage == 0 or (s.offload_param and s.stage != 3):
+            raise ValueError("offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3; "
+                             f"got stage {s.stage}")
+        if s.offload_param and s.ratio < 1:
+            raise ValueError(f"offload_optimizer.ratio={s.ratio} keeps optimizer states on the GPU, which "
+                             "offload_param does not allow in plait; set the ratio to 1 or drop offload_param")
+        rows = _offload_rows(shape, s, part)
+    else:
+        if s.offload_param:
+            raise ValueError("offload_param needs offload_optimizer in plait (set both, or neither)")
+        e = estimate_model_state_memory(shape.params, s.dp, s.stage, accounting="plait")
+        rows = [("weights (bf16)", e.gpu.params, 0), ("gradients", e.gpu.grads, 0),
+                ("fp32 master weights + Adam moments", e.gpu.optimizer_states, 0)]
+    units = sorted(unit_sizes(shape, 3))[-2:]
+    if s.stage == 3 and (s.dp > 1 or s.offload_param or not s.offload_optimizer):
+        rows.append(("stage 3: gathered units (bf16)", 2 * sum(units), 0))
+    acts = activation_peak(shape, s.micro_batch * s.seq_len, s.checkpointing)
+    gpu = sum(r[1] for r in rows) + acts
+    if s.stage == 3 and not s.offload_optimizer:   # the fp32 gradient shard lives from backward to the step
+        gpu += max(0, rows[1][1] - acts) - rows[1][1]
+    host = sum(r[2] for r in rows) + HOST_PROCESS_BYTES
+    return Plan(shape, s, tuple(rows), acts, gpu, host)
+
+
+def largest_fitting(shape: ModelShape, s: Settings) -> ModelShape | None:
+    """The deepest model of ``shape``'s widths (more or fewer layers) that fits with ``s``; None when not even
+    one layer fits. Binary search over the layer count (the peaks grow with it)."""
+    if not estimate(shape.with_layers(1), s).fits:
+        return None
+    low, high = 1, 2
+    while estimate(shape.with_layers(high), s).fits and shape.with_layers(high).params <= MAX_PARAMS:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if estimate(shape.with_layers(mid), s).fits else (low, mid)
+    return shape.with_layers(low)
+
+
+def fixes(shape: ModelShape, s: Settings) -> list[str]:
+    """Single changes of ``s`` under which ``shape`` fits, as config/flag texts (empty when none does)."""
+    out = []
+    if s.stage >= 1 and not s.offload_param:
+        start = s.ratio if s.offload_optimizer else -1.0
+        for r in [i / 20 for i in range(21) if i / 20 > start]:
+            if estimate(shape, replace(s, offload_optimizer=True, ratio=r)).fits:
+                out.append(f"zero_optimization.offload_optimizer with ratio {r:g} (the share of optimizer states "
+                           "on the host)")
+                break
+    if not s.checkpointing and estimate(shape, replace(s, checkpointing=True)).fits:
+        out.append("activation checkpointing on (the Trainer's gradient_checkpointing=True)")
+    for micro in range(s.micro_batch - 1, 0, -1):
+        if estimate(shape, replace(s, micro_batch=micro)).fits:
+            out.append(f"micro-batch {micro} (train_micro_batch_size_per_gpu)")
+            break
+    if s.stage == 3 and s.offload_optimizer and not s.offload_param:
+        if estimate(shape, replace(s, offload_param=True, ratio=1.0)).fits:
+            out.append("zero_optimization.offload_param (weights on the host too; offload_optimizer.ratio 1)")
+    if s.stage < 3 and estimate(shape, replace(s, stage=3)).fits:
+        out.append("ZeRO stage 3 (zero_optimization.stage)")
+    return out

@@ -1,0 +1,167 @@
+"""``plait estimate-memory`` for a model (plait.fit): CLI output for Llama-2 shapes, the calibration against the
+recorded peaks, the engine's refusal before allocation, and bad input."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+from plait.cli import main
+from plait.config import ConfigError, load_config
+from plait.fit import Settings, estimate, shape_from_hf
+from plait.fit.check import check_fits, refusal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+LLAMA2_13B = dict(LLAMA2_7B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                  num_key_value_heads=40)
+
+
+def write_config(folder, config) -> str:
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def test_cli_plans_llama2_7b_from_config_json(tmp_path, capsys):
+    write_config(tmp_path, LLAMA2_7B)
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "139.8", "--host-gib", "125", "--micro", "4",
+                 "--act-ckpt", "--ratio", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "6,738,415,616 parameters (32 layers, hidden 4096, ffn 11008, 32/32 heads, vocab 32000)" in out
+    assert "ZeRO-3, dp 1, offload_optimizer ratio 0.2, micro-batch 4 x 2048 tokens, activation checkpointing on" in out
+    # 25 blocks + the embedding resident (77.0% <= 80%): 5,190,631,424 elements x 14 B on the GPU
+    assert "Adam moments (fp32)                              38.67     11.53" in out
+    assert "peak                                             88.04     35.66" in out
+    assert "fits: yes" in out
+    assert "largest of these widths that fits: 50 layers, 10,381,316,096 parameters" in out
+
+
+def test_cli_llama2_13b_that_does_not_fit_names_the_fixes(tmp_path, capsys):
+    path = write_config(tmp_path, LLAMA2_13B)
+    assert main(["estimate-memory", path, "--gpu-gib", "139.8", "--host-gib", "125", "--micro", "4",
+                 "--act-ckpt"]) == 0
+    out = capsys.readouterr().out
+    assert "13,015,864,320 parameters" in out
+    assert "fits: no" in out
+    assert "would fit with: zero_optimization.offload_optimizer with ratio 0.45 " in out
+
+
+def _calibration():
+    spec = importlib.util.spec_from_file_location("estimate_memory_table",
+                                                  os.path.join(ROOT, "benchmarks", "estimate_memory_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_predicted_peaks_within_ten_percent_of_the_recorded_ones():
+    table = _calibration()
+    rows = table.rows()
+    assert len(rows) == len(table.RECORDS) == 5
+    for r in rows:   # every GPU peak (torch.cuda.max_memory_allocated) of the calibrated records
+        assert abs(r["gpu_pred"] / r["gpu"] - 1) <= table.TOLERANCE, r
+    gpu_first = [r for r in rows if "gpufirst" in r["record"]]
+    assert len(gpu_first) == 2
+    for r in gpu_first:   # host VmHWM of the checkpoint-loading GPU-first runs
+        assert abs(r["host_pred"] / r["host"] - 1) <= table.TOLERANCE, r
+
+
+def test_refusal_names_bytes_on_each_side_and_the_fixes():
+    shape = shape_from_hf(LLAMA2_13B)
+    plan = estimate(shape, Settings(gpu_bytes=int(139.8 * GiB), host_bytes=125 * GiB, micro_batch=4, seq_len=2048,
+                                    checkpointing=True))
+    text = refusal(plan, margin=0.10)
+    assert text.startswith("config.json (13,015,864,320 parameters) does not fit the GPU: it needs ")
+    assert f"{plan.gpu_need / GiB:.1f} GiB on the GPU (of 139.8 GiB)" in text
+    assert f"{plan.host_peak / GiB:.1f} GiB on the host (of 125.0 GiB)" in text
+    assert "zero_optimization.offload_optimizer with ratio" in text
+    assert "PLAIT_MEMORY_CHECK=0" in text
+    # within the margin: not refused
+    assert refusal(estimate(shape, Settings(gpu_bytes=int(plan.gpu_need / 1.05), host_bytes=125 * GiB,
+                                            micro_batch=4, seq_len=2048, checkpointing=True)), margin=0.10) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _config(**check):
+    return load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "bf16": {"enabled": True},
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3},
+                        "memory_check": check}, dp_size=1)
+
+
+def test_engine_refuses_before_allocating_on_a_simulated_gpu(tiny_llama, monkeypatch):
+    import torch
+    monkeypatch.delenv("PLAIT_MEMORY_CHECK", raising=False)
+    config = _config(gpu_bytes=2**20, host_bytes=2**40, seq_len=64)   # a 1 MiB GPU
+    with pytest.raises(ConfigError, match=r"does not fit the GPU: it needs .* GiB on the GPU \(of 0\.0 GiB\)"):
+        check_fits(tiny_llama, config, torch.device("cpu"))
+    check_fits(tiny_llama, _config(gpu_bytes=2**40, host_bytes=2**40, seq_len=64), torch.device("cpu"))   # fits
+    check_fits(tiny_llama, _config(gpu_bytes=2**20, enabled=False), torch.device("cpu"))   # switched off
+    monkeypatch.setenv("PLAIT_MEMORY_CHECK", "0")
+    check_fits(tiny_llama, config, torch.device("cpu"))
+
+
+def test_initialize_refuses_before_building_the_engine(tiny_llama, monkeypatch):
+    import plait
+    monkeypatch.delenv("PLAIT_MEMORY_CHECK", raising=False)
+    before = [p.data_ptr() for p in tiny_llama.parameters()]
+    with pytest.raises(ConfigError, match="Refused before allocating"):
+        plait.initialize(tiny_llama, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                      "zero_optimization": {"stage": 3},
+                                      "memory_check": {"gpu_bytes": 2**20, "seq_len": 64}})
+    assert [p.data_ptr() for p in tiny_llama.parameters()] == before   # the model was not moved or partitioned
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not UTF-8 JSON|JSON"),
+    (json.dumps(dict(LLAMA2_7B, hidden_size=10**9)), "more than 1e\\+15: not a model any machine trains"),
+    (json.dumps(dict(LLAMA2_7B, vocab_size=-5)), "vocab_size=-5: must be a whole number >= 1"),
+    (json.dumps(dict(LLAMA2_7B, model_type="gpt2")), "model_type='gpt2': plait estimate-memory covers dense"),
+    (json.dumps([1, 2]), "must hold a JSON object"),
+])
+def test_bad_config_json_gets_a_clear_error(tmp_path, capsys, content, message):
+    (tmp_path / "config.json").write_text(content)
+    assert main(["estimate-memory", str(tmp_path / "config.json"), "--gpu-gib", "80", "--host-gib", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait estimate-memory: ")
+    assert re.search(message, err), err
+
+
+def test_missing_file_unknown_preset_and_bad_sizes(tmp_path, capsys):
+    assert main(["estimate-memory", str(tmp_path / "nothere.json"), "--gpu-gib", "80"]) == 2
+    assert "no config.json at" in capsys.readouterr().err
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "80", "--host-gib", "64"]) == 2   # folder, no file
+    assert "no config.json at" in capsys.readouterr().err
+    assert main(["estimate-memory", "llama-nope", "--gpu-gib", "80", "--host-gib", "64"]) == 2
+    assert "unknown preset 'llama-nope'" in capsys.readouterr().err
+    assert main(["estimate-memory", "llama-886m", "--gpu-gib", "-3", "--host-gib", "64"]) == 2
+    assert "--gpu-gib -3.0 must be a number of GiB" in capsys.readouterr().err
+    assert main(["estimate-memory", "llama-886m", "--gpu-gib", "80", "--host-gib", "64", "--micro", "0"]) == 2
+    assert "micro_batch=0 must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_cli_reads_stage_and_offload_from_a_real_ds_config(tmp_path, capsys):
+    write_config(tmp_path, LLAMA2_7B)
+    ds = os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "80", "--host-gib", "125", "--micro", "4",
+                 "--act-ckpt", "--ds-config", ds]) == 0
+    out = capsys.readouterr().out
+    # the Hugging Face test suite's ZeRO-3 config offloads optimizer and parameters: 16 B/param on the host
+    assert "run: ZeRO-3, dp 1, offload_optimizer ratio 1, offload_param, micro-batch 4 x 2048 tokens" in out
+    assert "weights (bf16)                                    0.00     12.55" in out
+    assert "largest of these widths that fits: 35 layers, 7,345,565,696 parameters" in out
