@@ -11,7 +11,7 @@ import pytest
 
 from plait.cli import main
 from plait.config import ConfigError, load_config
-from plait.fit import Settings, estimate, shape_from_hf
+from plait.fit import HOST_PROCESS_BYTES, Settings, estimate, shape_from_hf
 from plait.fit.check import check_fits, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +86,22 @@ def test_refusal_names_bytes_on_each_side_and_the_fixes():
     # within the margin: not refused
     assert refusal(estimate(shape, Settings(gpu_bytes=int(plan.gpu_need / 1.05), host_bytes=125 * GiB,
                                             micro_batch=4, seq_len=2048, checkpointing=True)), margin=0.10) is None
+
+
+def test_the_host_refuses_on_planned_states_never_on_the_process_constant():
+    """ZeRO-3 with full offload of a 1.6B model (Llama-2-13B's widths, 4 layers): 16 B/param of states on the
+    host. A host just above them is not refused (the fitted 12.6 GiB process constant, half again the states,
+    would have refused it); one well below them is, naming the host."""
+    shape = shape_from_hf(LLAMA2_13B).with_layers(4)
+
+    def plan(host_gib):
+        return estimate(shape, Settings(gpu_bytes=int(139.8 * GiB), host_bytes=int(host_gib * GiB), micro_batch=1,
+                                        seq_len=2048, checkpointing=True, offload_optimizer=True,
+                                        offload_param=True))
+    states = plan(1000).host_peak - HOST_PROCESS_BYTES
+    assert refusal(plan(states / GiB * 1.01), margin=0.10) is None
+    text = refusal(plan(states / GiB / 1.2), margin=0.10)
+    assert "does not fit the host" in text
 
 
 @pytest.fixture(scope="module")
