@@ -32,7 +32,7 @@ from plait.engine_report import StepReport
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
 from plait.engine_offload import engine_optimizer, offload_options
-from plait.fit.check import check_fits
+from plait.fit.check import fit_config
 from plait.engine_pipeline import pipeline_train_step
 from plait.gc_schedule import CollectionSchedule
 from plait.monitor import build_monitors
@@ -380,7 +380,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     torch.manual_seed(config.seed)
     pipeline = None
     weights = prepare_weights(model, weights, mesh.device)
-    check_fits(model, config, mesh.device, mesh.dp)   # before the model is moved: refuse what cannot fit
+    config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal
     model = on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)

@@ -2,17 +2,19 @@
 recorded peaks, the engine's refusal before allocation, and bad input."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
 from plait.cli import main
 from plait.config import ConfigError, load_config
 from plait.fit import HOST_PROCESS_BYTES, Settings, estimate, shape_from_hf
-from plait.fit.check import check_fits, refusal
+from plait.fit.check import fit_config, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
@@ -124,11 +126,11 @@ def test_engine_refuses_before_allocating_on_a_simulated_gpu(tiny_llama, monkeyp
     monkeypatch.delenv("PLAIT_MEMORY_CHECK", raising=False)
     config = _config(gpu_bytes=2**20, host_bytes=2**40, seq_len=64)   # a 1 MiB GPU
     with pytest.raises(ConfigError, match=r"does not fit the GPU: it needs .* GiB on the GPU \(of 0\.0 GiB\)"):
-        check_fits(tiny_llama, config, torch.device("cpu"))
-    check_fits(tiny_llama, _config(gpu_bytes=2**40, host_bytes=2**40, seq_len=64), torch.device("cpu"))   # fits
-    check_fits(tiny_llama, _config(gpu_bytes=2**20, enabled=False), torch.device("cpu"))   # switched off
+        fit_config(tiny_llama, config, torch.device("cpu"))
+    fit_config(tiny_llama, _config(gpu_bytes=2**40, host_bytes=2**40, seq_len=64), torch.device("cpu"))   # fits
+    fit_config(tiny_llama, _config(gpu_bytes=2**20, enabled=False), torch.device("cpu"))   # switched off
     monkeypatch.setenv("PLAIT_MEMORY_CHECK", "0")
-    check_fits(tiny_llama, config, torch.device("cpu"))
+    fit_config(tiny_llama, config, torch.device("cpu"))
 
 
 def test_initialize_refuses_before_building_the_engine(tiny_llama, monkeypatch):
@@ -181,3 +183,38 @@ def test_cli_reads_stage_and_offload_from_a_real_ds_config(tmp_path, capsys):
     assert "run: ZeRO-3, dp 1, offload_optimizer ratio 1, offload_param, micro-batch 4 x 2048 tokens" in out
     assert "weights (bf16)                                    0.00     12.55" in out
     assert "largest of these widths that fits: 35 layers, 7,345,565,696 parameters" in out
+
+
+def test_an_auto_ratio_keeps_on_the_gpu_the_most_that_fits(tiny_llama, caplog):
+    """``offload_optimizer.ratio: "auto"``: the engine places the smallest host share (steps of 0.05) whose planned
+    GPU need fits the GPU (simulated here: the need at ratio 0.5 plus 1 byte), and says so once in the log."""
+    import plait
+    from plait.fit.check import model_shape, settings_from_config
+    raw = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": "auto"}},
+           "memory_check": {"seq_len": 64, "host_bytes": 2**40}}
+    settings = settings_from_config(load_config({**raw, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, dp_size=1), 2**40, 2**40, 64, False)
+    need = {r: estimate(model_shape(tiny_llama), replace(settings, ratio=r)).gpu_need for r in (0.45, 0.5)}
+    assert need[0.45] > need[0.5]                    # a step of 0.05 moves the need: the choice below is sharp
+    raw["memory_check"]["gpu_bytes"] = need[0.5] + 1
+    with caplog.at_level("WARNING", logger="plait"):
+        engine = plait.initialize(copy.deepcopy(tiny_llama), raw)
+    assert engine.optimizer.offload_options.ratio == 0.5
+    assert [r.getMessage() for r in caplog.records if "ratio" in r.getMessage()] == [
+        f'config: offload_optimizer.ratio "auto" -> 0.5 (planned GPU need {need[0.5] / GiB:.1f} of '
+        f'{(need[0.5] + 1) / GiB:.1f} GiB at micro-batch 2 x 64 tokens)']
+
+
+def test_an_auto_ratio_of_a_model_it_cannot_plan_puts_every_state_on_the_host(caplog):
+    import torch
+    from plait.fit.check import fit_config
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": "auto"}},
+                          "memory_check": {"gpu_bytes": 2**40}}, dp_size=1)
+    with caplog.at_level("WARNING", logger="plait"):
+        got = fit_config(torch.nn.Linear(4, 4), config, torch.device("cpu"))
+    assert got.zero_optimization.offload_optimizer.ratio == 1.0
+    assert 'ratio "auto" -> 1 (Linear is not a Llama-style model plait.fit plans)' in caplog.text

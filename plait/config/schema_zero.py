@@ -27,6 +27,9 @@ class OffloadConfig:
     ``ratio`` (DeepSpeed's; ``offload_optimizer`` only): the share, in [0, 1], of the optimizer states
     (fp32 masters and moments) kept in host memory; the rest stay on the GPU and are stepped there
     (``plait.zero.offload.placement``; Adam/AdamW, weights on the GPU). 1 (default): all on the host.
+    ``"auto"`` (plait): the smallest share (in steps of 0.05) whose planned GPU peak fits the GPU's measured
+    free memory (``plait.fit.check.fit_config``, at engine build); like ``device_step_fraction``'s "auto",
+    the value itself, not a placeholder the resolver fills.
     ``device_step_adaptive: true``: the deprecated spelling of ``device_step_fraction: "auto"`` (a warning;
     refused together with a fraction other than 0); read into ``device_step_fraction``, then None.
 
@@ -39,13 +42,14 @@ class OffloadConfig:
     pin_memory: bool = False
     device_step_fraction: float | Literal["auto"] | None = None
     device_step_adaptive: bool | None = None
-    ratio: float = 1.0
+    ratio: float | Literal["auto"] = 1.0
 
     def __post_init__(self) -> None:
         r = self.ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0.0 <= r <= 1.0):
+        number = isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0.0 <= r <= 1.0
+        if r != AUTO and not number:
             raise ConfigError(f"offload_optimizer.ratio = {r!r} must be a number in [0, 1] (the share of the optimizer "
-                              "states in host memory; 1: all of them, as DeepSpeed's default)")
+                              "states in host memory; 1: all of them, as DeepSpeed's default) or \"auto\"")
         fraction, adaptive = self.device_step_fraction, self.device_step_adaptive
         if adaptive is not None:
             if adaptive and fraction not in (None, 0, AUTO):

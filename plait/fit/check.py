@@ -1,6 +1,6 @@
 """The engine's refusal of a run that clearly cannot fit, before anything is allocated on the device.
 
-``plait.initialize`` calls :func:`check_fits` before it moves the model to its device. For a Llama-style model
+``plait.initialize`` calls :func:`fit_config` before it moves the model to its device. For a Llama-style model
 (a Hugging Face ``config`` with a dense Llama ``model_type``, or a plait Llama) it plans the run
 (``plait.fit.plan``) from the ds_config (ZeRO stage, offload, ratio, micro-batch) and refuses it when the
 planned bytes exceed the memory by more than ``memory_check.margin`` (default 10%; on the host, the planned
@@ -9,19 +9,23 @@ side and the single changes that would make it fit. The sequence length is ``mem
 activations are left out, so only model states can refuse a run). Off with ``memory_check.enabled: false`` or
 the environment variable ``PLAIT_MEMORY_CHECK=0``. The memory is the device's total memory and the host's
 physical memory, or ``memory_check.gpu_bytes`` / ``host_bytes`` where given (a simulated GPU in tests).
+``offload_optimizer.ratio: "auto"`` is resolved here too, from the same plan and the GPU's free memory.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 
 import torch
 
 from plait.config import ConfigError, PlaitConfig
+from plait.config.schema_base import AUTO
 from plait.fit.plan import HOST_PROCESS_BYTES, Plan, Settings, estimate, fixes
 from plait.fit.shape import ModelShape, shape_from_hf
 
 GiB = 2**30
+log = logging.getLogger("plait")
 
 
 def settings_from_config(config: PlaitConfig, gpu_bytes: int, host_bytes: int, seq_len: int,
@@ -32,7 +36,8 @@ def settings_from_config(config: PlaitConfig, gpu_bytes: int, host_bytes: int, s
     return Settings(gpu_bytes=gpu_bytes, host_bytes=host_bytes, micro_batch=config.train_micro_batch_size_per_gpu,
                     seq_len=seq_len, checkpointing=checkpointing, stage=z.stage, dp=dp,
                     offload_optimizer=z.offload_optimizer.enabled, offload_param=z.offload_param.enabled,
-                    ratio=z.offload_optimizer.ratio if z.offload_optimizer.enabled else 1.0,
+                    ratio=z.offload_optimizer.ratio if z.offload_optimizer.enabled and
+                    z.offload_optimizer.ratio != AUTO else 1.0,   # "auto": fit_config plans each ratio
                     gradient_accumulation=config.gradient_accumulation_steps,
                     device_share=fraction not in (0, 0.0) and (fraction is not None or z.offload_optimizer.pin_memory))
 
@@ -78,24 +83,63 @@ def refusal(plan: Plan, margin: float) -> str | None:
             "memory_check.enabled false or PLAIT_MEMORY_CHECK=0 turns the check off")
 
 
-def check_fits(model, config: PlaitConfig, device: torch.device, dp: int = 1) -> None:
-    """Refuse (ConfigError) a run of ``model`` with ``config`` on ``device`` that clearly does not fit (module
-    docstring); return silently when it fits, when the check is off, or when the model is not one it plans."""
-    c = config.memory_check
-    if not c.enabled or os.environ.get("PLAIT_MEMORY_CHECK", "1") == "0":
-        return
-    gpu = c.gpu_bytes or (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
-    shape = model_shape(model) if gpu else None
-    if shape is None:
-        return
-    host = c.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"   # transformers 5 renamed it
-    checkpointing = bool(getattr(model, name, False))
-    s = settings_from_config(config, gpu, host, c.seq_len or 1, checkpointing, dp)
-    plan = estimate(shape, s)
+def fit_config(model, config: PlaitConfig, device: torch.device, dp: int = 1) -> PlaitConfig:
+    """``config`` with ``offload_optimizer.ratio: "auto"`` resolved (the smallest host share, in steps of 0.05,
+    whose planned GPU need fits the GPU: ``memory_check.gpu_bytes``, else the device's free memory plus what
+    this process holds, measured now), after refusing (ConfigError) a run of ``model`` that clearly does not
+    fit (module docstring). The check returns silently when it is off or ``model`` is not one it plans; a
+    "auto" ratio it cannot plan becomes 1 (every state on the host, DeepSpeed's default), with a warning
+    saying why. The sequence length planned is ``memory_check.seq_len``; "auto" without it plans the model's
+    ``max_position_embeddings`` (the longest sample)."""
+    c, z = config.memory_check, config.zero_optimization
+    auto = z.offload_optimizer.enabled and z.offload_optimizer.ratio == AUTO
+    shape = model_shape(model)
+    gpu = c.gpu_bytes or (_available(device) if device.type == "cuda" else None)
+    off = not c.enabled or os.environ.get("PLAIT_MEMORY_CHECK", "1") == "0"
+    if auto:
+        ratio, why = _auto_ratio(model, shape, config, gpu, dp)
+        log.warning("config: offload_optimizer.ratio \"auto\" -> %g (%s)", ratio, why)
+        config = replace(config, zero_optimization=replace(z, offload_optimizer=replace(z.offload_optimizer,
+                                                                                        ratio=ratio)))
+    if off or shape is None or gpu is None:
+        return config
+    plan = estimate(shape, settings_from_config(config, gpu, _host_bytes(c), c.seq_len or 1, _checkpointing(model),
+                                                dp))
     if c.seq_len is None:
         plan = replace(plan, gpu_peak=plan.gpu_peak - plan.activations, activations=0)
     message = refusal(plan, c.margin)
     if message:
         raise ConfigError(message)
+    return config
+
+
+def _auto_ratio(model, shape: ModelShape | None, config: PlaitConfig, gpu: int | None, dp: int) -> tuple[float, str]:
+    """(the "auto" host share, the reason, for the log)."""
+    if shape is None:
+        return 1.0, f"{type(model).__name__} is not a Llama-style model plait.fit plans"
+    if gpu is None:
+        return 1.0, "no GPU to plan for (memory_check.gpu_bytes sets one)"
+    seq = config.memory_check.seq_len or getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1
+    s = settings_from_config(config, gpu, _host_bytes(config.memory_check), seq, _checkpointing(model), dp)
+    for ratio in [i / 20 for i in range(21)]:
+        plan = estimate(shape, replace(s, ratio=ratio))
+        if plan.gpu_need <= gpu:
+            return ratio, (f"planned GPU need {plan.gpu_need / GiB:.1f} of {gpu / GiB:.1f} GiB at micro-batch "
+                           f"{s.micro_batch} x {seq} tokens")
+    return 1.0, f"even every state on the host does not fit {gpu / GiB:.1f} GiB"
+
+
+def _available(device: torch.device) -> int:
+    """Bytes this process can have on ``device``: free now, plus what its caching allocator holds."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def _host_bytes(c) -> int:
+    return c.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _checkpointing(model) -> bool:
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"   # transformers 5 renamed it
+    return bool(getattr(model, name, False))
