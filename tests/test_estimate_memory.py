@@ -218,3 +218,19 @@ def test_an_auto_ratio_of_a_model_it_cannot_plan_puts_every_state_on_the_host(ca
         got = fit_config(torch.nn.Linear(4, 4), config, torch.device("cpu"))
     assert got.zero_optimization.offload_optimizer.ratio == 1.0
     assert 'ratio "auto" -> 1 (Linear is not a Llama-style model plait.fit plans)' in caplog.text
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param keeps"),
+    ({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}}, "the Lion optimizer keeps"),
+])
+def test_an_auto_ratio_where_states_cannot_stay_on_the_gpu_is_one(tiny_llama, extra, why, caplog):
+    import torch
+    raw = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "memory_check": {"gpu_bytes": 2**40}}
+    raw.update(extra)
+    raw["zero_optimization"] = {"stage": 2, **extra.get("zero_optimization", {}),
+                                "offload_optimizer": {"device": "cpu", "ratio": "auto"}}
+    with caplog.at_level("WARNING", logger="plait"):
+        got = fit_config(tiny_llama, load_config(raw, dp_size=1), torch.device("cpu"))
+    assert got.zero_optimization.offload_optimizer.ratio == 1.0 and f'"auto" -> 1 ({why} every' in caplog.text

@@ -115,6 +115,11 @@ def fit_config(model, config: PlaitConfig, device: torch.device, dp: int = 1) ->
 
 def _auto_ratio(model, shape: ModelShape | None, config: PlaitConfig, gpu: int | None, dp: int) -> tuple[float, str]:
     """(the "auto" host share, the reason, for the log)."""
+    z, opt = config.zero_optimization, config.optimizer
+    kept = ("offload_param" if z.offload_param.enabled else "pipeline parallelism" if config.pipeline.size > 1
+            else f"the {opt.type} optimizer" if opt is not None and opt.type.lower() not in ("adam", "adamw") else None)
+    if kept:
+        return 1.0, f"{kept} keeps every optimizer state on the host (GPU-first placement: Adam/AdamW, weights on the GPU)"
     if shape is None:
         return 1.0, f"{type(model).__name__} is not a Llama-style model plait.fit plans"
     if gpu is None:
