@@ -8,7 +8,7 @@ Model: llama-886m (ANCHORS.md; 16 blocks) in bf16, sequence 2048, pp = world siz
 Per configuration: 2 warm-up and --steps timed ``train_batch`` calls (forward + backward, no
 optimizer). The executor times each compute action with CUDA events (``PipelineExecutor.timeline``):
 busy = the summed action time of the busiest rank; measured bubble = step / busy - 1 (idle over useful
-time, the simulator's definition). Simulated bubble: ``plait.parallel.simulate`` on the schedule's
+time, the simulator's definition). Simulated bubble: ``plait.parallel.pipeline.simulate`` on the schedule's
 lists with the measured median F/B/BI/BW times of each virtual stage, so the gap between the two is what
 the executor itself loses (transfers, waits, host stalls). A "zb-v*" row follows each zb-v row: the same
 scheduler planned for the stage times zb-v just measured; its engine arms plan for their own second step
@@ -42,7 +42,7 @@ def sync():
 def timed_chunks(chunks, make_batch, shape, dtype, device, warmup=3, reps=8):
     """Mean seconds of F, B, BI and BW for this rank's chunks on one micro-batch, timed in isolation (no
     communication) after ``warmup`` untimed repetitions; BI + BW against B is the split backward's cost."""
-    from plait.parallel.pipeline_backward import backward_input, backward_weight
+    from plait.parallel.pipeline.backward import backward_input, backward_weight
 
     total = dict.fromkeys(("F", "B", "BI", "BW"), 0.0)
     for rep in range(warmup + reps):
@@ -153,7 +153,7 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     pipeline's actions as CUDA graphs."""
     import plait
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
 
     gc.collect()   # the previous arm's engine (reference cycles) must free its memory first
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -176,8 +176,8 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
 
 def predicted_bubble(lists, p, v, shape, costs):
     """The simulator's bubble for ``lists`` with the measured median action times per virtual stage
-    (``plait.parallel.simulate.stage_costs``: a rank's chunks differ, e.g. the first stage's BI is empty)."""
-    from plait.parallel.simulate import simulate
+    (``plait.parallel.pipeline.simulate.stage_costs``: a rank's chunks differ, e.g. the first stage's BI is empty)."""
+    from plait.parallel.pipeline.simulate import simulate
 
     sim = simulate(lists, p, v, cost_f=costs.get("F", 0.0), cost_b=costs.get("B", 0.0), cost_bi=costs.get("BI", 0.0),
                    cost_bw=costs.get("BW", 0.0), shape=shape)
@@ -187,18 +187,18 @@ def predicted_bubble(lists, p, v, shape, costs):
 def p2p_knobs(ctas: int | None, lookahead: int | None, gc_pause: bool = True) -> None:
     """Experiment knobs (this benchmark only): create the pipeline's p2p channel groups with NCCL's
     ``max_ctas`` (SMs each p2p kernel may occupy while it overlaps compute), place receives
-    ``lookahead`` compute actions ahead of their reader (``simulate.with_communication``), and leave
+    ``lookahead`` compute actions ahead of their reader (``comm_actions.with_communication``), and leave
     the cyclic garbage collector running during steps (``gc_pause=False``)."""
     import functools
     import types
 
-    import plait.parallel.pipeline_exec as pipeline_exec
+    import plait.parallel.pipeline.executor as pipeline_exec
 
     if not gc_pause and hasattr(pipeline_exec, "gc"):
         pipeline_exec.gc = types.SimpleNamespace(isenabled=lambda: False, disable=lambda: None, enable=lambda: None)
 
-    import plait.parallel.p2p as p2p
-    import plait.parallel.pipeline as pipeline
+    import plait.parallel.pipeline.p2p as p2p
+    import plait.parallel.pipeline.parallel as pipeline
 
     if ctas:
         new_group = dist.new_group
@@ -252,8 +252,8 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
     """One (schedule, m, micro-batch size) row: raw train_batch timing, every rank's action breakdown, the
     simulator's bubble on the measured times, and the engine arms. ``costs``: zb-v planned for these
     per-stage times (the row's schedule is then "zb-v*"); ``graphs``: CUDA-graphed actions ("+g")."""
-    from plait.parallel.pipeline import PipelineParallel
-    from plait.parallel.simulate import stage_costs
+    from plait.parallel.pipeline.parallel import PipelineParallel
+    from plait.parallel.pipeline.simulate import stage_costs
 
     p = mesh.pp
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, schedule_costs=costs,

@@ -38,7 +38,7 @@ def build(args):
 
 
 def run_once(model, args, gen, split: bool):
-    from plait.parallel.pipeline_backward import backward_input, backward_weight
+    from plait.parallel.pipeline.backward import backward_input, backward_weight
 
     x = torch.randn(args.batch, args.seq, args.hidden, generator=gen, requires_grad=True)
     batch = {}

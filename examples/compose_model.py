@@ -18,7 +18,7 @@ let the engine, the pipeline and checkpoints handle any such model:
 2. every layer is called as ``layer(hidden, batch)`` (``batch``: the micro-batch dict);
 3. parameters come from plait layers (tensor-parallel shards declared, initializers set), and
    ``init_parameters(self, seed)`` draws each from (seed, name): identical weights at any tp/pp;
-4. as a pipeline chunk it offers ``plait.parallel.stage.StageChunk``: ``activation_shape(batch)`` (what
+4. as a pipeline chunk it offers ``plait.parallel.pipeline.stage.StageChunk``: ``activation_shape(batch)`` (what
    it receives from the previous stage), ``tied_parameters()`` and ``tied_across_stages`` (nothing is
    tied here: the head has its own weight), besides ``config`` (a ``TransformerConfig``) and ``layers``.
 """

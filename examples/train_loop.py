@@ -15,9 +15,9 @@ import pretrain_common as common
 import plait
 from plait.layers import TransformerModel
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
-from plait.parallel.partition import partition_layers, stage_layers
-from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.schedules import placement
+from plait.parallel.pipeline.partition import partition_layers, stage_layers
+from plait.parallel.pipeline.parallel import PipelineParallel
+from plait.parallel.pipeline.registry import placement
 
 
 def build_engine(args, mesh, cfg, arch, chunk_factory=None):

@@ -47,7 +47,7 @@ from plait.optim.lamb import Lamb
 from plait.optim.lamb_segments import attach_lamb_segments
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
                         weight_decay_groups)
 from plait.zero.weights import prepare_weights

@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 
 
 def loss_of(output) -> torch.Tensor:

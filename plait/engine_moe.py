@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.layers.moe import MoE
-from plait.parallel.stage import takes_keyword
+from plait.parallel.pipeline.stage import takes_keyword
 
 
 class ExpertLayers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero import ZeroOptimizer, whole_gradients
 from plait.zero.offload import HostStepper
 

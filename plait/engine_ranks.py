@@ -23,7 +23,7 @@ from plait.config.schema import CommConfig
 from plait.parallel.agree import agree, flatten
 from plait.parallel.launch import explicit_timeout_s, set_collective_timeout
 from plait.parallel.mesh import GROUP_NAMES, ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 
 SAME_EVERYWHERE = ("start every rank with the same config and the same model (the same ds_config file, "
                    "script arguments and model code on every node)")

@@ -10,7 +10,7 @@ out of forward and backward (Megatron-LM's ``--manual-gc``/``--manual-gc-interva
 ``training.gc_freq``, which collects generation 1). Reference counting still frees every object that is in no
 cycle; a cycle made between two collections is freed at the next one. The setting is process-wide and outlives
 the engine. ``N = 0`` (the default) leaves the collector as it is. Independently, a pipeline's step pauses
-the automatic collector for its own duration (``plait.parallel.pipeline_exec``).
+the automatic collector for its own duration (``plait.parallel.pipeline.executor``).
 """
 from __future__ import annotations
 

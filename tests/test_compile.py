@@ -222,7 +222,7 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_weights():
 
 def _zero_bubble_refused():
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     mesh = ParallelMesh(tp=1, pp=2)
     pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="zb-h1", micro_batches=2)
     cfg = ds_config(1, {"enabled": True, "backend": "eager"})

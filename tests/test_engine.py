@@ -105,7 +105,7 @@ def pipeline_body(arch, schedule, cp=1, method="ring", stages=None, ep=1):
     chunks; or with the dp ranks' experts split over ep) through the engine, ZeRO stages 1-3, tied or untied
     embeddings."""
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     results = {}
     for stage in stages or STAGES_FOR[schedule]:
         mesh = ParallelMesh(tp=1, pp=2, cp=cp, ep=ep)
@@ -206,7 +206,7 @@ def test_lamb_under_zero_and_tp_matches_per_tensor_lamb(fused):
 def grad_norm_body():
     """tp=2 x pp=2 x dp=2: the engine's global gradient norm (before clipping) of one step."""
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     mesh = ParallelMesh(tp=2, pp=2)
     arch = tiny().replace(tie_embeddings=True)
     pipe = PipelineParallel(build_stage_modules(arch, mesh, seed=5), mesh, "1f1b", micro_batches=GAS)
@@ -259,7 +259,7 @@ def bf16_pipeline_body():
     """ZeRO casts the pipeline's chunks to bf16 after the pipeline was built: activations must travel
     in bf16 too (the first NCCL run of the pretraining script found this)."""
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     mesh = ParallelMesh(pp=2)
     pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, "1f1b", micro_batches=GAS)
     cfg = ds_config(1, 1)

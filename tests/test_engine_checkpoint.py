@@ -45,7 +45,7 @@ def run(stage, tp, steps, first_step, root=None, save=False, load=False, pp=1, f
     cfg = config(stage, tp, mesh.dp)
     if pp > 1:
         from plait.layers.stages import build_stage_modules
-        from plait.parallel.pipeline import PipelineParallel
+        from plait.parallel.pipeline.parallel import PipelineParallel
         cfg["pipeline"] = {"size": pp, "schedule": "1f1b"}
         model = PipelineParallel(build_stage_modules(shape, mesh, seed=2), mesh, "1f1b", micro_batches=GAS)
     else:

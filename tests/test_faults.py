@@ -153,7 +153,7 @@ def _pipeline_body(precision):
     """tp=2 x pp=2 (4 ranks, 1F1B, ZeRO-1): a nan in one gradient element on the last rank (pp stage 1,
     tp rank 1) at ``BAD_STEP`` against the run that drops that step."""
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
 
     def run(poison=(), drop=()):
         mesh = ParallelMesh(tp=2, pp=2)
@@ -239,7 +239,7 @@ BAD_INPUTS = [("input_ids", 5000, "input_ids[1, 3] = 5000"), ("input_ids", -7, "
 def _tp_pp_engine(tp, pp):
     """ZeRO-1 engine over tp x pp (1F1B) x dp, and its mesh."""
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     mesh = ParallelMesh(tp=tp, pp=pp)
     cfg = ds_config(1)
     cfg["tensor_parallel"] = {"size": tp}

@@ -29,8 +29,8 @@ from plait.layers.cross_entropy import block_statistics, logits_gradient_, vocab
 from plait.layers.linear import enter_tp_region
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.pipeline_backward import backward_input, backward_weight
+from plait.parallel.pipeline.parallel import PipelineParallel
+from plait.parallel.pipeline.backward import backward_input, backward_weight
 from plait.testing import run_distributed
 
 TOL, REF_TOL = 1e-6, 1e-5

@@ -146,7 +146,7 @@ def stats_body():
     import plait
     from plait.layers.stages import build_stage_modules
     from plait.parallel import ParallelMesh
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     from test_engine import GAS, ds_config, micro_batch
     mesh = ParallelMesh(pp=2)
     chunks = build_stage_modules(moe_tiny(moe_bias_update_rate=1e-3), mesh, seed=5)
@@ -308,7 +308,7 @@ def head_only_stage_body():
     import plait
     from plait.layers.stages import build_stage_modules
     from plait.parallel import ParallelMesh
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
     from test_engine import GAS, ds_config, micro_batch
     mesh = ParallelMesh(pp=4)
     chunks = build_stage_modules(moe_tiny(), mesh, seed=5)

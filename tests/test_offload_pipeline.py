@@ -33,7 +33,7 @@ from plait.config import ConfigError
 from plait.engine_pipeline import settle_landings
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.parallel.sharding import gather_logical_state
 from plait.testing import run_distributed
 from plait.zero import ZeroOptimizer, weight_decay_groups

@@ -6,7 +6,7 @@ import pytest
 
 from plait.layers import TransformerModel, preset
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
-from plait.parallel.partition import partition_layers, stage_layers
+from plait.parallel.pipeline.partition import partition_layers, stage_layers
 from plait.parallel.sharding import logical_numel
 
 

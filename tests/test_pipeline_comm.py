@@ -1,11 +1,13 @@
-"""Placement of the pipeline's sends and receives (``simulate.with_communication``) and the simulator's
-model of the executor's non-blocking transfers (``plait.parallel.p2p``): sends right after their producer,
+"""Placement of the pipeline's sends and receives (``comm_actions.with_communication``) and the simulator's
+model of the executor's non-blocking transfers (``plait.parallel.pipeline.p2p``): sends right after their producer,
 receives ahead of their reader in each channel's send order, no deadlock for any built-in schedule."""
 import pytest
 
-from plait.parallel.schedule_check import check_schedule
-from plait.parallel.schedules import Action, get_schedule, interleaved_1f1b, one_f_one_b, placement
-from plait.parallel.simulate import DeadlockError, simulate, with_communication
+from plait.parallel.pipeline.check import check_schedule
+from plait.parallel.pipeline.schedules import Action, interleaved_1f1b, one_f_one_b
+from plait.parallel.pipeline.registry import get_schedule, placement
+from plait.parallel.pipeline.simulate import DeadlockError, simulate
+from plait.parallel.pipeline.comm_actions import with_communication
 
 
 def _text(lists):
@@ -71,7 +73,7 @@ def test_the_cyclic_garbage_collector_is_paused_during_a_step_only():
 
     from plait.layers import preset
     from plait.layers.stages import build_stage_modules
-    from plait.parallel.pipeline import PipelineParallel
+    from plait.parallel.pipeline.parallel import PipelineParallel
 
     chunks = build_stage_modules(preset("llama-tiny", num_layers=2), None, v=2, seed=0)
     seen = []

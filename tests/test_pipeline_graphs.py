@@ -1,4 +1,4 @@
-"""CUDA-graphed pipeline actions (``plait.parallel.pipeline_graphs``): the parts that run on CPU.
+"""CUDA-graphed pipeline actions (``plait.parallel.pipeline.graphs``): the parts that run on CPU.
 
 The graphs themselves need a GPU: ``tests/gpu/run_pipeline_graphs.py`` checks graphed against eager steps
 (1F1B, interleaved, ZB-H1, ZB-V; p = 1 and 2) on the device. Here: how many slots each list needs, the
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from plait.layers.stages import build_stage_modules
-from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.pipeline_backward import backward_input, run_tails, weight_gradients
-from plait.parallel.pipeline_graphs import backward_kinds, check_capturable, check_same_shapes, slots_needed
-from plait.parallel.schedules import Action, get_schedule, placement
-from plait.parallel.simulate import simulate
+from plait.parallel.pipeline.parallel import PipelineParallel
+from plait.parallel.pipeline.backward import backward_input, run_tails, weight_gradients
+from plait.parallel.pipeline.graphs import backward_kinds, check_capturable, check_same_shapes, slots_needed
+from plait.parallel.pipeline.schedules import Action
+from plait.parallel.pipeline.registry import get_schedule, placement
+from plait.parallel.pipeline.simulate import simulate
 
 
 @pytest.mark.parametrize("name, v, want", [

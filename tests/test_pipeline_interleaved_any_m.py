@@ -24,7 +24,7 @@ from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.testing import run_distributed
 
 RTOL = 1e-5

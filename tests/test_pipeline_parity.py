@@ -26,11 +26,12 @@ from plait.layers import TransformerModel, preset
 from plait.layers.init import TIED_ATTR
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel import ParallelMesh
-from plait.parallel.partition import partition_layers
-from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.schedules import get_schedule, placement, stage_of
+from plait.parallel.pipeline.partition import partition_layers
+from plait.parallel.pipeline.parallel import PipelineParallel
+from plait.parallel.pipeline.registry import get_schedule, placement
+from plait.parallel.pipeline.schedules import stage_of
 from plait.parallel.sharding import gather_logical, gather_logical_state
-from plait.parallel.simulate import simulate
+from plait.parallel.pipeline.simulate import simulate
 from plait.testing import run_distributed
 
 RTOL = 1e-5
@@ -214,7 +215,7 @@ def test_train_batch_callbacks_and_chunk_contract(schedule):
 def test_zero_bubble_split_defers_weight_gradients():
     """BI leaves every .grad untouched and returns the exact input gradient; BW then produces the
     same parameter gradients as one plain backward, without re-running the input half."""
-    from plait.parallel.pipeline_backward import backward_input, backward_weight
+    from plait.parallel.pipeline.backward import backward_input, backward_weight
 
     for arch in ARCHES:
         cfg = make_config(arch)
@@ -238,7 +239,7 @@ def test_zero_bubble_split_defers_weight_gradients():
 def test_zero_bubble_split_falls_back_on_shared_weight_nodes():
     """A transposed weight computed once and used twice (a parameter-side node with two parents)
     makes the cut unsafe: BW re-runs the whole backward instead, still exactly."""
-    from plait.parallel.pipeline_backward import backward_input, backward_weight
+    from plait.parallel.pipeline.backward import backward_input, backward_weight
 
     w = torch.randn(4, 4, requires_grad=True)
     x0 = torch.randn(3, 4)

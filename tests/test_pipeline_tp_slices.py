@@ -1,5 +1,5 @@
 """Megatron-LM's scatter/gather of pipeline transfers under tensor parallelism (Narayanan et al., SC'21,
-Sec. 4.1; ``PipelineParallel(slice_tp=...)``, ``plait.parallel.p2p.TPSlices``) on CPU/gloo, pp=2 x tp=2
+Sec. 4.1; ``PipelineParallel(slice_tp=...)``, ``plait.parallel.pipeline.p2p.TPSlices``) on CPU/gloo, pp=2 x tp=2
 (4 processes, one launch for the whole file).
 
 Without sequence parallelism every tp rank of a stage sends the same ``[b, s, h]`` activation (and input
@@ -35,8 +35,8 @@ from plait.layers import TransformerModel
 from plait.layers.init import TIED_ATTR
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.p2p import TPSlices
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.p2p import TPSlices
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.parallel.sharding import gather_logical
 from plait.testing import run_distributed
 

@@ -8,10 +8,10 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from plait.parallel.schedule_check import check_schedule
-from plait.parallel.schedules import (SCHEDULES, Action, get_schedule, gpipe,
-                                      interleaved_1f1b, one_f_one_b, rank_chunk_of, stage_of, zb_h1)
-from plait.parallel.simulate import DeadlockError, render, simulate
+from plait.parallel.pipeline.check import check_schedule
+from plait.parallel.pipeline.registry import SCHEDULES, get_schedule
+from plait.parallel.pipeline.schedules import Action, gpipe, interleaved_1f1b, one_f_one_b, rank_chunk_of, stage_of, zb_h1
+from plait.parallel.pipeline.simulate import DeadlockError, render, simulate
 
 ONE = dict(cost_f=Fr(1), cost_b=Fr(2), cost_bi=Fr(1), cost_bw=Fr(1))
 PM = [(p, m) for p in (2, 4, 8) for m in sorted({p, 2 * p, 16})]
@@ -238,7 +238,7 @@ def _rounds_largest(p, m):
 def test_interleaved_any_m_valid_deadlock_free_and_bubble(p):
     """Every m in 1..3p+1 and v in 2..4: complete, locally ordered, no deadlock compute-only nor with the
     communication of with_communication; bubble and activation peaks as derived below."""
-    from plait.parallel.simulate import with_communication
+    from plait.parallel.pipeline.comm_actions import with_communication
 
     for v in (2, 3, 4):
         for m in range(1, 3 * p + 2):

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from plait.layers import TransformerModel, preset
 from plait.layers.norm import _RMSNormWeight
-from plait.parallel.pipeline_backward import backward_input, backward_weight
-from plait.parallel.weight_grad import plan
+from plait.parallel.pipeline.backward import backward_input, backward_weight
+from plait.parallel.pipeline.weight_grad import plan
 from plait.testing import run_distributed
 
 

@@ -21,12 +21,14 @@ import plait
 from plait.config import ConfigError, PipelineConfig
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
-from plait.parallel.schedule_check import check_schedule
-from plait.parallel.schedules import (Action, get_schedule, one_f_one_b, placement, rank_chunk_of, stage_of,
-                                      zb_h1, zb_v)
-from plait.parallel.pipeline_exec import ActionTime
-from plait.parallel.simulate import render, simulate, stage_costs, with_communication
+from plait.parallel.pipeline.parallel import PipelineParallel
+from plait.parallel.pipeline.check import check_schedule
+from plait.parallel.pipeline.schedules import Action, one_f_one_b, rank_chunk_of, stage_of, zb_h1
+from plait.parallel.pipeline.registry import get_schedule, placement
+from plait.parallel.pipeline.zb_v import zb_v
+from plait.parallel.pipeline.executor import ActionTime
+from plait.parallel.pipeline.simulate import render, simulate, stage_costs
+from plait.parallel.pipeline.comm_actions import with_communication
 from plait.testing import run_distributed
 import helpers
 

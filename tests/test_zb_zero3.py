@@ -10,7 +10,7 @@ read saved weights), so each unit must stay gathered from its BI until its BW (r
 on the empty ``[0]`` parameters).
 
 Why 1e-6 and what is expected: the split backward computes the same products in the same order as the
-engine's backward (``plait.parallel.weight_grad`` applies the autograd formulas on the saved tensors), every
+engine's backward (``plait.parallel.pipeline.weight_grad`` applies the autograd formulas on the saved tensors), every
 micro-batch's gradient lands in the fp32 grad shard in the same order (micro-batch 0 first), and ZeRO-3
 reduce-scatters each segment once per micro-batch under both schedules, so the results are expected
 bitwise equal; the tolerance only leaves room for a BLAS kernel choosing another blocking for the same
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import plait
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
-from plait.parallel.pipeline import PipelineParallel
+from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.parallel.sharding import gather_logical_state
 from plait.testing import run_distributed
 import helpers

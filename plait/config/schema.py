@@ -147,14 +147,14 @@ class PipelineConfig:
     ``schedule``: "gpipe" (Huang et al. 2019), "1f1b" (PipeDream-Flush, Narayanan et al. 2021),
     "interleaved" (1F1B with ``virtual_stages`` model chunks per rank, Narayanan et al. SC'21 Sec. 2.2), or
     "zb-h1" (zero-bubble H1, Qi et al. 2024), or "zb-v" (zero-bubble V, Qi et al. NeurIPS 2024: ``virtual_stages``
-    2 in the V placement, ``plait.parallel.schedules.zb_v``). ``micro_batches`` per optimizer step equals
+    2 in the V placement, ``plait.parallel.pipeline.zb_v.zb_v``). ``micro_batches`` per optimizer step equals
     gradient_accumulation_steps (filled in by the reader). ``partition``: "uniform" (equal layer counts),
     "parameters" (balanced parameter counts), or explicit boundaries ``[0, b1, ..., n_layers]``: one more
     layer index than model chunks (``size * virtual_stages``), chunk i holding layers ``[b_i, b_{i+1})``.
     ``schedule_costs`` (zb-v only): "unit" plans the lists for equal action times (the paper's setting),
     "measure" plans them again after timing the second step (``PipelineParallel(schedule_costs="measure")``).
     ``cuda_graphs``: replay each training action as a CUDA graph (``PipelineParallel(cuda_graphs=True)``,
-    ``plait.parallel.pipeline_graphs``; Megatron-LM's ``--enable-cuda-graph`` for pipeline actions): for small
+    ``plait.parallel.pipeline.graphs``; Megatron-LM's ``--enable-cuda-graph`` for pipeline actions): for small
     micro-batches, where issuing kernels from Python sets the pace. Needs tensor_parallel.size 1 and ZeRO
     stage 0-2 (ZeRO-3 gathers parameters in hooks a graph cannot replay).
     """

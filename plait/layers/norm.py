@@ -80,7 +80,7 @@ class _RMSNormWeight(torch.autograd.Function):
     @staticmethod
     def plait_gradients(ctx, saved, grad: torch.Tensor, needs) -> tuple:
         """``(dL/dx, dL/dw)`` from ``dL/dout``, each None where ``needs`` (per forward input) is False; the
-        zero-bubble weight pass (``plait.parallel.weight_grad``) calls it for ``dL/dw`` alone. (The input
+        zero-bubble weight pass (``plait.parallel.pipeline.weight_grad``) calls it for ``dL/dw`` alone. (The input
         pass before it also computes ``dL/dw``, as a custom Function cannot tell which outputs the engine
         needs, and discards it.)"""
         x, weight = saved

@@ -1,6 +1,6 @@
 """Pipeline stages of plait's models: ``build_stage_modules`` builds this rank's chunks, each a
 ``TransformerStage`` (a ``TransformerModel`` holding only its layers) that offers what
-``plait.parallel.stage.StageChunk`` asks of a pipeline chunk; ``layer_parameter_counts`` weighs the
+``plait.parallel.pipeline.stage.StageChunk`` asks of a pipeline chunk; ``layer_parameter_counts`` weighs the
 layers for ``partition_layers(..., method="parameters")``.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 from plait.layers.init import TIED_ATTR
 from plait.layers.model import TransformerModel, logical_shapes
 from plait.parallel.collectives import group_size
-from plait.parallel.partition import partition_layers, stage_layers
-from plait.parallel.schedules import placement
+from plait.parallel.pipeline.partition import partition_layers, stage_layers
+from plait.parallel.pipeline.registry import placement
 
 
 class TransformerStage(TransformerModel):
@@ -87,12 +87,12 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
     Args:
         config: ``TransformerConfig``. mesh: ``ParallelMesh`` (None: one process, p = 1).
         v: model chunks per rank (virtual stages; 1 unless the schedule is "interleaved" or "zb-v").
-        method: see ``plait.parallel.partition.partition_layers`` ("parameters" uses
+        method: see ``plait.parallel.pipeline.partition.partition_layers`` ("parameters" uses
             :func:`layer_parameter_counts`).
         sequence_parallel, seed, recompute, cp_method, device, dtype: passed to every chunk (``TransformerModel``);
             the same seed on every rank gives layout-invariant weights.
         schedule: the pipeline schedule the chunks will run; its stage placement
-            (``plait.parallel.schedules.placement``: "v" for "zb-v") says which stages this rank holds.
+            (``plait.parallel.pipeline.registry.placement``: "v" for "zb-v") says which stages this rank holds.
             None: the "loop" placement of every other schedule.
 
     Returns:

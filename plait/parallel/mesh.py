@@ -184,7 +184,7 @@ class ParallelMesh:
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank is the last pipeline rank: the loss end under one chunk per rank or the "loop"
-        placement; under "zb-v" rank 0 holds the last stage (``plait.parallel.schedules.stage_of``)."""
+        placement; under "zb-v" rank 0 holds the last stage (``plait.parallel.pipeline.schedules.stage_of``)."""
         return self.pp_rank == self.pp - 1
 
     @property

@@ -45,7 +45,7 @@ the next unit always is, as FSDP2's next module; the root module's forward ends 
 units of the recorded backward order). A pass that departs from the recorded order simply stops
 prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
 
-Split backward (zero-bubble pipelines, ``plait.parallel.pipeline_backward``). The input-gradient pass BI
+Split backward (zero-bubble pipelines, ``plait.parallel.pipeline.backward``). The input-gradient pass BI
 re-gathers each unit as above but accumulates no gradient (asked of autograd's engine at the first unit it
 reaches): it is no backward for the optimizer, and each unit it reaches takes a *weight hold*
 (``Unit.deferred``, one segment reference; the pass's units form one *hold group*), kept when the pass

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from plait.layers import preset  # noqa: E402
 from plait.layers.stages import build_stage_modules  # noqa: E402
 from plait.parallel import ParallelMesh, init_distributed  # noqa: E402
-from plait.parallel.pipeline import PipelineParallel  # noqa: E402
-import plait.parallel.pipeline_graphs as pipeline_graphs  # noqa: E402
+from plait.parallel.pipeline.parallel import PipelineParallel  # noqa: E402
+import plait.parallel.pipeline.graphs as pipeline_graphs  # noqa: E402
 
 M, MBS, SEQ, STEPS = 4, 2, 128, 3
 CFG = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=688,

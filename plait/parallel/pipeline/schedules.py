@@ -2,7 +2,7 @@
 
 A schedule for ``p`` pipeline ranks, ``m`` micro-batches and ``v`` model chunks per rank is a
 ``list[list[Action]]``: entry ``r`` is what pipeline rank ``r`` runs, in order. One executor runs
-any such list; :func:`plait.parallel.simulate.simulate` times it without processes.
+any such list; :func:`plait.parallel.pipeline.simulate.simulate` times it without processes.
 
 Virtual stages: ``p*v`` of them; activations flow from stage ``s`` to ``s+1``, gradients from ``s+1``
 to ``s``. Which rank and chunk hold stage ``s`` is the schedule's *placement* (:func:`stage_of`):
@@ -14,17 +14,15 @@ to ``s``. Which rank and chunk hold stage ``s`` is the schedule's *placement* (:
   the chain goes down the ranks and back up, chunk ``c`` on rank ``r`` is stage ``c*p + r`` for even
   ``c`` and ``c*p + p-1-r`` for odd ``c``. With ``v = 2`` rank 0 holds the first and the last stage, and
   the hop from stage ``p-1`` to ``p`` stays on rank ``p-1``. Schedule "zb-v" uses it
-  (:data:`PLACEMENTS`).
+  (``plait.parallel.pipeline.registry.PLACEMENTS``).
 
 Generators emit compute actions only (F, B, BI, BW).
-:func:`plait.parallel.simulate.with_communication` inserts the sends and receives; see its
+:func:`plait.parallel.pipeline.comm_actions.with_communication` inserts the sends and receives; see its
 docstring for the placement rule that keeps batched isend/irecv deadlock-free.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
-from typing import Callable
 
 COMPUTE_KINDS = ("F", "B", "BI", "BW")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -226,88 +224,3 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
         acts += [Action("BW", i) for i in range(max(m - r, 0), m)]
         out.append(acts)
     return out
-
-
-def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None, tries: int = 16) -> Schedule:
-    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, Sec. 3 and Fig. 4):
-    two chunks per rank in the "v" placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), the backward
-    split into BI and BW as in :func:`zb_h1`.
-
-    The lists come from a greedy list scheduler run in time order: a free rank starts the first ready
-    action of BI (chunk 0 first), F (chunk 1 first; only while fewer than ``2p`` of its chunk-forwards
-    await their BW, 1F1B's first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles
-    until an action ends. On unit costs (one chunk's F = BI = BW; the paper's setting, Sec. 3.1) a step
-    takes ``6m + p - 1`` units for ``m >= 2p`` and p in {1, 2, 3, 4, 8} (the bound: rank ``p-1`` waits
-    ``p-1`` before its first forward; at most 2 more for p in 5..7, ``tests/test_zb_v.py``; up to about
-    ``p/3`` more beyond 8), against ``6m + 2(p-1)`` for ZB-H1 and ``6m + 6(p-1)`` for 1F1B. Any ``m >= 1``
-    works (small m leaves more bubble).
-
-    Args:
-        costs: measured or estimated durations per virtual stage, ``{"F": [...], "BI": [...], "BW": [...]}``
-            with ``2p`` values each (any unit; e.g. ``stage_costs`` of the executor's timeline), for which
-            the scheduler then plans (as the paper's schedules are planned on profiled times, Sec. 4). Real
-            stages differ: the first stage's BI is empty and its BW a whole backward, the last carries
-            the loss, and a host-bound BI costs more than BW. None: unit costs.
-        tries: with ``costs``, the greedy list is sensitive to near-ties (two measurements of the same stages
-            can plan a 7% or a 14% bubble), so it also plans for ``tries - 1`` copies of ``costs`` jittered by
-            up to 5% (seeded) and keeps the list whose simulated step (``plait.parallel.simulate``) at
-            ``costs`` is shortest, the first on ties.
-
-    Raises:
-        ValueError: ``v != 2``, or ``costs`` without ``2p`` finite non-negative values for each of F, BI, BW.
-    """
-    check_sizes("zb-v", p, m, v)
-    if v != 2:
-        raise ValueError(f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2")
-    from plait.parallel.zb_v_plan import plan_zb_v   # the planner builds on this module and on simulate
-
-    return plan_zb_v(p, m, costs, tries)
-
-
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "zb-v": zb_v,
-}
-
-# The stage placement (``stage_of``'s ``shape``) each schedule's lists assume; "loop" where not listed.
-PLACEMENTS: dict[str, str] = {"zb-v": "v"}
-
-
-def placement(name: str) -> str:
-    """The stage placement schedule ``name``'s lists assume: "v" for "zb-v", else "loop"."""
-    return PLACEMENTS.get(name, "loop")
-
-
-def get_schedule(name: str, p: int, m: int, v: int = 1, costs: dict | None = None) -> Schedule:
-    """Build the named schedule's per-rank action lists.
-
-    Args:
-        name: one of ``SCHEDULES`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v").
-        p: pipeline ranks; m: micro-batches per step; v: model chunks per rank (interleaved: any
-            ``v >= 2``; zb-v: 2; the others: 1). The lists assume ``placement(name)``.
-        costs: per-virtual-stage durations the list scheduler of "zb-v" plans for (see :func:`zb_v`;
-            ``plait.parallel.simulate.stage_costs`` reads them from a measured step). The other schedules
-            are fixed orders and refuse them.
-
-    Raises:
-        ValueError: unknown name (the closest known name is suggested), ``v > 1`` for a
-            single-chunk schedule, ``v == 1`` for "interleaved", ``v != 2`` for "zb-v", or non-positive
-            sizes, ``costs`` for a schedule other than "zb-v"; each message names the numbers and the fix.
-            Every schedule takes any ``m >= 1``.
-    """
-    if name not in SCHEDULES:
-        close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.0)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown pipeline schedule {name!r}; {hint}known: {sorted(SCHEDULES)}")
-    if name == "interleaved" and v == 1:
-        raise ValueError(f"schedule 'interleaved' needs v >= 2 model chunks per rank, got v={v}; "
-                         f"set v >= 2 or use schedule '1f1b' for one chunk per rank")
-    if costs is not None:
-        if name != "zb-v":
-            raise ValueError(f"schedule {name!r} is a fixed order and takes no costs; only 'zb-v' plans for "
-                             f"measured stage costs (drop schedule_costs or use schedule 'zb-v')")
-        return zb_v(p, m, v, costs)
-    return SCHEDULES[name](p, m, v)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from plait.parallel.pipeline_backward import backward_input, run_tails, weight_gradients
+from plait.parallel.pipeline.backward import backward_input, run_tails, weight_gradients
 
 
 def slots_needed(actions, v: int) -> list[int]:

@@ -1,8 +1,8 @@
-"""Validation of per-rank pipeline action lists (``plait.parallel.schedules``): completeness and each
-rank's local dependency order; cross-rank deadlock freedom is ``plait.parallel.simulate``'s check."""
+"""Validation of per-rank pipeline action lists (``plait.parallel.pipeline.schedules``): completeness and each
+rank's local dependency order; cross-rank deadlock freedom is ``plait.parallel.pipeline.simulate``'s check."""
 from __future__ import annotations
 
-from plait.parallel.schedules import Action, Schedule, check_sizes, crosses_ranks, rank_chunk_of, stage_of
+from plait.parallel.pipeline.schedules import Action, Schedule, check_sizes, crosses_ranks, rank_chunk_of, stage_of
 
 
 def _fail(rank: int, index: int, action: Action, problem: str, fix: str) -> None:
@@ -18,7 +18,7 @@ def check_schedule(lists: Schedule, p: int, m: int, v: int = 1, shape: str = "lo
     actions are present: RECV_F before its F, SEND_F after it (likewise RECV_B/SEND_B around the
     backward), none on a stage without that peer, and every send has exactly one matching
     receive. Cross-rank deadlock freedom is checked by ``simulate`` (it raises DeadlockError).
-    ``shape``: the stage placement the lists assume (``schedules.placement(name)``; ``stage_of``).
+    ``shape``: the stage placement the lists assume (``registry.placement(name)``; ``stage_of``).
 
     Raises:
         ValueError: the first problem, naming the rank, action position, action and fix.

@@ -1,10 +1,10 @@
 """Pipeline parallelism: ``PipelineParallel(stage_modules, mesh, schedule, m, v).train_batch(data_iter)``.
 
-The pieces: ``plait.parallel.partition`` cuts the layer list (``plait.layers.stages`` builds this
-rank's chunks of a plait model; any ``plait.parallel.stage.StageChunk`` will do),
-``plait.parallel.schedules`` says what each rank does (a pure function per schedule),
-``plait.parallel.simulate.with_communication`` adds the sends and receives, and
-``plait.parallel.pipeline_exec.PipelineExecutor`` runs any such list. This module ties them
+The pieces: ``plait.parallel.pipeline.partition`` cuts the layer list (``plait.layers.stages`` builds this
+rank's chunks of a plait model; any ``plait.parallel.pipeline.stage.StageChunk`` will do),
+``plait.parallel.pipeline.schedules`` says what each rank does (a pure function per schedule),
+``plait.parallel.pipeline.comm_actions.with_communication`` adds the sends and receives, and
+``plait.parallel.pipeline.executor.PipelineExecutor`` runs any such list. This module ties them
 together for one training or evaluation step and owns the tied gradient sum (``sum_tied_gradients``,
 the only one: an engine hands it the gradients wherever it keeps them).
 
@@ -37,12 +37,14 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from plait.parallel.p2p import StageP2P, TPSlices, channel_groups
-from plait.parallel.pipeline_exec import PipelineExecutor
-from plait.parallel.pipeline_graphs import check_device
-from plait.parallel.schedules import Action, get_schedule, placement, rank_of
-from plait.parallel.simulate import stage_costs, with_communication
-from plait.parallel.stage import StageChunk, check_layer_order, missing_members
+from plait.parallel.pipeline.p2p import StageP2P, TPSlices, channel_groups
+from plait.parallel.pipeline.executor import PipelineExecutor
+from plait.parallel.pipeline.graphs import check_device
+from plait.parallel.pipeline.schedules import Action, rank_of
+from plait.parallel.pipeline.registry import get_schedule, placement
+from plait.parallel.pipeline.simulate import stage_costs
+from plait.parallel.pipeline.comm_actions import with_communication
+from plait.parallel.pipeline.stage import StageChunk, check_layer_order, missing_members
 
 
 class PipelineParallel:
@@ -50,7 +52,7 @@ class PipelineParallel:
 
     Args:
         stage_modules: this rank's ``v`` chunks in chunk order, each a ``StageChunk``
-            (``plait.parallel.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
+            (``plait.parallel.pipeline.stage``; ``plait.layers.stages.build_stage_modules`` builds plait's);
             chunk ``c`` is virtual stage ``stage_of(pp_rank, c, p, placement(schedule))`` (``c*p + pp_rank``
             except for "zb-v": build them with ``build_stage_modules(..., schedule=schedule)``). Each is
             called ``chunk(hidden=x, **batch)``
@@ -68,18 +70,18 @@ class PipelineParallel:
             are final (tied embedding copies are summed only after the whole schedule).
         slice_tp: send each tp rank's ``1/tp`` part of the tensors crossing a stage boundary and
             all-gather them on the receiving stage (Megatron-LM's scatter/gather, Narayanan et al.,
-            SC'21, Sec. 4.1; ``plait.parallel.p2p.TPSlices``). None (default): on exactly when p > 1,
+            SC'21, Sec. 4.1; ``plait.parallel.pipeline.p2p.TPSlices``). None (default): on exactly when p > 1,
             tp > 1 and every chunk declares ``sequence_parallel`` False (plait's ``TransformerStage``
             does; a chunk without that attribute keeps whole sends). True: on whenever p > 1 and tp > 1
             (you vouch that the activation and its gradient are identical on the tp ranks of a stage).
             False: whole tensors.
         schedule_costs: for "zb-v", what its list scheduler plans for. None: unit costs (the paper's
             setting). A dict: per-virtual-stage durations ``{"F": [...], "BI": [...], "BW": [...]}``, ``p * v``
-            values each, the same on every rank of the world (``plait.parallel.simulate.stage_costs``).
+            values each, the same on every rank of the world (``plait.parallel.pipeline.simulate.stage_costs``).
             "measure": the second ``train_batch`` (the first warms up) times its actions, every rank of the
             world gathers all of them (once; a host synchronization), and the following steps run the lists
             planned for those per-stage medians (``planned_costs``).
-        cuda_graphs: replay each training action as a CUDA graph (``plait.parallel.pipeline_graphs``: for
+        cuda_graphs: replay each training action as a CUDA graph (``plait.parallel.pipeline.graphs``: for
             micro-batches small enough that issuing the kernels from Python sets the pace). Needs a CUDA device
             and tp = cp = ep = 1 (checked here); ZeRO stage 0-2 without parameter offload, no dropout and
             micro-batches of one shape per step (checked at the first training step).
@@ -136,7 +138,7 @@ class PipelineParallel:
         for c, chunk in enumerate(self.stage_modules):
             if missing := missing_members(chunk):
                 raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
-                                f"{missing} (see plait.parallel.stage; plait.layers.stages builds plait's)")
+                                f"{missing} (see plait.parallel.pipeline.stage; plait.layers.stages builds plait's)")
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:

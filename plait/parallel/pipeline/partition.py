@@ -3,7 +3,7 @@
 A model is a flat list of ``num_layers + 2`` items: 0 = embedding, 1..L = transformer blocks,
 L+1 = head (``plait.layers.stages.build_stage_modules`` builds a plait model's chunks from a partition).
 With ``p`` pipeline ranks and ``v`` model chunks per rank there are ``p*v`` virtual stages; which rank
-and chunk hold stage ``s`` is the schedule's placement (``plait.parallel.schedules.stage_of``: ``c*p + r``
+and chunk hold stage ``s`` is the schedule's placement (``plait.parallel.pipeline.schedules.stage_of``: ``c*p + r``
 for chunk ``c`` on rank ``r``, Narayanan et al., SC'21, Sec. 2.2.2, or the "v" shape of "zb-v"). A partition
 gives each virtual stage a contiguous, non-empty range ``[start, stop)`` of items.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from plait.parallel.schedules import stage_of
+from plait.parallel.pipeline.schedules import stage_of
 
 METHODS = ("uniform", "parameters")
 

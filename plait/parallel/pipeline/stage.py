@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.parallel.schedules import stage_of
+from plait.parallel.pipeline.schedules import stage_of
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 A transfer is one tensor moving one hop along the virtual-stage chain: an activation from
 stage ``s`` to ``s+1`` (direction "F") or an input gradient from ``s`` to ``s-1`` ("B"). Stage
 ``s`` lives on pipeline rank ``q = rank_of(s, p, shape)`` (``s % p`` in the "loop" placement; see
-``plait.parallel.schedules``), whose global rank is ``mesh.ranks("pp")[q]`` for this process's (dp, cp,
+``plait.parallel.pipeline.schedules``), whose global rank is ``mesh.ranks("pp")[q]`` for this process's (dp, cp,
 tp) coordinate, so each tp rank talks to the same tp rank of the neighbouring stage (its sequence shard
 under sequence parallelism, its replica otherwise).
 
@@ -16,7 +16,7 @@ Channels: a message from pipeline rank ``a`` to rank ``b`` travels on the "up" p
 point-to-point operations of one group in posting order on one stream and matches them in that order,
 so each (group, pair) carries ONE direction only: a blocked send can then never sit in front of the
 receive its peer waits for, and the matching rule is simply that the receiver posts a channel's receives
-in the order the sender posts its sends (``plait.parallel.simulate.with_communication`` places them so,
+in the order the sender posts its sends (``plait.parallel.pipeline.comm_actions.with_communication`` places them so,
 and ``simulate`` refuses lists that do not). gloo matches by tag (:meth:`Transfer.tag`) as well.
 
 This relies on NCCL giving each (group, pair) its own communicator and stream, as it does for single
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from plait.parallel.collectives import all_gather_flat
-from plait.parallel.schedules import rank_of
+from plait.parallel.pipeline.schedules import rank_of
 
 
 @dataclass(frozen=True, order=True)
@@ -82,7 +82,7 @@ class StageP2P:
         groups: ``(up, down)`` from :func:`channel_groups` (``(None, None)`` in one process).
         num_stages: ``p * v`` virtual stages.
         pp_rank: this process's pipeline rank.
-        shape: the stage placement (``plait.parallel.schedules.stage_of``): "loop" or "v".
+        shape: the stage placement (``plait.parallel.pipeline.schedules.stage_of``): "loop" or "v".
     """
 
     def __init__(self, pp_ranks: list[int], groups: tuple, num_stages: int, pp_rank: int = 0,

@@ -1,6 +1,6 @@
 """Weight-side gradients of single autograd nodes, computed from their saved tensors.
 
-The zero-bubble W pass (``plait.parallel.pipeline_backward``) must compute, for a node such as the
+The zero-bubble W pass (``plait.parallel.pipeline.backward``) must compute, for a node such as the
 ``MmBackward0`` of ``y = x W^T``, only the parameter-side output ``dW = dy^T x`` from a gradient
 ``dy`` captured earlier. Running each node through the autograd engine costs one engine call per
 node (~140 us of host time each on CPU, ~9 per transformer block), so for the node types of

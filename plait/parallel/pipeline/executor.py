@@ -1,4 +1,4 @@
-"""The one pipeline executor: runs any rank's action list (see ``plait.parallel.schedules``).
+"""The one pipeline executor: runs any rank's action list (see ``plait.parallel.pipeline.schedules``).
 
 Actions (``Action(kind, microbatch, chunk)``; chunk ``c`` is virtual stage ``stage_of(rank, c, p, shape)``):
 
@@ -10,15 +10,15 @@ Actions (``Action(kind, microbatch, chunk)``; chunk ``c`` is virtual stage ``sta
   gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
   A neighbouring stage on this same rank (every one when p = 1; stage ``p-1`` to ``p`` in the "v"
   placement) gets the output, or the input gradient, handed over directly, without comm actions.
-- BI / BW: the zero-bubble split (``plait.parallel.pipeline_backward``).
+- BI / BW: the zero-bubble split (``plait.parallel.pipeline.backward``).
 - SEND_F / SEND_B: post the tensor (``StageP2P.send``) and go on; sends are never waited on inside
   the step (finished ones are dropped before each compute action, the rest waited on at its end).
 - RECV_F / RECV_B: post a receive (``StageP2P.recv``); the compute action that reads it waits for it
   just before it starts (a CUDA stream wait, no host synchronization).
-  ``simulate.with_communication`` places receives ahead of their use, in each channel's send order
-  (``plait.parallel.p2p``), so transfers overlap compute and cannot deadlock.
+  ``comm_actions.with_communication`` places receives ahead of their use, in each channel's send order
+  (``plait.parallel.pipeline.p2p``), so transfers overlap compute and cannot deadlock.
 
-Tensor-parallel slices (``tp_slices``, ``plait.parallel.p2p.TPSlices``; on when tp > 1 without sequence
+Tensor-parallel slices (``tp_slices``, ``plait.parallel.pipeline.p2p.TPSlices``; on when tp > 1 without sequence
 parallelism, chosen by ``PipelineParallel``): a SEND posts only this tp rank's ``1/tp`` part of the
 activation ``[b, s, h]`` or input gradient (1-D, ``ceil(b*s*h / tp)`` elements, a view when tp divides
 ``b*s*h``), a RECV posts a receive of that many elements from the same tp rank of the neighbouring stage,
@@ -47,11 +47,11 @@ from collections.abc import Callable
 
 import torch
 
-from plait.parallel.p2p import StageP2P, TPSlices, Transfer
-from plait.parallel.pipeline_backward import backward_input, backward_weight
-from plait.parallel.pipeline_graphs import ActionGraphs
-from plait.parallel.schedules import Action, rank_chunk_of, stage_of
-from plait.parallel.stage import takes_keyword
+from plait.parallel.pipeline.p2p import StageP2P, TPSlices, Transfer
+from plait.parallel.pipeline.backward import backward_input, backward_weight
+from plait.parallel.pipeline.graphs import ActionGraphs
+from plait.parallel.pipeline.schedules import Action, rank_chunk_of, stage_of
+from plait.parallel.pipeline.stage import takes_keyword
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,10 @@ class PipelineExecutor:
         tp_slices: ``TPSlices`` over this rank's tp group to send only ``1/tp`` of every transfer and
             all-gather it on receipt (module docstring); None (default): send whole tensors. Only valid
             when the tensors crossing a stage boundary are identical on all tp ranks of a stage.
-        shape: the stage placement of the action lists (``plait.parallel.schedules.stage_of``): "loop"
+        shape: the stage placement of the action lists (``plait.parallel.pipeline.schedules.stage_of``): "loop"
             (default) or "v" (schedule "zb-v").
         cuda_graphs: training steps replay each compute action as a CUDA graph
-            (``plait.parallel.pipeline_graphs.ActionGraphs``, built here over ``chunks``: captured at the first
+            (``plait.parallel.pipeline.graphs.ActionGraphs``, built here over ``chunks``: captured at the first
             step, and again when shapes change); False (default): eager. Evaluation steps always run eagerly.
 
     ``run`` takes the per-step callbacks (``scale_loss``, ``on_micro_batch``) as arguments.
@@ -118,6 +118,7 @@ class PipelineExecutor:
         # ``ActionTime`` per action and ``busy_seconds`` their summed duration (for bubble measurements).
         self.time_compute, self.busy_seconds, self.timeline = False, 0.0, []
         self.peak_in_flight, self.sent_elements = 0, {}   # of the last ``run`` (class docstring)
+        self._compute = {"F": self._do_F, "B": self._do_B, "BI": self._do_BI, "BW": self._do_BW}   # by Action.kind
 
     def stage(self, chunk: int) -> int:
         return stage_of(self.rank, chunk, self.p, self.shape)
@@ -179,7 +180,7 @@ class PipelineExecutor:
             self._await_inputs(action)
             start = self._mark() if self.time_compute else None
             host = time.perf_counter()
-            getattr(self, "_do_" + action.kind)(action.microbatch, action.chunk)
+            self._compute[action.kind](action.microbatch, action.chunk)
             if start is not None:
                 spans.append((action, start, self._mark(), time.perf_counter() - host))
         for work, _ in self._sends:
@@ -237,7 +238,7 @@ class PipelineExecutor:
 
     # ---- communication ----------------------------------------------------------------------
     def _post(self, a: Action) -> None:
-        """Post one SEND_*/RECV_* without waiting (see ``plait.parallel.p2p``); with ``tp_slices`` only
+        """Post one SEND_*/RECV_* without waiting (see ``plait.parallel.pipeline.p2p``); with ``tp_slices`` only
         this tp rank's part of the tensor travels."""
         key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
         if a.kind in ("SEND_F", "SEND_B"):

@@ -23,7 +23,7 @@ How this is done on a plain autograd graph, with no change to the layers:
    stage is freed at BI, as in the paper's W pass (with saved-tensor hooks, or a GEMM whose saved
    tensors are not plain, the graph is retained until BW).
 3. BW: per GEMM node, its parameter-side outputs from the captured ``dy`` and the node's saved
-   tensors (``plait.parallel.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
+   tensors (``plait.parallel.pipeline.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
    ``MmBackward0``, bitwise the engine's result; a node whose tensors are not plain runs alone through
    the engine). Then ONE engine call from all parameter-side child edges (the GEMMs' and those BI
    computed) into the parameters runs the parameter-only tails (transposes, the tp all-reduce of
@@ -53,7 +53,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils import checkpoint as _checkpoint
 
-from plait.parallel.weight_grad import plan
+from plait.parallel.pipeline.weight_grad import plan
 
 #: weight nodes whose parameter-side work (a GEMM) BI defers to BW; every other weight node (norms, bias
 #: adds, element-wise scales, any op without a formula here) computes its parameter gradient in BI
@@ -190,7 +190,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
 
 def weight_gradients(pending: PendingWeightGrad) -> tuple[list, list]:
     """BW's kernels without the accumulation: the parameter-side gradients of a split ``pending``
-    (``split`` True) as ``(edges, grads)`` for :func:`run_tails` (``plait.parallel.pipeline_graphs``
+    (``split`` True) as ``(edges, grads)`` for :func:`run_tails` (``plait.parallel.pipeline.graphs``
     captures this part in a CUDA graph and runs the tails after each replay)."""
     return _in_exec_group(lambda: _weight_halves(pending))
 
@@ -206,7 +206,7 @@ def _in_exec_group(fn):
 def _weight_halves(pending: PendingWeightGrad) -> tuple[list, list]:
     tails, tail_grads = [e for e, _ in pending.ready], [g for _, g in pending.ready]
     for node, captured, side, fn in pending.nodes:
-        if fn is not None:  # plait.parallel.weight_grad: the autograd formula on the saved tensors
+        if fn is not None:  # plait.parallel.pipeline.weight_grad: the autograd formula on the saved tensors
             grads = fn(captured[0][1])
         else:  # any other node: run it alone through the engine (the graph was retained)
             outs = [GradientEdge(node, k) for k, _ in captured]
