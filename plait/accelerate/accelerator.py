@@ -141,10 +141,10 @@ class Accelerator(accelerate.Accelerator):
         plugin.fill_match("gradient_accumulation_steps", must_match=False,
                           gradient_accumulation_steps=self.gradient_accumulation_steps)
         steps = plugin.get_value("gradient_accumulation_steps")
-        if steps != self.gradient_accumulation_steps:
+        if steps != self.gradient_accumulation_steps and self.is_main_process:
             log.warning("gradient accumulation steps: the Accelerator has %s, the ds_config %s; using the ds_config's",
                         self.gradient_accumulation_steps, steps)
-            self.gradient_accumulation_steps = steps
+        self.gradient_accumulation_steps = steps
 
     # ---- the step -------------------------------------------------------------------------------------------
     def backward(self, loss, **kwargs):

@@ -5,7 +5,11 @@ deepspeed_with_config_support.py``); only the import line names plait.
     torchrun --nproc-per-node N accelerate_script.py OUT [--ds_config PATH] [--plain] [--epochs E]
         [--save_epoch K] [--resume DIR --start_epoch K]
 
-``--plain``: the same loop on accelerate itself (the reference; no DeepSpeed). Without ``--ds_config`` the
+``--plain``: the same loop on accelerate itself (the reference; no DeepSpeed). ``--warmup_lr_reference``
+(with ``--plain``): the reference for a ds_config whose optimizer and schedule the script does not build itself
+(accelerate's ``ds_config_zero2.json``: AdamW with weight decay 0 and DeepSpeed's WarmupLR, warmup 1 step, whose
+learning rate is 0 for the first two steps, then the peak): the same written for plain accelerate (whose
+``AcceleratedScheduler`` steps a schedule once per process at each optimizer step). Without ``--ds_config`` the
 plugin comes from ``accelerate launch``'s environment, if any. A tiny BERT classifier (dropout on), 5
 optimizer steps of 2 micro-batches per epoch and process. Writes OUT/result.json (main process): every
 micro-batch's loss per process, the gradient norms, learning rates, evaluation accuracy/loss per epoch
@@ -29,6 +33,8 @@ cli.add_argument("--epochs", type=int, default=2)
 cli.add_argument("--save_epoch", type=int, default=None)
 cli.add_argument("--resume", default=None)
 cli.add_argument("--start_epoch", type=int, default=0)
+cli.add_argument("--gas", type=int, default=2)
+cli.add_argument("--warmup_lr_reference", action="store_true")
 args = cli.parse_args()
 
 if args.plain:
@@ -37,7 +43,7 @@ if args.plain:
 else:   # was: from accelerate import Accelerator, DeepSpeedPlugin; from accelerate.utils import DummyOptim, DummyScheduler
     from plait.accelerate import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler
 
-LR, BATCH, EVAL_BATCH, GAS, MICRO_PER_EPOCH = 2e-3, 4, 8, 2, 10
+LR, BATCH, EVAL_BATCH, MICRO_PER_EPOCH = 2e-3, 4, 8, 10
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -57,7 +63,7 @@ class Pairs(torch.utils.data.Dataset):
 
 def main():
     plugin = DeepSpeedPlugin(hf_ds_config=args.ds_config) if args.ds_config else None
-    accelerator = Accelerator(gradient_accumulation_steps=GAS, deepspeed_plugin=plugin)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gas, deepspeed_plugin=plugin)
     set_seed(42)
     train = Pairs(BATCH * MICRO_PER_EPOCH * accelerator.num_processes, seed=1)
     train_dataloader = DataLoader(train, shuffle=True, batch_size=BATCH)
@@ -65,11 +71,15 @@ def main():
     model = BertForSequenceClassification(BertConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
-    steps = args.epochs * MICRO_PER_EPOCH // GAS
+    steps = args.epochs * MICRO_PER_EPOCH // args.gas
     ds = accelerator.state.deepspeed_plugin
     if ds is not None and "optimizer" in ds.deepspeed_config:     # deepspeed_with_config_support.py's choice
         optimizer = DummyOptim(model.parameters(), lr=LR)
         lr_scheduler = DummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=0)
+    elif args.warmup_lr_reference:
+        optimizer = torch.optim.AdamW(params=model.parameters(), lr=LR, weight_decay=0.0)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda count: 0.0 if count < 2 * accelerator.num_processes else 1.0)
     else:
         optimizer = torch.optim.AdamW(params=model.parameters(), lr=LR)
         lr_scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=steps)
@@ -87,7 +97,7 @@ def main():
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                    record["grad_norms"].append(float(norm))
+                    record["grad_norms"].append(None if norm is None else float(norm))
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
