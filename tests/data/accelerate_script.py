@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 
 cli = argparse.ArgumentParser()
 cli.add_argument("out")
@@ -63,7 +63,10 @@ class Pairs(torch.utils.data.Dataset):
 
 def main():
     plugin = DeepSpeedPlugin(hf_ds_config=args.ds_config) if args.ds_config else None
-    accelerator = Accelerator(gradient_accumulation_steps=args.gas, deepspeed_plugin=plugin)
+    # the seedable sampler: the data order from (seed, epoch), so that a resumed run draws the same order
+    # (accelerate's checkpoint does not hold the default sampler's generator at several processes)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gas, deepspeed_plugin=plugin,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(42)
     train = Pairs(BATCH * MICRO_PER_EPOCH * accelerator.num_processes, seed=1)
     train_dataloader = DataLoader(train, shuffle=True, batch_size=BATCH)
@@ -71,7 +74,7 @@ def main():
     model = BertForSequenceClassification(BertConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
-    steps = args.epochs * MICRO_PER_EPOCH // args.gas
+    steps = len(train_dataloader) * args.epochs // args.gas   # before prepare, as nlp_example: all processes' batches
     ds = accelerator.state.deepspeed_plugin
     if ds is not None and "optimizer" in ds.deepspeed_config:     # deepspeed_with_config_support.py's choice
         optimizer = DummyOptim(model.parameters(), lr=LR)
@@ -91,6 +94,7 @@ def main():
     record = {"losses": [], "grad_norms": [], "lrs": [], "eval": []}
     for epoch in range(args.start_epoch, args.epochs):
         model.train()
+        train_dataloader.set_epoch(epoch)
         for batch in train_dataloader:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
