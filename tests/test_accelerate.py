@@ -166,9 +166,24 @@ def test_what_the_engine_does_not_serve_is_refused_by_name(accelerator):
         accelerator.prepare(tiny_bert())
 
 
+def test_a_dynamo_backend_compiles_the_engine():
+    """accelerate's DeepSpeed path calls engine.compile(backend, kwargs) for ``dynamo_backend``."""
+    try:
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(ACCEL_Z2)), cpu=True,
+                                  dynamo_backend="eager")
+        model = tiny_bert()
+        optimizer = DummyOptim(model.parameters(), lr=1e-3)
+        model, _, _, _ = accelerator.prepare(model, optimizer, loader(), DummyScheduler(optimizer))
+        assert model.is_compiled
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"deepspeed_plugins": {"a": None, "b": None}}, r"one DeepSpeedPlugin; got 2 \(deepspeed_plugins=\['a', 'b'\]\)"),
     ({"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=str(ACCEL_Z2)), "mixed_precision": "fp8"}, "fp8"),
+    ({"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=str(ACCEL_Z2), transformer_moe_cls_names="BertLayer")},
+     "transformer_moe_cls_names"),
 ])
 def test_unserved_accelerator_arguments_are_refused(kwargs, match):
     try:

@@ -23,8 +23,10 @@ method, and all of it without a plugin, is accelerate's own. accelerate itself r
 * Mixed precision is the ds_config's: ``mixed_precision=`` (or ``ACCELERATE_MIXED_PRECISION``) fills its
   ``fp16``/``bf16`` as accelerate's plugin does, and accelerate's autocast stays off (as under DeepSpeed).
 
-Refused, naming the feature: several plugins (``deepspeed_plugins`` dict), fp8 / MS-AMP, ``device_placement``
-lists, two models in one accelerator, ``backward`` keyword arguments, ``clip_grad_value_``.
+Refused, naming the feature: several plugins (``deepspeed_plugins`` dict), fp8 / MS-AMP, ``transformer_moe_cls_names``,
+``device_placement`` lists, two models in one accelerator, ``backward`` keyword arguments, ``clip_grad_value_``.
+``zero3_init_flag`` is accepted with a notice (the model is built whole; ``prepare`` partitions it); a dynamo
+backend compiles the engine (``engine.compile``), as accelerate's DeepSpeed path does.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import os
 import accelerate
 import torch
 from accelerate.state import AcceleratorState
-from accelerate.utils import DeepSpeedPlugin, parse_choice_from_env
+from accelerate.utils import DeepSpeedPlugin, DynamoBackend, parse_choice_from_env
 from accelerate.utils.constants import MODEL_NAME
 from torch.utils.data import DataLoader
 
@@ -92,6 +94,12 @@ class Accelerator(accelerate.Accelerator):
         if precision == "fp8" or plugin.enable_msamp:
             raise ConfigError("plait.accelerate: fp8 mixed precision / MS-AMP is not served; use bf16 or fp16 "
                               "(mixed_precision= or the ds_config's bf16/fp16 section)")
+        if plugin.transformer_moe_cls_names or os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"):
+            raise ConfigError("plait.accelerate: transformer_moe_cls_names (ZeRO-3 leaf modules) is not served; plait "
+                              "gathers a ZeRO-3 model by its transformer blocks: drop it")
+        if plugin.zero3_init_flag:
+            log.info("zero3_init_flag: the model is built whole and partitioned in prepare() (to build it without "
+                     "weights, use plait.hf.from_pretrained)")
         plugin.set_mixed_precision(precision)
         with _without_env("ACCELERATE_USE_DEEPSPEED"):   # accelerate would import deepspeed for it
             super().__init__(mixed_precision="no", **kwargs)   # the ds_config carries the precision
@@ -130,11 +138,22 @@ class Accelerator(accelerate.Accelerator):
             launch.leave_at_exit()   # accelerate started the group; it stays up until the process ends
         self.engine, opt, sched = ds_prepare.build(models[0], plugin.deepspeed_config, optimizer, scheduler,
                                                    self.step_scheduler_with_optimizer, self.split_batches)
+        self._compile(self.engine)
         if isinstance(sched, accelerate.scheduler.AcceleratedScheduler) and not isinstance(
                 sched, ds_prepare.DeepSpeedSchedulerWrapper):
             self._schedulers.append(sched)   # saved by save_state (the engine saves its own schedule)
         swap = {id(a): b for a, b in ((models[0], self.engine), (optimizer, opt), (scheduler, sched)) if a is not None}
         return _one_or_tuple([swap.get(id(a), r) for a, r in zip(args, result)])
+
+    def _compile(self, engine) -> None:
+        """accelerate's DeepSpeed path: with a dynamo backend (``dynamo_backend=``, ``--dynamo_backend``),
+        ``engine.compile(backend, kwargs)`` (plait compiles each transformer block, as regional compilation)."""
+        dynamo = self.state.dynamo_plugin
+        if dynamo is None or dynamo.backend == DynamoBackend.NO:
+            return
+        kwargs = dynamo.to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        engine.compile(str(kwargs.pop("backend")).lower(), kwargs)
 
     def _set_accumulation(self, plugin) -> None:
         """accelerate's rule: "auto" takes the Accelerator's steps; a number in the ds_config wins (warned)."""
