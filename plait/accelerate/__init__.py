@@ -1,0 +1,25 @@
+"""accelerate scripts that use DeepSpeed, on plait's engine: change the import line only::
+
+    from plait.accelerate import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler
+    # was: from accelerate import Accelerator, DeepSpeedPlugin; from accelerate.utils import DummyOptim, ...
+
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config="ds_config.json"))
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    for batch in train_dl:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)                 # engine.backward + engine.step
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+Launched by ``torchrun`` or by ``python -m plait.accelerate.launch`` (``accelerate launch``'s arguments:
+``accelerate launch --use_deepspeed`` itself needs the deepspeed package). ``DeepSpeedPlugin``, ``DummyOptim``
+and ``DummyScheduler`` are accelerate's own classes (``accelerate.utils`` exports the last two only when the
+deepspeed package is installed; they live in ``accelerate.utils.deepspeed``). See ``plait.accelerate.accelerator``. Needs accelerate
+(the ``hf`` extra).
+"""
+from accelerate.utils import DeepSpeedPlugin
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+from plait.accelerate.accelerator import Accelerator
+
+__all__ = ["Accelerator", "DeepSpeedPlugin", "DummyOptim", "DummyScheduler"]
