@@ -40,7 +40,7 @@ from accelerate.utils.deepspeed import (DeepSpeedOptimizerWrapper, DeepSpeedSche
 from torch.optim.lr_scheduler import LRScheduler
 
 import plait
-from plait.deepspeed.entry import _scheduler_factory
+from plait.deepspeed.entry import scheduler_factory
 
 log = logging.getLogger("plait")
 
@@ -167,6 +167,6 @@ def build(model, config: dict, optimizer, scheduler, step_with_optimizer: bool, 
     if not isinstance(scheduler, LRScheduler) or not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"prepare() got a schedule ({type(scheduler).__name__}) that plait cannot move onto the "
                          "engine's optimizer: pass a torch LRScheduler built on the torch optimizer passed with it")
-    _scheduler_factory(scheduler, optimizer)(engine.optimizer.optimizer)   # now drives the engine's optimizer
+    scheduler_factory(scheduler, optimizer)(engine.optimizer.optimizer)   # now drives the engine's optimizer
     return engine, wrapped, AcceleratedScheduler(scheduler, wrapped, step_with_optimizer=step_with_optimizer,
                                                  split_batches=split_batches)

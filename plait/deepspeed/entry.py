@@ -65,7 +65,7 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _scheduler_factory(lr_scheduler, optimizer):
+def scheduler_factory(lr_scheduler, optimizer):
     """plait builds its optimizer over the fp32 master shards, so a schedule *instance* bound to the
     user's optimizer is moved onto it (same groups, same step count); a callable is called with it."""
     if lr_scheduler is None or not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer")):
@@ -153,6 +153,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
         model_parameters = None   # the instance's own param groups are used exactly
     engine = plait.initialize(model, source, optimizer=optimizer, model_parameters=model_parameters,
-                              lr_scheduler=_scheduler_factory(lr_scheduler, optimizer))
+                              lr_scheduler=scheduler_factory(lr_scheduler, optimizer))
     loader = _loader(training_data, engine, collate_fn, drop_last=False)   # dataloader_drop_last: true is refused
     return engine, engine.optimizer, loader, engine.lr_scheduler
