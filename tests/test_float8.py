@@ -132,3 +132,91 @@ def test_tp2_layers_match_torchaos_float8_linear(tp2_errors, layer, sp):
 def test_a_per_shard_amax_fails_the_parity_bound(tp2_errors, layer, sp):
     errors = tp2_errors[layer, sp, True]
     assert errors["y"] > 1e3 * SUM_ORDER and errors["dw"] > 1e3 * SUM_ORDER, errors
+
+
+# ---------------------------------------------------------------------------------------------- the config
+BASE = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+
+
+def test_the_fp8_section_reads_and_round_trips():
+    cfg = load_config({**BASE, "fp8": {"enabled": True, "recipe": "rowwise", "exclude": ["lm_head", "model.layers.0"]}})
+    assert cfg.fp8 == FP8Config(True, "rowwise", ["lm_head", "model.layers.0"])
+    assert load_config(cfg.to_dict()) == cfg
+    assert load_config(BASE).fp8 == FP8Config(False, "tensorwise", ["lm_head"])
+
+
+@pytest.mark.parametrize("section, tp, match", [
+    ({"recipe": "rowise"}, 1, r"'fp8.recipe' must be one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp', got str "
+                              r"'rowise'; did you mean 'rowwise'\?"),
+    ({"recipe": "delayed"}, 1, r"'fp8.recipe' must be one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"),
+    ({"exclude": "lm_head"}, 1, r"'fp8.exclude' must be a list of strings, got str 'lm_head'"),
+    ({"exclude": [""]}, 1, r"fp8.exclude holds \[''\]: each entry must be a non-empty module-name pattern"),
+    ({"enable": True}, 1, r"unknown key 'enable' in 'fp8'; did you mean 'enabled'\?"),
+    ({"enabled": True, "recipe": "rowwise"}, 2, r"fp8.recipe 'rowwise' with tensor_parallel.size 2: .* set fp8.recipe "
+                                                r"\"tensorwise\" or tensor_parallel.size 1"),
+])
+def test_bad_fp8_sections_are_refused_naming_the_key(section, tp, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({**BASE, "fp8": section, "tensor_parallel": {"size": tp}})
+
+
+def test_a_direct_fp8config_with_an_unknown_recipe_names_the_valid_ones():
+    with pytest.raises(ConfigError, match="fp8.recipe = 'mxfp8' is not a torchao float8 recipe; use one of "
+                                          "tensorwise, rowwise, rowwise_with_gw_hp"):
+        FP8Config(True, "mxfp8")
+
+
+def test_gpus_without_float8_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"NVIDIA A100-SXM4-80GB \(compute capability 8.0\) has no float8 matmuls; "
+                                          r"float8 training needs compute capability 8.9 or higher"):
+        check_float8_device("cuda", (8, 0), "NVIDIA A100-SXM4-80GB")
+    assert check_float8_device("cuda", (9, 0), "NVIDIA H200") is False   # hardware float8, no emulation
+    assert check_float8_device("cuda", (8, 9), "NVIDIA L40S") is False
+    assert check_float8_device("cpu") is True                             # torchao's emulation
+    with pytest.raises(ConfigError, match="not on 'mps'"):
+        check_float8_device("mps")
+    with pytest.raises(ConfigError, match=r"GeForce GTX 1080 \(compute capability 6.1\)"):
+        convert_to_float8(nn.Linear(16, 16), FP8Config(True), torch.device("cuda"), capability=(6, 1),
+                          device_name="GeForce GTX 1080")
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def hf_llama(intermediate: int = 128):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=intermediate,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64))
+
+
+def test_exclude_patterns_and_unaligned_layers_stay_in_high_precision(caplog):
+    model = hf_llama(intermediate=72)   # 72 is no multiple of 16: the MLP stays in high precision
+    report = convert_to_float8(model, FP8Config(True, exclude=["lm_head", "model.layers.0", "no_such"]),
+                               torch.device("cpu"))
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert {n for n, k in kinds.items() if k == "Float8Linear"} == {
+        f"model.layers.1.self_attn.{p}_proj" for p in "qkvo"}
+    assert sorted(report["unaligned"]) == [f"model.layers.1.mlp.{p}_proj" for p in ("down", "gate", "up")]
+    assert sorted(report["excluded"])[-1] == "model.layers.0.self_attn.v_proj" and "lm_head" in report["excluded"]
+    assert "fp8.exclude pattern 'no_such' matches no linear layer" in caplog.text
+    assert "4 linear layer(s) compute in float8 (torchao recipe 'tensorwise'), emulated on the CPU" in caplog.text
+
+
+def test_plait_models_convert_their_parallel_and_fused_layers():
+    model = TransformerModel(tiny(fused_projections=True), None, seed=3)
+    before = {n: p for n, p in model.named_parameters()}
+    report = convert_to_float8(model, FP8Config(True, exclude=["layers.1.attn"]), torch.device("cpu"))
+    assert sorted(report["converted"]) == ["layers.1.mlp.down_proj", "layers.1.mlp.gate_up_proj",
+                                           "layers.2.attn.o_proj", "layers.2.attn.qkv_proj",
+                                           "layers.2.mlp.down_proj", "layers.2.mlp.gate_up_proj"]
+    assert isinstance(model.layers["2"].attn.qkv_proj, Float8ColumnParallelLinear)
+    assert type(model.layers["1"].attn.qkv_proj) is ColumnParallelLinear
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)   # names and tensors kept
+
+
+def test_excluded_matches_a_module_or_one_containing_it_at_any_depth():
+    assert excluded("lm_head", ["lm_head"]) == "lm_head"
+    assert excluded("model.layers.0.mlp.up_proj", ["layers.0"]) == "layers.0"
+    assert excluded("model.layers.10.mlp.up_proj", ["layers.1"]) is None
+    assert excluded("0.layers.3.attn.q_proj", ["layers.3.*"]) == "layers.3.*"
