@@ -285,3 +285,22 @@ def test_checkpoints_stay_in_the_training_dtypes_and_load_without_fp8(tmp_path):
     assert want.keys() == got.keys()
     for name in want:
         assert got[name].dtype == want[name].dtype == torch.bfloat16 and torch.equal(got[name], want[name]), name
+
+
+def test_compile_and_activation_checkpointing_compute_what_eager_float8_computes():
+    """The swap runs before compile traces the blocks and before activation checkpointing marks them: a compiled
+    (aot_eager: the same ATen kernels), fully recomputed float8 engine gives the eager float8 engine's losses."""
+    def losses(extra: dict) -> list:
+        engine = plait.initialize(TransformerModel(tiny(), None, seed=3), ds_config(True, **extra), mesh=ParallelMesh())
+        out = []
+        for step in range(2):
+            loss = engine(**micro_batch(step, 0, 0))
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out, engine
+    eager, _ = losses({})
+    both, engine = losses({"compile": {"enabled": True, "backend": "aot_eager"},
+                           "activation_checkpointing": {"number_checkpoints": 2}})
+    assert engine.is_compiled and isinstance(engine.module.layers["1"].mlp.down_proj, Float8RowParallelLinear)
+    assert both == eager
