@@ -223,19 +223,21 @@ def test_excluded_matches_a_module_or_one_containing_it_at_any_depth():
 
 
 # ---------------------------------------------------------------------------------------------- the engine
-def ds_config(fp8: bool, optimizer=None, **extra) -> dict:
+def ds_config(fp8: bool, optimizer=None, stage: int = 2, **extra) -> dict:
     return {**BASE, "optimizer": optimizer or {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-            "zero_optimization": {"stage": 2}, "fp8": {"enabled": fp8}, **extra}
+            "zero_optimization": {"stage": stage}, "fp8": {"enabled": fp8}, **extra}
 
 
-def test_an_hf_llama_trains_through_the_engine_as_a_hand_converted_torchao_model():
-    """Float32, ZeRO-2, SGD with momentum, one fixed batch for 5 steps: the engine's losses equal those of the
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_hf_llama_trains_through_the_engine_as_a_hand_converted_torchao_model(stage):
+    """Float32, ZeRO-2 and ZeRO-3 (parameters gathered in fp32 for the float8 casts), SGD with momentum, one fixed
+    batch for 5 steps: the engine's losses equal those of the
     same model converted by hand with torchao (lm_head left out, as fp8.exclude's default) and trained with
     torch.optim.SGD, bit for bit (the same float8 casts and matmuls; SGD's update is the same arithmetic),
     and fall."""
     model = hf_llama()
     hand = copy.deepcopy(model)
-    engine = plait.initialize(model, ds_config(True), mesh=ParallelMesh())
+    engine = plait.initialize(model, ds_config(True, stage=stage), mesh=ParallelMesh())
     convert_to_float8_training(hand, config=torchao_config("tensorwise", emulate=True),
                                module_filter_fn=lambda m, fqn: fqn != "lm_head")
     assert isinstance(model.model.layers[0].mlp.up_proj, Float8Linear) and type(model.lm_head) is nn.Linear
@@ -304,3 +306,20 @@ def test_compile_and_activation_checkpointing_compute_what_eager_float8_computes
                            "activation_checkpointing": {"number_checkpoints": 2}})
     assert engine.is_compiled and isinstance(engine.module.layers["1"].mlp.down_proj, Float8RowParallelLinear)
     assert both == eager
+
+
+def test_the_trainer_passes_the_fp8_section_through(tmp_path):
+    """``plait.hf.TrainingArguments(deepspeed={..., "fp8": ...})``: the Trainer's engine converts the model (the
+    ds_config reaches ``plait.initialize`` whole) and trains under ZeRO-3."""
+    from plait.hf import Trainer, TrainingArguments
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 3},
+              "fp8": {"enabled": True, "recipe": "rowwise"}}
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=2,
+                             learning_rate=1e-2, max_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_steps=1)
+    data = [{"input_ids": [i % 64, 2, 3, 4], "labels": [i % 64, 2, 3, 4]} for i in range(8)]
+    trainer = Trainer(model=hf_llama(), args=args, train_dataset=data)
+    trainer.train()
+    up = trainer.model.model.layers[1].mlp.up_proj
+    assert isinstance(up, Float8Linear) and up.config.cast_config_input.scaling_granularity.value == "axiswise"
+    assert type(trainer.model.lm_head) is nn.Linear and trainer.engine.global_steps == 2
