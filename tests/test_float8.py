@@ -268,8 +268,9 @@ def _safetensors_dtypes(root: str) -> set:
 
 
 def test_checkpoints_stay_in_the_training_dtypes_and_load_without_fp8(tmp_path):
-    """bf16 compute with fp32 masters and AdamW: a float8 run's checkpoint holds bf16 and fp32 tensors only (no float8 dtype,
-    the parameter names of the high-precision model) and loads into an engine without fp8 to the same weights."""
+    """bf16 compute with fp32 masters and AdamW: a float8 run's checkpoint holds bf16 and fp32 tensors only (no
+    float8 dtype, the parameter names of the high-precision model) and loads into an engine without fp8 to the
+    same weights."""
     adamw = {"type": "AdamW", "params": {"lr": 1e-3}}
     f8 = plait.initialize(TransformerModel(tiny(), None, seed=3), ds_config(True, adamw, bf16={"enabled": True}),
                           mesh=ParallelMesh())
