@@ -47,10 +47,10 @@ from plait.optim.lamb_segments import attach_lamb_segments
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import PipelineParallel
-from plait.precision.float8 import convert_to_float8
 from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
                         weight_decay_groups)
 from plait.zero.weights import prepare_weights
+from plait.precision.float8 import convert_to_float8   # noqa: I001 (kept apart: fewer merge conflicts)
 
 
 class Engine(EngineFacts):
