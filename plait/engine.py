@@ -50,7 +50,7 @@ from plait.parallel.pipeline import PipelineParallel
 from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
                         weight_decay_groups)
 from plait.zero.weights import prepare_weights
-from plait.precision.float8 import convert_to_float8   # noqa: I001 (kept apart: fewer merge conflicts)
+from plait.precision.float8 import convert_to_float8
 
 
 class Engine(EngineFacts):
