@@ -51,6 +51,7 @@ from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
                         weight_decay_groups)
 from plait.zero.weights import prepare_weights
+from plait.precision.float8 import convert_to_float8
 
 
 class Engine(EngineFacts):
@@ -66,6 +67,8 @@ class Engine(EngineFacts):
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
                  model_parameters, pipeline=None, weights=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
+        if config.fp8.enabled:   # before compile traces the blocks and ZeRO collects the (kept) parameters
+            convert_to_float8(module, config.fp8, mesh.device)
         if config.compile.on:   # first: a refused combination builds nothing
             self.compile(config.compile.backend, config.compile.kwargs)
         apply_activation_checkpointing(module, config.activation_checkpointing)

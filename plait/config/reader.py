@@ -268,7 +268,7 @@ def _describe(hint: Any) -> str:
     if origin is tuple:
         return f"a list of {len(args)} numbers"
     if origin is list:
-        return "a list of integers"
+        return "a list of strings" if args == (str,) else "a list of integers"
     if is_dataclass(hint):
         return "a JSON object (a section)"
     if origin in _UNIONS:

@@ -30,6 +30,7 @@ from plait.config.schema_base import AUTO, ConfigError, _auto, bounded  # noqa: 
 from plait.config.schema_optim import (OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS,  # noqa: F401
                                        AdamParams, LambParams, LionParams, OptimizerConfig, SchedulerConfig,
                                        SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams)
+from plait.config.schema_fp8 import FP8_RECIPES, FP8Config  # noqa: F401
 from plait.config.schema_zero import OffloadConfig, ZeroConfig  # noqa: F401
 
 
@@ -275,6 +276,7 @@ class PlaitConfig:
     gradient_clipping: float = bounded(0.0, ge=0, auto=True)   # the max global gradient norm; 0 = off
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config, metadata={"aliases": ("bfloat16",)})
+    fp8: FP8Config = field(default_factory=FP8Config)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -319,6 +321,10 @@ class PlaitConfig:
                               f"got stage {self.zero_optimization.stage} and size {self.tensor_parallel.size}: "
                               "ZeRO-3 gathers parameters in hooks and tp runs collectives inside the actions, "
                               "which a graph cannot replay; set pipeline.cuda_graphs false")
+        if self.fp8.enabled and self.fp8.recipe != "tensorwise" and self.tensor_parallel.size > 1:
+            raise ConfigError(f"fp8.recipe {self.fp8.recipe!r} with tensor_parallel.size {self.tensor_parallel.size}: "
+                              "plait's tensor-parallel float8 layers scale tensorwise (as torchao's float8 tensor "
+                              "parallelism); set fp8.recipe \"tensorwise\" or tensor_parallel.size 1")
 
     @property
     def data_parallel_size(self) -> int:

@@ -121,9 +121,14 @@ class ColumnParallelLinear(nn.Module):
         """A fused layer's local output ``[..., sum(out_i)/tp]`` as the parts' ``[..., out_i/tp]`` (views)."""
         return y.split(self.local_sizes, dim=-1)
 
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x A^T + b`` on this rank's shard: ``[..., in]`` -> ``[..., out/tp]`` (a float8 subclass,
+        ``plait.precision.float8``, replaces this alone)."""
+        return F.linear(x, self.weight, self.bias)
+
     def local_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul alone, for an input already made ready by ``enter_tp_region``."""
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local_matmul(x)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,12 +171,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = leave_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = leave_tp_region(self.local_matmul(x), self.group, self.sequence_parallel)
         if self.bias is None:
             return y
         # Under sequence parallelism each rank adds the bias to its own rows only: sum its grad over tp.
         bias = copy_to_tp(self.bias, self.group) if self.sequence_parallel else self.bias
         return y + bias
+
+    def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x A^T`` on this rank's shard, the partial sum before the reduction: ``[..., in/tp]`` ->
+        ``[..., out]`` (a float8 subclass, ``plait.precision.float8``, replaces this alone)."""
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.group)}, "

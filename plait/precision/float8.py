@@ -1,0 +1,142 @@
+"""Float8 training (the ds_config's ``fp8`` section) through torchao's float8 recipes, applied in one place.
+
+``convert_to_float8`` swaps, in place, every linear layer of a model that float8 serves:
+
+* plait's ``ColumnParallelLinear`` (fused q/k/v and gate/up included) and ``RowParallelLinear`` for the
+  float8 layers of ``plait.precision.float8_layers`` (tensor and sequence parallel kept exact: see there);
+* a Hugging Face model's ``nn.Linear`` layers for torchao's ``Float8Linear`` (``convert_to_float8_training``).
+
+Left in high precision: modules matched by ``fp8.exclude``; layers whose local weight is not a multiple of 16
+in both dimensions (``torch._scaled_mm`` needs it; the same rule on a CPU, so that CPU tests convert what a GPU
+converts); plait's ``LMHead``, embeddings, MoE experts and routers (they are not linear layers).
+
+The swap keeps the parameter tensors themselves (names, dtypes, ZeRO's flat buffers, checkpoints are those of
+the high-precision model: float8 is a compute format) and must run before ``torch.compile`` traces the blocks
+and before ZeRO collects parameters; ``plait.engine`` calls it first. torchao: Float8LinearConfig recipes
+(https://github.com/pytorch/ao/tree/main/torchao/float8); formats: Micikevicius et al., "FP8 Formats for Deep
+Learning", 2022.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.config.schema_base import ConfigError
+from plait.config.schema_fp8 import DEFAULT_EXCLUDE, FP8Config
+from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+#: the smallest CUDA compute capability with float8 matmuls (Ada Lovelace 8.9, Hopper 9.0, Blackwell 10.x)
+MIN_CAPABILITY = (8, 9)
+
+
+def check_float8_device(device_type: str, capability: tuple[int, int] | None = None, name: str = "") -> bool:
+    """Whether float8 runs emulated (a CPU) or on the hardware (a CUDA GPU of compute capability >= 8.9).
+
+    Raises:
+        ConfigError: a GPU below compute capability 8.9 (naming it), or another device type.
+    """
+    if device_type == "cpu":
+        return True
+    if device_type != "cuda":
+        raise ConfigError(f"fp8.enabled: float8 training runs on CUDA GPUs (or emulated on a CPU), not on "
+                          f"{device_type!r}; set fp8.enabled false")
+    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+        raise ConfigError(f"fp8.enabled: {name or 'this GPU'} (compute capability {capability[0]}.{capability[1]}) "
+                          "has no float8 matmuls; float8 training needs compute capability 8.9 or higher (Ada, "
+                          "Hopper, Blackwell): set fp8.enabled false")
+    return False
+
+
+def torchao_config(recipe: str, emulate: bool):
+    """torchao's ``Float8LinearConfig`` of ``recipe`` ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    emulated (float32 matmuls of the float8 values) when ``emulate``."""
+    from torchao.float8 import Float8LinearConfig
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+def excluded(name: str, patterns) -> str | None:
+    """The first pattern of ``patterns`` matching module ``name`` or a module containing it (``fnmatch``, at any
+    depth: "lm_head" matches "lm_head" and "model.lm_head"), or None."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        if any(fnmatchcase(p, pattern) or fnmatchcase(p, "*." + pattern) for p in prefixes):
+            return pattern
+    return None
+
+
+def convert_to_float8(module: nn.Module, fp8: FP8Config, device: torch.device, *, capability=None,
+                      device_name: str = "") -> dict[str, list[str]]:
+    """Swap ``module``'s linear layers for float8 ones in place (see the module docstring).
+
+    Args:
+        module: a plait model, a ``ModuleList`` of pipeline chunks, or a Hugging Face model.
+        fp8: the ``fp8`` section (recipe, exclude patterns).
+        device: where the model computes; a CPU runs torchao's emulation.
+        capability, device_name: the GPU's compute capability and name (default: read from ``device``).
+
+    Returns:
+        ``{"converted": names, "excluded": names, "unaligned": names}`` of the linear layers.
+
+    Raises:
+        ConfigError: a GPU without float8 (``check_float8_device``), or torchao not installed.
+    """
+    if device.type == "cuda" and capability is None:
+        capability, device_name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    emulate = check_float8_device(device.type, capability, device_name)
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise ConfigError(f"fp8.enabled needs torchao's float8 training (pip install 'torchao>=0.18'): {err}") from None
+    config = torchao_config(fp8.recipe, emulate)
+    from torchao.float8.float8_linear import Float8Linear
+    from plait.precision.float8_layers import Float8ColumnParallelLinear, Float8RowParallelLinear
+    plait_layers = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
+    report: dict[str, list[str]] = {"converted": [], "excluded": [], "unaligned": []}
+    matched: set[str] = set()
+
+    def wanted(m: nn.Module, name: str) -> bool:
+        if isinstance(m, (Float8Linear, *plait_layers.values())):
+            return False
+        pattern = excluded(name, fp8.exclude)
+        if pattern is not None:
+            matched.add(pattern)
+            report["excluded"].append(name)
+            return False
+        if any(n % 16 for n in m.weight.shape):
+            report["unaligned"].append(name)
+            return False
+        report["converted"].append(name)
+        return True
+
+    for name, child in list(module.named_modules()):
+        for attr, sub in list(child.named_children()):
+            full = f"{name}.{attr}" if name else attr
+            if type(sub) in plait_layers and wanted(sub, full):
+                setattr(child, attr, plait_layers[type(sub)](sub, config))
+    convert_to_float8_training(module, config=config,
+                               module_filter_fn=lambda m, fqn: type(m) is nn.Linear and wanted(m, fqn))
+    _log(fp8, report, emulate, matched)
+    return report
+
+
+def _log(fp8: FP8Config, report: dict, emulate: bool, matched: set) -> None:
+    """One summary line (rank 0); a warning for each exclude pattern that matched no linear layer."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    log = logging.getLogger("plait")
+    where = "emulated on the CPU (torchao's float32 matmuls of float8 values: numerics, not speed)" if emulate \
+        else "on the GPU's float8 matmuls"
+    log.warning("fp8: %d linear layer(s) compute in float8 (torchao recipe %r), %s; %d excluded by fp8.exclude, %d "
+                "left in high precision because a weight dimension is not a multiple of 16%s",
+                len(report["converted"]), fp8.recipe, where, len(report["excluded"]), len(report["unaligned"]),
+                f" ({', '.join(report['unaligned'][:4])}...)" if report["unaligned"] else "")
+    for pattern in fp8.exclude:
+        if pattern not in matched and pattern not in DEFAULT_EXCLUDE:
+            log.warning("fp8.exclude pattern %r matches no linear layer of this model (or this pipeline stage); "
+                        "module names look like %r", pattern, (report["converted"] or ["?"])[0])
