@@ -32,8 +32,11 @@ from plait.kernels.quant import (
     SIGNED_ZERO,
     UNSIGNED_MAP,
     UNSIGNED_MID,
+    block_lengths,
     block_starts,
     check_state_dtype,
+    dequantize,
+    quantize_,
 )
 
 
@@ -110,7 +113,6 @@ class CPUAdamStates(CPUAdam):
             raise ValueError("state_dtype='fp32' is plait.kernels.CPUAdam")
         numel = params.numel() if isinstance(params, torch.Tensor) else int(params)
         self.starts = block_starts(numel, boundaries, BLOCK)
-        self._lengths = None
         super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         if state_dtype == "int8":
             blocks = len(self.starts) - 1
@@ -161,23 +163,22 @@ class CPUAdamStates(CPUAdam):
     # ---- the moments as float32 (checkpoints, conversion between state dtypes) ------------------------------
     def moment(self, name: str) -> torch.Tensor:
         """float32 ``[numel]`` values of moment ``name`` ("exp_avg" or "exp_avg_sq"), a new tensor."""
-        from plait.kernels.quant import block_lengths, dequantize
         if self.state_dtype == "bf16":
             return getattr(self, name).float()
-        lengths = block_lengths(self.starts, "cpu")
+        lengths = block_lengths(self.starts, getattr(self, name).device)
         return dequantize(getattr(self, name), getattr(self, name + "_absmax"), lengths, name == "exp_avg")
 
     def set_moment(self, name: str, values: torch.Tensor) -> None:
         """Store float32 ``values [numel]`` as moment ``name`` (rounded / quantized to this state dtype)."""
-        from plait.kernels.quant import block_lengths, quantize_
         values = values.reshape(-1).to(torch.float32)
         if values.numel() != self.numel:
             raise ValueError(f"state '{name}' has {values.numel()} elements but this optimizer has numel={self.numel}")
         if self.state_dtype == "bf16":
             getattr(self, name).copy_(values)
             return
-        quantize_(values, getattr(self, name), getattr(self, name + "_absmax"), block_lengths(self.starts, "cpu"),
-                  name == "exp_avg")
+        store = getattr(self, name)
+        quantize_(values.to(store.device), store, getattr(self, name + "_absmax"),
+                  block_lengths(self.starts, store.device), name == "exp_avg")
 
     def state_dict(self) -> dict:
         """As ``CPUAdam.state_dict``, with the moments as float32 values (copies) and ``state_dtype``."""

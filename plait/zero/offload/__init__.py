@@ -91,9 +91,9 @@ applied; ``zero_grad()`` then cannot discard it (``step()`` completes it). Use d
 """
 from plait.zero.offload.gatherer import OffloadGatherer
 from plait.zero.offload.host import HostStepper
-from plait.zero.offload.optim import HostOptimizer, host_optimizer
+from plait.zero.offload.optim import HostOptimizer, host_optimizer, is_host_optimizer
 from plait.zero.offload.options import OffloadOptions
 from plait.zero.offload.ready import Readiness, forward_order
 
 __all__ = ["HostOptimizer", "HostStepper", "OffloadGatherer", "OffloadOptions", "Readiness", "forward_order",
-           "host_optimizer"]
+           "host_optimizer", "is_host_optimizer"]

@@ -107,6 +107,15 @@ class HostStepper:
         if problems and resident:
             raise ValueError(f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
                              "be used with " + "; ".join(problems) + "; set the ratio to 1")
+        state_dtype = getattr(optimizer, "state_dtype", "fp32")
+        if state_dtype != "fp32" and not problems:   # a streamed share copies fp32 moments: not for bf16/int8
+            if fraction == "auto" or (fraction and not by_default):
+                raise ValueError(f"device_step_fraction {fraction!r} streams fp32 moments; with optimizer.params."
+                                 f"state_dtype = {state_dtype!r} set it to 0 (offload_optimizer.ratio < 1 keeps "
+                                 "states on the device in any state_dtype)")
+            adaptive, fraction = False, 0
+            if not resident:
+                return None
         if problems and by_default:
             return None
         if problems:
