@@ -15,6 +15,7 @@ import plait
 from plait.config import ConfigError
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
+from plait.testing import run_distributed
 from helpers import micro_batch, tiny
 from test_offload import ds_config, whole
 
@@ -142,3 +143,16 @@ def test_deepspeeds_bf16_optimizer_states_key_stores_the_moments_in_bf16():
     assert {st["exp_avg"].dtype for st in opt.state.values()} == {torch.bfloat16}
     assert all(math.isfinite(x) for x in losses)
     engine.optimizer.close()
+
+
+def _dp2_body():
+    return [run(config("int8", offload), 4) for offload in (True, False)]
+
+
+def test_int8_moments_at_dp2_offloaded_and_not_step_alike():
+    """Two gloo ranks, ZeRO-2: a parameter split between the ranks' shards starts a block at the split on both
+    sides, offloaded (numba on the host) and not (the same kernels over the device masters): bit for bit."""
+    (on, off), _ = run_distributed(_dp2_body, 2, timeout_s=300)
+    assert on["losses"] == off["losses"] and on["losses"][-1] < on["losses"][0]
+    for name, w in off["weights"].items():
+        assert torch.equal(on["weights"][name], w), name
