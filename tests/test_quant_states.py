@@ -175,3 +175,25 @@ def test_state_bytes_per_parameter():
         measured[dtype] = sum(t.numel() * t.element_size() for t in tensors) / n
         assert measured[dtype] * n == state_nbytes(n, dtype)
     assert measured == {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8 / 256}
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_kernels_code_search_equals_bucketize_on_every_range(signed):
+    """``_code`` (a start table over the top 16 bits, then one step) picks what torch.bucketize picks: for the
+    midpoints themselves (ties go to the lower value), their float32 neighbours, 0, the ends, and values spread
+    over every exponent."""
+    from numba import njit
+    from plait.kernels.cpu_adam_states import _code
+    from plait.kernels.quant import SIGNED_MID, SIGNED_START, UNSIGNED_MID, UNSIGNED_START
+    mid, start = (SIGNED_MID, SIGNED_START) if signed else (UNSIGNED_MID, UNSIGNED_START)
+
+    @njit
+    def codes(ys):
+        return np.array([_code(start, mid, y) for y in ys])
+
+    gen = np.random.default_rng(0)
+    spread = (gen.random(20000) * 10.0 ** gen.uniform(-9, 0, 20000)).astype(np.float32)
+    ys = np.concatenate([mid, np.nextafter(mid, np.float32(2)), np.nextafter(mid, np.float32(-2)), [0, 1], spread,
+                         -spread if signed else spread, [-1] if signed else []]).astype(np.float32)
+    want = torch.bucketize(torch.from_numpy(ys), torch.from_numpy(mid)).numpy()
+    assert np.array_equal(codes(ys), want)

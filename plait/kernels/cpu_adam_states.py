@@ -6,10 +6,10 @@ on moments read from and written back to their low-precision store in the same p
 
 * bf16: each moment is widened exactly, updated, and rounded to nearest even on the way back.
 * int8: per block (Dettmers et al., ICLR 2022, Sec. 2): dequantize ``m = SIGNED_MAP[code] * s_m`` and
-  ``v = UNSIGNED_MAP[code] * s_v``, update every element of the block (weights written at once), take the
-  new block maxima as the new scales, then store each moment as the index of the map value nearest
-  ``m / s_m`` (``v / s_v``). One pass over the block's memory; the moments of one block wait in a
-  256-element scratch array between the update and the requantization.
+  ``v = UNSIGNED_MAP[code] * s_v``, update every element of the block, take the new block maxima as the new
+  scales, then store each moment as the index of the map value nearest ``m / s_m`` (``v / s_v``). One pass
+  over the block's memory: the block's moments wait in two 256-element scratch arrays (in cache) between
+  the update and the requantization, in separate loops so that each vectorizes.
 
 Blocks are independent, so ``step_range`` over any union of whole blocks equals the whole step; a range
 must start and end on a block start (``plait.kernels.quant.block_starts``: every boundary given at
@@ -29,9 +29,11 @@ from plait.kernels.quant import (
     BLOCK,
     SIGNED_MAP,
     SIGNED_MID,
+    SIGNED_START,
     SIGNED_ZERO,
     UNSIGNED_MAP,
     UNSIGNED_MID,
+    UNSIGNED_START,
     block_lengths,
     block_starts,
     check_state_dtype,
@@ -39,53 +41,87 @@ from plait.kernels.quant import (
     quantize_,
 )
 
+_TABLES = (SIGNED_MAP, SIGNED_MID, SIGNED_START, UNSIGNED_MAP, UNSIGNED_MID, UNSIGNED_START)
+
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _emit(out, i, w, mode, nan_bits):
-    if mode == MODE_BF16:
-        out[i] = bf16_bits(w, nan_bits)
-    elif mode == MODE_FP16:
-        out[i] = fp16_bits(w)
+def _bf16_elem(p, g, m, v, i, hp, nan_bits):
+    w, mi, vi = _adam_elem(p[i], as_f32(g[i]), as_f32(m[i]), as_f32(v[i]), hp)
+    p[i] = w
+    m[i] = bf16_bits(mi, nan_bits)
+    v[i] = bf16_bits(vi, nan_bits)
+    return w
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def adam_bf16_kernel(p, g, m, v, out, mode, nan_bits, hp):
     """One Adam/AdamW step over float32 ``p`` and bf16 moments ``m, v`` (uint16 bit patterns ``[n]``);
-    ``hp`` the float32 scalars of ``_adam_elem``; ``out`` as in ``adam_kernel``."""
-    for i in prange(p.shape[0]):
-        w, mi, vi = _adam_elem(p[i], as_f32(g[i]), as_f32(m[i]), as_f32(v[i]), hp)
-        p[i] = w
-        m[i] = bf16_bits(mi, nan_bits)
-        v[i] = bf16_bits(vi, nan_bits)
-        _emit(out, i, w, mode, nan_bits)
+    ``hp`` the float32 scalars of ``_adam_elem``; ``out`` as in ``adam_kernel`` (one loop per mode)."""
+    n = p.shape[0]
+    if mode == MODE_BF16:
+        for i in prange(n):
+            out[i] = bf16_bits(_bf16_elem(p, g, m, v, i, hp, nan_bits), nan_bits)
+    elif mode == MODE_FP16:
+        for i in prange(n):
+            out[i] = fp16_bits(_bf16_elem(p, g, m, v, i, hp, nan_bits))
+    else:
+        for i in prange(n):
+            _bf16_elem(p, g, m, v, i, hp, nan_bits)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _code(start, mid, y):
+    """Index of the map value nearest float32 ``y``: the count of midpoints below ``y`` (as torch.bucketize),
+    from the start table of ``y``'s top 16 bits and one branch-free step (a range of the table holds at most
+    one midpoint: ``plait.kernels.quant._start_table``)."""
+    idx = np.int64(start[np.float32(y).view(np.uint32) >> np.uint32(16)])
+    top = mid.shape[0] - 1
+    return idx + (np.int64(idx <= top) & np.int64(mid[min(idx, top)] < y))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _int8_block(p, g, mq, vq, ms, vs, b, lo, hi, out, mode, nan_bits, hp, tables):
+    """Block ``b`` (elements ``lo:hi``): dequantize, update, new scales, requantize; separate loops so the
+    update and the requantization vectorize."""
+    smap, smid, sstart, umap, umid, ustart = tables
+    n = hi - lo
+    mt = np.empty(n, np.float32)
+    vt = np.empty(n, np.float32)
+    s_m, s_v = ms[b], vs[b]
+    for j in range(n):
+        mt[j] = smap[mq[lo + j]] * s_m
+        vt[j] = umap[vq[lo + j]] * s_v
+    pp, gg = p[lo:hi], g[lo:hi]
+    for j in range(n):
+        pp[j], mt[j], vt[j] = _adam_elem(pp[j], as_f32(gg[j]), mt[j], vt[j], hp)
+    if mode == MODE_BF16:
+        for j in range(n):
+            out[lo + j] = bf16_bits(pp[j], nan_bits)
+    elif mode == MODE_FP16:
+        for j in range(n):
+            out[lo + j] = fp16_bits(pp[j])
+    am, av = np.float32(0.0), np.float32(0.0)
+    for j in range(n):
+        am, av = max(am, abs(mt[j])), max(av, vt[j])
+    ms[b], vs[b] = am, av
+    dm = am if am > 0 else np.float32(1.0)
+    dv = av if av > 0 else np.float32(1.0)
+    for j in range(n):   # one loop per moment: each then vectorizes
+        mq[lo + j] = _code(sstart, smid, mt[j] / dm)
+    for j in range(n):
+        vq[lo + j] = _code(ustart, umid, vt[j] / dv)
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def adam_int8_kernel(p, g, mq, vq, ms, vs, starts, b0, b1, out, mode, nan_bits, hp,
-                     smap, smid, umap, umid):
+def adam_int8_kernel(p, g, mq, vq, ms, vs, starts, b0, b1, out, mode, nan_bits, hp, tables):
     """One Adam/AdamW step over float32 ``p`` and 8-bit moments: uint8 codes ``mq, vq`` and float32 block
     scales ``ms, vs [blocks]``, for blocks ``b0 .. b1-1`` of ``starts`` (element ``starts[b] - starts[b0]``
-    of ``p, g, mq, vq, out`` is the first of block ``b``). Maps and midpoints: ``plait.kernels.quant``."""
+    of ``p, g, mq, vq, out`` is the first of block ``b``). ``tables``: the signed and unsigned maps, midpoints
+    and start tables of ``plait.kernels.quant``."""
     base = starts[b0]
     for b in prange(b0, b1):
-        lo, hi = starts[b] - base, starts[b + 1] - base
-        mt = np.empty(hi - lo, np.float32)
-        vt = np.empty(hi - lo, np.float32)
-        s_m, s_v = ms[b], vs[b]
-        am, av = np.float32(0.0), np.float32(0.0)
-        for j in range(hi - lo):
-            i = lo + j
-            w, mi, vi = _adam_elem(p[i], as_f32(g[i]), smap[mq[i]] * s_m, umap[vq[i]] * s_v, hp)
-            p[i] = w
-            _emit(out, i, w, mode, nan_bits)
-            mt[j], vt[j] = mi, vi
-            am, av = max(am, abs(mi)), max(av, vi)
-        ms[b], vs[b] = am, av
-        dm = am if am > 0 else np.float32(1.0)
-        dv = av if av > 0 else np.float32(1.0)
-        for j in range(hi - lo):
-            mq[lo + j] = np.searchsorted(smid, mt[j] / dm)
-            vq[lo + j] = np.searchsorted(umid, vt[j] / dv)
+        _int8_block(p, g, mq, vq, ms, vs, b, starts[b] - base, starts[b + 1] - base, out, mode, nan_bits, hp,
+                    tables)
 
 
 class CPUAdamStates(CPUAdam):
@@ -148,8 +184,7 @@ class CPUAdamStates(CPUAdam):
             return
         b0, b1 = self._blocks_of(offset, length)
         adam_int8_kernel(p, g, states[0], states[1], self.exp_avg_absmax.numpy(), self.exp_avg_sq_absmax.numpy(),
-                         self.starts, b0, b1, bits, mode, self._nan_bits, hp,
-                         SIGNED_MAP, SIGNED_MID, UNSIGNED_MAP, UNSIGNED_MID)
+                         self.starts, b0, b1, bits, mode, self._nan_bits, hp, _TABLES)
 
     def _scalars(self, grad_coef) -> tuple:
         """The float32 scalars of ``_adam_elem`` for the current step (as ``CPUAdam._run`` passes them)."""

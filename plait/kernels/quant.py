@@ -72,6 +72,29 @@ UNSIGNED_MID = ((UNSIGNED_MAP[:-1].astype(np.float64) + UNSIGNED_MAP[1:]) / 2).a
 SIGNED_ZERO = int(np.flatnonzero(SIGNED_MAP == 0)[0])
 
 
+def _start_table(mid: np.ndarray) -> np.ndarray:
+    """uint8 ``[65536]``: for each top half of a float32 bit pattern (sign, exponent, 7 mantissa bits) the count
+    of midpoints below the smallest float32 with that top half. A code is then found from there by stepping
+    past the few midpoints inside the range (``cpu_adam_states._code``): a range spans 2^-7 of its value,
+    less than the relative spacing of either map, so it holds at most a couple of midpoints."""
+    keys = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    keys[keys >= np.uint32(0x80000000)] |= np.uint32(0xFFFF)    # negative: the most negative of the range
+    low = keys.view(np.float32)
+    out = np.searchsorted(mid, np.nan_to_num(low, nan=0.0), side="left")
+    return out.astype(np.uint8)
+
+
+def _one_per_range(mid: np.ndarray) -> bool:
+    """Whether no two midpoints share the top 16 bits of their float32 pattern (what ``_code`` relies on)."""
+    tops = mid.view(np.uint32) >> np.uint32(16)
+    return len(np.unique(tops)) == len(tops)
+
+
+assert _one_per_range(SIGNED_MID) and _one_per_range(UNSIGNED_MID)   # a property of the maps' spacing
+SIGNED_START = _start_table(SIGNED_MID)
+UNSIGNED_START = _start_table(UNSIGNED_MID)
+
+
 def check_state_dtype(value, key: str = "optimizer.params.state_dtype") -> str:
     """``value`` if it is one of :data:`STATE_DTYPES`. Raises ValueError naming ``key`` and the choices."""
     if value not in STATE_DTYPES:
