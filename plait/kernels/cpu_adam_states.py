@@ -38,6 +38,7 @@ from plait.kernels.quant import (
     block_starts,
     check_state_dtype,
     dequantize,
+    device_tables,
     quantize_,
 )
 
@@ -149,12 +150,20 @@ class CPUAdamStates(CPUAdam):
             raise ValueError("state_dtype='fp32' is plait.kernels.CPUAdam")
         numel = params.numel() if isinstance(params, torch.Tensor) else int(params)
         self.starts = block_starts(numel, boundaries, BLOCK)
+        self._torch_tables: dict[str, dict] = {}
         super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
         if state_dtype == "int8":
             blocks = len(self.starts) - 1
             device = self.exp_avg.device
             self.exp_avg_absmax = torch.zeros(blocks, dtype=torch.float32, device=device)
             self.exp_avg_sq_absmax = torch.zeros(blocks, dtype=torch.float32, device=device)
+
+    def torch_tables(self, device) -> dict[str, torch.Tensor]:
+        """``plait.kernels.quant.device_tables`` of this optimizer's blocks on ``device``, made once."""
+        key = str(torch.device(device))
+        if key not in self._torch_tables:
+            self._torch_tables[key] = device_tables(self.starts, device)
+        return self._torch_tables[key]
 
     def _new_state(self, name, numel, device):
         if self.state_dtype == "bf16":

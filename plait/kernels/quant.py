@@ -125,25 +125,36 @@ def _table(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(arr).to(like.device)
 
 
+def device_tables(starts: np.ndarray, device) -> dict[str, torch.Tensor]:
+    """The maps (``smap``, ``umap``), midpoints (``smid``, ``umid``) and block ``lengths`` on ``device``: what the
+    torch ops need, copied once per optimizer and device instead of at every call."""
+    arrays = {"smap": SIGNED_MAP, "umap": UNSIGNED_MAP, "smid": SIGNED_MID, "umid": UNSIGNED_MID,
+              "lengths": np.diff(starts)}
+    return {k: torch.from_numpy(v).to(device) for k, v in arrays.items()}
+
+
 def block_lengths(starts: np.ndarray, device) -> torch.Tensor:
     """int64 ``[blocks]`` block lengths from :func:`block_starts` output, on ``device``."""
     return torch.from_numpy(np.diff(starts)).to(device)
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor, signed: bool) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor, signed: bool,
+               table: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[n]`` values of uint8 ``codes [n]`` with per-block scales ``absmax [blocks]`` (float32) over
-    blocks of ``lengths [blocks]`` (summing to n): ``map[code] * absmax[block]``."""
-    table = _table(SIGNED_MAP if signed else UNSIGNED_MAP, codes)
+    blocks of ``lengths [blocks]`` (summing to n): ``map[code] * absmax[block]``. ``table``: the map already on
+    ``codes``' device (None: copied there)."""
+    table = _table(SIGNED_MAP if signed else UNSIGNED_MAP, codes) if table is None else table
     return table[codes.long()] * torch.repeat_interleave(absmax, lengths, output_size=codes.numel())
 
 
 def quantize_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor,
-              signed: bool) -> None:
+              signed: bool, mid: torch.Tensor | None = None) -> None:
     """Write float32 ``x [n]`` into uint8 ``codes [n]`` and float32 ``absmax [blocks]`` in place: each block's
-    scale is its largest ``|x|`` (1 where that is 0), each code the nearest map value of ``x / scale``."""
+    scale is its largest ``|x|`` (1 where that is 0), each code the nearest map value of ``x / scale``.
+    ``mid``: the map's midpoints already on ``x``'s device (None: copied there)."""
     amax = torch.segment_reduce(x.abs(), "max", lengths=lengths, unsafe=True) if x.numel() else absmax
     absmax.copy_(amax)
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = x / torch.repeat_interleave(scale, lengths, output_size=x.numel())
-    mid = _table(SIGNED_MID if signed else UNSIGNED_MID, x)
+    mid = _table(SIGNED_MID if signed else UNSIGNED_MID, x) if mid is None else mid
     codes.copy_(torch.bucketize(y, mid).to(torch.uint8))

@@ -10,7 +10,6 @@ over blocks; temporaries of about 12 bytes per element of the range.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from plait.kernels.quant import dequantize, quantize_
@@ -36,10 +35,11 @@ def state_update_(k, w: torch.Tensor, grad: torch.Tensor, lo: int, n: int, grad_
         v_store.copy_(v)
         return
     b0, b1 = k._blocks_of(lo, n)
-    lengths = torch.from_numpy(np.diff(k.starts[b0:b1 + 1])).to(w.device)
+    t = k.torch_tables(w.device)
+    lengths = t["lengths"][b0:b1]
     m_scale, v_scale = k.exp_avg_absmax[b0:b1], k.exp_avg_sq_absmax[b0:b1]
-    m = dequantize(m_store, m_scale, lengths, signed=True)
-    v = dequantize(v_store, v_scale, lengths, signed=False)
+    m = dequantize(m_store, m_scale, lengths, signed=True, table=t["smap"])
+    v = dequantize(v_store, v_scale, lengths, signed=False, table=t["umap"])
     adam_update_(w, grad, m, v, k, grad_coef)
-    quantize_(m, m_store, m_scale, lengths, signed=True)
-    quantize_(v, v_store, v_scale, lengths, signed=False)
+    quantize_(m, m_store, m_scale, lengths, signed=True, mid=t["smid"])
+    quantize_(v, v_store, v_scale, lengths, signed=False, mid=t["umid"])
