@@ -197,3 +197,21 @@ def test_the_kernels_code_search_equals_bucketize_on_every_range(signed):
                          -spread if signed else spread, [-1] if signed else []]).astype(np.float32)
     want = torch.bucketize(torch.from_numpy(ys), torch.from_numpy(mid)).numpy()
     assert np.array_equal(codes(ys), want)
+
+
+def test_host_optimizer_state_dict_round_trip_keeps_int8_moments():
+    """torch's API on the offload optimizer: its state dict holds float32 moment values, and loading it into a
+    fresh int8 optimizer requantizes them to the same codes and scales."""
+    from plait.zero.offload import HostOptimizer
+    w = torch.randn(600)
+    a = HostOptimizer([w], kind="adamw", lr=1e-2, state_dtype="int8", boundaries={w: [0, 300]})
+    for _ in range(2):
+        w.grad = torch.randn(600)
+        a.step()
+    sd = a.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    w2 = w.detach().clone()
+    b = HostOptimizer([w2], kind="adamw", lr=1e-2, state_dtype="int8", boundaries={w2: [0, 300]})
+    b.load_state_dict(sd)
+    for name in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        assert torch.equal(a.state[w][name], b.state[w2][name]), name

@@ -164,6 +164,14 @@ class HostOptimizer(torch.optim.Optimizer):
             return st
         return {"step": st["step"], **{n: k.moment(n) for n in k._state_names}}
 
+    def state_dict(self) -> dict:
+        """torch API; bf16/int8 moments as float32 values (``checkpoint_state``), which ``load_state_dict`` takes."""
+        sd = super().state_dict()
+        if self.state_dtype != "fp32":
+            order = [p for g in self.param_groups for p in g["params"]]
+            sd["state"] = {i: self.checkpoint_state(p) for i, p in enumerate(order) if p in self.state}
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch API; the loaded moments are copied into the kernels' buffers (missing: zero)."""
         super().load_state_dict(state_dict)
