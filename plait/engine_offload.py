@@ -16,10 +16,18 @@ def engine_optimizer(config: PlaitConfig, optimizer, offload: OffloadOptions | N
     config's (Lion offloaded: the host kernel), else none at all (``NoOptimizer``: forward only, as DeepSpeed
     builds an engine without an optimizer).
 
+    ``optimizer.params.state_dtype`` bf16/int8 (Adam moments in less than fp32): the ``HostOptimizer`` kernels,
+    offloaded or not (on the device its torch ops, ``plait.zero.offload.device_states``).
+
     Raises:
-        ConfigError: ``offload_optimizer`` without any optimizer; an optimizer type plait cannot build.
+        ConfigError: ``offload_optimizer`` without any optimizer; an optimizer type plait cannot build; a
+            ``state_dtype`` other than fp32 with an optimizer passed to initialize.
     """
+    state_dtype = config.optimizer_state_dtype
     if optimizer is not None:
+        if state_dtype != "fp32":
+            raise ConfigError(f"optimizer.params.state_dtype = {state_dtype!r} applies to the config's Adam/AdamW, but an "
+                              "optimizer was passed to initialize; remove optimizer= or remove state_dtype")
         return optimizer_from_user(optimizer)
     if config.optimizer is None:
         if config.zero_optimization.offload_optimizer.enabled:
@@ -29,6 +37,13 @@ def engine_optimizer(config: PlaitConfig, optimizer, offload: OffloadOptions | N
     if offload and offload.optimizer and config.optimizer.type == "Lion":
         params = dict(config.optimizer.params)
         return functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}, None
+    if state_dtype != "fp32":
+        params = dict(config.optimizer.params)
+        params.pop("state_dtype", None)
+        adamw = params.pop("adam_w_mode", True) or config.optimizer.type == "AdamW"
+        kind = "adamw" if adamw else "adam"
+        return (functools.partial(HostOptimizer, kind=kind, state_dtype=state_dtype),
+                {**params, "betas": tuple(params.get("betas", (0.9, 0.999)))}, None)
     return (*optimizer_from_config(config.optimizer, device_type), None)
 
 

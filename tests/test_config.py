@@ -40,7 +40,7 @@ def test_seed_config_loads_and_resolves_every_auto():
     assert cfg.gradient_clipping == 1.0
     assert cfg.optimizer.type == "AdamW"
     assert cfg.optimizer.params == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1,
-                                    "bias_correction": True, "adam_w_mode": True}
+                                    "bias_correction": True, "adam_w_mode": True, "state_dtype": "fp32"}
     assert cfg.scheduler.type == "WarmupLR"
     assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 100,
                                     "warmup_type": "log", "last_batch_iteration": -1}

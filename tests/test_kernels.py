@@ -314,7 +314,7 @@ def test_fp16_numpy_destination_and_edge_values():
 
 def test_compile_kernels_reports_seconds():
     first = compile_kernels()
-    assert set(first.seconds) == {"adam", "lion", "lowp"}
+    assert set(first.seconds) == {"adam", "adam_bf16", "adam_int8", "lion", "lowp"}
     assert all(t >= 0 for t in first.seconds.values())
     assert first.total_s == pytest.approx(sum(first.seconds.values()))
     again = compile_kernels()  # everything is loaded now: nothing compiles

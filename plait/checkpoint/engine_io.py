@@ -129,7 +129,8 @@ def _engine_meta(engine, state: ShardState, client_state: dict) -> dict:
             "global_samples": engine.global_samples, "zero_stage": state.stage,
             "optimizer_groups": {str(k): {"hyper": {h: list(v) if isinstance(v, tuple) else v
                                                      for h, v in g["hyper"].items()},
-                                          "scalars": g["scalars"], "elementwise": g["elementwise"]}
+                                          "scalars": g["scalars"], "elementwise": g["elementwise"],
+                                          "state_dtype": g.get("state_dtype", "fp32")}
                                  for k, g in state.groups.items()},
             "loss_scaler": state.loss_scaler,
             "lr_scheduler": sched.state_dict() if sched is not None else None,
@@ -207,7 +208,8 @@ def _read_part(reader: CheckpointReader, names: set, kind: str, part, start: int
 def _saved_state(meta: dict) -> ShardState:
     e = meta["engine"]
     groups = {int(k): {"hyper": {h: tuple(v) if isinstance(v, list) else v for h, v in g["hyper"].items()},
-                       "scalars": g["scalars"], "elementwise": g["elementwise"]}
+                       "scalars": g["scalars"], "elementwise": g["elementwise"],
+                       "state_dtype": g.get("state_dtype", "fp32")}
               for k, g in e["optimizer_groups"].items()}
     return ShardState([], groups, e["loss_scaler"], e["global_steps"], e["skipped_steps"], e["zero_stage"], 0, 0)
 

@@ -29,7 +29,8 @@ from plait.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfi
 from plait.config.schema_base import AUTO, ConfigError, _auto, bounded  # noqa: F401
 from plait.config.schema_optim import (OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS,  # noqa: F401
                                        AdamParams, LambParams, LionParams, OptimizerConfig, SchedulerConfig,
-                                       SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams)
+                                       SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams,
+                                       state_dtype_of)
 from plait.config.schema_fp8 import FP8_RECIPES, FP8Config  # noqa: F401
 from plait.config.schema_zero import OffloadConfig, ZeroConfig  # noqa: F401
 
@@ -61,9 +62,12 @@ class FP16Config:
 
 @dataclass(frozen=True)
 class BF16Config:
-    """``bf16`` (alias ``bfloat16``): bf16 compute with fp32 master weights; no loss scaling needed."""
+    """``bf16`` (alias ``bfloat16``): bf16 compute with fp32 master weights; no loss scaling needed.
+    ``bf16_optimizer_states`` (DeepSpeed's): Adam's moments stored in bf16, as ``optimizer.params.state_dtype``
+    "bf16" (``PlaitConfig.optimizer_state_dtype``)."""
 
     enabled: bool = _auto(False)
+    bf16_optimizer_states: bool = False
 
 # --------------------------------------------------------------------------------- activation checkpoints
 @dataclass(frozen=True)
@@ -304,6 +308,7 @@ class PlaitConfig:
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        state_dtype_of(self.optimizer, self.bf16)
         micro, gas, train = (self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
                              self.train_batch_size)
         if min(micro, gas, train) < 1 or train % (micro * gas) != 0:
@@ -330,6 +335,11 @@ class PlaitConfig:
     def data_parallel_size(self) -> int:
         """dp = train_batch_size / (micro-batch x gradient accumulation steps)."""
         return self.train_batch_size // (self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps)
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """How Adam's moments are stored: "fp32", "bf16" or "int8" (``schema_optim.state_dtype_of``)."""
+        return state_dtype_of(self.optimizer, self.bf16)
 
     @property
     def precision(self) -> str:

@@ -19,6 +19,11 @@ class AdamParams:
 
     As in DeepSpeed, ``"Adam"`` defaults to decoupled weight decay (``adam_w_mode=True``, i.e. AdamW);
     set ``adam_w_mode: false`` for L2-regularised Adam. ``"AdamW"`` requires ``adam_w_mode`` true.
+
+    ``state_dtype`` (plait's key; DeepSpeed has none) stores the two moments in ``"fp32"`` (default, 8 bytes per
+    parameter), ``"bf16"`` (4) or ``"int8"`` (8-bit block-wise quantization, bitsandbytes'/torchao's AdamW8bit
+    scheme: 2.03); the fp32 master weights stay. It sits beside the other Adam hyper-parameters because it
+    belongs to the optimizer wherever its states live (offloaded or not, ``plait.kernels.quant``).
     """
 
     lr: float = bounded(1e-3, ge=0, auto=True)
@@ -27,6 +32,7 @@ class AdamParams:
     weight_decay: float = bounded(0.0, ge=0, auto=True)
     bias_correction: bool = True
     adam_w_mode: bool = True
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,28 @@ class OptimizerConfig:
 
     type: str
     params: dict = field(default_factory=dict)
+
+
+def state_dtype_of(optimizer: OptimizerConfig | None, bf16) -> str:
+    """How the optimizer stores Adam's moments: ``optimizer.params.state_dtype``, or "bf16" for DeepSpeed's
+    ``bf16.bf16_optimizer_states: true`` (its Adam moments in bf16, DeepSpeed PR 7700); "fp32" by default.
+
+    Raises:
+        ConfigError: ``bf16_optimizer_states`` without ``bf16.enabled``, with an optimizer other than Adam/AdamW,
+            or beside a different ``optimizer.params.state_dtype`` (naming both keys).
+    """
+    named = optimizer.params.get("state_dtype", "fp32") if optimizer is not None else "fp32"
+    if not getattr(bf16, "bf16_optimizer_states", False):
+        return named
+    if not bf16.enabled:
+        raise ConfigError("bf16.bf16_optimizer_states = true needs bf16.enabled = true; enable bf16 or remove it")
+    if optimizer is None or optimizer.type not in ("Adam", "AdamW"):
+        raise ConfigError("bf16.bf16_optimizer_states = true stores Adam/AdamW moments in bf16; the optimizer is "
+                          f"{optimizer.type if optimizer is not None else 'none'}: use Adam/AdamW or remove it")
+    if named not in ("fp32", "bf16"):
+        raise ConfigError(f"bf16.bf16_optimizer_states = true asks for bf16 moments but optimizer.params.state_dtype "
+                          f"= {named!r}; keep one of the two keys")
+    return "bf16"
 
 
 @dataclass(frozen=True)

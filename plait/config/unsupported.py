@@ -55,7 +55,6 @@ UNSUPPORTED_KEYS = MappingProxyType({
     }),
     "bf16": _table({
         "bf16_master_weights_and_grads": ((False,), "plait keeps fp32 master weights and gradients; remove it"),
-        "bf16_optimizer_states": ((False,), "plait keeps the optimizer states in fp32; remove it"),
     }),
     "optimizer.params": _table({
         "amsgrad": ((False,), "remove it (AMSGrad is not implemented)"),

@@ -98,7 +98,7 @@ class FlatOptimizer:
         # placement keeps on the device (stepped there by ``plait.zero.offload.device_share``, never by _run)
         device = params.device if isinstance(params, torch.Tensor) else torch.device("cpu")
         for name in self._state_names:
-            setattr(self, name, keep_from_children(torch.zeros(numel, dtype=torch.float32, device=device)))
+            setattr(self, name, keep_from_children(self._new_state(name, numel, device)))
 
     # ---- stepping -------------------------------------------------------------------------------
     def begin_step(self, lr: float | None = None) -> int:
@@ -147,7 +147,7 @@ class FlatOptimizer:
         bits, mode = lowp_bits_view(lowp_out)
         if mode != MODE_NONE:
             bits = self._slice(bits, offset, length, "lowp_out")
-        states = [getattr(self, n).numpy()[offset:offset + length] for n in self._state_names]
+        states = [self._state_array(n)[offset:offset + length] for n in self._state_names]
         if length == 0:
             return
         with numba_threads(self.num_threads):
@@ -169,6 +169,14 @@ class FlatOptimizer:
         raise ValueError(
             f"{name} has {arr.shape[0]} elements; expected the whole buffer ({self.numel}) or the range ({length})"
         )
+
+    def _new_state(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """Hook: a zero state tensor ``[numel]`` (float32 here; a subclass may store states in less)."""
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def _state_array(self, name: str) -> np.ndarray:
+        """Hook: the numpy view the kernel steps of state ``name`` (``[numel]``)."""
+        return getattr(self, name).numpy()
 
     def _check_range(self, offset: int, length: int) -> None:
         """Hook: a subclass whose update couples elements restricts the allowed ranges here."""

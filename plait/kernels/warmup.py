@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels import cpu_adam, cpu_lion, lowp
+from plait.kernels import cpu_adam, cpu_adam_states, cpu_lion, lowp
 from plait.kernels.cpu_adam import CPUAdam
+from plait.kernels.cpu_adam_states import CPUAdamStates
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 
-KERNELS = (cpu_adam.adam_kernel, cpu_lion.lion_kernel, lowp._convert)
+KERNELS = (cpu_adam.adam_kernel, cpu_adam_states.adam_bf16_kernel, cpu_adam_states.adam_int8_kernel,
+           cpu_lion.lion_kernel, lowp._convert)
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class CompileReport:
     """What :func:`compile_kernels` did.
 
     Attributes:
-        seconds: ``{"adam", "lion", "lowp"}`` -> wall seconds of the first calls (compile or
+        seconds: ``{"adam", "adam_bf16", "adam_int8", "lion", "lowp"}`` -> wall seconds of the first calls (compile or
             cache load, plus tiny 64-element steps in the three copy-out modes).
         total_s: their sum, seconds.
         compiled: kernel signatures compiled in this call (0: everything came from the on-disk cache
@@ -58,6 +60,8 @@ def compile_kernels(num_threads: int | None = None) -> CompileReport:
     outs = (None, torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.float16))
     makers = {
         "adam": lambda: CPUAdam(n, num_threads=num_threads),
+        "adam_bf16": lambda: CPUAdamStates(n, num_threads=num_threads, state_dtype="bf16"),
+        "adam_int8": lambda: CPUAdamStates(n, num_threads=num_threads, state_dtype="int8"),
         "lion": lambda: CPULion(n, num_threads=num_threads),
     }
     for name, make in makers.items():

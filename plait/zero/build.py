@@ -218,6 +218,20 @@ def optimizer_groups(group_opts: list[dict], groups: list[FlatGroup], masters) -
     return opt_groups, [order[id(m)] for m in masters]
 
 
+def block_boundaries(groups: list[FlatGroup], masters) -> dict:
+    """``{master: offsets}``: where each segment's shard and each parameter piece starts in its group's master
+    shard, the starts of 8-bit moment blocks (``plait.kernels.quant``): a block never spans two segments
+    (the stepper steps whole segments) nor two parameters (at one dp size every placement then cuts the
+    same blocks, so the moments resume exactly in another placement)."""
+    out = {}
+    for group, master in zip(groups, masters):
+        starts = {seg.shard_offset for seg in group.segments}
+        starts |= {seg.shard_offset + seg.shard_size for seg in group.segments}
+        starts |= {pc.shard_offset for pc in group.pieces()} | {pc.shard_offset + pc.length for pc in group.pieces()}
+        out[master] = sorted(starts)
+    return out
+
+
 def unit_segments(units: list[Unit], groups: list[FlatGroup]) -> None:
     """Stage 3: fill each unit's ``segments`` (the sharded segments holding one of its parameters)."""
     for u in units:

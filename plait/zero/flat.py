@@ -21,6 +21,7 @@ Nothing here talks to process groups (``plait.zero.comm`` does).
 from __future__ import annotations
 
 from collections.abc import Callable
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -273,7 +274,9 @@ class ShardState:
     """Everything a checkpoint needs from one rank's ZeroOptimizer.
 
     ``groups`` maps each param-group index (as passed to the optimizer) to ``{"hyper": {lr, ...},
-    "scalars": {"step": 5.0, ...}, "elementwise": ["exp_avg", ...]}``. With ``replicated`` (stage 0)
+    "scalars": {"step": 5.0, ...}, "elementwise": ["exp_avg", ...], "state_dtype": "fp32"}``: the elementwise
+    states are float32 values whatever ``state_dtype`` (fp32, bf16, int8: ``plait.kernels.quant``) the run
+    stored them in, so a resume in another state dtype converts them by name. With ``replicated`` (stage 0)
     every dp rank holds identical whole slices: write them from dp rank 0 only; otherwise the dp
     ranks' slices are disjoint and together cover every parameter.
     """
@@ -295,10 +298,13 @@ class ShardState:
 def shard_state(opt) -> ShardState:
     """``opt.shard_state()``: build a ``ShardState`` of a ``ZeroOptimizer`` (views, no copies)."""
     slices, groups = [], {}
+    export = getattr(opt.optimizer, "checkpoint_state", None)   # moments stored in bf16/int8: as float32
+    state_dtype = getattr(opt.optimizer, "state_dtype", "fp32")
     for group, master in zip(opt.groups, opt.masters):
-        st = opt.optimizer.state.get(master, {})
+        st = export(master) if export is not None else opt.optimizer.state.get(master, {})
         elem = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}
-        info = groups.setdefault(group.key.param_group, {"hyper": {}, "scalars": {}, "elementwise": sorted(elem)})
+        info = groups.setdefault(group.key.param_group, {"hyper": {}, "scalars": {}, "elementwise": sorted(elem),
+                                                         "state_dtype": state_dtype})
         info["scalars"].update({k: float(v) for k, v in st.items() if k not in elem})
         for piece in group.pieces():
             sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
@@ -326,9 +332,12 @@ def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], st
     for missing parameters or ranges.
     """
     per_index: dict[int, dict] = {}
+    converted = set()
     for group, master, index in zip(opt.groups, opt.masters, opt._opt_index):
         info = state.groups.get(group.key.param_group, {}) if state is not None else {}
         keys = info.get("elementwise", [])
+        if keys and info.get("state_dtype", "fp32") != getattr(opt.optimizer, "state_dtype", "fp32"):
+            converted.add(info.get("state_dtype", "fp32"))
         new_master = torch.zeros_like(master, requires_grad=False)
         bufs = {k: torch.zeros_like(new_master) for k in keys}
         for piece in group.pieces():
@@ -350,6 +359,10 @@ def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], st
         if opt.scaler is not None and state.loss_scaler is not None:
             opt.scaler.load_state_dict(state.loss_scaler)
         opt.global_steps, opt.skipped_steps = state.global_steps, state.skipped_steps
+    if converted and opt.dp_rank == 0:
+        logging.getLogger("plait").warning(
+            "optimizer states saved as %s are loaded by name into state_dtype %s (values as saved, stored in the "
+            "new precision)", "/".join(sorted(converted)), getattr(opt.optimizer, "state_dtype", "fp32"))
     opt.write_back()
 
 

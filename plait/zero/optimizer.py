@@ -47,15 +47,17 @@ from torch import nn
 from plait.parallel.collectives import group_rank, group_size
 from plait.parallel.sharding import ATTR as SHARD_ATTR
 from plait.parallel.sharding import mark, shard_of
-from plait.zero.build import (check_arguments, check_experts, derive_shards, grad_dtypes, layout_entries, materialize,
-                              optimizer_groups, resolve_groups, unit_segments, weight_decay_groups)
+from plait.zero.build import (block_boundaries, check_arguments, check_experts, derive_shards, grad_dtypes,
+                              layout_entries, materialize, optimizer_groups, resolve_groups, unit_segments,
+                              weight_decay_groups)
 from plait.zero.clip import clip_coefficient
 from plait.zero.comm import make_comms
 from plait.zero.edits import gathered, mark_owner
 from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
 from plait.zero.grads import weak_hook
 from plait.zero.memory import held_bytes
-from plait.zero.offload import HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer
+from plait.zero.offload import (HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer,
+                                is_host_optimizer)
 from plait.zero.pinned import host_empty
 from plait.zero.policy import ClipOptions, CommOptions, PrecisionOptions, StagePolicy
 from plait.zero.precision import LossScaler, log_skipped_step
@@ -171,7 +173,10 @@ class ZeroOptimizer:
         if self._host:
             optimizer = host_optimizer(optimizer, self.offload_options.num_threads)
         opt_groups, self._opt_index = optimizer_groups(group_opts, self.groups, self.masters)
-        self.optimizer = optimizer(opt_groups, **(optimizer_kwargs or {}))
+        kwargs = dict(optimizer_kwargs or {})
+        if is_host_optimizer(optimizer):   # 8-bit moments: blocks start at segments and parameter pieces
+            kwargs["boundaries"] = block_boundaries(self.groups, self.masters)
+        self.optimizer = optimizer(opt_groups, **kwargs)
 
     def _reset_counters(self) -> None:
         self._in_backward = False

@@ -85,15 +85,22 @@ deferred mode (still overlapped with the next forward); no early mode, no device
 device share (``device_step_fraction`` must be 0). Stage 1 keeps gradients in ``.grad`` until ``step()``
 reduces them, so the tied sum happens before anything lands.
 
+Optimizer states in less than fp32 (``optimizer.params.state_dtype`` "bf16" or "int8"; DeepSpeed's
+``bf16.bf16_optimizer_states``): the host kernels read and write the moments in that form in the same pass
+(``plait.kernels.cpu_adam_states``; 8-bit blocks start at every segment and parameter piece, so a segment
+step never shares a block), resident masters (``ratio`` < 1) step the same store with torch ops
+(``device_states``), and a streamed device share (``device_step_fraction``) is not offered for them.
+Checkpoints hold the moments as float32 values under torch's names (``HostOptimizer.checkpoint_state``).
+
 Early mode caveat: once the last micro-step's backward ran, the host step of each segment is already
 applied; ``zero_grad()`` then cannot discard it (``step()`` completes it). Use deferred mode
 (``OffloadOptions(overlap_step=False)``) if a step may be abandoned after backward.
 """
 from plait.zero.offload.gatherer import OffloadGatherer
 from plait.zero.offload.host import HostStepper
-from plait.zero.offload.optim import HostOptimizer, host_optimizer
+from plait.zero.offload.optim import HostOptimizer, host_optimizer, is_host_optimizer
 from plait.zero.offload.options import OffloadOptions
 from plait.zero.offload.ready import Readiness, forward_order
 
 __all__ = ["HostOptimizer", "HostStepper", "OffloadGatherer", "OffloadOptions", "Readiness", "forward_order",
-           "host_optimizer"]
+           "host_optimizer", "is_host_optimizer"]

@@ -103,8 +103,9 @@ class DeviceShare:
         dest = self.dest(seg)
         grad = self.grads.pop(id(seg))
         host_w, host_m, host_v = master.detach()[lo:lo + n], k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
-        if master.device == self.device and self.cuda:   # resident states: updated where they live
-            return self._step_resident(host_w, grad, host_m, host_v, k, grad_coef, dest)
+        # resident states: updated where they live (bf16/int8 moments have no streamed share: ``HostStepper``)
+        if master.device == self.device and (self.cuda or getattr(host, "state_dtype", "fp32") != "fp32"):
+            return self._step_resident(master, lo, n, grad, grad_coef, dest)
         stream, event = None, None
         t0 = time.perf_counter()
         if self.cuda:
@@ -135,11 +136,12 @@ class DeviceShare:
             self._seconds += time.perf_counter() - t0
         return event
 
-    def _step_resident(self, w, grad, m, v, k, grad_coef: float, dest):
+    def _step_resident(self, master, lo: int, n: int, grad, grad_coef: float, dest):
         """The update of a segment whose states live on the device, on the compute stream (it follows
-        backward, and the next forward follows it): no copy, no side stream. Returns None (done in order)."""
-        adam_update_(w, grad, m, v, k, grad_coef)
-        dest.copy_(w)
+        backward, and the next forward follows it): no copy, no side stream; moments in any ``state_dtype``
+        (``HostOptimizer.step_range`` of a device master). Returns None (done in order)."""
+        self.shards.optimizer.step_range(master, lo, n, grad, grad_coef=grad_coef)
+        dest.copy_(master.detach()[lo:lo + n])
 
     def wait(self) -> None:
         """Host: every queued copy back to host memory has finished (host states may be read)."""

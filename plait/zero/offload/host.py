@@ -107,6 +107,10 @@ class HostStepper:
         if problems and resident:
             raise ValueError(f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
                              "be used with " + "; ".join(problems) + "; set the ratio to 1")
+        if not problems and not self._streams_moments(fraction, by_default):
+            adaptive, fraction = False, 0
+            if not resident:
+                return None
         if problems and by_default:
             return None
         if problems:
@@ -129,6 +133,22 @@ class HostStepper:
             if not by_default:
                 raise
             return None
+
+    def _streams_moments(self, fraction, by_default: bool) -> bool:
+        """Whether a streamed device share may copy the optimizer's moments: fp32 ones only (bf16/int8 moments,
+        ``optimizer.params.state_dtype``, step on the host or, resident, on the device).
+
+        Raises:
+            ValueError: a fraction > 0 or "auto" set with bf16/int8 moments (naming both keys).
+        """
+        state_dtype = getattr(self.shards.optimizer, "state_dtype", "fp32")
+        if state_dtype == "fp32":
+            return True
+        if fraction == "auto" or (fraction and not by_default):
+            raise ValueError(f"device_step_fraction {fraction!r} streams fp32 moments; with optimizer.params.state_dtype "
+                             f"= {state_dtype!r} set it to 0 (offload_optimizer.ratio < 1 keeps states on the device "
+                             "in any state_dtype)")
+        return False
 
     def _reset(self) -> None:
         self.landing.reset()
