@@ -14,7 +14,10 @@ examples/configs/pretrain_hf_zero3.json, or ``--zero-stage``), and the loop is D
     engine.step()                      # applies at the gradient accumulation boundary
 
 The corpus is the bundled one, tokenized with the bundled tokenizer (or ``--hf-dir``'s tokenizer.json).
-At the end the engine writes a layout-free checkpoint to ``<out-dir>/checkpoints``.
+At the end the engine writes a layout-free checkpoint to ``<out-dir>/checkpoints`` (it records the model's
+class and config.json), and the way back to Hugging Face is::
+
+    plait convert to-hf runs/finetune_hf/checkpoints runs/finetune_hf/hf [--tokenizer-from HF_DIR]
 """
 from __future__ import annotations
 
@@ -146,7 +149,9 @@ def main(argv=None) -> None:
     engine.save_checkpoint(str(Path(args.out_dir) / "checkpoints"), client_state={"step": args.steps})
     if rank0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps "
-              f"({time.perf_counter() - t0:.1f}s); checkpoint in {Path(args.out_dir) / 'checkpoints'}")
+              f"({time.perf_counter() - t0:.1f}s); checkpoint in {Path(args.out_dir) / 'checkpoints'}\n"
+              f"to Hugging Face: plait convert to-hf {Path(args.out_dir) / 'checkpoints'} {Path(args.out_dir) / 'hf'}"
+              + (f" --tokenizer-from {args.hf_dir}" if args.hf_dir else ""))
         with open(Path(args.out_dir) / "losses.json", "w", encoding="utf-8") as f:
             json.dump(losses, f)
     dist.barrier()

@@ -123,7 +123,10 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
     b.add_argument("--max-shard-size", default=None, help="split weights into shards, e.g. 5GB or 500MiB")
     b.add_argument("--overwrite", action="store_true", help="replace weights already in out_dir")
-    b.add_argument("--tokenizer-from", default=None, help="copy tokenizer/generation files from this directory")
+    b.add_argument("--tokenizer-from", default=None,
+                   help="copy the tokenizer, chat template and generation files from this directory")
+    b.add_argument("--hf-config", default=None, help="the trained transformers model's original config.json "
+                   "(for checkpoints saved without it, e.g. by older plait versions)")
     c = sub.add_parser("consolidate", help="every logical tensor whole in one safetensors file")
     c.add_argument("root", help="plait checkpoint root")
     c.add_argument("out_file", help="output .safetensors file")
@@ -148,7 +151,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         elif args.action == "to-hf":
             r = convert.to_hf(args.root, args.out_dir, tag=args.tag, dtype=args.dtype,
                               max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                              tokenizer_from=args.tokenizer_from)
+                              tokenizer_from=args.tokenizer_from, hf_config=args.hf_config)
             print(f"wrote {r.architecture} to {r.out_dir}: {', '.join(r.files)}")
             for what, names in (("missing", r.missing), ("not exported", r.dropped)):
                 if names:
