@@ -86,6 +86,7 @@ def ds_config(args) -> dict:
     with open(args.config, encoding="utf-8") as f:
         cfg = json.load(f)
     layout.apply_zero_flags(cfg, args)
+    cfg["steps_per_print"] = 0   # the script prints its own line every --log-every steps: not a second one
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.grad_accum:
@@ -142,10 +143,11 @@ def main(argv=None) -> None:
         dist.all_reduce(mean)
         losses.append(float(mean) / mesh.dp)
         if rank0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
-            rate = step * cfg.train_batch_size / (time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
             print(f"step {step:>4}/{args.steps} | loss {losses[-1]:.4f} | lr {engine.get_lr()[0]:.2e} | "
-                  f"grad norm {engine.grad_norm or 0.0:.3f} | skipped {engine.skipped_steps} | {rate:.1f} samples/s",
-                  flush=True)
+                  f"grad norm {engine.grad_norm or 0.0:.3f} | skipped {engine.skipped_steps} | "
+                  f"{step * cfg.train_batch_size / elapsed:.1f} samples/s | {common.fmt_time(elapsed)} elapsed, "
+                  f"ETA {common.fmt_time(elapsed / step * (args.steps - step))}", flush=True)
     engine.save_checkpoint(str(Path(args.out_dir) / "checkpoints"), client_state={"step": args.steps})
     if rank0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps "

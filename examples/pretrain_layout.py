@@ -147,6 +147,7 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         if "warmup_max_lr" in sched:
             sched["warmup_max_lr"] = args.lr
     cfg.setdefault("seed", args.seed)
+    cfg["steps_per_print"] = 0   # the script prints its own line every --log-every steps: not a second one
     gc_interval = getattr(args, "gc_interval", None)
     if gc_interval is not None:
         cfg["garbage_collection"] = {"interval": gc_interval}
