@@ -51,8 +51,8 @@ def from_gguf(folder: str, out_root: str, name: str | None = None, *, tag: str =
     ``<out_root>/<tag>``; ``hf_copy``: also keep the dequantized Hugging Face folder there.
 
     Raises:
-        CheckpointError: as :func:`gguf_file`; ImportError without the ``gguf`` package (transformers
-        names it); what ``from_hf`` raises for an architecture plait does not build.
+        CheckpointError: as :func:`gguf_file`, or as ``from_hf`` for an architecture plait does not build.
+        ImportError: without the ``gguf`` package (transformers names it).
     """
     name = name or gguf_file(folder)
     model = dequantized_model(folder, name)
