@@ -14,7 +14,10 @@ examples/configs/pretrain_hf_zero3.json, or ``--zero-stage``), and the loop is D
     engine.step()                      # applies at the gradient accumulation boundary
 
 The corpus is the bundled one, tokenized with the bundled tokenizer (or ``--hf-dir``'s tokenizer.json).
-At the end the engine writes a layout-free checkpoint to ``<out-dir>/checkpoints``.
+At the end the engine writes a layout-free checkpoint to ``<out-dir>/checkpoints`` (it records the model's
+class and config.json), and the way back to Hugging Face is::
+
+    plait convert to-hf runs/finetune_hf/checkpoints runs/finetune_hf/hf [--tokenizer-from HF_DIR]
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ def ds_config(args) -> dict:
     with open(args.config, encoding="utf-8") as f:
         cfg = json.load(f)
     layout.apply_zero_flags(cfg, args)
+    cfg["steps_per_print"] = 0   # the script prints its own line every --log-every steps: not a second one
     if args.micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.grad_accum:
@@ -139,14 +143,17 @@ def main(argv=None) -> None:
         dist.all_reduce(mean)
         losses.append(float(mean) / mesh.dp)
         if rank0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
-            rate = step * cfg.train_batch_size / (time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
             print(f"step {step:>4}/{args.steps} | loss {losses[-1]:.4f} | lr {engine.get_lr()[0]:.2e} | "
-                  f"grad norm {engine.grad_norm or 0.0:.3f} | skipped {engine.skipped_steps} | {rate:.1f} samples/s",
-                  flush=True)
+                  f"grad norm {engine.grad_norm or 0.0:.3f} | skipped {engine.skipped_steps} | "
+                  f"{step * cfg.train_batch_size / elapsed:.1f} samples/s | {common.fmt_time(elapsed)} elapsed, "
+                  f"ETA {common.fmt_time(elapsed / step * (args.steps - step))}", flush=True)
     engine.save_checkpoint(str(Path(args.out_dir) / "checkpoints"), client_state={"step": args.steps})
     if rank0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps "
-              f"({time.perf_counter() - t0:.1f}s); checkpoint in {Path(args.out_dir) / 'checkpoints'}")
+              f"({time.perf_counter() - t0:.1f}s); checkpoint in {Path(args.out_dir) / 'checkpoints'}\n"
+              f"to Hugging Face: plait convert to-hf {Path(args.out_dir) / 'checkpoints'} {Path(args.out_dir) / 'hf'}"
+              + (f" --tokenizer-from {args.hf_dir}" if args.hf_dir else ""))
         with open(Path(args.out_dir) / "losses.json", "w", encoding="utf-8") as f:
             json.dump(losses, f)
     dist.barrier()

@@ -156,6 +156,12 @@ class Progress:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self.t_last, self.items_last = time.perf_counter(), 0
+        self.t_begin, self.step_begin = self.t_last, 0
+
+    def begin(self, step: int) -> None:
+        """Start the run clock at ``step`` (0, or the step a resumed run starts from): the elapsed time and
+        ETA of each progress line count from here."""
+        self.t_begin, self.step_begin = time.perf_counter(), step
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -177,12 +183,15 @@ class Progress:
         self.t_last, self.items_last = now, 0
         mem, mem_unit = peak_memory_gib(self.device)
         lr = engine.get_lr()[0]
+        elapsed = now - self.t_begin
+        eta = elapsed / max(step - self.step_begin, 1) * max(total - step, 0)
         rec = {"type": "train", "step": step, "loss": loss, "lr": lr, f"{self.unit}_per_s": rate,
                "grad_norm": engine.grad_norm, "loss_scale": engine.loss_scale, "peak_mem_gib": mem,
-               "skipped_steps": engine.skipped_steps, "time": time.time()}
+               "skipped_steps": engine.skipped_steps, "elapsed_s": elapsed, "eta_s": eta, "time": time.time()}
         line = (f"step {step:>6}/{total} | loss {loss:7.4f} | lr {lr:.2e} | {rate:>10,.0f} {self.unit}/s | "
                 f"mem {mem:.2f} {mem_unit} | grad norm {engine.grad_norm or 0.0:.3f} | "
-                f"loss scale {engine.loss_scale:g} | skipped {engine.skipped_steps}")
+                f"loss scale {engine.loss_scale:g} | skipped {engine.skipped_steps} | "
+                f"{fmt_time(elapsed)} elapsed, ETA {fmt_time(eta)}")
         if self.peak and self.unit == "tokens":
             rec["mfu"] = rate * self.flops_token / (self.world * self.peak)
             line += f" | MFU {100 * rec['mfu']:.1f}%"

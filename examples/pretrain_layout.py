@@ -70,7 +70,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
                         "(what torchrun --max-restarts needs); --resume alone: require it; never: start over; "
                         "or a checkpoint tag")
     r.add_argument("--stop-at-step", type=int, help="stop (after saving) at this step, as if interrupted")
-    r.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    r.add_argument("--timeout", type=float, help="collective timeout in seconds for the whole run (default: the "
+                                                 "config's comm timeouts, 600 s until the first step, then 180 s)")
     r.add_argument("--gc-interval", type=int, help="full Python garbage collection every N optimizer steps, "
                    "automatic collection off (default: the config's garbage_collection, else 50; 0: Python's own)")
     r.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: H100/H200 bf16)")
@@ -147,6 +148,7 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         if "warmup_max_lr" in sched:
             sched["warmup_max_lr"] = args.lr
     cfg.setdefault("seed", args.seed)
+    cfg["steps_per_print"] = 0   # the script prints its own line every --log-every steps: not a second one
     gc_interval = getattr(args, "gc_interval", None)
     if gc_interval is not None:
         cfg["garbage_collection"] = {"interval": gc_interval}

@@ -71,6 +71,7 @@ def run(args, engine, loop, val_loader, progress, ckpt_dir: Path, items_per_step
     val_loss = client.get("val_loss", val_start)
     t_train, trained, window, save_secs = time.perf_counter(), 0, [], 0.0
     progress.skip_interval()
+    progress.begin(step)
     while step < args.steps and step != args.stop_at_step:
         loss = float(engine.train_batch(loop))
         step += 1

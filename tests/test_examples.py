@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,6 +74,17 @@ def test_pretrain_gpt_tp2_pp2_trains_checkpoints_exports(full_run):
     assert summaries[-1]["val_loss_end"] == val[STEPS] and summaries[-1]["steps_this_run"] == STEPS
     assert (out / "hf" / "config.json").is_file() and "samples from the exported model" in log
     assert "LlamaForCausalLM" in (out / "hf" / "config.json").read_text()
+
+
+def test_one_progress_line_per_logged_step_with_elapsed_time_and_eta(full_run):
+    """--log-every 1: one line for each of the 12 steps (no DeepSpeed-style ``step=10, skipped=0`` copy from the
+    config's steps_per_print), each with the time since the start and an ETA (0 at the last step)."""
+    _, log, _ = full_run
+    lines = [line for line in log.splitlines() if re.match(r"step +\d+/\d+ \| loss", line)]
+    assert [int(re.match(r"step +(\d+)/", line).group(1)) for line in lines] == list(range(1, STEPS + 1))
+    assert not [line for line in log.splitlines() if re.search(r"step=\d+, skipped=", line)]
+    times = [re.search(r"\| ([\dm.]+s) elapsed, ETA ([\dm.]+s)$", line) for line in lines]
+    assert all(times) and times[-1].group(2) == "0.0s", lines[-1]
 
 
 def test_two_node_launch_matches_one_node_and_resumes_in_another_layout(full_run, tmp_path):
@@ -215,6 +227,8 @@ def test_finetune_hf_zero3_on_a_transformers_model(tmp_path):
     log = torchrun("finetune_hf.py", 2, "--steps", "8", "--log-every", "4", "--offload", "optimizer",
                    "--out-dir", str(out))
     assert "GPT2LMHeadModel" in log and "ZeRO-3 + offload optimizer" in log and "dp=2" in log
+    steps = [line.split("|")[0].strip() for line in log.splitlines() if line.startswith("step")]
+    assert steps == ["step    1/8", "step    4/8", "step    8/8"] and "elapsed, ETA 0.0s" in log   # one line each
     losses = json.loads((out / "losses.json").read_text())
     assert losses[-1] < losses[0] - 0.3, losses
     assert (out / "checkpoints" / "latest").is_file()

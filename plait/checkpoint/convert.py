@@ -6,6 +6,9 @@
   layout -> ``config.json`` plus safetensors weights loadable by ``transformers``.
 - ``consolidate(plait_root, out_file)`` and ``inspect(plait_root)`` / ``describe``
   (``plait.checkpoint.inspection``): every logical tensor whole in one file; a readable listing.
+- ``from_gguf(folder, out_root)`` (``plait.checkpoint.hf_gguf``): a GGUF-only folder, dequantized by
+  transformers, -> a plait checkpoint; ``reshard(plait_root, out_root)`` (``plait.checkpoint.reshard``):
+  the files rewritten offline, every tensor whole.
 
 The name rules and config mappings per architecture are in ``plait.models`` (one module per
 family), dispatched by ``plait.checkpoint.hf``. This module keeps the names the ``plait convert``
@@ -14,9 +17,11 @@ command and users import from here.
 from plait.checkpoint.hf_export import TOKENIZER_FILES, ExportReport, parse_size, to_hf
 from plait.checkpoint.hf_import import (HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS, ConvertReport, HFWeights, from_hf,
                                         read_hf_config)
+from plait.checkpoint.hf_gguf import from_gguf
 from plait.checkpoint.inspection import consolidate, describe, inspect
+from plait.checkpoint.reshard import ReshardReport, reshard
 from plait.dtypes import parse_dtype
 
 __all__ = ["ConvertReport", "ExportReport", "HFWeights", "HF_CONFIG", "HF_INDEX", "HF_KEY", "HF_WEIGHTS",
-           "TOKENIZER_FILES", "consolidate", "describe", "from_hf", "inspect", "parse_dtype", "parse_size",
-           "read_hf_config", "to_hf"]
+           "ReshardReport", "TOKENIZER_FILES", "consolidate", "describe", "from_gguf", "from_hf", "inspect",
+           "parse_dtype", "parse_size", "read_hf_config", "reshard", "to_hf"]

@@ -8,6 +8,7 @@ its inputs.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -19,19 +20,23 @@ from safetensors.torch import save_file
 
 from plait import untrusted
 from plait.checkpoint import hf as hfmap
+from plait.checkpoint import hf_native
 from plait.checkpoint.errors import CheckpointError, inside
 from plait.checkpoint.hf_import import HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS
 from plait.checkpoint.index import OPTIMIZER_PREFIX
-from plait.checkpoint.model_io import EXTRA_PREFIX, config_from_meta
+from plait.checkpoint.model_io import EXTRA_PREFIX, MODEL_CONFIG_KEY, config_from_meta
 from plait.checkpoint.reader import CheckpointReader
 from plait.layers.moe import MoE
 from plait.dtypes import cast_floating, parse_dtype
 from plait.layers.config import TransformerConfig
 from plait.layers.model import logical_shapes
 
-#: Files ``to_hf(tokenizer_from=...)`` copies when present.
+#: Files ``to_hf(tokenizer_from=...)`` copies when present (``fnmatch`` patterns, relative to the folder):
+#: everything a transformers tokenizer or processor saves, chat templates included, and the generation config.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json", "*.jinja",
+                   "chat_template.json", "additional_chat_templates/*.jinja", "*.tiktoken", "spiece.model",
+                   "sentencepiece*.model", "preprocessor_config.json", "processor_config.json")
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -111,7 +116,8 @@ def _zero_state(reader, name: str) -> bool:
 
 def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None,
           max_shard_bytes: int | str | None = None, *, config: TransformerConfig | None = None,
-          overwrite: bool = False, tokenizer_from: str | None = None) -> ExportReport:
+          overwrite: bool = False, tokenizer_from: str | None = None, hf_config: dict | str | None = None
+          ) -> ExportReport:
     """Write the plait checkpoint ``<plait_root>/<tag>`` (default: latest) as a Hugging Face model.
 
     Args:
@@ -120,6 +126,8 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         max_shard_bytes: split the weights into hub-style shards of at most this size (a tensor
             larger than it gets a shard of its own); None: one ``model.safetensors``.
         config: the architecture, when the checkpoint's meta has no ``model_config``.
+        hf_config: a transformers model's config.json (path or dict) for a checkpoint of that model trained
+            as it is (its own parameter names; ``plait.checkpoint.hf_native``); default: the one saved with it.
         overwrite: replace weights files already in ``out_dir`` (otherwise FileExistsError).
         tokenizer_from: a directory to copy the tokenizer and generation files from (e.g. the
             ``hf_dir`` of ``from_hf``; see :data:`TOKENIZER_FILES`); each must be a regular file inside it.
@@ -137,6 +145,10 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     """
     dtype, max_shard_bytes = parse_dtype(dtype), parse_size(max_shard_bytes)
     reader = CheckpointReader(plait_root, tag)
+    if isinstance(hf_config, (str, os.PathLike)):
+        hf_config = untrusted.read_json(os.fspath(hf_config), "--hf-config file", error=CheckpointError)
+    if config is None and MODEL_CONFIG_KEY not in reader.meta:
+        return _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config)
     config = config or config_from_meta(reader.meta, f"checkpoint {reader.path}")
     hf_meta = reader.meta.get(HF_KEY) or {}
     names = [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)]
@@ -160,18 +172,32 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
 
 
+def _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config) -> ExportReport:
+    """A transformers model's checkpoint (its own names) -> the same names plus its config.json."""
+    hf_cfg = hf_native.native_config(reader.meta, hf_config, f"checkpoint {reader.path}")
+    arch, names, missing = hf_native.native_jobs(reader.names(), hf_cfg)
+    files = _write_hf_weights(reader, out_dir, _plan_shards(names, [_nbytes(reader, n, dtype) for n in names],
+                                                            max_shard_bytes), dtype, overwrite)
+    stored = Counter(reader.dtype(n) for n in names if reader.dtype(n).is_floating_point)
+    hf_native.write_config(hf_cfg, out_dir, dtype or (stored.most_common(1)[0][0] if stored else torch.float32))
+    files += _copy_tokenizer(tokenizer_from, out_dir) if tokenizer_from else []
+    return ExportReport(os.fspath(out_dir), arch, files, missing, [])
+
+
 def _copy_tokenizer(tokenizer_from: str, out_dir: str) -> list[str]:
-    """Copy the :data:`TOKENIZER_FILES` present in ``tokenizer_from`` to ``out_dir``; each must resolve inside
-    ``tokenizer_from`` and be a regular file of at most ``plait.untrusted.SMALL_FILE_CAP`` bytes (a link to a
-    private file or an endless device is refused, naming it). Returns the names copied."""
-    copied = []
-    for fname in TOKENIZER_FILES:
-        if os.path.lexists(os.path.join(tokenizer_from, fname)):
-            data = untrusted.read_small(inside(tokenizer_from, fname, "tokenizer file"), "tokenizer file",
-                                        error=CheckpointError)
-            with open(os.path.join(out_dir, fname), "wb") as f:
-                f.write(data)
-            copied.append(fname)
+    """Copy the files of ``tokenizer_from`` that match :data:`TOKENIZER_FILES` to ``out_dir``; each must resolve
+    inside ``tokenizer_from`` and be a regular file of at most ``plait.untrusted.SMALL_FILE_CAP`` bytes (a link to
+    a private file or an endless device is refused, naming it). Returns the names copied (sorted)."""
+    present = [os.path.relpath(os.path.join(d, f), tokenizer_from).replace(os.sep, "/")
+               for d in (tokenizer_from, os.path.join(tokenizer_from, "additional_chat_templates"))
+               if os.path.isdir(d) for f in os.listdir(d)]
+    copied = sorted(f for f in present if any(fnmatch.fnmatchcase(f, pat) for pat in TOKENIZER_FILES))
+    for fname in copied:
+        data = untrusted.read_small(inside(tokenizer_from, fname, "tokenizer file"), "tokenizer file",
+                                    error=CheckpointError)
+        os.makedirs(os.path.dirname(os.path.join(out_dir, fname)), exist_ok=True)
+        with open(os.path.join(out_dir, fname), "wb") as f:
+            f.write(data)
     return copied
 
 
@@ -179,8 +205,8 @@ def _shard_tensors(reader: CheckpointReader, shard: list, dtype) -> dict[str, to
     """HF name -> tensor of one output shard (rules through their transform, ``hf_extra`` tensors as stored)."""
     tensors = {}
     for job in shard:
-        if isinstance(job, str):      # an hf_extra tensor, written back under its HF name
-            tensors[job[len(EXTRA_PREFIX):]] = cast_floating(reader.read(job), dtype)
+        if isinstance(job, str):      # an hf_extra tensor (or a transformers model's own), under its HF name
+            tensors[job.removeprefix(EXTRA_PREFIX)] = cast_floating(reader.read(job), dtype)
             continue
         outs = hfmap.to_hf(job.kind, [reader.read(p) for p in job.plait])
         tensors.update({h: cast_floating(t, dtype).contiguous() for h, t in zip(job.hf, outs)})

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.errors import CheckpointError
+from plait.checkpoint.hf_native import HF_MODEL_KEY, hf_model_meta
 from plait.checkpoint.index import OPTIMIZER_PREFIX
 from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.tp import read_tp_shard, tp_shard_item
@@ -136,6 +137,8 @@ def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
     # it sets ``plait_architecture = "custom"`` so the checkpoint does not claim to be GPT-2/Llama/BERT.
     if isinstance(config, TransformerConfig) and getattr(model, "plait_architecture", None) != "custom":
         out.setdefault(MODEL_CONFIG_KEY, config.to_dict())
+    elif (hf_model := hf_model_meta(model)) is not None:    # a transformers model trained as it is
+        out.setdefault(HF_MODEL_KEY, hf_model)
     coords = _mesh_coords(mesh)
     out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp", "ep") if k in coords})
     return out

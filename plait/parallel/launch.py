@@ -1,14 +1,15 @@
 """Process start-up from torchrun's or SLURM's environment.
 
-``init_distributed()`` reads the launcher's variables, picks NCCL when CUDA is
-available and gloo otherwise, binds the local GPU, and initializes the default
-process group. It returns the rank facts; the process group itself lives in
+``init_distributed()`` reads the launcher's variables, picks NCCL when this node has
+a CUDA device for each of its ranks and gloo (CPU ranks) otherwise, binds the local
+GPU, and initializes the default process group. It returns the rank facts; the process group itself lives in
 torch.distributed, and plait code reaches it only through a ``ParallelMesh``.
 """
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ class LaunchInfo:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int = 1   # processes on this node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -65,7 +67,10 @@ def launch_info(env: dict | None = None) -> LaunchInfo:
     port = int(env.get("MASTER_PORT", 29500))
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world size {world})")
-    return LaunchInfo(rank, world, local, addr, port)
+    per_node = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
+        or env.get("SLURM_NTASKS_PER_NODE") or "0"
+    per_node = int(re.match(r"\d*", per_node).group() or 0)   # SLURM writes "4(x2)" for 4 on each of 2 nodes
+    return LaunchInfo(rank, world, local, addr, port, max(per_node, local + 1))
 
 
 def launcher_world_size(env: dict | None = None) -> int:
@@ -81,26 +86,65 @@ STARTUP_TIMEOUT_S = 600.0   # until an engine applies its config's comm timeouts
 SCRIPT_TIMEOUT_KEY = "plait/script_timeout_s/{rank}"   # in the group's store: a timeout the script chose
 
 
+def choose_backend(info: LaunchInfo, device_count: int, backend: str | None = None) -> tuple[str, str | None]:
+    """The process-group backend for this node's ranks, and a one-line notice for rank 0 (or None).
+
+    NCCL when the node has a CUDA device for each of its ``info.local_world_size`` ranks, gloo (CPU ranks)
+    otherwise: ``torchrun --nproc-per-node 4`` then runs on 0, 1, 2 or 4 GPUs alike (NCCL cannot put two
+    ranks on one device), and the notice names the launch that uses the GPUs instead. Every rank of a node
+    decides the same from the same facts; nodes are assumed to have the same number of GPUs.
+
+    Raises:
+        SystemExit: ``backend="nccl"`` asked for with fewer devices than ranks; the one-line message on
+            the node's local rank 0, a silent exit status 1 on its other ranks (so it is printed once).
+    """
+    ranks = info.local_world_size
+    if backend not in (None, "nccl") or backend is None and device_count == 0:
+        return backend or "gloo", None
+    if device_count >= ranks:
+        return "nccl", None
+    fit = _fitting_launch(device_count)
+    if backend == "nccl":
+        message = (f"plait: backend 'nccl' needs a CUDA device per rank, but this node runs {ranks} rank(s) on "
+                   f"{device_count} device(s); {fit}, or leave the backend unset for CPU ranks (gloo)")
+        raise SystemExit(message if info.local_rank == 0 else 1)
+    return "gloo", (f"plait: {ranks} ranks on this node but {device_count} CUDA device(s): all ranks run on CPU "
+                    f"(gloo); to train on the GPUs, {fit}")
+
+
+def _fitting_launch(devices: int) -> str:
+    """``launch torchrun --nproc-per-node N ...`` that fits ``devices`` GPUs (the examples' default layout)."""
+    if devices == 0:
+        return "run on a machine with CUDA devices"
+    tp, pp = (2, 2) if devices % 4 == 0 else (2, 1) if devices % 2 == 0 else (1, 1)
+    return f"launch torchrun --nproc-per-node {devices} (examples: --tp {tp} --pp {pp})"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None,
-                     env: dict | None = None) -> LaunchInfo:
+                     env: dict | None = None, device_count: int | None = None) -> LaunchInfo:
     """Initialize the default process group from the launcher's environment; return when every rank has
     joined it (so no rank can leave while another is still connecting).
 
     Args:
-        backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
+        backend: "nccl" or "gloo"; default NCCL when the node has a CUDA device per rank, else gloo with a
+            one-line notice on rank 0 (``choose_backend``).
         timeout_s: collective timeout in seconds; a dead or frozen peer raises after this instead of
             hanging. None (default): 600 s until an engine exists; ``plait.initialize`` then applies its
             config's ``comm.startup_timeout_s`` (until the first applied step and during checkpoint I/O)
             and ``comm.timeout_s`` (after it). A value: the script's choice, kept for the whole run (the
             engine's config takes it as both ``comm`` timeouts and logs that once; ``explicit_timeout_s``).
+        env: the launcher's variables (default ``os.environ``).
+        device_count: CUDA devices on this node (default ``torch.cuda.device_count()``; tests pass it).
 
     Returns the ``LaunchInfo``. Calling it when a group already exists returns the facts unchanged.
     """
     info = launch_info(env)
     if dist.is_initialized():
         return info
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    count = torch.cuda.device_count() if device_count is None else device_count
+    backend, notice = choose_backend(info, count, backend)
+    if notice and info.rank == 0:
+        print(notice, file=sys.stderr, flush=True)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
         # NCCL's watchdog aborts a collective that outlives the timeout and ends the process (3: without
