@@ -25,7 +25,8 @@ def dir_bytes(path: str) -> int:
 
 def make_engine(stage, mesh, preset_name):
     import plait
-    from plait.layers import TransformerModel, preset
+    from plait.layers import TransformerModel
+    from plait.models import preset
     model = TransformerModel(preset(preset_name), mesh, seed=0, device=mesh.device)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},

@@ -69,7 +69,7 @@ def plait_config(stage: int, compile_on: bool) -> dict:
 
 
 def shape_config():
-    from plait.layers import preset
+    from plait.models import preset
     return preset(PRESET)
 
 

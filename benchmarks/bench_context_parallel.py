@@ -8,7 +8,7 @@
 
 Each (arm, sequence length) runs under ``torch.distributed.run --standalone --nproc-per-node N`` (N: the
 arm's cp size) in a process group of its own (a failure, e.g. CUDA out of memory, or a run past --timeout
-becomes a row with its error). Every arm trains llama-886m (``plait.layers.preset("llama-886m",
+becomes a row with its error). Every arm trains llama-886m (``plait.models.preset("llama-886m",
 max_position_embeddings=seq)``) on one sequence per step (micro-batch 1, data parallel 1), bf16, AdamW
 (lr 1e-4, wd 0.1, betas 0.9/0.95), clipping 1.0, activation checkpointing of every block: one warm-up step,
 then --steps timed steps. Every rank draws the same batch (token ids seeded by the step, drawn on the CPU);
@@ -75,7 +75,7 @@ def cp_size(arm: str) -> int:
 
 def model_config(arm: str, model: str, seq: int):
     from bench_long_seq import TILES
-    from plait.layers import preset
+    from plait.models import preset
     return preset(model, max_position_embeddings=seq, **(TILES if arm.endswith("tiled") else {}))
 
 

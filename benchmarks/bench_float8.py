@@ -47,7 +47,7 @@ def recipe_of(arm: str) -> str | None:
 
 
 def shape(args):
-    from plait.layers import preset
+    from plait.models import preset
     return preset(args.preset)
 
 

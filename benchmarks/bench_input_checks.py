@@ -28,7 +28,8 @@ SEQ, MICRO = 2048, 4
 
 def make_engine():
     import plait
-    from plait.layers import TransformerModel, preset
+    from plait.layers import TransformerModel
+    from plait.models import preset
     from plait.parallel import ParallelMesh
     cfg = preset("llama-886m")
     model = TransformerModel(cfg, None, seed=0, device="cuda")

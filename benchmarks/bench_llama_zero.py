@@ -29,7 +29,8 @@ from _common import model_flops_per_token  # noqa: E402
 
 
 def build_model(device):
-    from plait.layers import TransformerModel, preset
+    from plait.layers import TransformerModel
+    from plait.models import preset
     cfg = preset("llama-886m")
     model = TransformerModel(cfg, None, seed=0, device=device)
     return cfg, model

@@ -33,7 +33,8 @@ TILES = {"fused_loss_chunk_tokens": 4096, "mlp_chunk_tokens": 4096}
 
 def run_one(arm: str, args) -> dict:
     import plait
-    from plait.layers import TransformerModel, preset
+    from plait.layers import TransformerModel
+    from plait.models import preset
     from plait.parallel import ParallelMesh
     init_single_process()
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -44,7 +44,7 @@ MODEL = "mixtral-1b-active"
 
 
 def model_config(arm: str):
-    from plait.layers import preset
+    from plait.models import preset
     cfg = preset(MODEL)
     if arm == "dense":
         return preset("llama-886m", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,

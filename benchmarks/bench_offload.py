@@ -59,7 +59,7 @@ SIZES = {
 
 
 def model_config(size: str, device_type: str):
-    from plait.layers import preset
+    from plait.models import preset
     if device_type == "cpu":  # smoke test: tiny shapes
         return preset("llama-tiny", vocab_size=512, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                       ffn_hidden_size=128, max_position_embeddings=SEQ)

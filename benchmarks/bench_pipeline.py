@@ -289,7 +289,7 @@ def measure(args, cfg, mesh, chunks, schedule, v, m, mbs, make_batch, isolated, 
 
 
 def main():
-    from plait.layers import preset
+    from plait.models import preset
     from plait.layers.stages import build_stage_modules
     from plait.parallel import ParallelMesh, init_distributed
 

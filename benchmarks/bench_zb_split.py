@@ -27,7 +27,7 @@ import torch
 
 
 def build(args):
-    from plait.layers import preset
+    from plait.models import preset
     from plait.layers.model import TransformerModel
 
     cfg = preset("llama-tiny", hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_heads=args.heads,

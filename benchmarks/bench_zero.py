@@ -6,7 +6,7 @@
 
 Each arm runs under ``torch.distributed.run --standalone --nproc-per-node N`` in a process group of its
 own (fresh CUDA memory statistics; a failure or a run past --timeout becomes a row with its error). Every
-rank trains the preset's shape (``plait.layers.preset(--model)``), sequence 2048, ``--micro`` sequences
+rank trains the preset's shape (``plait.models.preset(--model)``), sequence 2048, ``--micro`` sequences
 per rank, bf16, AdamW lr 1e-4 wd 0.1 betas 0.9/0.95, clipping 1.0; ``--ac`` recomputes every block in
 backward (activation checkpointing per block):
 
@@ -137,7 +137,7 @@ def make_arm(arm, cfg, device, args):
 
 def model_config(args):
     """The preset ``--model``, with ``--layers`` blocks when given (to find the largest model that fits)."""
-    from plait.layers import preset
+    from plait.models import preset
     return preset(args.model, num_layers=args.layers) if args.layers else preset(args.model)
 
 

@@ -30,7 +30,7 @@ def timed(fn, reps=10, warmup=3):
 
 
 def plait_stage(args, device):
-    from plait.layers import preset
+    from plait.models import preset
     from plait.layers.model import TransformerModel
     cfg = preset(args.preset, max_position_embeddings=max(2048, args.seq))
     half = cfg.num_layers // 2

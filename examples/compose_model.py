@@ -38,14 +38,8 @@ import pretrain_layout as layout
 import train_loop
 
 from plait.data import DistributedBatches, TokenDataset
-from plait.layers import (
-    MLP,
-    Attention,
-    EmbeddingLayer,
-    LMHead,
-    TransformerBlock,
-    llama_config,
-)
+from plait.layers import MLP, Attention, EmbeddingLayer, LMHead, TransformerBlock
+from plait.models import llama_config
 from plait.layers.attention import scaled_init_std
 from plait.layers.init import init_parameters
 from plait.layers.norm import make_norm

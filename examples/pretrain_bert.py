@@ -35,7 +35,7 @@ from plait.data import (
     bundled_tokenizer_path,
     mask_tokens,
 )
-from plait.layers import preset
+from plait.models import preset
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "<|endoftext|>")
 

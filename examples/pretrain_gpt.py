@@ -49,7 +49,7 @@ from plait.data import (
     bundled_data_dir,
     bundled_tokenizer_path,
 )
-from plait.layers import preset
+from plait.models import preset
 
 
 def parse_args(argv=None) -> argparse.Namespace:

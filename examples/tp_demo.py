@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from plait.data import DistributedBatches, TokenDataset, bundled_token_file
-from plait.layers import TransformerModel, gpt2_config
+from plait.layers import TransformerModel
+from plait.models import gpt2_config
 from plait.parallel import ParallelMesh, init_distributed
 
 

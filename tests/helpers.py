@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from plait.layers import TransformerConfig, preset
+from plait.layers import TransformerConfig
+from plait.models import preset
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, *, floor: float = 0.0, norm: str = "l2") -> float:

@@ -166,7 +166,7 @@ def model_batch(cfg):
 
 
 def model_config(arch):
-    from plait.layers import preset
+    from plait.models import preset
     return preset(f"{arch}-tiny", num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
 
 

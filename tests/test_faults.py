@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 import plait
 from plait.checkpoint.errors import CheckpointError
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 from plait.zero.precision import NonFiniteError

@@ -10,7 +10,8 @@ import sys
 SCRIPT = '''
 import json, sys, torch, torch.distributed as dist
 import plait
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 cfg = preset("llama-tiny", vocab_size=257, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48)
 engine = plait.initialize(TransformerModel(cfg, None, seed=5), {"train_micro_batch_size_per_gpu": 2,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}})

@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel.pipeline.partition import partition_layers, stage_layers
 from plait.parallel.sharding import logical_numel

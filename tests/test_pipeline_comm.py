@@ -71,7 +71,7 @@ def test_the_cyclic_garbage_collector_is_paused_during_a_step_only():
 
     import torch
 
-    from plait.layers import preset
+    from plait.models import preset
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
 

@@ -46,7 +46,7 @@ def test_backward_kinds_and_a_list_mixing_b_with_the_split_is_refused():
 
 
 def test_cuda_graphs_on_cpu_is_refused_with_the_fix():
-    from plait.layers import preset
+    from plait.models import preset
 
     cfg = preset("llama-886m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,
                  vocab_size=128, max_position_embeddings=16)
@@ -91,7 +91,7 @@ def test_micro_batches_of_other_keys_or_shapes_are_refused():
 
 
 def test_what_a_capture_cannot_replay_is_refused_by_name():
-    from plait.layers import preset
+    from plait.models import preset
 
     def chunk(**kw):
         cfg = preset("llama-886m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96,

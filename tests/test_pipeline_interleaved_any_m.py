@@ -20,7 +20,8 @@ import pytest
 import torch
 from helpers import rel_err
 
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.init import TIED_ATTR
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh

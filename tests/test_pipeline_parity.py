@@ -22,7 +22,8 @@ import torch.distributed as dist
 from reference_models import reference_loss
 from helpers import rel_err
 
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.init import TIED_ATTR
 from plait.layers.stages import build_stage_modules, layer_parameter_counts
 from plait.parallel import ParallelMesh

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.model import check_tensor_parallel
 from plait.parallel import ParallelMesh
 from plait.parallel.random import RNGTracker

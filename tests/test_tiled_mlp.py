@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import rel_err
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.mlp import MLP
 
 

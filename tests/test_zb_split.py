@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.layers.norm import _RMSNormWeight
 from plait.parallel.pipeline.backward import backward_input, backward_weight
 from plait.parallel.pipeline.weight_grad import plan

@@ -43,6 +43,7 @@ from plait.checkpoint.writer import CheckpointWriter, SaveHandle, ShardItem
 from plait.layers.config import TransformerConfig
 from plait.layers.init import TIED_ATTR
 from plait.layers.model import EMBEDDING_WEIGHT
+from plait.models.registry import get_family
 from plait.parallel.sharding import TPShard, logical_parts
 
 #: ``meta.json`` key holding ``TransformerConfig.to_dict()`` of the saved model.
@@ -175,8 +176,8 @@ def config_from_meta(meta: dict, where: str = "checkpoint") -> TransformerConfig
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: meta.json has no {MODEL_CONFIG_KEY!r} dict (saved without "
                               f"save_model_weights?); pass the TransformerConfig explicitly")
-    try:
-        return TransformerConfig(**raw)
+    try:   # the family's factory: fields a checkpoint saved before they existed take the family's values
+        return get_family(raw.get("arch")).make_config(**raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: meta[{MODEL_CONFIG_KEY!r}] is not a valid TransformerConfig: {e}") from None
 

@@ -1,17 +1,13 @@
 """``TransformerConfig``: the architecture of a decoder or encoder.
 
-The families' presets and defaults (``preset``, ``gpt2_config``, ``llama_config``, ``bert_config``)
-live in ``plait.models``; importing them from here still works (resolved on first use, since
-``plait.models`` itself imports this module).
+Every field the shared layers build from is here; each family (``plait.models``: ``preset``,
+``gpt2_config``, ``llama_config``, ``bert_config``, ...) fills them. ``plait.layers`` never imports
+``plait.models``.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-#: Names this module re-exports from ``plait.models`` (imported on first access: no import cycle).
-_FROM_MODELS = ("ARCHES", "PRESETS", "preset", "gpt2_config", "llama_config", "bert_config")
-
 
 #: Integer size fields of ``TransformerConfig`` and their least value (checked at construction, by name).
 SIZE_FIELDS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
@@ -23,11 +19,14 @@ SIZE_FIELDS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 
 class TransformerConfig:
     """Architecture hyper-parameters (sizes in elements; no parallel layout here).
 
-    ``arch`` names the model family (``plait.models``), which fixes the wiring: "gpt2" (learned
+    ``arch`` names the model family (``plait.models``), whose factory sets the wiring: "gpt2" (learned
     positions, pre-norm LayerNorm, GELU-tanh, biases, tied head), "llama" (RoPE, pre-norm RMSNorm,
     SwiGLU, no biases, GQA, tied or untied head) or "bert" (learned + token-type positions,
     embedding LayerNorm, post-norm blocks, GELU, bidirectional attention, MLM head tied to the
     embedding). Use ``gpt2_config``, ``llama_config`` and ``bert_config`` for the family defaults.
+    Layers a family adds around the shared blocks: ``embedding_norm`` (a norm after the summed embeddings),
+    ``head_transform`` (a dense ``[h, h]`` layer + GELU before the head's norm) and ``head_bias`` (an output
+    bias ``[V]``): BERT's embedding LayerNorm and MLM head.
 
     ``fused_loss_chunk_tokens`` (tokens, default 0) changes only how the head computes its loss when
     labels are given: 0 computes the logits ``[b, s, V_pad/tp]`` and then the cross entropy (the
@@ -57,7 +56,7 @@ class TransformerConfig:
     weight ``[head_dim]`` for all heads of q and one for k (Qwen3; ``Attention``).
 
     Raises:
-        ValueError: unknown ``arch``, a size that is not an int in range (:data:`SIZE_FIELDS`, named), sizes that
+        ValueError: a size that is not an int in range (:data:`SIZE_FIELDS`, named), sizes that
             do not divide (names both numbers), a ``head_dim`` < 1, or a negative ``fused_loss_chunk_tokens`` or
             ``mlp_chunk_tokens``.
     """
@@ -99,11 +98,11 @@ class TransformerConfig:
     moe_balance_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
     moe_bias_update_rate: float = 0.0
+    embedding_norm: bool = False
+    head_transform: bool = False
+    head_bias: bool = False
 
     def __post_init__(self):
-        from plait.models.registry import get_family  # local: plait.models imports this module
-
-        get_family(self.arch)  # ValueError naming the known arch names
         self._check_sizes()
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
@@ -137,13 +136,6 @@ class TransformerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"TransformerConfig {name} must be an int >= {least}, got {value!r}")
-
-    @property
-    def family(self):
-        """The :class:`plait.models.ModelFamily` of ``arch`` (presets, wiring, Hugging Face mapping)."""
-        from plait.models.registry import get_family
-
-        return get_family(self.arch)
 
     def num_parameters(self) -> int:
         """Logical parameter count (no vocabulary padding; tied weights counted once), from the shapes of the
@@ -181,11 +173,3 @@ class TransformerConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-def __getattr__(name: str):
-    """``preset``, ``PRESETS``, ``ARCHES`` and the family defaults, from ``plait.models``."""
-    if name in _FROM_MODELS:
-        import plait.models
-
-        return getattr(plait.models, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,7 +53,7 @@ class EmbeddingLayer(nn.Module):
                                                        device, dtype) if c.type_vocab_size else None)
         self.norm = (make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, group=group,
                                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-                     if c.family.wiring.embedding_norm else None)
+                     if c.embedding_norm else None)
 
     def _table(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Lookup in a replicated table; under sequence parallelism only this rank's seq shard."""
@@ -103,9 +103,8 @@ class LMHead(nn.Module):
         c = config
         self.config, self.group, self.sequence_parallel, self.cp_group = c, group, sequence_parallel, cp_group
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        wiring = c.family.wiring
         self.dense = (ReplicatedLinear(c.hidden_size, c.hidden_size, True, init_std=c.init_std, **kw)
-                      if wiring.head_transform else None)
+                      if c.head_transform else None)
         self.norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.vocab = VocabParallelEmbedding(c.vocab_size, c.hidden_size, group=group, alignment=c.vocab_alignment,
                                             device="meta")  # geometry only: padded size, this rank's block
@@ -117,7 +116,7 @@ class LMHead(nn.Module):
             if c.tie_embeddings:
                 setattr(self.weight, TIED_ATTR, EMBEDDING_WEIGHT)
         self.bias = (sharded_param((c.vocab_size,), 0, group, "zeros", padded=self.vocab.padded_vocab,
-                                   device=device, dtype=dtype) if wiring.head_bias else None)
+                                   device=device, dtype=dtype) if c.head_bias else None)
         del self.vocab.weight  # the geometry helper owns no parameter
 
     def forward(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""BERT (Devlin et al., 2019): presets, wiring, Hugging Face names and config mapping.
+"""BERT (Devlin et al., 2019): presets, Hugging Face names and config mapping.
 
 plait's BERT: learned + token-type positions, embedding LayerNorm, post-norm blocks, erf GELU,
 bidirectional attention, MLM head (dense, GELU, LayerNorm, output bias) tied to the embedding.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import ModelFamily, Wiring
+from plait.models.family import ModelFamily
 from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 _POSITION_BUFFER = re.compile(r"(^|\.)embeddings\.position_ids$")     # position-id buffer, not a weight
@@ -22,7 +22,7 @@ def bert_config(**overrides) -> TransformerConfig:
     base = dict(arch="bert", vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
                 max_position_embeddings=512, activation="gelu", norm="layernorm", norm_eps=1e-12,
                 bias=True, tie_embeddings=True, causal=False, post_norm=True, type_vocab_size=2,
-                hidden_dropout=0.1, attention_dropout=0.1)
+                hidden_dropout=0.1, attention_dropout=0.1, embedding_norm=True, head_transform=True, head_bias=True)
     return TransformerConfig(**{**base, **overrides})
 
 
@@ -101,8 +101,7 @@ def _export_layout(hf: HFClasses, config: TransformerConfig, plait_names: set[st
 
 
 FAMILY = ModelFamily(
-    name="bert", wiring=Wiring(embedding_norm=True, head_transform=True, head_bias=True),
-    hf=HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM"),
+    name="bert", hf=HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM"),
     presets={
         "bert-base": lambda: bert_config(),
         "bert-tiny": lambda: bert_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,

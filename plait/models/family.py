@@ -1,8 +1,8 @@
-"""What a model family (GPT-2, Llama, BERT, ...) provides: the :class:`ModelFamily` record and
-the :class:`Wiring` flags the shared layers read.
+"""What a model family (GPT-2, Llama, BERT, ...) provides: the :class:`ModelFamily` record.
 
 A family is one module of ``plait.models`` holding everything about one architecture: its
-presets, its wiring, its Hugging Face name rules and its HF config mapping. The registry
+presets (whose ``TransformerConfig`` carries every field the shared layers build from), its Hugging
+Face name rules and its HF config mapping. The registry
 (``plait.models.registry``) finds it by its arch name (``TransformerConfig.arch``).
 """
 from __future__ import annotations
@@ -19,26 +19,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Wiring:
-    """Layers a family adds around the shared blocks, beyond what ``TransformerConfig`` fields say.
-
-    embedding_norm: a norm after the summed embeddings (BERT's embedding LayerNorm).
-    head_transform: a dense ``[h, h]`` layer + GELU before the head's norm (BERT's MLM transform).
-    head_bias: an output bias ``[V]`` added to the logits (BERT's MLM decoder bias).
-    """
-
-    embedding_norm: bool = False
-    head_transform: bool = False
-    head_bias: bool = False
-
-
-@dataclass(frozen=True)
 class ModelFamily:
     """Everything plait knows about one architecture (one instance per family module).
 
     Attributes:
         name: the arch key (``TransformerConfig.arch``), e.g. ``"llama"``.
-        wiring: the :class:`Wiring` the shared layers build.
         hf: the Hugging Face model classes and name prefix (:class:`~plait.models.hf_base.HFClasses`).
         presets: preset name -> zero-argument ``TransformerConfig`` factory.
         make_config: ``(**overrides) -> TransformerConfig``, the family's reference size with overrides.
@@ -52,7 +37,6 @@ class ModelFamily:
     """
 
     name: str
-    wiring: Wiring
     hf: "HFClasses"
     presets: Mapping[str, Callable[[], "TransformerConfig"]]
     make_config: Callable[..., "TransformerConfig"]

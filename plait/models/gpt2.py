@@ -1,4 +1,4 @@
-"""GPT-2 (Radford et al., 2019): presets, wiring, Hugging Face names and config mapping.
+"""GPT-2 (Radford et al., 2019): presets, Hugging Face names and config mapping.
 
 plait's GPT-2: learned positions, pre-norm LayerNorm, GELU (tanh approximation), biases, tied
 head. Hugging Face ``GPT2LMHeadModel`` stores linear weights as ``Conv1D`` (``[in, out]``, so
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import ModelFamily, Wiring
+from plait.models.family import ModelFamily
 from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$")     # causal-mask buffers, not weights
@@ -80,7 +80,7 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
 
 
 FAMILY = ModelFamily(
-    name="gpt2", wiring=Wiring(), hf=HFClasses("gpt2", "transformer.", "GPT2Model", "GPT2LMHeadModel"),
+    name="gpt2", hf=HFClasses("gpt2", "transformer.", "GPT2Model", "GPT2LMHeadModel"),
     presets={
         "gpt2-124m": lambda: gpt2_config(),
         "gpt2-tiny": lambda: gpt2_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,

@@ -1,4 +1,4 @@
-"""Llama (Touvron et al., 2023): presets, wiring, Hugging Face names and config mapping.
+"""Llama (Touvron et al., 2023): presets, Hugging Face names and config mapping.
 
 plait's Llama: RoPE, pre-norm RMSNorm, SwiGLU, no biases (or one flag for all), grouped-query
 attention, tied or untied head. The q/k projections need no permutation: Hugging Face's
@@ -9,7 +9,7 @@ one). The SmolLM2 parity test in ``tests/test_convert_hf.py`` checks this numeri
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import ModelFamily, Wiring
+from plait.models.family import ModelFamily
 from plait.models.hf_base import ROPE_BUFFER, HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
 
@@ -82,7 +82,7 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
 
 
 FAMILY = ModelFamily(
-    name="llama", wiring=Wiring(), hf=HFClasses("llama", "model.", "LlamaModel", "LlamaForCausalLM"),
+    name="llama", hf=HFClasses("llama", "model.", "LlamaModel", "LlamaForCausalLM"),
     presets={
         "llama-886m": lambda: llama_config(),
         "llama-5.9b": lambda: llama_config(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,

@@ -19,7 +19,7 @@ coefficient weighs balancing about ``num_layers`` times more in plait.
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import ModelFamily, Wiring
+from plait.models.family import ModelFamily
 from plait.models.hf_base import (ROPE_BUFFER, HFClasses, HFLayout, Rule, decoder_rules, expert_rules,
                                   moe_config_fields, require_moe_export, unsupported)
 
@@ -73,7 +73,7 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
 
 
 FAMILY = ModelFamily(
-    name="mixtral", wiring=Wiring(), hf=HFClasses("mixtral", "model.", "MixtralModel", "MixtralForCausalLM"),
+    name="mixtral", hf=HFClasses("mixtral", "model.", "MixtralModel", "MixtralForCausalLM"),
     presets={
         "mixtral-8x7b": lambda: mixtral_config(),
         # 1,037,371,392 active of 3,151,300,608 parameters: num_parameters() minus, per layer, the 6 unused

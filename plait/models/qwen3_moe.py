@@ -15,7 +15,7 @@ import reads either layout; an export writes the hub's. Every layer must be spar
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
-from plait.models.family import ModelFamily, Wiring
+from plait.models.family import ModelFamily
 from plait.models.hf_base import (ROPE_BUFFER, HFClasses, HFLayout, Rule, decoder_rules, expert_rules,
                                   moe_config_fields, pairs, require_moe_export, unsupported)
 
@@ -85,8 +85,7 @@ def _config_to_hf(c: TransformerConfig, extra: dict):
 
 
 FAMILY = ModelFamily(
-    name="qwen3_moe", wiring=Wiring(),
-    hf=HFClasses("qwen3_moe", "model.", "Qwen3MoeModel", "Qwen3MoeForCausalLM"),
+    name="qwen3_moe", hf=HFClasses("qwen3_moe", "model.", "Qwen3MoeModel", "Qwen3MoeForCausalLM"),
     presets={
         "qwen3-30b-a3b": lambda: qwen3_moe_config(),
         "qwen3-moe-tiny": lambda: qwen3_moe_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,

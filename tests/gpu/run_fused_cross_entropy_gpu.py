@@ -17,7 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from plait.layers import TransformerModel, fused_linear_cross_entropy, preset, vocab_parallel_cross_entropy
+from plait.layers import TransformerModel, fused_linear_cross_entropy, vocab_parallel_cross_entropy
+from plait.models import preset
 
 MIB = 2 ** 20
 

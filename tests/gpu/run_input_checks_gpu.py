@@ -16,7 +16,8 @@ import torch
 import plait
 import plait.engine_guard as guard_mod
 from plait.batch import screen_micro_batch
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.parallel import ParallelMesh
 
 V, GAS = 1001, 2

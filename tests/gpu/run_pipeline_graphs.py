@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from plait.layers import preset  # noqa: E402
+from plait.models import preset
 from plait.layers.stages import build_stage_modules  # noqa: E402
 from plait.parallel import ParallelMesh, init_distributed  # noqa: E402
 from plait.parallel.pipeline.parallel import PipelineParallel  # noqa: E402

@@ -14,7 +14,8 @@ import sys
 import torch
 
 import plait
-from plait.layers import TransformerModel, preset
+from plait.layers import TransformerModel
+from plait.models import preset
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 
