@@ -159,3 +159,35 @@ def test_grpo_is_refused_naming_what_plait_does_not_serve(tmp_path):
     with pytest.raises(ConfigError, match=r"GRPOTrainer: .*own sampler .*unwrap_model.*trl.GRPOTrainer"):
         GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                     train_dataset=Dataset.from_dict({"prompt": ["a a"] * 4}), processing_class=tokenizer)
+
+
+def test_reward_trainer_on_plait_gives_plain_trls_losses(tmp_path):
+    """TRL's RewardTrainer (a sequence-classification model, chosen/rejected pairs) on plait's ZeRO-2 and plain, in
+    this process: the same logged losses, to 1e-6 (transformers >= 5) or to the 4 decimals transformers 4.x rounds
+    the plain run's logged loss to (5e-5 and float32 rounding)."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig as PlainConfig, RewardTrainer as PlainTrainer
+
+    from plait.trl import RewardConfig, RewardTrainer
+    _, tokenizer = _tiny()
+    data = Dataset.from_dict({"chosen": ["a a a", "a a"] * 4, "rejected": ["a", "<unk> a"] * 4})
+
+    def losses(trainer_class, config_class, **ds):
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                           num_hidden_layers=1, num_attention_heads=2,
+                                                           num_key_value_heads=2, num_labels=1, pad_token_id=0))
+        args = config_class(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=6, seed=3,
+                            per_device_train_batch_size=4, learning_rate=1e-2, bf16=False, logging_steps=1,
+                            save_strategy="no", max_grad_norm=0.0, **ds)
+        trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    got = losses(RewardTrainer, RewardConfig, deepspeed={"zero_optimization": {"stage": 2}})
+    want = losses(PlainTrainer, PlainConfig)
+    tol = 1e-6 if PLAIN_TRL_COMPARABLE else 5e-5 + 1e-6
+    assert len(got) == len(want) == 6 and max(abs(a - b) for a, b in zip(got, want)) <= tol, (got, want)
+    assert got[0] - got[-1] > 0.1                       # the pairs get separated
