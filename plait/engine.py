@@ -65,7 +65,7 @@ class Engine(EngineFacts):
     """
 
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
-                 model_parameters, pipeline=None, weights=None):
+                 model_parameters, pipeline=None, weights=None, units=None):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
         if config.fp8.enabled:   # before compile traces the blocks and ZeRO collects the (kept) parameters
             convert_to_float8(module, config.fp8, mesh.device)
@@ -99,7 +99,7 @@ class Engine(EngineFacts):
                 overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
                 param_persistence_threshold=z.stage3_param_persistence_threshold,
                 reshard_after_forward=z.reshard_after_forward),
-            units=stage3_units(module) if z.stage == 3 else None,
+            units=(units if units is not None else stage3_units(module)) if z.stage == 3 else None,
             gradient_accumulation_steps=config.gradient_accumulation_steps, offload=offload, weights=weights,
             precision=PrecisionOptions(param_dtype, scaler, skip_nonfinite=config.nonfinite_guard.enabled),
             clip=ClipOptions(config.gradient_clipping, NormGroups(tp=mesh.tp_group, pp=mesh.pp_group),
@@ -335,7 +335,7 @@ class Engine(EngineFacts):
 
 
 def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
-               model_parameters=None, weights=None, **config_facts) -> Engine:
+               model_parameters=None, weights=None, units=None, **config_facts) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
 
     Args:
@@ -355,6 +355,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         weights: for a model built under ``plait.zero.meta_parameters()`` (parameters on the meta device):
             a Hugging Face checkpoint folder (safetensors) or a ``plait.zero.weights.WeightSource``; under
             ZeRO-3 each rank reads only its shard of the parameters (``plait.zero.weights``).
+        units: ZeRO-3's gather units, modules of ``model`` (the root gathers what none encloses); None: plait's
+            choice (``plait.engine_model.stage3_units``: the blocks, and each other module with parameters).
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:
@@ -397,4 +399,4 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
             raise ConfigError("the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
                               "it; pass cuda_graphs=True")
     check_context_parallel(config, mesh, model, pipeline)
-    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights)
+    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)

@@ -137,8 +137,10 @@ class Trainer(transformers.Trainer):
         if dist.is_initialized():
             launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
         weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
+        if args.gradient_checkpointing:   # as transformers' own loop does before it wraps the model
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
-                                       weights=weights)
+                                       weights=weights, units=self._stage3_units(self.model))
         if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
             self.engine.compile(args.torch_compile_backend or "inductor",
                                 {"mode": args.torch_compile_mode} if args.torch_compile_mode else {})
@@ -150,6 +152,11 @@ class Trainer(transformers.Trainer):
         self.model_wrapped = self.engine
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         return self.engine
+
+    def _stage3_units(self, model):
+        """ZeRO-3's gather units for ``model`` (``plait.initialize(units=...)``); None: plait's choice. A subclass
+        whose model reads parameters outside their module's forward (TRL's fused LM head) names others."""
+        return None
 
     def _train_loader(self, engine, skip: int = 0) -> tuple[DataLoader, DistributedSampler]:
         """Micro-batches of this dp rank: a ``DistributedSampler`` (seeded with ``args.seed``, reshuffled by
@@ -244,15 +251,23 @@ class Trainer(transformers.Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             engine.train()   # evaluate() leaves the model in eval mode
         engine.set_gradient_accumulation_boundary(True if last_of_step else None)
-        loss = self.compute_loss(engine, self._prepare_inputs(inputs))
-        engine.backward(loss)
-        engine.step()
-        window.sum += loss.detach().float() / gas
+        loss = self.training_step(engine, inputs)
+        window.sum += loss.float() / gas
         if last_of_step:
             self.state.global_step += 1
             self.state.epoch = epoch + (i + 1) / count
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         return last_of_step
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """One micro-batch on the engine ``model``: ``compute_loss`` of ``_prepare_inputs(inputs)`` (the
+        model's mean loss; ``num_items_in_batch`` is not used, see the module docstring), ``backward``, and
+        ``step`` (applied at the accumulation boundary), as transformers' DeepSpeed path. Returns the loss,
+        detached (shape ``[]``). Subclasses wrap it as they wrap transformers' (TRL's trainers do)."""
+        loss = self.compute_loss(model, self._prepare_inputs(inputs))
+        model.backward(loss)
+        model.step()
+        return loss.detach()
 
     def _log_evaluate_save(self, engine, window: _LossWindow, trial, ignore_keys_for_eval) -> None:
         """What the callbacks asked for at a step's or an epoch's end: log, evaluate, save."""
