@@ -33,7 +33,7 @@ from plait.engine_model import apply_activation_checkpointing, as_groups, loss_o
 from plait.engine_moe import ExpertLayers
 from plait.engine_offload import engine_optimizer, offload_options
 from plait.fit.check import fit_config
-from plait.engine_pipeline import pipeline_train_step
+from plait.engine_pipeline import check_pipeline, pipeline_train_step
 from plait.gc_schedule import CollectionSchedule
 from plait.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
@@ -389,14 +389,6 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     model = on_device(model, mesh.device)
     if isinstance(model, PipelineParallel):
         pipeline, model = model, nn.ModuleList(model.stage_modules)
-        if pipeline.m != config.gradient_accumulation_steps:
-            raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
-                              f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
-        if config.pipeline.schedule_costs == "measure" and pipeline.schedule_costs != "measure":
-            raise ConfigError("the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
-                              f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'")
-        if config.pipeline.cuda_graphs and not pipeline.cuda_graphs:
-            raise ConfigError("the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
-                              "it; pass cuda_graphs=True")
+        check_pipeline(pipeline, config)
     check_context_parallel(config, mesh, model, pipeline)
     return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from plait.config import ConfigError, PlaitConfig
 from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero import ZeroOptimizer, whole_gradients
 from plait.zero.offload import HostStepper
@@ -59,3 +60,17 @@ def settle_landings(zero: ZeroOptimizer) -> None:
                            "build the ZeroOptimizer with OffloadOptions(final_at_step=True)")
     zero.reducer.wait()
     stepper.drain()
+
+
+def check_pipeline(pipeline: PipelineParallel, config: PlaitConfig) -> None:
+    """ConfigError where the ``PipelineParallel`` the user built disagrees with the config (micro-batches per step,
+    schedule costs, CUDA graphs), naming both values and the fix."""
+    if pipeline.m != config.gradient_accumulation_steps:
+        raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
+                          f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
+    if config.pipeline.schedule_costs == "measure" and pipeline.schedule_costs != "measure":
+        raise ConfigError("the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
+                          f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'")
+    if config.pipeline.cuda_graphs and not pipeline.cuda_graphs:
+        raise ConfigError("the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
+                          "it; pass cuda_graphs=True")
