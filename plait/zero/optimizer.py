@@ -1,40 +1,12 @@
-"""ZeroOptimizer: ZeRO stages 0-3 over any ``nn.Module`` with fp32 master weights.
+"""ZeroOptimizer: ZeRO stages 0-3 over any ``nn.Module`` with fp32 master weights (Rajbhandari et al., "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", SC'20, Sec. 5).
 
-Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-SC'20. Per rank, with Psi parameters, N_d data-parallel ranks, compute dtype of ``b`` bytes
-(2 for bf16/fp16) and Adam (K = 12 bytes/param: fp32 master + two fp32 moments), the buffers held
-here are (``memory_bytes()`` measures them; padding adds < N_d elements per segment):
-
-=======  =================  ===============================  ================  =================
-stage    params             gradients                        fp32 master       optimizer state
-=======  =================  ===============================  ================  =================
-0        b*Psi              b*Psi (param.grad) + 4*Psi       4*Psi             8*Psi
-1        b*Psi              b*Psi (param.grad) + 4*Psi/N_d   4*Psi/N_d         8*Psi/N_d
-2        b*Psi              4*Psi/N_d (fp32 shard)           4*Psi/N_d         8*Psi/N_d
-3        b*Psi/N_d          4*Psi/N_d (fp32 shard)           4*Psi/N_d         8*Psi/N_d
-=======  =================  ===============================  ================  =================
-
-(The paper counts fp16 gradients, 2*Psi/N_d for stage 2; this implementation accumulates the
-gradient shard in fp32 so gradient accumulation does not round, as DeepSpeed does.) Stage-3
-persistent parameters (numel < ``param_persistence_threshold``) are whole on every rank.
-
-Lifecycle (the engine drives it)::
-
-    opt = ZeroOptimizer(model, mesh.dp_group, stage=2, optimizer=torch.optim.AdamW,
-                        optimizer_kwargs=dict(lr=1e-4), param_groups=weight_decay_groups(model, 0.1),
-                        precision=PrecisionOptions(param_dtype="bf16"), gradient_accumulation_steps=4,
-                        clip=ClipOptions(max_grad_norm=1.0, norm_groups=NormGroups(tp=mesh.tp_group,
-                                                                                   pp=mesh.pp_group)))
-    for micro_batch in batches:
-        loss = model(micro_batch)          # stage 3 gathers parameters in forward hooks
-        opt.backward(loss)                 # x loss scale / GAS; stages 2-3 reduce during backward
-        applied = opt.step()               # no-op (False) until the accumulation boundary
-
-``backward`` owns the 1/GAS scaling; an engine that runs autograd itself (pipeline schedules)
-multiplies its loss by ``opt.loss_scale / GAS`` (``scale_loss``), calls ``note_micro_step()`` once
-per micro-batch and ``step()`` at the end. Stage 2/3 reduction also runs on plain ``loss.backward()``
-(it is driven by parameter hooks and an end-of-backward callback). The torch optimizer must be
-elementwise (``plait.zero.build``). One step: ``step`` over a ``plait.zero.stepper.Stepper``.
+It owns the flat parameter/gradient/master buffers, the gradient reduction during backward (stages 2-3),
+the stage-3 gathers, and the optimizer step over the master shards (``plait.zero.stepper``; with offload,
+``plait.zero.offload``). ``backward`` owns the 1/GAS scaling; an engine that runs autograd itself (pipeline
+schedules) multiplies its loss by ``scale_loss``, calls ``note_micro_step()`` per micro-batch and ``step()``
+at the end. The bytes held per stage and the lifecycle: ``docs/design.md`` ("ZeroOptimizer");
+``memory_bytes()`` measures them.
 """
 from __future__ import annotations
 
