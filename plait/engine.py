@@ -142,8 +142,9 @@ class Engine(EngineFacts):
         with self.report.timed("forward"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS.
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backward of one micro-batch's mean loss, scaled by the loss scale and 1/GAS (``scale_wrt_gas=False``,
+        DeepSpeed's argument: not by 1/GAS, for a loss already normalized over the accumulated micro-batches).
 
         Raises:
             ValueError: ``loss`` is not a scalar (a model given no ``labels`` returns its logits).
@@ -157,7 +158,7 @@ class Engine(EngineFacts):
         self.guard.loss = loss.detach()
         self.report.add_micro_loss(loss)
         with self.report.timed("backward"):
-            self.optimizer.backward(loss)
+            self.optimizer.backward(loss, scale_wrt_gas=scale_wrt_gas)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.optimizer.is_gradient_accumulation_boundary()

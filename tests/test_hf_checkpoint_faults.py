@@ -184,7 +184,8 @@ def test_ranks_write_before_the_rename_and_one_full_disk_fails_the_save_on_every
     publishes nothing."""
     results = run_distributed(_two_rank_body, 2, tmp_path, timeout_s=120)
     assert [r[1:] for r in results] == [(["checkpoint-2"], ["config.json", "generation_config.json", "global_step2",
-                                         "latest", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth",
+                                         "latest", "model.safetensors", "rng_before_read_ahead_0.json",
+                                         "rng_before_read_ahead_1.json", "rng_state_0.pth", "rng_state_1.pth",
                                          "trainer_state.json"])] * 2
     tmp = re.escape(str(tmp_path / ".tmp-checkpoint-4-")) + "[0-9a-f]{12}"
     assert results[0][0] == results[1][0]

@@ -8,16 +8,16 @@ A Trainer script moves from DeepSpeed to plait by its import line::
 
 What stays transformers': the arguments, callbacks, logging, evaluation (``evaluate`` runs the model
 under the engine, ZeRO-3 parameters gathered by its hooks), ``TrainerState``. What is plait's: the
-training loop below (one engine step per ``gradient_accumulation_steps`` micro-batches), the data order
-(a ``DistributedSampler`` over the data-parallel ranks, seeded with ``args.seed``), checkpoints and
+training loop below (one engine step per ``gradient_accumulation_steps`` micro-batches), checkpoints and
 ``save_model``.
 
 * The optimizer and schedule: the ds_config's sections when present ("auto" values from the arguments,
   ``plait.hf.config_fill``); otherwise the Trainer's own (``create_optimizer``: AdamW, no decay on biases
   and norms; ``args.lr_scheduler_type`` with its warm-up), as with DeepSpeed.
-* The loss: each micro-batch's loss as the model computes it (its mean over the micro-batch's tokens);
-  the step's gradient is their mean over micro-batches and data-parallel ranks (DeepSpeed engine's
-  semantics; transformers' token-count normalisation across micro-batches is not applied).
+* The loss: as transformers computes it: an accumulation step's micro-batches are read together, their label
+  tokens counted over the ranks (``get_batch_samples``), and a model that takes loss kwargs divides by that
+  count (the engine then does not divide by the accumulation steps); other models' losses are averaged over
+  micro-batches and ranks. The data order and RNG draws are transformers' (its ``get_train_dataloader``).
 * Checkpoints: ``output_dir/checkpoint-N/`` holds plait's sharded engine checkpoint (any dp/ZeRO layout can
   resume from it), ``trainer_state.json``, the ranks' RNG states and, when the weights can be gathered,
   the 16-bit model (``save_model``). It appears whole or not at all (written in a temporary folder, renamed
@@ -34,15 +34,14 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import transformers
+from accelerate import skip_first_batches
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
@@ -50,8 +49,10 @@ from transformers.trainer_utils import TrainOutput
 import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
+from plait.hf import read_ahead
 from plait.hf.checkpoints import PREFIX, STATE_NAME, on_rank0, resume_folder, rotate, write_folder
 from plait.hf.config_fill import fill_from_args, hf_hidden_size
+from plait.hf.loop_parts import LossWindow, Skip, is_datasets_dataset, new_state
 from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
@@ -72,6 +73,7 @@ class Trainer(transformers.Trainer):
             raise ConfigError("plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
                               "TrainingArguments) with deepspeed= or plait= set to the ds_config")
         self.engine = None
+        self._read_ahead = None   # the train loader's ReadAheadCollate, while train() runs
         if self._places_model():
             self._move_model_to_device(self.model, self.args.device)
 
@@ -139,8 +141,10 @@ class Trainer(transformers.Trainer):
         weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
         if args.gradient_checkpointing:   # as transformers' own loop does before it wraps the model
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        rng = torch.random.get_rng_state()   # plait.initialize seeds torch with the config's seed; DeepSpeed's
         self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
                                        weights=weights, units=self._stage3_units(self.model))
+        torch.random.set_rng_state(rng)      # draws nothing: dropout and collators continue from args.seed
         if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
             self.engine.compile(args.torch_compile_backend or "inductor",
                                 {"mode": args.torch_compile_mode} if args.torch_compile_mode else {})
@@ -158,13 +162,43 @@ class Trainer(transformers.Trainer):
         whose model reads parameters outside their module's forward (TRL's fused LM head) names others."""
         return None
 
-    def _train_loader(self, engine, skip: int = 0) -> tuple[DataLoader, DistributedSampler]:
-        """Micro-batches of this dp rank: a ``DistributedSampler`` (seeded with ``args.seed``, reshuffled by
-        ``set_epoch``, at any dp) over the dataset with transformers' unused columns removed; the first
-        ``skip`` micro-batches (already trained, on resume) are left out before anything is read or collated."""
+    def _train_loader(self, engine):
+        """(micro-batches of this dp rank, the object whose ``set_epoch`` reshuffles them, the collator's
+        ``ReadAheadCollate`` or None). When dp is the world (ZeRO data parallelism, what this Trainer serves):
+        transformers' own ``get_train_dataloader`` (its sampler seeded with ``args.data_seed`` or ``seed``,
+        accelerate's sharding of batches over the ranks and its one-batch read-ahead), so data and RNG draws
+        are those of plain transformers. Otherwise a ``DistributedSampler`` over the dp ranks."""
+        if not self._dp_is_world(engine):
+            loader, sampler = self._dp_loader(engine)
+            return loader, sampler, None
+        collate = plain = self.data_collator
+        if self.args.dataloader_num_workers == 0:
+            collate = read_ahead.ReadAheadCollate(plain)
+        self.data_collator = collate   # get_train_dataloader reads the collator from here
+        try:
+            loader = self.get_train_dataloader()
+        finally:
+            self.data_collator = plain
+        return loader, loader, collate if collate is not plain else None
+
+    @staticmethod
+    def _dp_is_world(engine) -> bool:
+        return engine.mesh.dp == (dist.get_world_size() if dist.is_initialized() else 1)
+
+    def _skipping(self, loader, engine, skip: int):
+        """``loader`` without its first ``skip`` micro-batches (already trained, on resume), left out before
+        anything is read or collated (accelerate's ``skip_first_batches``, or ``Skip``)."""
+        if not self._dp_is_world(engine):
+            return self._dp_loader(engine, skip)[0]
+        return skip_first_batches(loader, skip)
+
+    def _dp_loader(self, engine, skip: int = 0) -> tuple[DataLoader, DistributedSampler]:
+        """Micro-batches of this dp rank when dp is not the world: a ``DistributedSampler`` (seeded with
+        ``args.seed``, reshuffled by ``set_epoch``) over the dataset with transformers' unused columns removed;
+        the first ``skip`` micro-batches are left out before anything is read or collated."""
         args, data = self.args, self.train_dataset
         collate = self.data_collator
-        if _is_datasets_dataset(data) and args.remove_unused_columns:
+        if is_datasets_dataset(data) and args.remove_unused_columns:
             data = self._remove_unused_columns(data, description="training")
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
@@ -172,7 +206,7 @@ class Trainer(transformers.Trainer):
         sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
         workers = args.dataloader_num_workers
         batches = BatchSampler(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
-        loader = DataLoader(data, batch_sampler=_Skip(batches, skip) if skip else batches,
+        loader = DataLoader(data, batch_sampler=Skip(batches, skip) if skip else batches,
                             collate_fn=collate, num_workers=workers,
                             pin_memory=args.dataloader_pin_memory,
                             persistent_workers=bool(args.dataloader_persistent_workers and workers))
@@ -186,21 +220,25 @@ class Trainer(transformers.Trainer):
         engine = self.engine or self._build_engine(max_steps)
         first_epoch, skip, resumed = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
                                                        resume_from_checkpoint)
-        loader, sampler = self._train_loader(engine)
+        loader, sampler, self._read_ahead = self._train_loader(engine)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        window = _LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
+        window = LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
         for epoch in range(first_epoch, epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             start = skip if epoch == first_epoch else 0
-            batches = iter(self._train_loader(engine, start)[0] if start else loader)
+            batches = iter(self._skipping(loader, engine, start) if start else loader)
             if resumed is not None and epoch == first_epoch:
                 # after the iterator drew its seed and with no skipped micro-batch collated: the generators
                 # then stand where the uninterrupted run's stood at this micro-batch (transformers' order)
                 self._load_rng_state(resumed)
-            for i, inputs in enumerate(batches, start=start):
-                if not self._micro_step(engine, inputs, i, len(loader), epoch, window):
+                before = read_ahead.load(resumed, self.args.process_index)
+                if self._read_ahead is not None and before is not None and start > 0:
+                    # mid-epoch, the uninterrupted run had collated the next micro-batch before the save
+                    self._read_ahead.resume(before, read_ahead.capture())
+            for i, inputs, num_items in self._windows(batches, start, len(loader)):
+                if not self._micro_step(engine, inputs, i, len(loader), epoch, window, num_items):
                     continue
                 self._log_evaluate_save(engine, window, trial, ignore_keys_for_eval)
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
@@ -214,6 +252,21 @@ class Trainer(transformers.Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         mean = window.total / max(self.state.global_step - window.started_at, 1)
         return TrainOutput(self.state.global_step, mean, {"train_loss": mean})
+
+    def _windows(self, batches, start: int, count: int):
+        """(index, micro-batch, num_items_in_batch) for the micro-batches ``start``.. of ``count``: each
+        accumulation step's micro-batches are read together and their label tokens counted (over the ranks when
+        ``average_tokens_across_devices``) by transformers' ``get_batch_samples``, before the step's first
+        forward, as transformers' loop does."""
+        gas, i = self.args.gradient_accumulation_steps, start
+        while i < count:
+            want = min(gas - i % gas, count - i)
+            samples, num_items = self.get_batch_samples(batches, want, self.args.device)
+            for inputs in samples:
+                yield i, inputs, num_items
+                i += 1
+            if len(samples) < want:
+                return
 
     def _plan(self, args) -> tuple[int, int, int]:
         """(max_steps, epochs, optimizer steps per epoch) as transformers counts them, from the micro-batches
@@ -231,28 +284,28 @@ class Trainer(transformers.Trainer):
     def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int, str | None]:
         """A fresh ``TrainerState``, or the checkpoint's (with this run's limits); (first epoch, micro-batches
         of it already trained, the checkpoint folder whose RNG states the loop restores, or None)."""
-        self.state = _new_state(args, max_steps, epochs)
+        self.state = new_state(args, max_steps, epochs)
         if resume is None or resume is False:
             return 0, 0, None
         # a folder (``train`` resolved True to the newest complete checkpoint)
         first_epoch, skip = self._resume(engine, resume, updates_per_epoch, args.gradient_accumulation_steps)
-        fresh = _new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
+        fresh = new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
         for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
                     "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
             setattr(self.state, key, getattr(fresh, key))
         return first_epoch, skip, resume
 
-    def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: _LossWindow) -> bool:
-        """Forward, backward and ``engine.step()`` of micro-batch ``i`` of ``count``; True when it ended an
-        optimizer step (the state and callbacks then moved on)."""
+    def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: LossWindow, num_items=None) -> bool:
+        """Micro-batch ``i`` of ``count`` through ``training_step`` (``num_items``: the step's label tokens);
+        True when it ended an optimizer step (the state and callbacks then moved on)."""
         args, gas = self.args, self.args.gradient_accumulation_steps
         last_of_step = (i + 1) % gas == 0 or i + 1 == count   # an epoch's short last accumulation steps too
         if i % gas == 0:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             engine.train()   # evaluate() leaves the model in eval mode
         engine.set_gradient_accumulation_boundary(True if last_of_step else None)
-        loss = self.training_step(engine, inputs)
-        window.sum += loss.float() / gas
+        loss = self.training_step(engine, inputs, num_items_in_batch=num_items)
+        window.sum += loss.float()
         if last_of_step:
             self.state.global_step += 1
             self.state.epoch = epoch + (i + 1) / count
@@ -260,16 +313,22 @@ class Trainer(transformers.Trainer):
         return last_of_step
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """One micro-batch on the engine ``model``: ``compute_loss`` of ``_prepare_inputs(inputs)`` (the
-        model's mean loss; ``num_items_in_batch`` is not used, see the module docstring), ``backward``, and
-        ``step`` (applied at the accumulation boundary), as transformers' DeepSpeed path. Returns the loss,
-        detached (shape ``[]``). Subclasses wrap it as they wrap transformers' (TRL's trainers do)."""
-        loss = self.compute_loss(model, self._prepare_inputs(inputs))
-        model.backward(loss)
+        """One micro-batch on the engine ``model``: ``compute_loss`` of ``_prepare_inputs(inputs)``, ``backward``
+        and ``step`` (applied at the accumulation boundary), as transformers' DeepSpeed path. With
+        ``num_items_in_batch`` (the step's label tokens) a model taking loss kwargs normalizes its loss over the
+        whole step, as under transformers: the engine then does not divide it by the accumulation steps
+        (``scale_wrt_gas=False``, as transformers tells DeepSpeed). Returns the micro-batch's share of the
+        step's logged loss, detached (shape ``[]``). Subclasses wrap it as they wrap transformers' (TRL's do)."""
+        loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)   # transformers >= 5 lets a subclass say it
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        model.backward(loss, scale_wrt_gas=not scaled)
         model.step()
-        return loss.detach()
+        return loss.detach() if scaled else loss.detach() / self.args.gradient_accumulation_steps
 
-    def _log_evaluate_save(self, engine, window: _LossWindow, trial, ignore_keys_for_eval) -> None:
+    def _log_evaluate_save(self, engine, window: LossWindow, trial, ignore_keys_for_eval) -> None:
         """What the callbacks asked for at a step's or an epoch's end: log, evaluate, save."""
         if self.control.should_log and self.state.global_step > window.logged_at:
             self.log({"loss": window.drain(engine, self.state.global_step), "grad_norm": engine.grad_norm,
@@ -291,6 +350,7 @@ class Trainer(transformers.Trainer):
             self.engine.save_checkpoint(tmp)
             self._write_model(tmp)
             self._save_rng_state(tmp)
+            read_ahead.save(tmp, self._read_ahead, self.args.process_index)
             if self._is_rank0():
                 self.state.save_to_json(os.path.join(tmp, STATE_NAME))
 
@@ -330,65 +390,3 @@ class Trainer(transformers.Trainer):
 
     def _is_rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
-
-
-@dataclass
-class _LossWindow:
-    """The step losses since the last logged step, summed on the device: one host synchronization (and one
-    all-reduce over dp) per logged window, none per micro-batch."""
-
-    sum: torch.Tensor
-    logged_at: int
-    total: float = 0.0
-    started_at: int = -1
-
-    def __post_init__(self):
-        self.started_at = self.logged_at
-
-    def drain(self, engine, step: int) -> float:
-        """The mean step loss of the window ending at ``step`` (over dp ranks); the window restarts."""
-        summed = float(engine.dp_mean(self.sum))
-        self.total += summed
-        mean = summed / max(step - self.logged_at, 1)
-        self.sum.zero_()
-        self.logged_at = step
-        return mean
-
-
-@dataclass
-class _Skip:
-    """A batch sampler without its first ``skip`` batches (their indices are drawn, nothing is read)."""
-
-    batches: BatchSampler
-    skip: int
-
-    def __iter__(self):
-        return itertools.islice(iter(self.batches), self.skip, None)
-
-    def __len__(self):
-        return max(len(self.batches) - self.skip, 0)
-
-
-def _is_datasets_dataset(data) -> bool:
-    try:
-        import datasets
-    except ImportError:
-        return False
-    return isinstance(data, datasets.Dataset)
-
-
-def _steps(value: float, max_steps: int) -> int:
-    """transformers' rule: a value below 1 is a fraction of ``max_steps``."""
-    return math.ceil(max_steps * value) if value is not None and value < 1 else int(value or 0)
-
-
-def _new_state(args, max_steps: int, epochs: int) -> TrainerState:
-    state = TrainerState()
-    state.max_steps, state.num_train_epochs = max_steps, epochs
-    state.logging_steps = _steps(args.logging_steps, max_steps)
-    state.eval_steps = _steps(args.eval_steps, max_steps) if args.eval_steps is not None else state.logging_steps
-    state.save_steps = _steps(args.save_steps, max_steps)
-    state.train_batch_size = args.per_device_train_batch_size
-    state.is_local_process_zero = state.is_world_process_zero = not dist.is_initialized() or dist.get_rank() == 0
-    return state
-

@@ -201,17 +201,22 @@ class ZeroOptimizer:
         """Current loss scale (1.0 without fp16 scaling)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale / gradient_accumulation_steps`` in float32: what ``backward`` differentiates."""
+    def scale_loss(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """``loss * loss_scale / gradient_accumulation_steps`` in float32 (without the 1/GAS when
+        ``scale_wrt_gas`` is False): what ``backward`` differentiates."""
+        if not scale_wrt_gas:
+            return loss.float() * self.loss_scale
         return loss.float() * (self.loss_scale / self.gradient_accumulation_steps)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-batch's loss (mean over the micro-batch on this rank).
 
         Scales by the loss scale and 1/GAS; gradients are averaged over dp by the reduction, so the
         update equals one on the mean loss of the global batch when micro-batches are equal-sized.
+        ``scale_wrt_gas=False`` (DeepSpeed's argument): a loss already normalized over the accumulated
+        micro-batches, not divided by GAS.
         """
-        self.scale_loss(loss).backward(retain_graph=retain_graph)
+        self.scale_loss(loss, scale_wrt_gas).backward(retain_graph=retain_graph)
         self.note_micro_step()
 
     def note_micro_step(self) -> None:
