@@ -73,6 +73,8 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     g.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block")
     g.add_argument("--ratio", type=float, default=1.0,
                    help="offload_optimizer.ratio: share of optimizer states on the host (default 1)")
+    g.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="Adam's moments (optimizer.params.state_dtype; default fp32)")
     g.add_argument("--ds-config", default=None, help="read stage, offload and micro-batch from this ds_config")
 
 

@@ -234,3 +234,22 @@ def test_an_auto_ratio_where_states_cannot_stay_on_the_gpu_is_one(tiny_llama, ex
     with caplog.at_level("WARNING", logger="plait"):
         got = fit_config(tiny_llama, load_config(raw, dp_size=1), torch.device("cpu"))
     assert got.zero_optimization.offload_optimizer.ratio == 1.0 and f'"auto" -> 1 ({why} every' in caplog.text
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_lower_precision_moments_shrink_the_plan_by_their_bytes(offload):
+    """``optimizer.params.state_dtype``: bf16 moments take 4 bytes per element of the partition instead of 8;
+    int8 ones 2 plus a float32 scale per block of 256 for each moment (plait.kernels.quant)."""
+    from plait.fit.plan import moment_bytes
+    shape = shape_from_hf(LLAMA2_13B)
+    base = Settings(gpu_bytes=int(139.8 * GiB), host_bytes=125 * GiB, micro_batch=1, seq_len=2048,
+                    checkpointing=True, offload_optimizer=offload)
+
+    def total(dtype):
+        plan = estimate(shape, replace(base, state_dtype=dtype))
+        return sum(r[1] + r[2] for r in plan.rows)
+    n = shape.params
+    assert total("fp32") - total("bf16") == 4 * n
+    assert total("fp32") - total("int8") == 8 * n - (2 * n + 8 * -(-n // 256)) == 8 * n - moment_bytes(n, "int8")
+    with pytest.raises(ValueError, match="state_dtype='int4'"):
+        replace(base, state_dtype="int4")

@@ -38,7 +38,7 @@ def settings_from_config(config: PlaitConfig, gpu_bytes: int, host_bytes: int, s
                     offload_optimizer=z.offload_optimizer.enabled, offload_param=z.offload_param.enabled,
                     ratio=z.offload_optimizer.ratio if z.offload_optimizer.enabled and
                     z.offload_optimizer.ratio != AUTO else 1.0,   # "auto": fit_config plans each ratio
-                    gradient_accumulation=config.gradient_accumulation_steps,
+                    gradient_accumulation=config.gradient_accumulation_steps, state_dtype=config.optimizer_state_dtype,
                     device_share=fraction not in (0, 0.0) and (fraction is not None or z.offload_optimizer.pin_memory))
 
 
@@ -119,7 +119,8 @@ def _auto_ratio(model, shape: ModelShape | None, config: PlaitConfig, gpu: int |
     kept = ("offload_param" if z.offload_param.enabled else "pipeline parallelism" if config.pipeline.size > 1
             else f"the {opt.type} optimizer" if opt is not None and opt.type.lower() not in ("adam", "adamw") else None)
     if kept:
-        return 1.0, f"{kept} keeps every optimizer state on the host (GPU-first placement: Adam/AdamW, weights on the GPU)"
+        return 1.0, (f"{kept} keeps every optimizer state on the host (GPU-first placement: Adam/AdamW, weights on "
+                     "the GPU)")
     if shape is None:
         return 1.0, f"{type(model).__name__} is not a Llama-style model plait.fit plans"
     if gpu is None:

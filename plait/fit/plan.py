@@ -51,7 +51,8 @@ class Settings:
     """A run on one GPU of ``gpu_bytes`` and a host of ``host_bytes`` (bytes); ``ratio``: the share of the
     optimizer states on the host with ``offload_optimizer`` (DeepSpeed's ``offload_optimizer.ratio``);
     ``device_share``: the default streamed device share of the host step is on (``device_step_fraction``
-    None or "auto" with pin_memory)."""
+    None or "auto" with pin_memory); ``state_dtype``: Adam's moments in "fp32", "bf16" or "int8" (8-bit blocks of
+    256 with a float32 scale each: ``plait.kernels.quant``; ``optimizer.params.state_dtype``)."""
 
     gpu_bytes: int
     host_bytes: int
@@ -65,6 +66,7 @@ class Settings:
     ratio: float = 1.0
     gradient_accumulation: int = 1
     device_share: bool = True
+    state_dtype: str = "fp32"
 
     def __post_init__(self):
         for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation"):
@@ -75,6 +77,16 @@ class Settings:
             raise ValueError(f"ZeRO stage={self.stage!r} must be 0, 1, 2 or 3")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio={self.ratio!r} must be in [0, 1]")
+        if self.state_dtype not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"state_dtype={self.state_dtype!r} must be 'fp32', 'bf16' or 'int8'")
+
+
+def moment_bytes(elements: int, state_dtype: str) -> int:
+    """Bytes of Adam's two moments over ``elements``: 4 + 4, 2 + 2, or 1 + 1 plus a float32 scale per block of 256
+    for each (``plait.kernels.quant``)."""
+    if state_dtype == "int8":
+        return 2 * elements + 8 * math.ceil(elements / 256)
+    return (8 if state_dtype == "fp32" else 4) * elements
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,8 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
     if s.stage == 1:
         rows.append(("gradients (bf16, before the step)", 2 * shape.params, 0))
     rows += [(f"gradient shard ({'bf16' if g == 2 else 'fp32'})", g * res, g * host),
-             ("fp32 master weights", 4 * res, 4 * host), ("Adam moments (fp32)", 8 * res, 8 * host)]
+             ("fp32 master weights", 4 * res, 4 * host),
+             (f"Adam moments ({s.state_dtype})", moment_bytes(res, s.state_dtype), moment_bytes(host, s.state_dtype))]
     if not s.offload_param:
         rows.append(("bf16 copy-out buffer", 0, 2 * host))
     if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host:
@@ -150,8 +163,10 @@ def estimate(shape: ModelShape, s: Settings) -> Plan:
         if s.offload_param:
             raise ValueError("offload_param needs offload_optimizer in plait (set both, or neither)")
         e = estimate_model_state_memory(shape.params, s.dp, s.stage, accounting="plait")
+        held = e.gpu.optimizer_states // 12   # elements whose master and moments this rank holds
         rows = [("weights (bf16)", e.gpu.params, 0), ("gradients", e.gpu.grads, 0),
-                ("fp32 master weights + Adam moments", e.gpu.optimizer_states, 0)]
+                ("fp32 master weights", 4 * held, 0), (f"Adam moments ({s.state_dtype})",
+                                                       moment_bytes(held, s.state_dtype), 0)]
     units = sorted(unit_sizes(shape, 3))[-2:]
     if s.stage == 3 and (s.dp > 1 or s.offload_param or not s.offload_optimizer):
         rows.append(("stage 3: gathered units (bf16)", 2 * sum(units), 0))

@@ -49,7 +49,7 @@ def settings(args: argparse.Namespace, shape: ModelShape) -> Settings:
     stage = 3 if args.stage is None else args.stage
     return Settings(gpu_bytes=gpu, host_bytes=host, micro_batch=args.micro, seq_len=args.seq,
                     checkpointing=args.act_ckpt, stage=stage, dp=args.dp or 1, offload_optimizer=args.offload_optimizer
-                    or args.ratio < 1, offload_param=args.offload_param, ratio=args.ratio)
+                    or args.ratio < 1, offload_param=args.offload_param, ratio=args.ratio, state_dtype=args.state_dtype)
 
 
 def render(plan: Plan) -> str:
