@@ -347,30 +347,7 @@ def test_overlap_off_finishes_inside_step():
     opt.close()
 
 
-# ---- single process: the host optimizer and the errors ------------------------------------------
-def test_host_optimizer_state_is_torch_shaped_and_round_trips():
-    m = torch.nn.Parameter(torch.randn(100))
-    opt = HostOptimizer([m], kind="adamw", lr=1e-2, weight_decay=0.1)
-    ref_p = torch.nn.Parameter(m.detach().clone())
-    ref = torch.optim.AdamW([ref_p], lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        g = torch.randn(100)
-        m.grad, ref_p.grad = g.clone(), g.clone()
-        opt.step()
-        ref.step()
-    assert torch.allclose(m, ref_p, rtol=1e-6, atol=1e-7)
-    assert sorted(opt.state[m]) == sorted(ref.state[ref_p]) and float(opt.state[m]["step"]) == 3
-    fresh = HostOptimizer([torch.nn.Parameter(m.detach().clone())], kind="adamw", lr=1e-2, weight_decay=0.1)
-    fresh.load_state_dict(ref.state_dict())
-    p2 = fresh.param_groups[0]["params"][0]
-    g = torch.randn(100)
-    p2.grad, ref_p.grad = g.clone(), g.clone()
-    fresh.step()
-    ref.step()
-    assert fresh.kernels[p2].step_count == 4
-    assert torch.allclose(p2, ref_p, rtol=1e-6, atol=1e-7)
-
-
+# ---- single process: the errors and the ds_config path ------------------------------------------
 def test_lion_offload_runs_and_errors_name_the_fix():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     lion = functools.partial(HostOptimizer, kind="lion")
