@@ -71,6 +71,23 @@ class HostStepper:
         self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in module.modules()]
         self._reset()
 
+    def _share_problems(self, resident: list, gas: int) -> list[str]:
+        """What keeps states from stepping on the device (named for the error texts); empty when nothing does."""
+        optimizer, problems = self.shards.optimizer, []
+        if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
+            problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
+        if gas != 1 and not resident:   # a resident group accumulates on the device; a streamed share cannot
+            problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
+        if self.options.final_at_step:
+            problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
+                            "and a device share keeps its gradients where that edit does not reach)")
+        if any(self.writer.dest(s) is None for s in resident):
+            problems.append("offload_param (the weights of a resident group must live on the device)")
+        if not any(self.writer.dest(s) is not None for s in self.order):
+            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
+                            "host)")
+        return problems
+
     def _device_share(self, fraction, gas: int) -> DeviceShare | None:
         """The ``DeviceShare``: the segments whose states the placement keeps on the device
         (``OffloadOptions.ratio`` < 1), and of the others the first ``fraction`` of the partition in forward
@@ -87,23 +104,11 @@ class HostStepper:
         adaptive = fraction == "auto" or (by_default and self.device.type == "cuda" and self.options.pin_memory)
         if not adaptive and not fraction and not resident:
             return None
-        optimizer, problems = self.shards.optimizer, []
-        if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
-            problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
-        if gas != 1 and not resident:   # a resident group accumulates on the device; a streamed share cannot
-            problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
         if gas != 1 and resident and not by_default and (adaptive or fraction):
             raise ValueError(f"device_step_fraction {fraction!r} needs gradient_accumulation_steps=1 (got {gas}); set "
                              "it to 0 (offload_optimizer.ratio < 1 keeps its states on the device at any accumulation)")
-        if self.options.final_at_step:
-            problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
-                            "and a device share keeps its gradients where that edit does not reach)")
+        problems = self._share_problems(resident, gas)
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
-        if any(self.writer.dest(s) is None for s in resident):
-            problems.append("offload_param (the weights of a resident group must live on the device)")
-        if not eligible:
-            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
-                            "host)")
         if problems and resident:
             raise ValueError(f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
                              "be used with " + "; ".join(problems) + "; set the ratio to 1")
