@@ -192,3 +192,25 @@ def test_ranks_write_before_the_rename_and_one_full_disk_fails_the_save_on_every
     assert re.fullmatch(rf"saving checkpoint {re.escape(str(tmp_path / 'checkpoint-4'))} failed: rank 1: OSError: "
                         rf"\[Errno 28\] No space left on device: '{tmp}'\. Nothing was published; the newest "
                         rf"complete checkpoint is still {re.escape(str(tmp_path))}/checkpoint-2", results[0][0])
+
+
+def test_a_peer_renaming_its_temporary_file_during_the_fsync_pass_is_not_a_failed_save(tmp_path, monkeypatch):
+    """CI saw rank 1 fail a save with FileNotFoundError on rank 0's `.tmpXXXX` (an atomic write renamed between
+    rank 1's scandir and its fsync): the file moved on is its writer's to sync, the save goes on."""
+    from plait.hf import checkpoints
+
+    real = checkpoints.fsync_path
+
+    def peer_renames_first(path):
+        if path.endswith(".tmpA") and os.path.exists(path):
+            os.rename(path, os.path.join(os.path.dirname(path), "state.json"))   # the peer's atomic write ends
+        real(path)
+
+    def write(tmp):
+        for name in (".tmpA", "weights.bin"):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(name)
+
+    monkeypatch.setattr(checkpoints, "fsync_path", peer_renames_first)
+    final = checkpoints.write_folder(str(tmp_path), "checkpoint-3", write)
+    assert sorted(os.listdir(final)) == ["state.json", "weights.bin"]

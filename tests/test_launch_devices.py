@@ -57,7 +57,9 @@ from plait.parallel import init_distributed
 init_distributed(device_count=1)
 t = __import__("torch").ones(1)
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} backend {dist.get_backend()} sum {t.item():g}", flush=True)
+# one write(2) per line: two ranks share torchrun's stdout pipe, and print() may write the text and the
+# newline separately (unbuffered stdout), which interleaves the ranks' lines
+__import__("os").write(1, f"rank {dist.get_rank()} backend {dist.get_backend()} sum {t.item():g}\\n".encode())
 dist.destroy_process_group()
 """
 

@@ -157,9 +157,7 @@ def write_folder(output_dir: str, name: str, write: Callable[[str], None]) -> st
         raise CheckpointError(f"saving checkpoint {final} failed: {error}")
     try:
         write(tmp)
-        for entry in os.scandir(tmp):            # the engine's writer fsyncs its own folder
-            if entry.is_file(follow_symlinks=False):
-                fsync_path(entry.path)
+        _fsync_files(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
         error = f"{type(e).__name__}: {e}"
     errors = _gather(error)                      # every rank has written (or failed) before any rename
@@ -179,6 +177,17 @@ def write_folder(output_dir: str, name: str, write: Callable[[str], None]) -> st
     if status is not None:
         raise CheckpointError(status)
     return final
+
+
+def _fsync_files(folder: str) -> None:
+    """fsync the plain files in ``folder`` (the engine's writer fsyncs its own subfolder). Another rank may be
+    renaming its own temporary file there meanwhile (an atomic write): one that is gone is that rank's to sync."""
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            try:
+                fsync_path(entry.path)
+            except FileNotFoundError:
+                continue
 
 
 def on_rank0(fn: Callable[[], object]):
