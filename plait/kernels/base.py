@@ -8,9 +8,9 @@ numba kernel. One step may run bucket by bucket, bit-identical to ``step`` (elem
     for off, n, grad_bucket in buckets:     # any order, each range exactly once
         opt.step_range(params, grad_bucket, off, n, lowp_out=params_bf16)
 
-``with numba_threads(n):`` sets numba's thread count for its body only (per calling thread). Concurrent calls from several Python
-threads need numba's ``omp`` or ``tbb`` layer. Kernels use no ``fastmath`` and ``error_model="numpy"``, so
-results do not depend on the thread count. More: ``docs/kernels.md``.
+``with numba_threads(n):`` sets numba's thread count for its body only (per calling thread).
+Concurrent calls from several Python threads need numba's ``omp`` or ``tbb`` layer. Kernels use no
+``fastmath`` and ``error_model="numpy"``, so results do not depend on the thread count. More: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
