@@ -56,7 +56,7 @@ class DeepSpeedState(AcceleratorState):
 
 class Accelerator(accelerate.Accelerator):
     """accelerate's ``Accelerator`` (same arguments, keyword only) with plait's engine for DeepSpeed (see the
-    module docstring).
+    module docstring and ``docs/accelerate.md``).
 
     Attributes:
         engine: the ``plait.engine.Engine`` once ``prepare`` has built it (None before, and without a plugin).

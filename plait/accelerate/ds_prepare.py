@@ -87,7 +87,7 @@ def check_objects(config: dict, optimizer, scheduler) -> None:
 
 def fill_auto(plugin, model, optimizer, scheduler, micro: int | None, num_processes: int,
               split_batches: bool) -> None:
-    """Fill the plugin's ds_config "auto" values as accelerate does (the table in the module docstring);
+    """Fill the plugin's ds_config "auto" values as accelerate does (the table in ``docs/config.md``);
     ``gradient_accumulation_steps`` is filled before (``Accelerator.prepare``).
 
     Raises:

@@ -55,7 +55,7 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
                  weight_decay: float | None, warmup_min_lr: float | None, warmup_num_steps: int | None,
                  total_num_steps: int | None) -> dict:
     """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
-    batch triple complete, following the table in this module's docstring. Raises ConfigError."""
+    batch triple complete, following the table in ``docs/config.md``. Raises ConfigError."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
 
     if mixed_precision not in (None, "fp16", "bf16", "fp32"):

@@ -117,7 +117,7 @@ def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
-    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring), by the
+    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (``docs/context-parallel.md``), by the
     kernel ``_block_forward`` used; ``keep`` as there."""
     aten = torch.ops.aten
     bias = None if keep is None else _key_bias(keep, q)

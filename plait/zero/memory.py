@@ -78,7 +78,7 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         largest_layer_params: stage 3 only: parameters of the largest layer, whose full weights and
             gradients are gathered on every GPU while it runs (0 = not counted, as in the paper).
         accounting: "paper" (the ZeRO paper's formulas) or "plait" (fp32 gradient partitions, as plait's
-            ZeroOptimizer holds them; see the module docstring).
+            ZeroOptimizer holds them; ``docs/zero.md``).
 
     Returns:
         MemoryEstimate with ``gpu`` (bytes on one GPU) and ``cpu`` (bytes on one host) breakdowns.

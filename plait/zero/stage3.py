@@ -35,7 +35,7 @@ class ParamGatherer:
         comms: the groups each segment is sharded over (``plait.zero.comm.Comms``).
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use, in whole units (0: no prefetch).
-        reshard_after_forward: release each unit when its forward ends (module docstring); False keeps
+        reshard_after_forward: release each unit when its forward ends (``docs/zero.md``); False keeps
             it gathered until its backward has produced every gradient.
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
         gate: ZeRO-Offload's ``plait.zero.offload.ready.Readiness`` (None otherwise): ``gather`` first
@@ -207,7 +207,7 @@ class ParamGatherer:
         return pre_forward
 
     def _keeps_after_forward(self, u: Unit) -> bool:
-        """Whether ``u`` stays gathered when its forward ends (module docstring, "Reshard after forward")."""
+        """Whether ``u`` stays gathered when its forward ends (``docs/zero.md``, "Reshard after forward")."""
         if torch._C._current_graph_task_id() != -1:
             return True            # recomputed inside backward: the unit's backward comes next
         if not torch.is_grad_enabled():
@@ -237,7 +237,7 @@ class ParamGatherer:
         self.gather(u)
         self._prefetch(self.bwd.advance(u.index))
 
-    # ---- zero-bubble split backward (module docstring, "Split backward") --------------------------------
+    # ---- zero-bubble split backward (docs/zero.md, "Split backward") -------------------------------------
     def _input_only(self, u: Unit) -> bool:
         """Whether the running backward accumulates no gradient into this gatherer's parameters (a zero-bubble
         BI); decided once per autograd graph task, from the first unit it reaches."""
@@ -292,7 +292,7 @@ class ParamGatherer:
 
     def end_backward(self, accumulating: bool = True) -> None:
         """End of a backward pass: release every unit, free unheld segments, re-arm counters; an accumulating
-        pass closes the oldest hold group it reached (module docstring, "Split backward")."""
+        pass closes the oldest hold group it reached (``docs/zero.md``, "Split backward")."""
         group: set[int] = set()
         if accumulating:
             reached = {u.index for u in self.units if u.remaining < len(u.params)}
