@@ -81,14 +81,9 @@ class PipelineParallel:
         slice_tp: whether transfers carry tp parts (the resolved ``slice_tp`` argument).
 
     What crosses a stage boundary, per micro-batch and per tp rank: the activation of
-    ``activation_shape(batch)`` forward and its gradient (same shape) backward, each to the same tp rank
-    of the neighbouring stage. Whole, ``[b, s, h]`` (``[b, s/tp, h]``, already different per tp rank,
-    under sequence parallelism); with ``slice_tp``, which applies only without sequence parallelism, where
-    all tp ranks hold the same ``[b, s, h]``: this tp rank's contiguous part ``r`` of the flattened
-    tensor, ``ceil(b*s*h / tp)`` elements (zero-padded when tp does not divide ``b*s*h``), and the
-    receiving stage all-gathers the parts over the tp group (``mesh.group("tp")``) just before the
-    forward or backward that reads them: ``1/tp`` of the inter-stage traffic, one all-gather per
-    transfer on the faster intra-stage links.
+    ``activation_shape(batch)`` forward and its gradient backward, to the same tp rank of the neighbouring
+    stage; whole, or with ``slice_tp`` this rank's ``ceil(b*s*h / tp)`` elements, all-gathered over the tp
+    group by the reader (``docs/pipeline.md``, "Tensor-parallel slices").
 
     Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
     holds a copy of the embedding on stage 0), their gradients are summed over a 2-rank group per
