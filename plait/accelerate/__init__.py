@@ -11,11 +11,9 @@
             accelerator.backward(loss)                 # engine.backward + engine.step
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
-Launched by ``torchrun`` or by ``python -m plait.accelerate.launch`` (``accelerate launch``'s arguments:
-``accelerate launch --use_deepspeed`` itself needs the deepspeed package). ``DeepSpeedPlugin``, ``DummyOptim``
-and ``DummyScheduler`` are accelerate's own classes (``accelerate.utils`` exports the last two only when the
-deepspeed package is installed; they live in ``accelerate.utils.deepspeed``). See ``plait.accelerate.accelerator``. Needs accelerate
-(the ``hf`` extra).
+Launch with ``torchrun`` or ``python -m plait.accelerate.launch``. ``DeepSpeedPlugin``, ``DummyOptim`` and
+``DummyScheduler`` are accelerate's own classes (from ``accelerate.utils.deepspeed``). Needs accelerate (the
+``hf`` extra). Details: ``docs/accelerate.md``.
 """
 from accelerate.utils import DeepSpeedPlugin
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler

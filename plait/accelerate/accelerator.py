@@ -1,32 +1,15 @@
 """``plait.accelerate.Accelerator``: accelerate's ``Accelerator`` with plait's engine where DeepSpeed's would be.
 
-With a ``DeepSpeedPlugin`` (given as ``deepspeed_plugin=``, or from ``accelerate launch``'s environment:
-``ACCELERATE_USE_DEEPSPEED=true`` and ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` / ``ACCELERATE_DEEPSPEED_*``, read by
-the plugin as accelerate reads them) the methods below do what accelerate's DeepSpeed path does; every other
-method, and all of it without a plugin, is accelerate's own. accelerate itself runs as without DeepSpeed
-(``distributed_type`` is what the launch gives: NO, MULTI_CPU, MULTI_GPU; the process group is accelerate's).
+With a ``DeepSpeedPlugin`` (``deepspeed_plugin=``, or ``accelerate launch``'s ``ACCELERATE_USE_DEEPSPEED`` /
+``ACCELERATE_DEEPSPEED_*`` environment) ``prepare``, ``backward``, ``clip_grad_norm_``, ``save_state`` /
+``load_state``, ``unwrap_model``, ``get_state_dict`` and ``save_model`` do what accelerate's DeepSpeed path
+does, on one plait engine; every other method, and all of it without a plugin, is accelerate's own.
+``clip_grad_norm_`` returns the step's norm and refuses a ``max_norm`` other than the config's
+``gradient_clipping``; precision is the ds_config's.
 
-* ``prepare``: the dataloaders as accelerate prepares them; model + optimizer (+ schedule) become one engine,
-  the ds_config's "auto" values filled as accelerate fills them (``plait.accelerate.ds_prepare``). The model
-  returned is the engine (``model(**batch)``, ``train()``, ``eval()``); the optimizer's ``step``/``zero_grad``
-  do nothing (``backward`` steps), as accelerate's DeepSpeed wrappers.
-* ``backward(loss)``: the accumulation boundary is accelerate's ``sync_gradients``; ``engine.backward`` (the
-  loss scaled by 1/``gradient_accumulation_steps`` there) and ``engine.step`` (a no-op off the boundary).
-* ``accumulate``, ``sync_gradients``, ``gradient_accumulation_steps``: accelerate's; ``prepare`` sets the
-  accumulation steps to the ds_config's (DeepSpeed owns accumulation).
-* ``clip_grad_norm_(params, max_norm)``: the engine clips at the ds_config's ``gradient_clipping`` in its
-  step; returns that step's gradient norm (before clipping). A ``max_norm`` other than the config's is refused.
-* ``save_state``/``load_state``: accelerate's (RNG states, dataloaders, schedules it steps, registered
-  objects), with the engine's checkpoint in ``<dir>/pytorch_model`` at the point DeepSpeed's is written/read.
-* ``unwrap_model``, ``get_state_dict`` (ZeRO-3: gathered on rank 0, needs
-  ``stage3_gather_16bit_weights_on_model_save``), ``save_model``: the engine's model.
-* Mixed precision is the ds_config's: ``mixed_precision=`` (or ``ACCELERATE_MIXED_PRECISION``) fills its
-  ``fp16``/``bf16`` as accelerate's plugin does, and accelerate's autocast stays off (as under DeepSpeed).
-
-Refused, naming the feature: several plugins (``deepspeed_plugins`` dict), fp8 / MS-AMP, ``transformer_moe_cls_names``,
-``device_placement`` lists, two models in one accelerator, ``backward`` keyword arguments, ``clip_grad_value_``.
-``zero3_init_flag`` is accepted with a notice (the model is built whole; ``prepare`` partitions it); a dynamo
-backend compiles the engine (``engine.compile``), as accelerate's DeepSpeed path does.
+Refused, naming the feature: several plugins, fp8 / MS-AMP, ``transformer_moe_cls_names``,
+``device_placement`` lists, two models, ``backward`` keyword arguments, ``clip_grad_value_``. Each
+method's behaviour: ``docs/accelerate.md``.
 """
 from __future__ import annotations
 
@@ -73,7 +56,7 @@ class DeepSpeedState(AcceleratorState):
 
 class Accelerator(accelerate.Accelerator):
     """accelerate's ``Accelerator`` (same arguments, keyword only) with plait's engine for DeepSpeed (see the
-    module docstring).
+    module docstring and ``docs/accelerate.md``).
 
     Attributes:
         engine: the ``plait.engine.Engine`` once ``prepare`` has built it (None before, and without a plugin).

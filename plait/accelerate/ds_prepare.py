@@ -2,30 +2,12 @@
 accelerate's ``Accelerator._prepare_deepspeed`` does it (read in accelerate 1.3.0 and 1.15), with
 ``plait.initialize`` in ``deepspeed.initialize``'s place.
 
-The ds_config's "auto" values are filled through the plugin's own ``fill_match`` /
-``deepspeed_config_process`` (so the plugin's config afterwards reads as under accelerate):
-
-    train_micro_batch_size_per_gpu   the prepared dataloaders' batch size (the smallest, or the largest when
-                                     ``is_train_batch_min`` is false; / processes with ``split_batches``)
-    gradient_accumulation_steps      the Accelerator's; a number in the config wins (warned)
-    train_batch_size                 micro-batch x accumulation x processes
-    gradient_clipping                1.0
-    zero_optimization.stage3_gather_16bit_weights_on_model_save   false
-    zero_optimization.reduce_bucket_size / stage3_prefetch_bucket_size / stage3_param_persistence_threshold
-                                     h*h, int(0.9*h*h), 10*h (h: ``model.config.hidden_size``, or the largest
-                                     of ``hidden_sizes``)
-    optimizer.params.lr / weight_decay                    the ``DummyOptim``'s
-    scheduler.params.warmup_min_lr / warmup_max_lr        0 / the ``DummyScheduler``'s optimizer's lr
-    scheduler.params.warmup_num_steps                     max(1, the ``DummyScheduler``'s) (accelerate 1.15)
-    scheduler.params.total_num_steps                      the ``DummyScheduler``'s, / processes unless
-                                                          ``split_batches``
-
-The objects (accelerate's rules): a torch optimizer with an ``optimizer`` section, or a ``DummyOptim``
-without one, is refused (the same for schedules). A torch optimizer is given to the engine (plait trains
-its class, options and param groups over the ZeRO shards); a torch schedule is moved onto the engine's
-optimizer and stepped by the script through accelerate's ``AcceleratedScheduler`` (as accelerate does when
-DeepSpeed has no schedule); a ``DummyScheduler``'s ``lr_scheduler_callable``, or the config's ``scheduler``,
-is the engine's, stepped by the engine.
+``fill_auto`` fills the ds_config's "auto" values through the plugin's own ``fill_match`` /
+``deepspeed_config_process`` (micro-batch from the dataloaders, accumulation from the Accelerator, bucket
+sizes from ``model.config.hidden_size``, lr and schedule from ``DummyOptim`` / ``DummyScheduler``);
+``check_objects`` refuses a torch optimizer or schedule beside a config section for it (and a dummy
+without one), as accelerate does; ``build`` makes the engine (``EngineOptimizer`` is the optimizer the
+script holds). The fill table and the objects' rules: ``docs/config.md``.
 """
 from __future__ import annotations
 
@@ -105,7 +87,7 @@ def check_objects(config: dict, optimizer, scheduler) -> None:
 
 def fill_auto(plugin, model, optimizer, scheduler, micro: int | None, num_processes: int,
               split_batches: bool) -> None:
-    """Fill the plugin's ds_config "auto" values as accelerate does (the table in the module docstring);
+    """Fill the plugin's ds_config "auto" values as accelerate does (the table in ``docs/config.md``);
     ``gradient_accumulation_steps`` is filled before (``Accelerator.prepare``).
 
     Raises:

@@ -1,18 +1,15 @@
-"""``python -m plait.accelerate.launch``: ``accelerate launch`` for DeepSpeed runs on plait.
+"""``python -m plait.accelerate.launch``: ``accelerate launch`` for DeepSpeed runs on plait (accelerate's own
+stops with ``ImportError: DeepSpeed is not installed``).
 
-``accelerate launch --use_deepspeed`` stops with ``ImportError: DeepSpeed is not installed`` before it starts the
-script (its DeepSpeed launcher imports the package). This command takes the same arguments and the same
-accelerate config file, parses and checks them with accelerate's own code, builds the environment with
-accelerate's own ``prepare_deepspeed_cmd_env`` (``ACCELERATE_USE_DEEPSPEED``, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``,
-``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, ...) and starts the processes with ``torch.distributed.run``, as
-accelerate does on one machine; ``plait.accelerate.Accelerator`` in the script reads that environment::
+Takes ``accelerate launch``'s arguments and config file, checks them and builds the environment with
+accelerate's own code (``prepare_deepspeed_cmd_env``), and starts the processes with
+``torch.distributed.run``; ``plait.accelerate.Accelerator`` reads that environment::
 
     python -m plait.accelerate.launch --use_deepspeed --deepspeed_config_file ds_config.json \\
         --num_processes 8 train.py --lr 1e-4
 
-Refused (naming the flag): runs without ``--use_deepspeed`` (use ``accelerate launch``), and several machines
-through DeepSpeed's own multi-node launchers (``--deepspeed_multinode_launcher`` other than ``standard``: start
-each machine with ``--deepspeed_multinode_launcher standard``).
+Refused (naming the flag): runs without ``--use_deepspeed``, and ``--deepspeed_multinode_launcher`` other
+than ``standard``. More: ``docs/accelerate.md``.
 """
 from __future__ import annotations
 

@@ -1,42 +1,14 @@
 """Resolve "auto" values and the batch-size triple, then build the frozen :class:`PlaitConfig`.
 
-"auto" rules (the Hugging Face Trainer's DeepSpeed integration fills the same keys from its arguments;
-here the facts are keyword arguments of :func:`plait.config.load_config`):
-
-=============================================  =========================================================
-key                                            "auto" becomes
-=============================================  =========================================================
-train_batch_size, train_micro_batch_size_per   the fact ``train_batch_size`` / ``micro_batch_size`` /
-_gpu, gradient_accumulation_steps              ``gradient_accumulation_steps`` if given, else derived by
-                                               the triple rule below (as if the key were absent)
-fp16.enabled / bf16.enabled                    ``mixed_precision == "fp16"`` / ``== "bf16"``; False when
-                                               ``mixed_precision`` is not given
-gradient_clipping                              the fact ``gradient_clipping``, else 1.0
-optimizer.params.lr                            the fact ``lr`` (required: a learning rate is never guessed)
-optimizer.params betas, eps, weight_decay      the fact of the same name, else the optimizer's default
-                                               (e.g. AdamW betas (0.9, 0.999), eps 1e-8, wd 0)
-scheduler.params.warmup_min_lr                 the fact ``warmup_min_lr``, else 0.0
-scheduler.params.warmup_max_lr                 the fact ``lr``, else the optimizer's resolved lr
-scheduler.params.warmup_num_steps              the fact ``warmup_num_steps`` (required)
-scheduler.params.total_num_steps               the fact ``total_num_steps`` (required)
-zero_optimization.reduce_bucket_size           h * h                (h = ``model_hidden_size``, required)
-zero_optimization.stage3_prefetch_bucket_size  int(0.9 * h * h)
-zero_optimization.stage3_param_persistence_    10 * h
-threshold
-zero_optimization.stage3_gather_16bit_         False (plait checkpoints are layout-free; nothing to gather)
-weights_on_model_save
-=============================================  =========================================================
-
-``zero_optimization.offload_optimizer.device_step_fraction: "auto"`` is not a placeholder: it is that key's
-own value (the adaptive device share of ``plait.zero.offload.OffloadOptions``) and is kept as written, as is
-"auto" in any key whose type takes it (``schema_base.takes_auto``); no rule or Trainer argument fills it.
-
-Batch triple (DeepSpeed's rule): ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x dp``, with dp from ``dp_size`` or ``world_size / (tp x pp x cp)``.
-All three given: checked (against dp when known). Two given and dp known: the third is derived and must
-come out a positive integer. Only the micro-batch or only train_batch_size given: gradient accumulation
-steps = 1 and the other is derived. ``pipeline.micro_batches``, when given, stands for
-gradient_accumulation_steps (a pipeline step runs one micro-batch per accumulation step).
+``resolve_auto`` fills each "auto" key from the facts given to :func:`plait.config.load_config`
+(``lr``, ``micro_batch_size``, ``mixed_precision``, ``model_hidden_size``, ...) as the Hugging Face
+Trainer's DeepSpeed integration fills them from its arguments; a required fact that is missing (``lr``,
+``warmup_num_steps``, ``total_num_steps``, ``model_hidden_size`` for bucket sizes) raises ``ConfigError``
+naming the key. ``bucket_sizes`` gives the ZeRO buckets of hidden size h (``h*h``, ``int(0.9*h*h)``,
+``10*h``). ``build_config`` applies DeepSpeed's batch rule ``train_batch_size =
+train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`` (two given: the third derived; all
+three: checked) and checks bounds. ``device_step_fraction: "auto"`` is that key's own value, kept as
+written. Every rule, one per key: ``docs/config.md``.
 """
 from __future__ import annotations
 
@@ -83,7 +55,7 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
                  weight_decay: float | None, warmup_min_lr: float | None, warmup_num_steps: int | None,
                  total_num_steps: int | None) -> dict:
     """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
-    batch triple complete, following the table in this module's docstring. Raises ConfigError."""
+    batch triple complete, following the table in ``docs/config.md``. Raises ConfigError."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
 
     if mixed_precision not in (None, "fp16", "bf16", "fp32"):

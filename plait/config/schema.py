@@ -1,23 +1,12 @@
 """Typed configuration sections, named after DeepSpeed's ds_config keys.
 
-Every field keeps DeepSpeed's JSON key name and default, so a ds_config written for DeepSpeed (or for the
-Hugging Face Trainer's DeepSpeed integration) reads into these dataclasses unchanged; plait's own sections
-(``tensor_parallel``, ``pipeline``, ``seed``) follow the same style. Key names and defaults follow the
-DeepSpeed configuration reference (https://www.deepspeed.ai/docs/config-json/).
-
-The dataclasses are frozen: a resolved config is a value. Build them with :func:`plait.config.load_config`,
-which checks keys and types, resolves ``"auto"`` and the batch-size triple; constructing them directly skips
-those checks except the cross-field ones in ``__post_init__``.
-
-The optimizer and scheduler sections live in ``schema_optim``, the ZeRO sections in ``schema_zero`` and
-``AUTO`` / ``ConfigError`` in ``schema_base``; every public name is importable from here.
-
-Field metadata used by the reader (``plait.config.reader``):
-    ``auto``: the key may be ``"auto"`` in JSON; ``plait.config.resolve`` documents each rule.
-    ``aliases``: other JSON spellings accepted for the same key (giving two spellings is an error).
-    ``bounds``: the allowed range of a number (``schema_base.bounded``), checked when the config is built
-    (``plait.config.resolve``), after "auto" is filled in. Every number of a config must also be finite and
-    every integer fit in 64 bits, bounds or not (``schema_base.check_number``).
+Every field keeps DeepSpeed's JSON key name and default (https://www.deepspeed.ai/docs/config-json/),
+so a ds_config written for DeepSpeed or the Hugging Face Trainer reads unchanged; plait's own sections
+(``tensor_parallel``, ``pipeline``, ``seed``) follow the same style. The dataclasses are frozen; build
+them with :func:`plait.config.load_config` (constructing them directly skips all but the
+``__post_init__`` checks). Optimizer and scheduler sections live in ``schema_optim``, ZeRO's in
+``schema_zero``, ``AUTO`` / ``ConfigError`` in ``schema_base``; every public name is importable from
+here. Field metadata the reader uses (``auto``, ``aliases``, ``bounds``): ``docs/config.md``.
 """
 from __future__ import annotations
 

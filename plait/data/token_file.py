@@ -1,30 +1,16 @@
 """Tokenize text into a flat token file: ``<out>.bin`` (raw little-endian ids) plus ``<out>.bin.json``.
 
-The token stream is the documents of all sources in order, each followed by the end-of-sequence id
-(``<|endoftext|>`` by default)::
+``build_token_file(sources, tokenizer_path, out)`` writes them (``bundled_token_file``: the bundled
+corpus). The stream is every document of the sources in order, each followed by the end-of-sequence id::
 
     tokens = concat(tokenizer.encode(doc).ids + [eos_id] for doc in documents)
 
-exactly (no special tokens added, and ``<|endoftext|>`` or ``[MASK]`` written literally in the text
-are encoded as plain text, so text cannot inject control tokens). Documents are found per source by
-``doc_boundary``:
-
-- ``"blank_line"`` (default): maximal runs of non-blank lines; a document is those lines verbatim
-  without the final newline. Whitespace-only lines separate documents and are dropped.
-- ``"line"``: every non-blank line, without its newline, is a document.
-- ``"file"``: the whole source, verbatim, is one document (empty sources are skipped).
-
-Large files are read line by line and encoded in batches (``Tokenizer.encode_batch``, multithreaded
-in Rust). A document is cut into pieces only between lines where byte-level pre-tokenization always
-splits (a line ending in a non-space character before ``\\n``, then a line starting with a
-non-space character), so piecewise encoding equals encoding the whole document.
-
-Pre-tokenized sources (``.npy``, or ``.bin`` with a plait sidecar) are copied verbatim after range
-checks; they carry their own separators.
-
-The sidecar JSON holds ``format``, ``version``, ``dtype``, ``num_tokens``, ``num_documents``,
-``vocab_size``, ``eos_id``, ``tokenizer_sha256``, ``doc_boundary`` and per-source ``sources``
-records; it is written last (atomic rename), so a ``.bin`` without a sidecar is incomplete.
+with no special tokens added (``<|endoftext|>`` in the text is plain text). ``doc_boundary`` is
+``"blank_line"`` (default: runs of non-blank lines), ``"line"`` or ``"file"``; large files are encoded in
+batches, cut only where byte-level pre-tokenization always splits, so the ids equal whole-document
+encoding. Pre-tokenized sources (``.npy``, ``.bin`` with a sidecar) are copied after range checks. The
+sidecar (``sidecar_path``, ``read_token_meta``) is written last, so a ``.bin`` without one is incomplete;
+``load_tokens`` memory-maps a file. Rules and sidecar fields: ``docs/data.md``.
 """
 
 from __future__ import annotations

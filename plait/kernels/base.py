@@ -1,26 +1,16 @@
 """What every flat-buffer CPU optimizer shares: buffer checks, threads, the step counter, ranges, state.
 
-A ZeRO-Offload rank owns one flat float32 master-parameter buffer of ``numel`` elements on the host
-(its optimizer partition), the matching flat float32 gradient buffer, and optimizer state of the same
-length. Subclasses supply the numba kernel; this class turns torch tensors into zero-copy numpy views,
-checks lengths, applies the thread count for the duration of one call only, and keeps the step count.
-
-Stepping by bucket: the offload pipeline can update one gradient bucket while backward is still
-producing the next. One optimizer step is then::
+``FlatOptimizer`` turns a rank's flat float32 host buffers (masters, gradients, states of ``numel``
+elements) into zero-copy numpy views, checks lengths and keeps the step count; subclasses supply the
+numba kernel. One step may run bucket by bucket, bit-identical to ``step`` (elementwise updates)::
 
     opt.begin_step(lr)                      # step counter += 1, lr fixed for this step
     for off, n, grad_bucket in buckets:     # any order, each range exactly once
         opt.step_range(params, grad_bucket, off, n, lowp_out=params_bf16)
 
-and gives bit-identical results to ``opt.step(params, grads, params_bf16, lr)``, because every
-element's update depends only on that element and the per-step scalars.
-
-Threads: each call runs on ``num_threads`` of numba's pool (``numba.set_num_threads`` for that call
-only; it is per calling thread, so nothing leaks). A background Python thread may step buckets
-while the main thread runs backward; calls from several Python threads at once need numba's ``omp``
-or ``tbb`` threading layer (``workqueue`` is not re-entrant). Kernels are compiled without
-``fastmath`` and with ``error_model="numpy"`` (IEEE results, no Python exceptions), so results are
-independent of the thread count and of vector/scalar loop splits.
+``with numba_threads(n):`` sets numba's thread count for its body only (per calling thread).
+Concurrent calls from several Python threads need numba's ``omp`` or ``tbb`` layer. Kernels use no
+``fastmath`` and ``error_model="numpy"``, so results do not depend on the thread count. More: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

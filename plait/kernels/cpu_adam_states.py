@@ -1,19 +1,11 @@
 """Adam / AdamW on the host with the moments stored in bf16 or in 8-bit block-wise form (numba).
 
-The update is :mod:`plait.kernels.cpu_adam`'s (``_adam_elem``, float32, torch.optim.Adam/AdamW's folding)
-on moments read from and written back to their low-precision store in the same pass
-(formats: :mod:`plait.kernels.quant`); fp32 master weights, fused bf16/fp16 copy-out as ``CPUAdam``.
-
-* bf16: each moment is widened exactly, updated, and rounded to nearest even on the way back.
-* int8: per block (Dettmers et al., ICLR 2022, Sec. 2): dequantize ``m = SIGNED_MAP[code] * s_m`` and
-  ``v = UNSIGNED_MAP[code] * s_v``, update every element of the block, take the new block maxima as the new
-  scales, then store each moment as the index of the map value nearest ``m / s_m`` (``v / s_v``). One pass
-  over the block's memory: the block's moments wait in two 256-element scratch arrays (in cache) between
-  the update and the requantization, in separate loops so that each vectorizes.
-
-Blocks are independent, so ``step_range`` over any union of whole blocks equals the whole step; a range
-must start and end on a block start (``plait.kernels.quant.block_starts``: every boundary given at
-construction, e.g. each ZeRO segment and parameter piece, and every 256 elements after one).
+``CPUAdamStates`` applies :mod:`plait.kernels.cpu_adam`'s update (float32, torch.optim.Adam/AdamW's
+folding) on moments read from and written back to their low-precision store in the same pass (formats:
+:mod:`plait.kernels.quant`; int8 per Dettmers et al., ICLR 2022, Sec. 2), with fp32 masters and the fused
+bf16/fp16 copy-out of ``CPUAdam``. Blocks are independent, so ``step_range`` over whole blocks equals the
+whole step; a range must start and end on a block start (``quant.block_starts``). The per-block pass:
+``docs/kernels.md``.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """float32 -> bfloat16 / float16 rounding as bit patterns, for the optimizers' fused copy-out.
 
-The optimizer kernels write the updated low-precision parameter copy (the weights the next
-forward reads) in the same pass as the fp32 update, so the host never makes a second sweep
-over a 10^9-element buffer. Numba has no bfloat16 type, so both formats are produced as
-``uint16`` bit patterns written into a ``uint16`` view of the destination tensor
-(see :func:`lowp_bits_view`).
-
-Both conversions equal torch's CPU ``Tensor.to(dtype)`` bit for bit, including the cases that
-bit-level shortcuts usually get wrong:
-
-* round to nearest, ties to even (IEEE 754-2019 section 4.3.1), so ``1 + 2^-8`` -> ``1.0`` in bf16;
-* overflow on rounding: the largest float32 rounds to ``inf`` in bf16, ``65520.0`` to ``inf`` in fp16;
-* ``inf``/``-inf``, signed zeros, float32 subnormals (kept in bf16, which shares float32's exponent
-  range; rounded into fp16 subnormals or to zero);
-* NaN. bf16: torch's CPU kernels (ATen ``cvtfp32_bf16``, AVX2 and AVX-512) write ``0xFFFF`` for
-  every NaN, sign and payload discarded, while the scalar ``c10::BFloat16`` constructor gives
-  ``0x7FC0``. The kernels therefore take the NaN pattern as an argument and
-  :func:`torch_bf16_nan_bits` asks torch which one it writes. fp16: torch uses the F16C
-  instruction ``vcvtps2ph``, which keeps the sign, sets the quiet bit and keeps the top 10
-  payload bits; :func:`fp16_bits` does the same.
-
-Modes for the ``mode`` argument of every kernel: :data:`MODE_NONE`, :data:`MODE_BF16`, :data:`MODE_FP16`.
+The optimizer kernels write the updated low-precision weights in the same pass as the fp32 update, as
+``uint16`` bit patterns into a ``uint16`` view of the destination (``lowp_bits_view``; numba has no
+bfloat16). ``bf16_bits`` and ``fp16_bits`` equal torch's CPU ``Tensor.to(dtype)`` bit for bit: round to
+nearest even (IEEE 754-2019, 4.3.1), overflow to inf, signed zeros, subnormals and NaN patterns (bf16's
+NaN pattern is torch's, asked by ``torch_bf16_nan_bits``). Also the buffer views the kernels read
+(``flat_f32``, ``grad_view``) and ``sum_of_squares``. Modes of every kernel: :data:`MODE_NONE`,
+:data:`MODE_BF16`, :data:`MODE_FP16`. The corner cases one by one: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

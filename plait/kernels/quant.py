@@ -1,31 +1,16 @@
 """Optimizer states in lower precision: the state dtypes, the 8-bit maps and block layout, torch ops.
 
-``state_dtype`` names how Adam's moments are stored between steps (fp32 master weights stay fp32):
+``state_dtype`` (``check_state_dtype``) stores Adam's two moments as ``"fp32"`` (8 bytes/param),
+``"bf16"`` (4, round to nearest even) or ``"int8"``: blocks of at most :data:`BLOCK` = 256 elements, each
+a float32 absmax ``s`` plus one uint8 index per element into a 256-entry dynamic map (:data:`SIGNED_MAP`
+in ``[-1, 1]``, :data:`UNSIGNED_MAP` in ``[0, 1]``), read back as ``map[index] * s``: about 2.03
+bytes/param (``state_nbytes``). Sources: Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
+ICLR 2022, Sec. 2; the maps: Dettmers, ICLR 2016, Sec. 3.
 
-* ``"fp32"``: float32, 8 bytes per parameter for the two moments (the default).
-* ``"bf16"``: bfloat16, rounded to nearest even after each update: 4 bytes per parameter.
-* ``"int8"``: 8-bit block-wise quantization (Dettmers et al., "8-bit Optimizers via Block-wise
-  Quantization", ICLR 2022, Sec. 2; the scheme of bitsandbytes' and torchao's AdamW8bit): the buffer is cut
-  into blocks of at most :data:`BLOCK` = 256 elements; each block stores one float32 scale, its absolute
-  maximum ``s``, and per element a uint8 index into a 256-entry map of values in ``[-1, 1]``
-  (:data:`SIGNED_MAP`, first moment) or ``[0, 1]`` (:data:`UNSIGNED_MAP`, second moment). An element ``x``
-  is stored as the index of the map value nearest ``x / s``; it reads back as ``map[index] * s``.
-  2 bytes per parameter for the two moments plus 8 bytes per block (2.03 bytes per parameter).
-
-The maps are *dynamic* (Dettmers, "8-bit Approximations for Parallelism in Deep Learning", ICLR 2016,
-Sec. 3): a value is ``10^-E * f``, ``E`` the count of leading zero bits after the sign, the bits after the
-first one a linear fraction ``f`` in ``[0.1, 1]``: so small moments keep a relative precision that a
-linear 8-bit code would lose. Both maps contain 0 and 1 exactly (a block's largest element reads back
-exactly, and requantizing dequantized values gives the same indices). Error of one quantization: an
-element with ``y = x / s`` between map values ``a <= y <= b`` reads back within ``s * (b - a) / 2`` of ``x``
-(nearest value), plus float32 rounding of the division and product (a few ulp of ``s``).
-
-Blocks start at every given boundary (``block_starts``): ZeRO steps its flat shard one segment at a time
-and a parameter's piece starts a new block, so a block never spans two segments or two parameters.
-
-This module holds the one definition of the maps used by the host kernels (numba, ``cpu_adam_states``)
-and by the torch ops here (device share, non-offloaded ZeRO): both pick the same index for the same
-float32 input (binary search over the same float32 midpoints, ties to the lower index).
+``block_starts`` starts a block at every given boundary (ZeRO segments, parameter pieces); ``quantize_``
+/ ``dequantize`` are the torch ops. These maps are the only definition, shared with the host kernels
+(``cpu_adam_states``), which pick the same index for the same float32 input. Error bounds and the map
+construction: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

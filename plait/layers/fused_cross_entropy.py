@@ -1,33 +1,15 @@
 """The LM head's matmul fused with the vocabulary-parallel cross entropy, chunked over tokens.
 
-The unfused head computes ``logits = x W^T + b`` (``[tokens, V_pad/tp]``) and then
-``vocab_parallel_cross_entropy``, which upcasts them to float32 and keeps the softmax for backward:
-the whole logits exist in float32 from forward to backward. Here the tokens are processed in chunks
-of ``chunk_tokens`` rows. Per chunk: the local logits (matmul in the input dtype), the three tp
-reductions of the vocabulary-parallel loss (Shoeybi et al., "Megatron-LM", 2019, Sec. 3; the
-shared :func:`plait.layers.cross_entropy.block_statistics`), the per-token loss, the gradient
-w.r.t. the chunk's logits (:func:`plait.layers.cross_entropy.logits_gradient_`:
-``softmax - (1 - eps) * onehot - eps / V`` on real columns, 0 on padded ones and for ignored
-tokens), and from it at once the chunk's input gradient ``grad_logits @ W`` and the running sums
-of the weight and bias gradients (float32). The chunk's logits are then dropped, so at most one
-chunk's ``[chunk_tokens, V_pad/tp]`` float32 tensors exist at a time and none is kept for backward.
+``fused_linear_cross_entropy(hidden, weight, bias, target, ...)`` computes, per chunk of ``chunk_tokens``
+rows, the local logits, the vocabulary-parallel loss (Shoeybi et al., "Megatron-LM", 2019, Sec. 3) and at
+once the input, weight and bias gradients (float32 sums), then drops the logits: at most one chunk's
+``[chunk_tokens, V_pad/tp]`` float32 tensors exist at a time (Liger-Kernel's technique, Hsu et al. 2024,
+in plain torch for sharded vocabularies). Backward scales the stored gradients by the loss gradient when
+it is equal over non-ignored tokens (a sum or mean), else recomputes the chunks with per-token weights.
 
-Computing the gradients in forward and only scaling them by the loss gradient in backward is the
-technique of Liger-Kernel's fused linear cross entropy (Hsu et al., 2024, "Liger Kernel: Efficient
-Triton Kernels for LLM Training"); this is plain torch code (CPU and CUDA, any float dtype)
-for sharded vocabularies. As the loss is returned per token, backward checks that the loss gradient
-is the same for every non-ignored token (a sum or mean of the losses, as the LM head takes; one
-host sync on CUDA): then the input gradient is scaled per token and the weight and bias gradients
-by that one factor. Otherwise (tokens weighted unequally) backward runs the chunks again with the
-per-token weights: exact, at the cost of a second forward pass over the head.
-
-Memory and time against the unfused head: ``benchmarks/results/fused_cross_entropy_1xH100.md``.
-
-Tensor parallelism: ``hidden`` is the head's input after ``enter_tp_region`` (whole sequence,
-replicated over tp). Each rank's input gradient is its partial ``grad_logits_local @ W_local``,
-exactly what ``F.linear``'s backward gives in the unfused head; ``enter_tp_region``'s backward sums
-the partials over tp (all-reduce, or reduce-scatter to the sequence shard under sequence
-parallelism).
+Under tp, ``hidden`` is the head's input after ``enter_tp_region``, whose backward sums the partial
+input gradients. Design: ``docs/layers.md``; memory and time against the unfused head:
+``benchmarks/results/fused_cross_entropy_1xH100.md``.
 """
 from __future__ import annotations
 

@@ -1,36 +1,16 @@
 """Mixture-of-experts feed-forward layer: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token.
 
-Router (Shazeer et al., "Outrageously Large Neural Networks", 2017): ``logits = x W_r^T`` ``[T, E]`` in
-float32, ``probs = softmax(logits)``. Two orders of the top-k:
-
-* ``"softmax_topk"`` (Mixtral, Qwen-MoE, OLMoE): the k largest ``probs``; with ``normalize_topk`` their weights
-  are divided by their sum (Mixtral's softmax over the top-k logits is exactly this).
-* ``"topk_softmax"``: the k largest logits, weights ``softmax`` over those k (always summing to 1).
-
-Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for
-Mixture-of-Experts", 2024, Eq. 3-4): a per-expert ``expert_bias`` is added to the scores only to *select* the
-experts (the weights come from the unbiased scores); ``update_expert_bias`` moves it by ``bias_update_rate`` x
-sign(mean load - load) from the tokens counted since the last update.
-
-Losses (returned, weighted by their coefficients, in ``MoEAux.loss``; ``add_loss_gradient`` joins them to the
-model's gradient at the layer, so the caller's loss needs no term for them, on any pipeline stage):
-
-* balance (Switch Transformer, Fedus et al. 2021, Eq. 4, with k assignments per token): ``E * sum_i f_i P_i``,
-  ``f_i`` the fraction of the ``T`` tokens routed to expert i (each token counts once per chosen expert, so
-  ``sum_i f_i = k``), ``P_i`` the mean over tokens of ``probs[:, i]``. Equals 1 x k when perfectly balanced.
-* router z-loss (ST-MoE, Zoph et al. 2022, Eq. 5): ``mean_x logsumexp(logits_x)^2``.
-
-Dispatch is dropless by default: every token reaches its k experts. With ``capacity_factor`` c each expert takes
-at most ``ceil(c * T * k / E)`` tokens, the earliest in the batch; later assignments are dropped (their
-contribution is 0, the other weights unchanged) and counted in ``MoEAux.dropped``.
-
-The experts run together: assignments sorted by expert, then each of the three projections is one grouped
-GEMM over the experts' contiguous row blocks (``torch._grouped_mm``), or, where it does not apply (unaligned
-sizes, a GPU or dtype without it), one matmul per expert over the same blocks. Optional shared experts (Qwen-MoE,
-DeepSeek-MoE): a dense SwiGLU MLP of ``shared_ffn_hidden_size`` every token passes through, added to the output.
+``MoE`` routes in float32 (Shazeer et al. 2017; ``route``: ``"softmax_topk"`` as Mixtral/Qwen-MoE, or
+``"topk_softmax"``), optionally with DeepSeek-V3's auxiliary-loss-free ``expert_bias`` (Wang et al. 2024,
+Eq. 3-4; ``update_expert_bias``), dispatches dropless or with ``capacity_factor`` (``dispatch``,
+``expert_capacity``; drops counted in ``MoEAux.dropped``), runs the experts as grouped GEMMs
+(``grouped_mm``), and adds optional shared experts. Its losses, Switch balance (Fedus et al. 2021, Eq. 4;
+``balance_loss``, k when balanced) and router z-loss (Zoph et al. 2022, Eq. 5; ``z_loss``), are returned
+in ``MoEAux.loss`` and joined to the gradient at the layer (``add_loss_gradient``).
 
 Shapes: ``x [..., h]`` -> ``[..., h]``; weights ``gate_proj``/``up_proj`` ``[E, ffn, h]``, ``down_proj``
-``[E, h, ffn]`` (each expert a ``Linear`` weight, stacked), ``router.weight`` ``[E, h]``.
+``[E, h, ffn]`` (each expert a ``Linear`` weight, stacked), ``router.weight`` ``[E, h]``. Design notes:
+``docs/layers.md``.
 """
 from __future__ import annotations
 

@@ -11,10 +11,8 @@ memory (``mlp.experts.gate_up_proj`` ``[E, 2 ffn, h]``, ``mlp.experts.down_proj`
 ``mlp.gate.weight``), converts the hub names on load and writes them back on ``save_pretrained`` (5.24
 saves the per-expert names). An import reads either layout; an export writes the hub's.
 
-The balance loss coefficient maps to HF's ``router_aux_loss_coef``, but the two losses are aggregated
-differently: plait adds each block's ``E sum_i f_i P_i`` (``plait.layers.moe``), transformers computes one
-such loss over all layers' router outputs pooled, and only with ``output_router_logits``; so the same
-coefficient weighs balancing about ``num_layers`` times more in plait.
+The balance loss coefficient maps to HF's ``router_aux_loss_coef`` but weighs balancing about
+``num_layers`` times more in plait (per-block losses, not one pooled loss; ``docs/layers.md``).
 """
 from __future__ import annotations
 

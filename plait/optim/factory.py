@@ -6,7 +6,7 @@ DeepSpeed's ``optimizer.type`` values map to torch optimizers (or plait's LAMB):
 ``Adam``   ``torch.optim.AdamW`` when ``adam_w_mode`` (DeepSpeed's default), else ``torch.optim.Adam``
 ``AdamW``  ``torch.optim.AdamW``
 ``SGD``    ``torch.optim.SGD``
-``LAMB``   ``plait.optim.Lamb`` (per-tensor trust ratio; needs whole tensors, see ``Engine``)
+``LAMB``   ``plait.optim.Lamb`` (per-tensor trust ratio, over ZeRO's shards via ``lamb_segments``)
 =========  ==============================================================================
 
 A user may instead pass a torch optimizer *class* or factory ``f(param_groups, **kw)``, or an

@@ -1,20 +1,20 @@
-"""LAMB: layer-wise adaptive moments (You et al., "Large Batch Optimization for Deep Learning:
-Training BERT in 76 minutes", ICLR 2020, Algorithm 2), as a torch optimizer over whole tensors.
+"""LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+arXiv:1904.00962 / ICLR 2020, Algorithm 2) as a torch optimizer, with one trust ratio per logical tensor.
 
-Per parameter tensor ``w`` with gradient ``g`` at step ``t``::
+Per tensor ``w`` with gradient ``g`` at step ``t`` (float32 moments; ``bias_correction=False`` drops
+the ``1 - b^t`` factors)::
 
     m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
-    r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
-    w = w - lr * clip(||w|| / ||r||, min_coeff, max_coeff) * r     (ratio 1 when either norm is 0)
+    r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w         (weight decay inside r)
+    w = w - lr * clip(||w|| / ||r||, min_coeff, max_coeff) * r           (ratio 1 if either norm is 0)
 
-The trust-ratio clamp and its defaults (0.01, 10) follow DeepSpeed's FusedLamb, whose config keys
-``min_coeff``/``max_coeff`` plait accepts.
-
-Under ZeRO the optimizer sees flat fp32 shards that hold pieces of many tensors, some split over dp
-and tp. ``set_segments`` tells it which elements belong to which logical tensor and how to sum a
-vector of per-tensor squared norms over the ranks that share a tensor; the trust ratio is then the
-whole tensor's, exactly as in one process (DeepSpeed's FusedLamb refuses ZeRO instead). The trust ratio needs the whole tensor, so LAMB runs on unflattened parameters
-(ZeRO stage 0 without flattening, as DeepSpeed also requires).
+Algorithm 2 scales by ``phi(||w||) / ||r||``; like DeepSpeed's FusedLamb (whose ``min_coeff`` /
+``max_coeff``, defaults 0.01 and 10, plait accepts) plait clips the ratio itself. Over whole
+parameters (``step`` without segments) each parameter is one tensor. Over ZeRO's flat fp32 shards
+(stages 0-3, any tp; ``plait.optim.lamb_segments.attach_lamb_segments``, which the engine calls)
+``set_segments`` maps shard elements to logical tensors (a fused q/k/v counts as three) and sums the
+float64 squared norms over the ranks sharing a tensor, so the ratio equals one process's. Not
+offered with ``offload_optimizer`` (no host kernel).
 """
 from __future__ import annotations
 

@@ -1,35 +1,17 @@
 """Context parallelism: attention over a sequence split across the ``cp`` ranks of a group.
 
-Sharding. The sequence ``[s]`` is cut into ``2 cp`` equal chunks and rank ``r`` holds chunks ``r`` and
-``2 cp - 1 - r`` (in that order): under a causal mask the early chunks attend to few keys and the late
-ones to many, so pairing them gives every rank the same work (the load-balanced "zigzag" / head-tail
-sharding of Megatron-Core and torchtitan). Bidirectional attention uses the same sharding, so the rest
-of the model, the positions (RoPE) and the loss never depend on the method. ``s`` must divide by
-``2 cp`` (``shard_sequence`` raises otherwise, naming the numbers; pad the batch to the next multiple).
-
-Two methods, both on the local blocks of torch's fused attention kernels (on CUDA the one SDPA itself picks:
-cuDNN or flash for bf16/fp16, memory-efficient for float32; the CPU flash kernel elsewhere), which return the
-log-sum-exp of each row:
+Sharding: the sequence is cut into ``2 cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``
+(load-balanced "zigzag", as Megatron-Core and torchtitan; ``shard_sequence``, ``unshard_sequence``,
+``positions``). ``s`` must divide by ``2 cp`` (ValueError naming the numbers; pad the batch).
 
 * ``ring_attention`` (Liu et al., "Ring Attention with Blockwise Transformers", 2023): K/V travel round
-  the ring of cp ranks (``cp - 1`` exchanges, each posted before the current block is computed so the
-  transfer overlaps it); each step is one kernel call, the block of this rank's queries that may see the
-  arriving K/V (causal: its own K/V causally, an earlier rank's first chunk by both query chunks, a later
-  rank's two chunks by the second query chunk; ``_step_rows``), and the partial results are merged
-  by their log-sum-exp (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; as in
-  FlashAttention, Dao et al. 2022, Alg. 1). Backward sends K/V round once more with their gradients
-  travelling one step behind them (each transfer overlapping the next step's blocks), and each block's
-  gradients come from the kernel's backward given the *merged* output and log-sum-exp (the probabilities
-  of a block are ``exp(q k^T scale - lse)`` with the row's total ``lse``), so no block's forward is
-  recomputed twice. Padded keys (BERT's attention mask, bidirectional): each rank's mask part is
-  all-gathered once and each block masks the keys of its chunk (the memory-efficient kernel on CUDA).
-* ``all_to_all_attention`` (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all turns the sequence
-  shards of all heads into the whole sequence of ``heads / cp`` heads, attention runs as usual, and the
-  inverse all-to-all restores the sequence shards. Heads (and kv heads) must divide by cp.
+  the ring, blocks merged by their log-sum-exp (Milakov & Gimelshein 2018; FlashAttention Alg. 1).
+* ``all_to_all_attention`` (DeepSpeed-Ulysses, Jacobs et al., 2023): sequence shards of all heads become
+  the whole sequence of ``heads / cp`` heads; heads and kv heads must divide by cp.
 
-Shapes: ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` (grouped-query attention when
-``kv_heads < heads``), this rank's two chunks side by side along the sequence; the output is shaped as
-``q``. ``group`` None (or one rank) is plain attention.
+Shapes: ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` (GQA when ``kv_heads < heads``), this
+rank's two chunks side by side; the output is shaped as ``q``. ``group`` None (or one rank) is plain
+attention. Design: ``docs/context-parallel.md``.
 """
 from __future__ import annotations
 
@@ -135,7 +117,7 @@ def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
-    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (module docstring), by the
+    """``(dq, dk, dv)`` of one block given the rows' merged ``out`` and ``lse`` (``docs/context-parallel.md``), by the
     kernel ``_block_forward`` used; ``keep`` as there."""
     aten = torch.ops.aten
     bias = None if keep is None else _key_bias(keep, q)

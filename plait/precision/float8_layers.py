@@ -1,21 +1,12 @@
 """Float8 versions of plait's tensor-parallel linear layers, through torchao's float8 training.
 
-Each layer keeps its parameters, names and tp sharding, and computes its local matmul with torchao's
-``matmul_with_hp_or_float8_args`` (the autograd function inside torchao's ``Float8Linear``): operands are cast
-to float8 with dynamic scales and multiplied with torch's scaled matmul (``torch._scaled_mm``) or, on a CPU,
-torchao's emulation. No float8 kernel is written here.
-
-Tensor parallelism. A dynamic tensorwise scale is ``finfo(float8).max / amax`` of the *whole* tensor. On a tp
-rank a sharded operand is a slice, and its own amax would give each rank another scale than one process
-(tp=1) uses: different float8 roundings. So every sharded operand is cast here before the matmul, with its
-amax all-reduced (MAX) over the tp group: a column layer's weight ``[out/tp, in]`` and its output gradient
-``[..., out/tp]``; a row layer's weight ``[out, in/tp]`` and its input ``[..., in/tp]``. The other operands
-(the column input, replicated or all-gathered under sequence parallelism; the row output gradient, whole after
-the all-reduce's or reduce-scatter's backward) are whole on every rank and torchao casts them itself. Each
-element is then rounded to the same float8 value as at tp=1; the column layer's products equal tp=1's and
-the row layer's partial sums differ from tp=1's by float32 summation order only. torchao's own float8 tensor
-parallelism (``Float8ColwiseParallel``, over DTensor) gets the same global amax from DTensor's reductions and,
-like these layers, scales tensorwise: rowwise recipes run at tp 1 only (``plait.config`` refuses them).
+``Float8ColumnParallelLinear`` and ``Float8RowParallelLinear`` keep their parameters, names and tp
+sharding and compute the local matmul with torchao's ``matmul_with_hp_or_float8_args`` (``torch._scaled_mm``,
+or torchao's emulation on a CPU); no float8 kernel is written here. Every tp-sharded operand is cast by
+``cast_global`` with its amax all-reduced (MAX) over the tp group, so each element rounds to the same
+float8 value as at tp=1 (column products equal tp=1's; row partial sums differ by float32 summation
+order only). Tensorwise scaling only: rowwise recipes run at tp 1 (``plait.config`` refuses them).
+Why and which operands: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

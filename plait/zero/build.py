@@ -6,8 +6,8 @@ evenly over the dp ranks (``plait.zero.flat``); each rank keeps the fp32 master 
 
 The torch optimizer sees one flat fp32 tensor per flat group, so it must treat parameters
 elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, Lion...). Optimizers that need per-tensor
-norms (LAMB, LARS, Adafactor's factored moments) would see a flat shard that mixes and splits
-parameters: they need unflattened per-parameter views and are not supported here.
+norms see a flat shard that mixes and splits parameters: LAMB is told the tensors' pieces afterwards
+(``plait.optim.lamb_segments``); LARS and Adafactor's factored moments are not supported.
 """
 from __future__ import annotations
 

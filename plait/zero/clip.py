@@ -1,18 +1,11 @@
-"""Global gradient norm over dp, tp and pp, and clipping by it.
+"""Global gradient norm over dp, tp and pp, and clipping by it (Pascanu et al., ICML 2013, Sec. 3.2:
+rescale ``g`` to ``max_norm * g / ||g||`` when ``||g|| > max_norm``).
 
-The norm is that of the single-process model's full gradient (Pascanu et al., "On the
-difficulty of training recurrent neural networks", ICML 2013, Sec. 3.2: rescale g to
-``max_norm * g / ||g||`` when ``||g|| > max_norm``), however the gradient is spread:
-
-* dp: ZeRO shards are disjoint pieces of the gradient; squares are summed over dp.
-  Unsharded (stage 0) gradients are whole on every dp rank: pass ``dp_group=None``.
-* tp: a parameter split over tp (``plait_shard.dim`` set) contributes every shard; one
-  replicated over tp (``plait_shard.dim is None``) holds the same gradient on every tp rank and
-  is counted once (only tp rank 0 adds it; summing and dividing by tp would round differently).
-* pp: stages hold different parameters; squares are summed over pp.
-
-A parameter duplicated on several pipeline stages (tied embeddings on the first and last stage)
-must be passed by one stage only; ``global_grad_norm`` cannot tell the copies apart.
+``global_grad_norm`` gives the single-process model's norm however the gradient is spread: squares summed
+over dp (ZeRO shards; ``dp_group=None`` for stage-0 whole gradients) and pp; a tp-split parameter
+counts every shard, a tp-replicated one only on tp rank 0. A parameter duplicated on several pipeline
+stages (tied embeddings) must be passed by one stage only. ``sum_squares64`` (float64 partial sums) and
+``clip_coefficient`` are the pieces the steppers use. Details: ``docs/zero.md``.
 """
 from __future__ import annotations
 

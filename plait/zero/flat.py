@@ -1,22 +1,13 @@
-"""Flat buffers for ZeRO: parameters packed into padded segments split evenly over dp ranks.
+"""Flat buffers for ZeRO: parameters packed into padded segments split evenly over dp ranks
+(Rajbhandari et al., SC'20, Sec. 5).
 
-Layout (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", SC'20, Sec. 5: each of the N_d data-parallel ranks owns 1/N_d of every model state):
-
-* A **segment** is a run of parameters of one dtype and one optimizer param group, each
-  flattened and packed back to back, then zero-padded to a multiple of the dp size ``world``.
-  Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded / world``; the boundary may
-  fall inside a parameter (a parameter is then split between two ranks). Segments are the unit
-  of communication: one reduce-scatter per segment for gradients, one all-gather per segment
-  (or per coalesced run of segments) for parameters. Segment size is bounded by the reduce
-  bucket size (a bigger parameter gets a segment of its own).
-* A **flat group** is the list of segments sharing a ``GroupKey`` (param group, compute dtype,
-  tp placement, stage-3 persistence). The rank's *shard* of a flat group is the concatenation of
-  its slice of each segment: one 1-D tensor on which the fp32 master weights and the optimizer
-  state live, so any elementwise torch optimizer steps it unchanged.
-
-With ``world = 1`` (stage 0) a segment is unpadded and its one "slice" is all of it.
-Nothing here talks to process groups (``plait.zero.comm`` does).
+A ``Segment`` is a run of parameters of one dtype and param group, flattened back to back and
+zero-padded to a multiple of the dp size; rank ``r`` owns ``[r*S, (r+1)*S)``, ``S = padded / world``
+(a parameter may be split between two ranks). A ``FlatGroup`` is the segments sharing a ``GroupKey``;
+the rank's *shard* of a group (the concatenation of its slices) is one 1-D tensor holding the fp32
+masters and optimizer state. ``build_layout`` builds them; ``shard_state`` / ``load_shard_state`` read
+and write a rank's states for checkpoints. No process groups here (``plait.zero.comm``). Layout in
+detail: ``docs/zero.md``.
 """
 from __future__ import annotations
 

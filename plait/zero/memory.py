@@ -1,44 +1,17 @@
-"""Model-state memory per GPU and per host for ZeRO stages 0-3, with and without CPU offload.
+"""Model-state memory per GPU and per host for ZeRO stages 0-3, with and without CPU offload
+(Rajbhandari et al., SC'20, Sec. 3.1 and Fig. 1; ZeRO-Offload, Ren et al., USENIX ATC'21, Sec. 3-4).
 
-Accounting follows the ZeRO paper (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", SC'20, Sec. 3.1 and Fig. 1). For Psi parameters, N data-parallel ranks and mixed-precision
-Adam, each parameter costs 2 bytes of fp16/bf16 weights, 2 bytes of fp16/bf16 gradients and K = 12 bytes of
-fp32 optimizer state (master weights, momentum, variance):
+Bytes for Psi parameters, N dp ranks, mixed-precision Adam (K = 12 bytes of fp32 state per parameter;
+``optimizer_states`` generalises: K = 4 * states + 4)::
 
-    stage 0 (DDP):           (2 + 2 + K) * Psi
-    stage 1 (P_os):          (2 + 2) * Psi + K * Psi / N
-    stage 2 (P_os+g):        2 * Psi + (2 + K) * Psi / N
-    stage 3 (P_os+g+p):      (2 + 2 + K) * Psi / N
+    stage 0: (2 + 2 + K) * Psi     stage 1: (2 + 2) * Psi + K * Psi / N
+    stage 2: 2 * Psi + (2 + K) * Psi / N     stage 3: (2 + 2 + K) * Psi / N
 
-e.g. Psi = 7.5e9, N = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (1 GB = 1e9 bytes), as in the paper's Fig. 1.
-Pure fp32 training stores 4-byte weights and gradients and K = 8 (momentum, variance; the weights are the
-master copy). ``optimizer_states`` generalises Adam's two state tensors (Lion / SGD-momentum: 1), giving
-K = 4 * states + 4 (mixed precision) or 4 * states (fp32).
-
-CPU offload (ZeRO-Offload, Ren et al., USENIX ATC'21, Sec. 3-4): the optimizer step runs on the host, so
-each rank's partition of the optimizer state (fp32 master weights included, also in fp32 training: 4 * states
-+ 4 bytes) and of the gradients (2 or 4 bytes) lives in host memory; the GPU keeps the low-precision
-weights. With stage 1 the GPU still holds the full gradients until they are reduced at the step; with stages
-2-3 gradients leave the GPU bucket by bucket (buckets are not counted). ``offload_param`` (stage 3 only)
-moves each rank's weight partition to the host as well (ZeRO-Infinity's CPU tier).
-
-``accounting="plait"`` gives what plait's ``ZeroOptimizer`` actually holds instead of the paper's
-idealisation: the reduced gradient partition is kept in fp32 (4 bytes/element, so gradient accumulation does
-not round, as DeepSpeed also does), and at stage 1 it exists beside the full compute-dtype gradients; at
-stage 3 the compute-dtype weight partition is cast from the fp32 master when gathered, not kept (unless the
-optimizer is offloaded):
-
-    stage 1:  2 * Psi (weights) + 2 * Psi (grads) + 4 * Psi / N (fp32 grad partition) + K * Psi / N
-    stage 2:  2 * Psi + (4 + K) * Psi / N            stage 3:  (4 + K) * Psi / N
-
-Exception not modelled here: with offload_optimizer, bf16 weights and gradient accumulation 1, the host
-gradient partition stays bf16 (2 bytes/element, exact since nothing is accumulated; ``plait.zero.offload``),
-so the host holds 2 bytes/param less than this estimate says.
-
-Partitions hold ``ceil(Psi / N)`` elements (flat buffers are padded to a multiple of N). Per-host bytes are a
-rank's host bytes times the ranks on a host, ``min(num_gpus_per_node, dp_size)``. Not counted: activations,
-temporary buffers, communication buckets, allocator fragmentation; stage 3's gathered working set only via
-``largest_layer_params``. Pass the parameters one model-parallel rank holds when tp or pp > 1.
+``accounting="plait"`` counts what ``ZeroOptimizer`` holds instead (an fp32 gradient partition);
+offload moves the partitioned states (and with ``offload_param`` the weights) to the host. Not counted:
+activations, buckets, fragmentation. Entry points: ``estimate_model_state_memory``,
+``estimate_all_stages``, ``estimate_for_model``, ``format_memory_table``, ``held_bytes`` (measured).
+Derivation and exceptions: ``docs/zero.md``.
 """
 from __future__ import annotations
 
@@ -105,7 +78,7 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         largest_layer_params: stage 3 only: parameters of the largest layer, whose full weights and
             gradients are gathered on every GPU while it runs (0 = not counted, as in the paper).
         accounting: "paper" (the ZeRO paper's formulas) or "plait" (fp32 gradient partitions, as plait's
-            ZeroOptimizer holds them; see the module docstring).
+            ZeroOptimizer holds them; ``docs/zero.md``).
 
     Returns:
         MemoryEstimate with ``gpu`` (bytes on one GPU) and ``cpu`` (bytes on one host) breakdowns.

@@ -53,7 +53,7 @@ class ZeroOptimizer:
             expert weights split over the ep ranks (``TPShard.axis == "ep"``) are sharded and reduced over.
         stage: 0 (plain DP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
         optimizer: torch optimizer class or factory ``f(param_groups, **optimizer_kwargs)``; it must
-            be elementwise (Adam/AdamW/SGD...; not LAMB).
+            be elementwise (Adam/AdamW/SGD...), or ``Lamb`` given its segments (``attach_lamb_segments``).
         optimizer_kwargs: defaults for every group (lr, betas, weight_decay, ...).
         param_groups: torch-style groups over ``module``'s parameters with per-group options (e.g.
             ``weight_decay_groups``); None: one group.

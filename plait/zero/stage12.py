@@ -1,24 +1,12 @@
-"""Gradient reduction for ZeRO stages 0-3: from ``param.grad`` into each rank's fp32 shard.
+"""Gradient reduction for ZeRO stages 0-3 (ZeRO, Sec. 5.1-5.2): ``GradReducer`` moves ``param.grad``
+into each rank's float32 grad shard per flat group (``[shard_numel]``; gradient-accumulation
+micro-steps add there in fp32).
 
-Stage 0 all-reduces each segment and every rank keeps the whole averaged gradient; stages 1-3
-reduce-scatter each segment so a rank keeps only the ``1/dp`` slice it owns (ZeRO, Sec. 5.1-5.2:
-P_os keeps full gradients until the step, P_os+g reduces them to the owner as soon as they
-exist). The destination is always a float32 *grad shard* per flat group (``[shard_numel]``),
-which also accumulates gradient-accumulation micro-steps in fp32 as DeepSpeed does.
-
-When the reduction runs:
-
-* ``eager=False`` (stages 0 and 1): gradients accumulate in ``param.grad`` (compute dtype) over
-  the micro-steps and ``reduce_all()`` reduces every segment at the accumulation boundary.
-* ``eager=True`` (stages 2 and 3): ``on_grad(param)`` is called from each parameter's
-  post-accumulate-grad hook; a segment is reduced as soon as all its parameters have their
-  gradient for this backward pass, and ``flush()`` (called when the backward pass ends) reduces the
-  rest (missing gradients count as zero) so every rank issues the same collectives. Full
-  gradients are freed (``param.grad = None``) once packed. With ``overlap`` the collectives are
-  asynchronous and run while autograd computes earlier layers' gradients.
-
-All dp ranks must run the same autograd graph (same parameters receive gradients in the same
-order), as with DistributedDataParallel; otherwise collectives pair up wrongly.
+Stage 0 all-reduces each segment; stages 1-3 reduce-scatter it to its owner. ``eager=False`` (stages
+0-1): ``reduce_all()`` at the accumulation boundary. ``eager=True`` (stages 2-3): ``on_grad(param)`` from
+each parameter's post-accumulate-grad hook reduces a segment once all its gradients are in, ``flush()``
+at the end of backward reduces the rest; with ``overlap`` asynchronously. All dp ranks must run the
+same autograd graph, as with DistributedDataParallel. Details: ``docs/zero.md``.
 """
 from __future__ import annotations
 

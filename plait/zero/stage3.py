@@ -1,71 +1,17 @@
-"""ZeRO stage 3: parameters sharded over dp, gathered per module unit just in time.
+"""ZeRO stage 3: parameters sharded over dp, gathered per module unit just in time (ZeRO, Rajbhandari et
+al., SC'20, Sec. 5.3, P_os+g+p).
 
-ZeRO, Sec. 5.3 (P_os+g+p): each rank stores only its ``1/dp`` slice of every parameter
-(``Segment.local``); a *unit*'s parameters are all-gathered right before the unit runs forward,
-released right after, all-gathered again when the gradient reaches the unit's outputs (start of
-its backward) and released once autograd has accumulated every one of its parameters' gradients
-(or when the backward pass ends). The gradient hooks of ``stage12.GradReducer`` reduce-scatter
-those gradients to their owners meanwhile.
+``ParamGatherer`` keeps each rank's ``1/dp`` slice of every parameter (``Segment.local``); a *unit*'s
+parameters are all-gathered into a per-segment ``[padded]`` buffer right before its forward, released
+after (``reshard_after_forward``), gathered again for its backward and released once its gradients
+are in (``stage12.GradReducer`` reduce-scatters them). Units are every module with direct parameters,
+or the modules listed in ``units=[...]``; parameters under ``param_persistence_threshold`` stay whole.
+Later passes prefetch the recorded unit order up to ``prefetch_bucket_size`` elements; the split
+backward of zero-bubble pipelines keeps *weight holds* from BI to BW.
 
-Units. By default every module with parameters of its own is a unit holding its *direct*
-parameters (DeepSpeed's granularity). With ``units=[...]`` (e.g. the transformer blocks) each
-listed module is a unit holding the direct parameters of every module it encloses that is not
-inside a nested listed unit; the root module is a unit for whatever is left. A parameter shared
-by several modules (tied embedding and output head) belongs to every unit that encloses one of
-those modules; gathering is reference-counted per segment, so it stays whole while any of them
-needs it. Its storage (and optimizer state) lives once, in the first unit that holds it.
-
-Persistent parameters (fewer than ``param_persistence_threshold`` elements: biases, norms) are
-whole on every rank and never gathered; their gradients are reduce-scattered like stage 2 and the
-updated slices all-gathered after the step (the traffic of one all-reduce, with the optimizer
-state still sharded).
-
-Buffers. Each sharded segment all-gathers into one ``[padded]`` buffer kept for the whole run; releasing
-it resizes the buffer's storage to zero bytes, and gathering it again restores the storage and all-gathers
-into it (FSDP2's scheme). Autograd may hold views of a gathered parameter for backward (``weight.t()``
-saved by the matmul in eager mode); those views share the storage, so a release frees their bytes too
-and the re-gather before the unit's backward fills them again. The all-gather's input, the rank's
-compute-dtype shard, is itself cast from the fp32 master slice just before (``Segment.shard``, unless ZeRO-Offload
-keeps shards on the host) and freed after; with one dp rank that shard is the buffer.
-
-Reshard after forward. By default a unit is released when its forward ends (ZeRO-3; FSDP2's
-``reshard_after_forward=True``) and all-gathered again for its backward; a unit none of whose outputs is a
-tensor that can carry the re-gather hook is kept until its gradients are in. ``reshard_after_forward=False``
-keeps it gathered from its forward to the end of its backward (one all-gather per micro-step instead of two, at
-the memory of gathered parameters; DeepSpeed's stage 2 traffic with stage 3's sharded storage). Either
-way the root module's unit stays gathered from forward into backward when gradients are enabled (its
-backward starts right after its forward), a forward without gradients releases every unit, and a forward
-run again inside backward (activation checkpointing's recomputation) releases nothing: the unit's
-backward still needs it.
-
-Prefetch. The order units run forward (and backward) is recorded on the first pass; later passes
-all-gather the next units asynchronously, each whole, while fewer than ``prefetch_bucket_size`` elements are
-taken (DeepSpeed's ``stage3_prefetch_bucket_size`` counted in units: the one crossing the bound is taken, so
-the next unit always is, as FSDP2's next module; the root module's forward ends by prefetching the first
-units of the recorded backward order). A pass that departs from the recorded order simply stops
-prefetching. A unit recomputed inside backward (activation checkpointing) starts its backward there.
-
-Split backward (zero-bubble pipelines, ``plait.parallel.pipeline.backward``). The input-gradient pass BI
-re-gathers each unit as above but accumulates no gradient (asked of autograd's engine at the first unit it
-reaches): it is no backward for the optimizer, and each unit it reaches takes a *weight hold*
-(``Unit.deferred``, one segment reference; the pass's units form one *hold group*), kept when the pass
-releases its gathers, because the weight pass BW accumulates through each parameter's ``AccumulateGrad``
-(and may read saved views of the gather buffer), which needs the parameter whole. In BW a unit whose
-gradients are all in (``on_grad``) drops one hold and ``GradReducer`` reduce-scatters as after 1f1b's B;
-at the end of an accumulating pass the oldest hold group it reached is closed (its units that got some or
-none of their gradients drop their hold too). Groups, because a rank with two chunks (ZB-V) runs one
-chunk's weight pass while the other's holds must stay; a group no weight pass reaches (a chunk none of
-whose parameters gets a gradient) stays until ``release_all``. Memory: a unit stays whole from a micro-batch's BI
-to its BW (under ZB-H1 every rank but the first keeps its stage gathered from its first BI to its last BW);
-gradients and optimizer states stay sharded. The first stage has no BI (its BW is a whole backward).
-A backward w.r.t. inputs only that no accumulating backward follows (``torch.autograd.grad(loss, x)``
-outside a pipeline) keeps its units whole until the next backward that accumulates their gradients, or
-``release_all``; the optimizer step still updates whole parameters (``publish_segments``).
-
-Limits (documented, not detected): a parameter used by code outside the forward of every unit
-holding it (``F.linear(x, self.embed.weight)`` in the root's forward when ``embed`` is its own
-unit) is empty there — list a unit that encloses that code, or use ``units=[...]``; a unit whose
-outputs are not tensors (or pytree containers of tensors) cannot re-gather for backward.
+Limits (not detected): a parameter read outside the forward of every unit holding it is empty there;
+a unit whose outputs are not tensors cannot re-gather for backward. Units, buffers, prefetch, split
+backward in detail: ``docs/zero.md``.
 """
 from __future__ import annotations
 
@@ -89,7 +35,7 @@ class ParamGatherer:
         comms: the groups each segment is sharded over (``plait.zero.comm.Comms``).
         allgather_bucket_size: elements per coalesced all-gather.
         prefetch_bucket_size: elements fetched ahead of use, in whole units (0: no prefetch).
-        reshard_after_forward: release each unit when its forward ends (module docstring); False keeps
+        reshard_after_forward: release each unit when its forward ends (``docs/zero.md``); False keeps
             it gathered until its backward has produced every gradient.
         on_backward: called from every backward hook (the optimizer queues its end-of-backward work).
         gate: ZeRO-Offload's ``plait.zero.offload.ready.Readiness`` (None otherwise): ``gather`` first
@@ -261,7 +207,7 @@ class ParamGatherer:
         return pre_forward
 
     def _keeps_after_forward(self, u: Unit) -> bool:
-        """Whether ``u`` stays gathered when its forward ends (module docstring, "Reshard after forward")."""
+        """Whether ``u`` stays gathered when its forward ends (``docs/zero.md``, "Reshard after forward")."""
         if torch._C._current_graph_task_id() != -1:
             return True            # recomputed inside backward: the unit's backward comes next
         if not torch.is_grad_enabled():
@@ -291,7 +237,7 @@ class ParamGatherer:
         self.gather(u)
         self._prefetch(self.bwd.advance(u.index))
 
-    # ---- zero-bubble split backward (module docstring, "Split backward") --------------------------------
+    # ---- zero-bubble split backward (docs/zero.md, "Split backward") -------------------------------------
     def _input_only(self, u: Unit) -> bool:
         """Whether the running backward accumulates no gradient into this gatherer's parameters (a zero-bubble
         BI); decided once per autograd graph task, from the first unit it reaches."""
@@ -346,7 +292,7 @@ class ParamGatherer:
 
     def end_backward(self, accumulating: bool = True) -> None:
         """End of a backward pass: release every unit, free unheld segments, re-arm counters; an accumulating
-        pass closes the oldest hold group it reached (module docstring, "Split backward")."""
+        pass closes the oldest hold group it reached (``docs/zero.md``, "Split backward")."""
         group: set[int] = set()
         if accumulating:
             reached = {u.index for u in self.units if u.remaining < len(u.params)}

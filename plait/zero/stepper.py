@@ -1,21 +1,13 @@
 """Steppers: the part of ``ZeroOptimizer.step`` that depends on where the fp32 master weights live.
 
-``ZeroOptimizer.step`` owns the protocol of one optimizer step (ZeRO, Rajbhandari et al., SC'20,
-Sec. 5: reduce the gradients, step the master shard, all-gather the updated parameters)::
+``ZeroOptimizer.step`` owns the protocol of one step (ZeRO, SC'20, Sec. 5)::
 
     reduce -> norm = stepper.grad_norm() / loss_scale -> skip (stepper.discard) or
     coef = clip_coefficient(norm) / loss_scale -> stepper.apply(coef) -> finish (counters, loss scale)
 
-A stepper implements ``Stepper``; there are two:
-
-* ``DeviceStepper`` (here): masters, gradient shards and optimizer state on the module's device; the
-  torch optimizer steps them and ``write_back`` publishes the updated weights.
-* ``plait.zero.offload.HostStepper``: ZeRO-Offload (Ren et al., USENIX ATC'21): they live on the host,
-  gradients land there during backward and the CPU optimizer steps, overlapped with the next forward.
-
-Both get what they step as a ``ShardSet`` (built once by ``ZeroOptimizer``) and the rest as plain
-constructor arguments; neither holds the ``ZeroOptimizer``. Whether a step is applied, skipped or clipped is
-``ZeroOptimizer.step``'s decision alone: a stepper applies the coefficient it is given.
+``Stepper`` is the protocol; ``DeviceStepper`` (here) steps masters on the module's device and
+``write_back`` publishes the weights; ``plait.zero.offload.HostStepper`` steps them on the host. Both
+get a ``ShardSet`` and plain constructor arguments, and apply the coefficient they are given.
 """
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Build a model without its weights and let each rank read only its own part of them (DeepSpeed's
-``zero.Init`` role, for ZeRO-3).
+``zero.Init`` role, for ZeRO-3)::
 
     with plait.zero.meta_parameters():                  # parameters on the meta device, buffers real
         model = transformers.LlamaForCausalLM(config)
     engine = plait.initialize(model, ds_config, weights="path/to/hf_checkpoint")
 
-``meta_parameters`` creates every parameter of the modules built inside it on the meta device (no
-memory; buffers such as rotary tables stay real, as accelerate's ``init_empty_weights(include_buffers=False)``).
-``plait.initialize(..., weights=...)`` then gives each meta parameter a placeholder on the compute device
-(the right shape, one element of storage: ``ZeroOptimizer`` lays parameters out by shape and identity) and
-``ZeroOptimizer`` fills its flat buffers from a ``WeightSource``: under ZeRO-3 a rank reads only the
-elements of its own shard of each segment (and the whole of the small persistent parameters); under
-stages 0-2 every rank holds whole parameters and reads them whole.
-
-``SafetensorsWeights`` reads a Hugging Face checkpoint folder (``model.safetensors`` or the shards named by
-``model.safetensors.index.json``) through safetensors' lazy slices: a flattened element range of a tensor
-costs the rows that hold it.
+``ZeroOptimizer`` fills its flat buffers from a ``WeightSource``: under ZeRO-3 a rank reads only its
+shard of each segment (and the small persistent parameters whole); under stages 0-2 whole parameters.
+``SafetensorsWeights`` reads a Hugging Face checkpoint folder through safetensors' lazy slices.
+More: ``docs/zero.md``.
 """
 from __future__ import annotations
 

@@ -1,49 +1,15 @@
-"""Zero-bubble backward split: the input-gradient pass (BI) now, the weight-gradient pass (BW) later.
+"""Zero-bubble backward split: the input-gradient pass (BI) now, the weight-gradient pass (BW) later
+(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 2: for ``y = x W^T``, BI computes
+``dx = dy W`` and keeps ``dy``; BW computes ``dW = dy^T x``).
 
-Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), Sec. 2: a stage's backward is two
-computations, ``dL/dx`` (needed at once by the previous stage) and ``dL/dW`` (needed only by the
-optimizer step). For a linear layer ``y = x W^T`` they are ``dx = dy W`` and ``dW = dy^T x``; BI
-runs the first, keeps ``dy``, and BW later runs the second.
-
-How this is done on a plain autograd graph, with no change to the layers:
-
-1. Walk the graph from the stage output once (:func:`_analyse`). A node is on the *input path*
-   when the stage input's gradient node is reachable from it. A *weight node* is an input-path node
-   with at least one child edge that leaves the input path (towards parameters only), e.g.
-   ``MmBackward0`` of ``x @ W^T`` whose children are the path to ``x`` and
-   ``TBackward0 -> AccumulateGrad(W)``.
-2. BI: ``torch.autograd.grad(output, [input] + [gradient edges into every GEMM weight node] +
-   [parameter-side edges of every other weight node])``. The engine runs only what these need, so each
-   GEMM node (``MmBackward0``, ``AddmmBackward0``: ``GEMM_NODES``) computes its input-side output only
-   (``dx = dy W``), its parameter-side GEMM is skipped, and the gradient flowing *into* it (``dy``) is
-   captured. The other weight nodes (norm weights, bias adds, element-wise scales, any op without a
-   formula here) are cheap: their parameter gradients are computed in BI and kept, as the paper defers
-   only the GEMMs. Just before, ``weight_grad.plan`` takes the saved tensors BW's formulas need (e.g.
-   ``x``); when all are plain tensors the graph is NOT retained, so every other activation of the
-   stage is freed at BI, as in the paper's W pass (with saved-tensor hooks, or a GEMM whose saved
-   tensors are not plain, the graph is retained until BW).
-3. BW: per GEMM node, its parameter-side outputs from the captured ``dy`` and the node's saved
-   tensors (``plait.parallel.pipeline.weight_grad``: the autograd formula itself, e.g. ``dW = dy^T x`` for
-   ``MmBackward0``, bitwise the engine's result; a node whose tensors are not plain runs alone through
-   the engine). Then ONE engine call from all parameter-side child edges (the GEMMs' and those BI
-   computed) into the parameters runs the parameter-only tails (transposes, the tp all-reduce of
-   sequence-parallel norm weights, ``AccumulateGrad``), so ``.grad`` accumulates and gradient hooks
-   (ZeRO-2/3's post-accumulate hooks) fire exactly as in a plain backward.
-
-Cost (host time matters: GPU kernels are queued from it): BI = the engine's input half plus the
-walk (one Python visit per graph node); BW = the ``dW`` GEMMs plus a few Python calls per GEMM node
-(7 per Llama block) and one engine call over the tails. No recomputation of the forward
-or of the input-gradient half. Memory: the captured ``dy`` of every GEMM node is held from BI to BW
-(activation-sized, as in the paper's W pass), plus the GEMMs' inputs (the whole retained graph when it
-must be kept). Under (non-reentrant) activation checkpointing a region is recomputed in BI and once
-more in BW (one ``GraphExecGroup`` for all of BW's reads and engine calls).
-
-Fallback: when the graph does not have the simple shape the cut relies on (a parameter-side node
-reached from more than one edge, e.g. a weight reused by two ops that feed each other), BW instead
-re-runs the whole backward from the output with the retained graph (correct, but it repeats the
-input-gradient half: BW then costs a full B). plait's GPT-2, Llama and BERT blocks and heads, with
-tp and sequence parallelism, never take it (``tests/test_zb_split.py``). The first stage (no input
-gradient) always runs its whole backward in BW, and BI there is empty.
+Works on a plain autograd graph, no change to the layers: ``backward_input(output, grad_output, ...)``
+walks the graph once, asks autograd for the input gradient and the gradients flowing into every GEMM
+node (``GEMM_NODES``), and returns a ``PendingWeightGrad``; ``backward_weight(pending)`` (or
+``weight_gradients`` + ``run_tails``) computes the GEMMs' ``dW`` from the captured ``dy``
+(``plait.parallel.pipeline.weight_grad``) and accumulates ``.grad`` through one engine call, so
+gradient hooks fire as in a plain backward. A graph the cut does not fit falls back to re-running the
+whole backward in BW (correct, at the cost of a full B). The walk, costs, memory and fallback:
+``docs/pipeline.md``.
 """
 from __future__ import annotations
 

@@ -1,39 +1,16 @@
-"""The one pipeline executor: runs any rank's action list (see ``plait.parallel.pipeline.schedules``).
+"""The one pipeline executor: ``PipelineExecutor.run`` runs any rank's action list
+(``plait.parallel.pipeline.schedules``).
 
 Actions (``Action(kind, microbatch, chunk)``; chunk ``c`` is virtual stage ``stage_of(rank, c, p, shape)``):
+F (run the chunk; the last stage keeps ``scale_loss(loss)``, default ``loss / m``), B (backward,
+``.grad`` accumulates), BI / BW (the zero-bubble split, ``plait.parallel.pipeline.backward``),
+SEND_F / SEND_B (posted, never waited on inside the step), RECV_F / RECV_B (posted ahead; the reading
+action waits for it, a stream wait on GPU). With ``tp_slices`` each tp rank sends its ``1/tp`` part and
+the reader all-gathers the ``activation_shape`` tensor. Python's cyclic GC is paused for the step.
 
-- F: run chunk ``c`` on the received activation (stage 0: on the micro-batch dict); keep the
-  input and output for the backward. On the last stage the output is the micro-batch's mean loss,
-  kept as ``scale_loss(loss)`` (default ``loss / m``, so the accumulated ``.grad`` is the gradient of
-  the mean over micro-batches; an engine passes its own, e.g. ``ZeroOptimizer.scale_loss``).
-- B: backward from the received output gradient (last stage: from the scaled loss); parameter
-  gradients accumulate in ``.grad``, the input gradient waits for its SEND_B.
-  A neighbouring stage on this same rank (every one when p = 1; stage ``p-1`` to ``p`` in the "v"
-  placement) gets the output, or the input gradient, handed over directly, without comm actions.
-- BI / BW: the zero-bubble split (``plait.parallel.pipeline.backward``).
-- SEND_F / SEND_B: post the tensor (``StageP2P.send``) and go on; sends are never waited on inside
-  the step (finished ones are dropped before each compute action, the rest waited on at its end).
-- RECV_F / RECV_B: post a receive (``StageP2P.recv``); the compute action that reads it waits for it
-  just before it starts (a CUDA stream wait, no host synchronization).
-  ``comm_actions.with_communication`` places receives ahead of their use, in each channel's send order
-  (``plait.parallel.pipeline.p2p``), so transfers overlap compute and cannot deadlock.
-
-Tensor-parallel slices (``tp_slices``, ``plait.parallel.pipeline.p2p.TPSlices``; on when tp > 1 without sequence
-parallelism, chosen by ``PipelineParallel``): a SEND posts only this tp rank's ``1/tp`` part of the
-activation ``[b, s, h]`` or input gradient (1-D, ``ceil(b*s*h / tp)`` elements, a view when tp divides
-``b*s*h``), a RECV posts a receive of that many elements from the same tp rank of the neighbouring stage,
-and the compute action reading it first waits for that receive, then all-gathers the tp parts over the tp
-group into the whole ``activation_shape`` tensor (in ``_await_inputs``: a collective every tp rank of the
-stage runs at the same point of the same action list; a stream-ordered collective on GPU, no host sync).
-
-Host time: Python's cyclic garbage collector is paused for the step (``gc.disable``, restored after, as
-Megatron-LM's ``--manual-gc``): the split backward's graph walks allocate thousands of small objects, and a
-collection triggered by them would stall the host, which issues every kernel, at a random point of the
-schedule. Reference counting frees everything without cycles as usual; cycles wait for the next collection.
-
-Memory: a stage input, output and received gradient are dropped as soon as their last use has
-run (the output after the backward, the input gradient once its send has finished), so rank r holds
-the activations of the micro-batches its schedule has in flight, plus receives posted ahead.
+Memory: inputs, outputs and received gradients are dropped after their last use, so a rank holds the
+activations of the micro-batches in flight plus receives posted ahead. ``time_compute = True`` records a
+per-action ``timeline`` (``ActionTime``). More: ``docs/pipeline.md``.
 """
 from __future__ import annotations
 

@@ -1,46 +1,16 @@
-"""CUDA graphs for a pipeline rank's compute actions: each action's kernels launched by one graph replay.
+"""CUDA graphs for a pipeline rank's compute actions: each action's kernels launched by one graph replay
+(``PipelineParallel(cuda_graphs=True)``; the mechanism of ``torch.cuda.make_graphed_callables``).
 
-At small micro-batches a pipeline action is host-bound: the GPU finishes each kernel before Python has issued
-the next, so a schedule with more actions than 1F1B (interleaved, ZB-H1, ZB-V) pays in host time what it
-saves in bubble (``benchmarks/results/pipeline_2xH100.md``). A replayed graph issues all of an action's
-kernels at once (the mechanism of ``torch.cuda.make_graphed_callables`` and of Megatron-LM's per-micro-batch
-graphs, applied to the pipeline's actions and to the zero-bubble split).
+``ActionGraphs`` captures, per *slot* (one micro-batch in flight of a chunk; ``slots_needed``), F and
+then B or BI/BW into the slot's memory pool; each action copies its inputs into static tensors and
+replays, and ``run_tails`` accumulates ``.grad`` so ZeRO-1/2 hooks fire as without graphs. Results are
+bitwise the eager executor's (``tests/gpu/run_pipeline_graphs.py``).
 
-How:
-
-- A *slot* of chunk ``c`` holds one micro-batch from its F to its last backward action (B, or BW). A chunk
-  needs as many slots as its action list holds micro-batches in flight (:func:`slots_needed`).
-- Per slot, before the first step that needs it (at the step's start, with no transfer in flight), and in
-  the order they always replay, into the slot's own memory pool:
-  F (static stage input and micro-batch tensors -> static output), then either B (``torch.autograd.grad`` of
-  the output w.r.t. the stage input and the parameters), or BI (``pipeline_backward.backward_input``) and BW
-  (``pipeline_backward.weight_gradients``; on the first stage, which has no input gradient, BI is empty and
-  BW the whole backward, as without graphs).
-- Each action then copies its inputs into the slot's static tensors and replays. The loss and the input
-  gradient leave the slot as copies. After B and BW one autograd-engine call (``run_tails``) accumulates the
-  parameter gradients into ``.grad``, so post-accumulate hooks (ZeRO-1/2) fire as they do without graphs.
-- The parameters' ``AccumulateGrad`` nodes are made during the capture, on the capture stream (made on the
-  step's stream, the capture of a backward into them fails: CUDA forbids the legacy stream to wait on a
-  capturing one), so the accumulation and its hooks run there, ordered with the step's stream by the
-  autograd engine; torch warns once that the streams differ.
-- The replays run the eager executor's kernels: losses, gradients and parameters were found bitwise equal to
-  the eager executor's in float32 (``tests/gpu/run_pipeline_graphs.py``: 1F1B, interleaved, ZB-H1, ZB-V;
-  ZeRO-1 and ZeRO-2 through the engine).
-
-Requirements (``ValueError`` naming the cause, from ``PipelineParallel`` or from the first graphed step): a
-CUDA device; tp, cp and ep 1 (their collectives run inside the actions); no dropout in training (its RNG
-state is set per call); chunks without module or gradient hooks, so no ZeRO-3 or parameter offload, whose hooks
-gather and free parameters; every micro-batch of a step with the same keys and shapes. Any other host
-synchronization inside a chunk (e.g. ``.item()``, ``.tolist()``) fails the capture with CUDA's "operation not
-permitted when stream is capturing". A step whose shapes, slot counts, backward kinds, parameter addresses or
-``train()`` modes differ from the captured ones captures again first, and so does one with another
-``aux_loss_scale`` when a chunk's forward takes it (a constant of the captured kernels: ``1/m`` in every step
-with bf16 or float32; with fp16 it follows the dynamic loss scale, so each change of the scale captures again;
-plait's chunks all take it).
-
-Memory: each slot keeps its pool from its capture on: the activations of one micro-batch (as the eager
-executor holds per micro-batch in flight), the backward's workspace and one set of the chunk's parameter
-gradients. ``eval_batch`` runs eagerly.
+Requirements (``ValueError`` naming the cause: ``check_device``, ``check_capturable``,
+``check_same_shapes``): a CUDA device; tp, cp and ep 1; no dropout in training; no module or gradient
+hooks (so no ZeRO-3 or parameter offload); every micro-batch of a step with the same keys and shapes.
+A step whose shapes, slots, parameters or modes changed captures again. Why, capture details and
+memory: ``docs/pipeline.md``; measured: ``benchmarks/results/pipeline_graphs_H100.md``.
 """
 from __future__ import annotations
 

@@ -1,36 +1,16 @@
 """Point-to-point transfers between neighbouring pipeline stages: posted ahead, waited on only by their use.
 
-A transfer is one tensor moving one hop along the virtual-stage chain: an activation from
-stage ``s`` to ``s+1`` (direction "F") or an input gradient from ``s`` to ``s-1`` ("B"). Stage
-``s`` lives on pipeline rank ``q = rank_of(s, p, shape)`` (``s % p`` in the "loop" placement; see
-``plait.parallel.pipeline.schedules``), whose global rank is ``mesh.ranks("pp")[q]`` for this process's (dp, cp,
-tp) coordinate, so each tp rank talks to the same tp rank of the neighbouring stage (its sequence shard
-under sequence parallelism, its replica otherwise).
+A ``Transfer`` is one tensor moving one hop along the virtual-stage chain (an activation "F" from stage
+``s`` to ``s+1``, an input gradient "B" from ``s`` to ``s-1``); ``StageP2P`` posts each as its own
+non-blocking ``isend``/``irecv`` to the same (dp, cp, tp) coordinate of the neighbouring stage.
+Messages from a lower to a higher pipeline rank travel on the "up" group, the others on "down"
+(``channel_groups``), so each (group, pair) carries one direction and a channel's receives posted in its
+send order cannot deadlock under NCCL (with groups connected lazily: no ``device_id``).
 
-Every send and receive is its own non-blocking ``isend``/``irecv``; nothing waits for a send inside a
-step (the executor reaps finished sends and waits for the rest at the step's end), and only the
-action that consumes a received tensor waits for it (on GPU a stream wait: no host synchronization).
-
-Channels: a message from pipeline rank ``a`` to rank ``b`` travels on the "up" process group when
-``a < b`` and on the "down" group when ``a > b``, two groups over the same ranks. NCCL runs a pair's
-point-to-point operations of one group in posting order on one stream and matches them in that order,
-so each (group, pair) carries ONE direction only: a blocked send can then never sit in front of the
-receive its peer waits for, and the matching rule is simply that the receiver posts a channel's receives
-in the order the sender posts its sends (``plait.parallel.pipeline.comm_actions.with_communication`` places them so,
-and ``simulate`` refuses lists that do not). gloo matches by tag (:meth:`Transfer.tag`) as well.
-
-This relies on NCCL giving each (group, pair) its own communicator and stream, as it does for single
-``isend``/``irecv`` on process groups connected lazily (``plait.parallel.init_distributed``: no
-``device_id``). A process group initialized eagerly (``init_process_group(device_id=...)``) may run all of a
-group's point-to-point operations on one stream; the default placement (each receive right before its
-reader) keeps the order deadlock-free there too, receives posted further ahead
-(``with_communication(lookahead > 0)``) do not.
-
-Tensor-parallel slices (:class:`TPSlices`; Megatron-LM's scatter/gather optimisation, Narayanan et al.,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, Sec. 4.1): with
-tp > 1 and no sequence parallelism the tensor crossing a stage boundary is the same on every tp rank of
-the stage, so instead of tp identical copies each tp rank sends only its ``1/tp`` part over its own link
-and the receiving stage rebuilds the whole tensor by an all-gather over its tp group.
+``TPSlices`` (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC'21, Sec. 4.1): with tp > 1 and no sequence parallelism each tp rank sends only its
+``1/tp`` part and the receiver all-gathers the whole tensor over its tp group. Channels and NCCL's
+ordering in detail: ``docs/pipeline.md``.
 """
 from __future__ import annotations
 

@@ -1,34 +1,15 @@
 """Pipeline parallelism: ``PipelineParallel(stage_modules, mesh, schedule, m, v).train_batch(data_iter)``.
 
-The pieces: ``plait.parallel.pipeline.partition`` cuts the layer list (``plait.layers.stages`` builds this
-rank's chunks of a plait model; any ``plait.parallel.pipeline.stage.StageChunk`` will do),
-``plait.parallel.pipeline.schedules`` says what each rank does (a pure function per schedule),
-``plait.parallel.pipeline.comm_actions.with_communication`` adds the sends and receives, and
-``plait.parallel.pipeline.executor.PipelineExecutor`` runs any such list. This module ties them
-together for one training or evaluation step and owns the tied gradient sum (``sum_tied_gradients``,
-the only one: an engine hands it the gradients wherever it keeps them).
+Ties ``partition`` (the layer cut), ``schedules`` (each rank's actions), ``comm_actions.with_communication``
+(sends and receives) and ``executor.PipelineExecutor`` into one training (``train_batch``) or evaluation
+(``eval_batch``) step, and owns the tied gradient sum (``sum_tied_gradients``).
 
-Semantics (the parity contract): after ``train_batch`` the parameters' ``.grad`` hold exactly what
-plain gradient accumulation over the same m micro-batches would hold with the loss averaged over
-micro-batches (``loss_i / m`` per micro-batch, each ``loss_i`` the mean over its tokens with
-``labels != -100``), added to whatever ``.grad`` held before (zero them between steps yourself).
-Nothing is reduced over data-parallel ranks and no optimizer is stepped: that is the engine's and
-ZeRO's job.
-
-Engine use, per optimizer step::
-
-    loss = pipe.train_batch(data_iter, scale_loss=zero.scale_loss, on_micro_batch=zero.note_micro_step,
-                            sum_tied=False)
-    pipe.sum_tied_gradients(grads)       # the tied copies' gradients, wherever the engine keeps them
-    # then: clip, step (ZeRO reduced .grad over mesh.dp_group), zero_grad
-
-Gradient hooks (ZeRO-2 bucketed reduce-scatter, overlap with the pipeline): a chunk's ``.grad``
-is final when ``grads_ready(chunk)`` fires (after that chunk's last B/BW of the step), which is
-the point to launch its dp reduction. Exception: the tied embedding/head copies
-(``tied_parameters``) change once more in ``sum_tied_gradients`` after the schedule, so reduce those
-after it (or reduce them first and sum the reduced gradients, as the engine does under ZeRO-2/3:
-the sum is linear). Post-accumulate hooks registered on parameters fire inside B and BW (never in
-BI), once per micro-batch.
+Contract: after ``train_batch`` the parameters' ``.grad`` hold what plain gradient accumulation over the
+same m micro-batches holds with the loss averaged over micro-batches (``loss_i / m``, each ``loss_i`` the
+mean over tokens with ``labels != -100``), added to what ``.grad`` held. Nothing is reduced over dp and
+no optimizer steps (the engine and ZeRO do). ``grads_ready(chunk)`` fires when a chunk's ``.grad`` is
+final, except the ``tied_parameters``, which change once more in ``sum_tied_gradients``. Engine use and
+hooks: ``docs/pipeline.md``.
 """
 from __future__ import annotations
 
@@ -100,14 +81,9 @@ class PipelineParallel:
         slice_tp: whether transfers carry tp parts (the resolved ``slice_tp`` argument).
 
     What crosses a stage boundary, per micro-batch and per tp rank: the activation of
-    ``activation_shape(batch)`` forward and its gradient (same shape) backward, each to the same tp rank
-    of the neighbouring stage. Whole, ``[b, s, h]`` (``[b, s/tp, h]``, already different per tp rank,
-    under sequence parallelism); with ``slice_tp``, which applies only without sequence parallelism, where
-    all tp ranks hold the same ``[b, s, h]``: this tp rank's contiguous part ``r`` of the flattened
-    tensor, ``ceil(b*s*h / tp)`` elements (zero-padded when tp does not divide ``b*s*h``), and the
-    receiving stage all-gathers the parts over the tp group (``mesh.group("tp")``) just before the
-    forward or backward that reads them: ``1/tp`` of the inter-stage traffic, one all-gather per
-    transfer on the faster intra-stage links.
+    ``activation_shape(batch)`` forward and its gradient backward, to the same tp rank of the neighbouring
+    stage; whole, or with ``slice_tp`` this rank's ``ceil(b*s*h / tp)`` elements, all-gathered over the tp
+    group by the reader (``docs/pipeline.md``, "Tensor-parallel slices").
 
     Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
     holds a copy of the embedding on stage 0), their gradients are summed over a 2-rank group per

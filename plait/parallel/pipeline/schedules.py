@@ -1,24 +1,13 @@
 """Pipeline schedules as data: a pure function per schedule returns each rank's ordered actions.
 
-A schedule for ``p`` pipeline ranks, ``m`` micro-batches and ``v`` model chunks per rank is a
-``list[list[Action]]``: entry ``r`` is what pipeline rank ``r`` runs, in order. One executor runs
-any such list; :func:`plait.parallel.pipeline.simulate.simulate` times it without processes.
-
-Virtual stages: ``p*v`` of them; activations flow from stage ``s`` to ``s+1``, gradients from ``s+1``
-to ``s``. Which rank and chunk hold stage ``s`` is the schedule's *placement* (:func:`stage_of`):
-
-- "loop" (Megatron-LM's interleaved assignment, Narayanan et al. SC'21, Sec. 2.2): chunk ``c`` on rank
-  ``r`` is stage ``c*p + r``. Stage 0 (the embedding end) is rank 0 chunk 0; the last stage (the loss
-  end) is rank ``p-1`` chunk ``v-1``; with ``v = 1`` stage == rank.
-- "v" (the V-shape of Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, Sec. 3):
-  the chain goes down the ranks and back up, chunk ``c`` on rank ``r`` is stage ``c*p + r`` for even
-  ``c`` and ``c*p + p-1-r`` for odd ``c``. With ``v = 2`` rank 0 holds the first and the last stage, and
-  the hop from stage ``p-1`` to ``p`` stays on rank ``p-1``. Schedule "zb-v" uses it
-  (``plait.parallel.pipeline.registry.PLACEMENTS``).
-
-Generators emit compute actions only (F, B, BI, BW).
-:func:`plait.parallel.pipeline.comm_actions.with_communication` inserts the sends and receives; see its
-docstring for the placement rule that keeps batched isend/irecv deadlock-free.
+A schedule for ``p`` pipeline ranks, ``m`` micro-batches and ``v`` chunks per rank is a
+``list[list[Action]]`` (entry ``r``: what rank ``r`` runs, in order): ``gpipe``, ``one_f_one_b``,
+``interleaved_1f1b``, ``zb_h1`` (ZB-V: ``plait.parallel.pipeline.zb_v``). There are ``p*v`` virtual
+stages; the *placement* (``stage_of``, ``rank_of``) is "loop" (Narayanan et al., SC'21, Sec. 2.2: chunk
+``c`` on rank ``r`` is stage ``c*p + r``) or "v" (Qi et al., NeurIPS 2024, Sec. 3: down the ranks and
+back up, used by "zb-v"). Generators emit compute actions only (F, B, BI, BW);
+``plait.parallel.pipeline.comm_actions.with_communication`` adds sends and receives. Placements in
+detail: ``docs/pipeline.md``.
 """
 from __future__ import annotations
 

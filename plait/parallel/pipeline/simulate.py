@@ -1,22 +1,12 @@
 """Time a pipeline schedule without processes: start/end of every action, bubbles, memory, deadlock.
 
-Each rank runs its list in order; an action starts when the rank is free and its inputs exist:
-
-- F of virtual stage ``s > 0`` needs F of ``s-1`` (same micro-batch) done, plus ``cost_comm``
-  when the two stages live on different ranks;
-- B or BI of ``s < last`` needs B/BI of ``s+1`` done (+ ``cost_comm``); every B/BI needs its own
-  F (already done on this rank, else the list is out of order and the run deadlocks);
-- BW needs the BI of the same micro-batch and stage.
-
-Lists that contain comm actions (see :func:`with_communication`) are run as the executor runs them
-(``plait.parallel.pipeline.p2p``): posting a SEND or RECV never blocks; a message lands ``cost_comm`` after both
-its SEND and its RECV are posted and after the previous message of its channel (sending rank ->
-receiving rank) has landed; the action reading it waits for that. A channel's receives must be posted
-in its send order (NCCL pairs them in posting order; ValueError otherwise), so a list that passes
-here cannot deadlock in the executor.
-
-Costs are in any time unit (e.g. the forward time of one whole stage); they may be
-``fractions.Fraction`` for exact arithmetic.
+``simulate(lists, p, v, cost_f, cost_b, ...)`` runs each rank's list in order; an action starts when its
+rank is free and its inputs exist (F after the previous stage's F, B/BI after the next stage's B/BI,
+plus ``cost_comm`` across ranks; BW after its BI). Lists with comm actions run as the executor runs
+them (posting never blocks; a message lands after its SEND and RECV and its channel's previous
+message); a channel whose receives are not in send order raises ValueError, a stuck list
+``DeadlockError``. Returns a ``SimResult``. Costs are in any time unit and may be
+``fractions.Fraction``. Rules in detail: ``docs/pipeline.md``.
 """
 from __future__ import annotations
 

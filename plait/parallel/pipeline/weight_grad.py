@@ -1,25 +1,15 @@
-"""Weight-side gradients of single autograd nodes, computed from their saved tensors.
+"""Weight-side gradients of single autograd nodes, computed from their saved tensors (the W pass of
+``plait.parallel.pipeline.backward``: e.g. ``dW = dy^T x`` for the ``MmBackward0`` of ``y = x W^T``).
 
-The zero-bubble W pass (``plait.parallel.pipeline.backward``) must compute, for a node such as the
-``MmBackward0`` of ``y = x W^T``, only the parameter-side output ``dW = dy^T x`` from a gradient
-``dy`` captured earlier. Running each node through the autograd engine costs one engine call per
-node (~140 us of host time each on CPU, ~9 per transformer block), so for the node types of
-plait's layers the formula is applied here directly, on the node's saved tensors, exactly as
-PyTorch's autograd formulas (``tools/autograd/derivatives.yaml``, ``FunctionsManual.cpp``:
-``mm_mat1_backward``, ``mm_mat2_backward``, ``mul_tensor_backward``, ``maybe_multiply``) apply it:
-same kernels, same operand layouts, so the result is bitwise the engine's. Results are then
-reduced and cast as the engine's ``validate_outputs`` would (``sum_to`` the input's shape, then
-its dtype).
+The formulas are PyTorch's own (``tools/autograd/derivatives.yaml``, ``FunctionsManual.cpp``) with the
+same kernels and operand layouts, so results are bitwise the autograd engine's, without one engine call
+per node. Covered: ``MmBackward0``, ``AddmmBackward0``, ``MulBackward0``, ``AddBackward0``,
+``NativeLayerNormBackward0``, and any ``torch.autograd.Function`` defining ``plait_gradients(ctx, saved,
+grad, needs)`` (plait's RMSNorm). Real, strided tensors only.
 
-Covered: ``MmBackward0``, ``AddmmBackward0`` (``F.linear``), ``MulBackward0``, ``AddBackward0`` (bias add),
-``NativeLayerNormBackward0``, and any custom ``torch.autograd.Function`` whose class defines
-``plait_gradients(ctx, saved, grad, needs)`` returning one gradient per forward input, None where ``needs``
-is False (plait's RMSNorm, ``plait.layers.norm``). Real, strided tensors only.
-
-:func:`plan` is called before the input-gradient pass: when none of the saved tensors it needs
-has saved-tensor hooks (activation checkpointing, offload), it reads them at once (*eager*), so
-that pass may free the rest of the graph (``retain_graph=False``); otherwise the tensors are read
-when the gradient is computed (*lazy*; the graph must be retained).
+``plan(node, side)`` runs before the input-gradient pass and returns ``(grads_fn, eager)`` or None: eager
+when no saved tensor it needs has saved-tensor hooks, so that pass may free the graph. More:
+``docs/pipeline.md``.
 """
 from __future__ import annotations
 

@@ -1,33 +1,14 @@
 """Device-assisted host step: the device computes part of an offloaded Adam/AdamW update.
 
-With ZeRO-Offload the optimizer step runs on the host and, with exact clipping, cannot start before
-backward ends; on one GPU it is then the critical path (about 30 bytes of host memory traffic per
-parameter; measurements: ``benchmarks/results/offload_design_numbers.md``). Meanwhile the device and the
-PCIe link idle. ``OffloadOptions(device_step_fraction=f)`` hands the first ``f`` of the partition in
-forward order to the device: their fp32 master weights and Adam moments stay in host memory (the
-memory saving of ZeRO-Offload is kept), are copied to the device, updated there from the gradient
-that never left the device, and copied back, while the CPU kernels step the rest. Per parameter that
-moves 12 bytes each way over PCIe instead of 30 bytes through the CPUs, so both run at once and the
-step ends when the slower of the two does. The first segments in forward order are chosen because
-their gradients land last in backward (no device->host copy is then waiting at the end of backward)
-and the next forward needs them first.
+``OffloadOptions(device_step_fraction=f)`` hands the first ``f`` of the partition in forward order to
+``DeviceShare``: their fp32 masters and moments stay in host memory, are copied to the device, updated
+from the gradient that never left it (``adam_update_``: the CPU kernel's formula and roundings, so
+bit-identical to the all-host step) and copied back, while the CPU kernels step the rest.
+``"auto"`` moves the split after each step towards equal CPU and device times.
 
-The update is the CPU kernel's formula (``plait.kernels.cpu_adam``, torch.optim.Adam/AdamW) in float32 torch
-ops with the kernel's roundings (``adam_update_``), so a segment stepped here is bit-identical to the all-host
-step (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``). Two CUDA streams alternate between
-segments so one segment's host->device copies overlap the previous one's device->host copies; a segment's
-temporaries (about 20 bytes/element: weights, moments, fp32 gradient, denominator) are freed as soon as its
-copies are queued, so at most two segments' worth is allocated at a time.
-
-The split is exact whichever segments the device takes: the updates are bit-identical and, at GAS 1, the
-gradient norm is taken on the device for every segment (``plait.zero.offload.landing``). So with
-``device_step_fraction="auto"`` (the default on a GPU where it applies) the split moves after each step
-half-way towards equal CPU and device times at the element rates just measured (the CPU share's wall
-time on the worker, the device share's from CUDA events), which follows the host's memory bandwidth and
-the PCIe link as they are on the machine at hand.
-
-Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradient accumulation 1, and
-segments whose compute-dtype weights live on the device (stages 1-2, stage 3 without offload_param).
+Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradient accumulation 1,
+compute-dtype weights on the device (stages 1-2, stage 3 without offload_param), fp32 moments.
+Why and how: ``docs/offload.md``; measurements: ``benchmarks/results/offload_design_numbers.md``.
 """
 from __future__ import annotations
 

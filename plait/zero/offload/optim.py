@@ -1,17 +1,11 @@
 """``HostOptimizer``: a torch optimizer over ZeRO's flat fp32 master shards that steps on the host
-with plait's numba kernels (``plait.kernels``), one bucket (range) at a time.
+with plait's numba kernels (``plait.kernels``), one bucket (range) at a time (ZeRO-Offload, Ren et
+al., USENIX ATC'21, Sec. 4). ``ZeroOptimizer`` holds it as ``.optimizer`` when ``offload`` is on;
+``state[master]`` keeps torch's names (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints are the
+same with offload on or off.
 
-ZeRO-Offload (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC'21,
-Sec. 4) keeps the fp32 master weights and the optimizer state of a rank's partition in host memory
-and runs the optimizer on the CPU. This class is what ``ZeroOptimizer`` holds as ``.optimizer`` when
-``offload`` is on, so everything that talks to a torch optimizer keeps working: LR schedules set
-``param_groups[i]["lr"]``, ``state[master]`` holds ``step``, ``exp_avg`` (and ``exp_avg_sq``) under
-torch's names, so ``ZeroOptimizer.shard_state()`` / ``load_shard_state()`` save and restore the same
-checkpoint whether offload is on or off (``load_state_dict`` copies into the kernels' buffers).
-
-Kinds: ``"adamw"`` (decoupled weight decay, torch.optim.AdamW), ``"adam"`` (L2 weight decay,
-torch.optim.Adam), ``"lion"`` (Chen et al. 2023, Alg. 2). LAMB is not offered: its trust ratio needs
-per-tensor norms summed over the dp ranks that share a tensor (see ``plait.optim.lamb``).
+Kinds: ``"adamw"`` (torch.optim.AdamW), ``"adam"`` (L2 weight decay, torch.optim.Adam), ``"lion"``
+(Chen et al. 2023, Alg. 2). LAMB is not offered (its per-tensor norms span ranks; ``docs/offload.md``).
 
 Stepping (``plait.zero.offload.HostStepper`` drives it)::
 

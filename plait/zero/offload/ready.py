@@ -1,26 +1,17 @@
 """Per-segment readiness of an offloaded optimizer step that is still running when ``step()`` returns.
 
-``HostStepper.apply`` (``plait.zero.offload.host``) queues the host step of every segment, in forward
-order, on its worker thread and returns. Each queued segment has a *ticket*: a ``Future`` whose
-result is the CUDA event recorded after the segment's updated compute-dtype shard was copied back to
-the device (None on a CPU-only machine, where the worker writes the parameters directly), or that
-event itself when the segment was already stepped (early mode). ``Readiness`` hands out the segments
-to the device in that order, on the main thread::
+``HostStepper.apply`` queues each segment's host step, in forward order, and returns; each segment has a
+*ticket* (a ``Future`` of the CUDA event recorded after its copy back to the device; None on a CPU-only
+machine). ``Readiness`` hands the segments to the device on the main thread::
 
     ready.start(tickets)            # step(): tickets[k] belongs to order[k]
     ready.through(k)                # a forward pre-hook needs order[k]: wait for tickets[:k+1]
     ready.wait_all()                # anything that reads parameters or optimizer state
 
-``through(k)`` blocks the host only until the worker has *queued* the copy of ``order[k]`` (the
-worker steps in order, so earlier segments are done too), then makes the current stream wait on the
-copy events (no host synchronization) and, where dp ranks hold parameters whole (stages 1-2, stage-3
-persistent segments, stage-3 segments gathered at that moment), all-gathers the updated shards of
-the segments it consumed. Consumption happens only at deterministic points (the same module hooks
-fire in the same order on every rank), so every rank issues the same all-gathers in the same order
-on the dp group; the host step's progress (which differs between ranks) never decides a collective.
-
-Exactness: a segment's parameters are read on the device only after its ticket is consumed, so the
-next forward sees exactly the weights a synchronous step writes (no stale or partial values).
+``through(k)`` makes the current stream wait on the copy events and, where dp ranks hold parameters
+whole, all-gathers the updated shards it consumed; consumption happens only at module hooks that fire
+in the same order on every rank, so collectives match. ``forward_order`` gives the segment order.
+Design: ``docs/offload.md``.
 """
 from __future__ import annotations
 
