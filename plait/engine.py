@@ -27,7 +27,7 @@ from plait.engine_compile import compile_regions, compiled_backend, is_compiled
 from plait.engine_context import check_context_parallel, shard_batch
 from plait.engine_facts import EngineFacts
 from plait.engine_guard import RunGuard
-from plait.engine_ranks import check_ranks_agree, start_up, timeout_groups
+from plait.engine_ranks import check_mesh_covers_world, check_ranks_agree, start_up, timeout_groups
 from plait.engine_report import StepReport
 from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
 from plait.engine_moe import ExpertLayers
@@ -369,6 +369,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
         leave_at_exit()
+    check_mesh_covers_world(mesh)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # a Hugging Face model's, or plait's
     config_facts.setdefault("model_hidden_size", hidden)
     if mesh is None:

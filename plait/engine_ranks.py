@@ -29,6 +29,18 @@ SAME_EVERYWHERE = ("start every rank with the same config and the same model (th
                    "script arguments and model code on every node)")
 
 
+def check_mesh_covers_world(mesh: ParallelMesh | None) -> None:
+    """Raise ``ConfigError`` when ``mesh`` was made before the process group started (it then spans one rank
+    and every rank would train alone, silently): its tp x pp x cp x dp must be the world size."""
+    if mesh is None or not dist.is_initialized() or mesh.world_size == dist.get_world_size():
+        return
+    raise ConfigError(
+        f"the mesh spans {mesh.world_size} rank(s) (tp x pp x cp x dp = {mesh.tp} x {mesh.pp} x {mesh.cp} x "
+        f"{mesh.dp}) but this job has {dist.get_world_size()} ranks: it was made before the process group "
+        "started, and every rank would train alone. Call plait.parallel.init_distributed() before "
+        "ParallelMesh(...) (as examples/pretrain_layout.py does), or pass no mesh to plait.initialize")
+
+
 def check_ranks_agree(config: PlaitConfig, model, mesh: ParallelMesh | None) -> None:
     """Collective over the world: raise ``ConfigError`` on every rank, naming the keys, values and ranks,
     unless all ranks hold the same ``config.to_dict()`` and model config and, with a ``mesh``, each of its

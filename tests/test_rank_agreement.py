@@ -205,3 +205,37 @@ def test_ranks_that_all_finish_leave_with_status_0(tmp_path):
     codes, outs = _two_ranks(tmp_path, "clean")
     assert codes == [0, 0], outs
     assert not any("terminate called" in out or "Traceback" in out for out in outs), outs
+
+
+MESH_FIRST_SCRIPT = textwrap.dedent('''
+    import plait
+    from plait.layers import TransformerModel
+    from plait.models import preset
+    from plait.parallel import ParallelMesh
+    mesh = ParallelMesh()          # before the process group: a mesh of one rank (docs' nanoGPT row order)
+    model = TransformerModel(preset("llama-tiny", vocab_size=257, num_layers=1, hidden_size=32, num_heads=4,
+                                    num_kv_heads=2, ffn_hidden_size=48), mesh, seed=5)
+    try:
+        plait.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}, mesh=mesh)
+    except plait.config.ConfigError as err:
+        print("REFUSED", err, flush=True)
+    else:
+        print("TRAINS ALONE", flush=True)
+''')
+
+
+def test_a_mesh_made_before_the_process_group_is_refused_instead_of_each_rank_training_alone(tmp_path):
+    """Under torchrun, ``ParallelMesh()`` before ``init_distributed`` spans one rank; ``initialize`` then joins
+    the group itself and (before) trained each rank alone with no word."""
+    script = tmp_path / "mesh_first.py"
+    script.write_text(MESH_FIRST_SCRIPT)
+    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    said = [next((ln for ln in out.splitlines() if ln.startswith(("REFUSED", "TRAINS"))), out[-2000:]) for out in outs]
+    assert said == ["REFUSED the mesh spans 1 rank(s) (tp x pp x cp x dp = 1 x 1 x 1 x 1) but this job has 2 "
+                    "ranks: it was made before the process group started, and every rank would train alone. "
+                    "Call plait.parallel.init_distributed() before ParallelMesh(...) (as examples/pretrain_layout.py "
+                    "does), or pass no mesh to plait.initialize"] * 2
