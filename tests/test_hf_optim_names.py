@@ -97,5 +97,5 @@ def test_a_config_optimizer_wins_over_optim_and_says_so_once(tmp_path, caplog):
         engine = train(tmp_path, config=config, optim="adamw_bnb_8bit")
     assert moment_bytes_per_parameter(engine) == 8.0
     said = [r.getMessage() for r in caplog.records if "optim" in r.getMessage() and "wins" in r.getMessage()]
-    assert said == ["TrainingArguments.optim = adamw_bnb_8bit is not used: the ds_config's \"optimizer\" section "
-                    "(AdamW) wins, as under DeepSpeed"]
+    assert said == [("TrainingArguments.optim = adamw_bnb_8bit is not used: the ds_config's \"optimizer\" section "
+                     "(AdamW) wins, as under DeepSpeed")]
