@@ -70,12 +70,18 @@ def test_the_default_optim_keeps_fp32_moments(tmp_path):
     assert moment_bytes_per_parameter(train(tmp_path)) == 8.0
 
 
-@pytest.mark.parametrize("optim_args, state_dtype", [("momentum_dtype=bfloat16,variance_dtype=bfloat16", "bf16"),
-                                                      (None, "fp32")])
-def test_anyprecision_adamw_stores_the_moments_it_names(optim_args, state_dtype, tmp_path):
-    engine = train(tmp_path, optim="adamw_anyprecision", optim_args=optim_args)
+@pytest.mark.parametrize("optim, optim_args, state_dtype", [
+    ("adamw_anyprecision", "momentum_dtype=bfloat16,variance_dtype=bfloat16", "bf16"),
+    ("adamw_anyprecision", None, "fp32"),
+    ("paged_adamw_32bit", None, "fp32"),   # bitsandbytes' paged AdamW: the same math, fp32 states
+])
+def test_anyprecision_and_paged_adamw_store_the_moments_they_name(optim, optim_args, state_dtype, tmp_path):
+    """Served without torchdistx or bitsandbytes (neither is installed here: transformers' own optimizer for these
+    names cannot be built)."""
+    engine = train(tmp_path, optim=optim, optim_args=optim_args)
     assert getattr(engine.optimizer.optimizer, "state_dtype", "fp32") == state_dtype
     assert moment_bytes_per_parameter(engine) == {"bf16": 4.0, "fp32": 8.0}[state_dtype]
+    assert {g["initial_lr"] for g in engine.optimizer.optimizer.param_groups} == {1e-3}
 
 
 @pytest.mark.parametrize("name", ["lion_8bit", "adamw_torch_4bit", "adafactor", "galore_adamw"])
