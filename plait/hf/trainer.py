@@ -12,8 +12,8 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
 ``save_model``.
 
 * The optimizer and schedule: the ds_config's sections when present ("auto" values from the arguments,
-  ``plait.hf.config_fill``); otherwise the Trainer's own (``create_optimizer``: AdamW, no decay on biases
-  and norms; ``args.lr_scheduler_type`` with its warm-up), as with DeepSpeed.
+  ``plait.hf.config_fill``); otherwise the Trainer's own (``args.optim``: 8-bit/paged AdamW as plait's state_dtype,
+  ``plait.hf.optim_names``; no decay on biases and norms; ``args.lr_scheduler_type``), as with DeepSpeed.
 * The loss: as transformers computes it: an accumulation step's micro-batches are read together, their label
   tokens counted over the ranks (``get_batch_samples``), and a model that takes loss kwargs divides by that
   count (the engine then does not divide by the accumulation steps); other models' losses are averaged over
