@@ -23,7 +23,8 @@
 
 Left out, each below 0.1 GiB in the recorded runs: the landing's staging buffers (only where the reduced
 gradient's dtype differs from the shard's, one segment at a time: ``plait.zero.offload.landing``), the weight
-reader's per-segment slices, the Trainer's batches (its DataLoader workers are processes of their own).
+reader's per-segment slices, the Trainer's batches (its DataLoader workers are processes of their own). The
+stage-3 gatherer and the device share allocate on the GPU only.
 """
 from __future__ import annotations
 
