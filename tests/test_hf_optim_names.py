@@ -26,11 +26,13 @@ def tiny_llama():
         num_key_value_heads=2))
 
 
-def train(tmp_path, config=ZERO2, **extra):
+def train(tmp_path, config=ZERO2, optimizers=(None, None), **extra):
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=2,
                              learning_rate=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7,
                              weight_decay=0.1, max_steps=1, report_to=[], use_cpu=True, save_strategy="no", **extra)
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=DATA)
+    model = tiny_llama()
+    optimizers = optimizers(model) if callable(optimizers) else optimizers
+    trainer = Trainer(model=model, args=args, train_dataset=DATA, optimizers=optimizers)
     trainer.train()
     return trainer.engine
 
@@ -105,3 +107,12 @@ def test_a_config_optimizer_wins_over_optim_and_says_so_once(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "optim" in r.getMessage() and "wins" in r.getMessage()]
     assert said == [("TrainingArguments.optim = adamw_bnb_8bit is not used: the ds_config's \"optimizer\" section "
                      "(AdamW) wins, as under DeepSpeed")]
+
+
+def test_an_optimizer_the_script_passes_wins_over_optim(tmp_path):
+    """``Trainer(optimizers=(opt, None))``: transformers' ``create_optimizer`` returns it whatever ``optim`` says;
+    so does plait (the engine reuses its class and groups: torch's AdamW, fp32 moments)."""
+    engine = train(tmp_path, optim="adamw_8bit",
+                   optimizers=lambda model: (torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+    assert moment_bytes_per_parameter(engine) == 8.0
+    assert isinstance(engine.optimizer.optimizer, torch.optim.AdamW)

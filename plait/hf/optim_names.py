@@ -91,8 +91,10 @@ def hf_optimizer(trainer, config: dict) -> tuple[dict, object, list[dict] | None
     """``(config, optimizer, model_parameters)`` for ``plait.initialize`` from the Trainer's ``args.optim``.
 
     The config's own ``optimizer`` section: kept, ``optim`` logged once when not the default (no optimizer
-    passed, plait's grouping). A served name: the config gains ``{"type": "AdamW", "params": {...,
-    "state_dtype": ...}}`` and the Trainer's decay groups. Otherwise: ``trainer.create_optimizer()``, as today.
+    passed, plait's grouping). An optimizer the script gave the Trainer (``optimizers=`` or
+    ``optimizer_cls_and_kwargs=``): ``trainer.create_optimizer()``, which returns it, as transformers does. A served
+    name: the config gains ``{"type": "AdamW", "params": {..., "state_dtype": ...}}`` and the Trainer's decay
+    groups. Otherwise: ``trainer.create_optimizer()``, as before.
 
     Raises:
         ConfigError: ``state_dtype_for``'s refusals (only when the config has no optimizer of its own).
@@ -104,6 +106,8 @@ def hf_optimizer(trainer, config: dict) -> tuple[dict, object, list[dict] | None
             _log_once(f"TrainingArguments.optim = {_name(args.optim)} is not used: the ds_config's \"optimizer\" "
                       f"section ({config['optimizer'].get('type')}) wins, as under DeepSpeed")
         return config, None, None
+    if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        return config, trainer.create_optimizer(), None   # the script's own optimizer wins over optim, as in HF
     state_dtype = state_dtype_for(args)
     if state_dtype is None:
         return config, trainer.create_optimizer(), None
