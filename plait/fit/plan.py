@@ -15,7 +15,9 @@ accumulation 1, where the shard stays bf16, ``plait.zero.build.grad_dtypes``; el
          (the two largest, bf16: the one running and the one prefetched; none where the weights on the GPU
          are the whole model), activations and loss (``plait.fit.activations``)
     host: host share (g + 4 + 8) + its bf16 copy-out buffer 2 (none with offload_param, whose host weight
-          shard of 2 takes its place), plus the process (:data:`HOST_PROCESS_BYTES`)
+          shard of 2 takes its place) + the copy-out buffers of the resident share, 2 (allocated for every flat
+          group: ``plait.zero.offload.copyback.CopyBack``); the peak adds the process, the CPU optimizer's
+          runtime and the model build's copy (``plait.fit.host``)
 
 A run fits when the GPU peak plus :data:`CUDA_CONTEXT_BYTES` and :data:`ALLOCATOR_SLACK_BYTES` is at most the
 GPU's memory and the host peak at most the host's.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from plait.fit.activations import activation_peak
+from plait.fit.host import BUILD_BYTES_PER_PARAM, host_peak, host_terms
 from plait.fit.shape import MAX_PARAMS, ModelShape
 from plait.zero.memory import estimate_model_state_memory
 from plait.zero.offload.placement import resident_params
@@ -40,10 +43,6 @@ CUDA_CONTEXT_BYTES = 804_061_184
 #: The caching allocator's reserve above the allocated peak (fragmentation): 2,139,895,296 bytes, max reserved
 #: minus max allocated in the same measurement at micro-batch 4, sequence 2048.
 ALLOCATOR_SLACK_BYTES = 2_139_895_296
-#: Host memory of the training process besides the planned states (Python, torch, CUDA's host side,
-#: transformers, the weight loader's shard): peak resident set (VmHWM) minus the planned host states in
-#: ``results/gpu_first_1xH200.jsonl``: 11.4 GiB (6.74B) and 13.8 GiB (13.02B); their mean.
-HOST_PROCESS_BYTES = int(12.6 * GiB)
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,9 @@ class Settings:
     optimizer states on the host with ``offload_optimizer`` (DeepSpeed's ``offload_optimizer.ratio``);
     ``device_share``: the default streamed device share of the host step is on (``device_step_fraction``
     None or "auto" with pin_memory); ``state_dtype``: Adam's moments in "fp32", "bf16" or "int8" (8-bit blocks of
-    256 with a float32 scale each: ``plait.kernels.quant``; ``optimizer.params.state_dtype``)."""
+    256 with a float32 scale each: ``plait.kernels.quant``; ``optimizer.params.state_dtype``); ``model_build``:
+    "fp32" for a model built from its config on the host, "none" for one read by ``plait.hf.from_pretrained`` or
+    built on the GPU (``plait.fit.host``)."""
 
     gpu_bytes: int
     host_bytes: int
@@ -67,6 +68,7 @@ class Settings:
     gradient_accumulation: int = 1
     device_share: bool = True
     state_dtype: str = "fp32"
+    model_build: str = "none"
 
     def __post_init__(self):
         for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation"):
@@ -79,6 +81,8 @@ class Settings:
             raise ValueError(f"offload_optimizer.ratio={self.ratio!r} must be in [0, 1]")
         if self.state_dtype not in ("fp32", "bf16", "int8"):
             raise ValueError(f"state_dtype={self.state_dtype!r} must be 'fp32', 'bf16' or 'int8'")
+        if self.model_build not in BUILD_BYTES_PER_PARAM:
+            raise ValueError(f"model_build={self.model_build!r} must be one of {sorted(BUILD_BYTES_PER_PARAM)}")
 
 
 def moment_bytes(elements: int, state_dtype: str) -> int:
@@ -91,7 +95,8 @@ def moment_bytes(elements: int, state_dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Bytes of one run: ``rows`` (state, GPU bytes, host bytes), the peaks, and whether it fits."""
+    """Bytes of one run: ``rows`` (state, GPU bytes, host bytes), ``host_terms`` (the host's other terms,
+    ``plait.fit.host``), the peaks, and whether it fits."""
 
     shape: ModelShape
     settings: Settings
@@ -99,6 +104,12 @@ class Plan:
     activations: int
     gpu_peak: int
     host_peak: int
+    host_terms: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def host_states(self) -> int:
+        """The planned host states: the rows' host bytes."""
+        return sum(r[2] for r in self.rows)
 
     @property
     def gpu_need(self) -> int:
@@ -143,6 +154,8 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
              (f"Adam moments ({s.state_dtype})", moment_bytes(res, s.state_dtype), moment_bytes(host, s.state_dtype))]
     if not s.offload_param:
         rows.append(("bf16 copy-out buffer", 0, 2 * host))
+        if res:   # CopyBack allocates one for every flat group, the resident ones too (never written)
+            rows.append(("bf16 copy-out buffer of the resident share", 0, 2 * res))
     if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host:
         rows.append(("device share: streamed gradients (at most)", g * host, 0))
     return rows
@@ -174,8 +187,8 @@ def estimate(shape: ModelShape, s: Settings) -> Plan:
     gpu = sum(r[1] for r in rows) + acts
     if s.stage == 3 and not s.offload_optimizer:   # the fp32 gradient shard lives from backward to the step
         gpu += max(0, rows[1][1] - acts) - rows[1][1]
-    host = sum(r[2] for r in rows) + HOST_PROCESS_BYTES
-    return Plan(shape, s, tuple(rows), acts, gpu, host)
+    terms = host_terms(shape.params, s.offload_optimizer, s.model_build)
+    return Plan(shape, s, tuple(rows), acts, gpu, host_peak(terms, sum(r[2] for r in rows)), terms)
 
 
 def largest_fitting(shape: ModelShape, s: Settings) -> ModelShape | None:

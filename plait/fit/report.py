@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 
-from plait.fit.plan import (ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES, Plan, Settings, estimate,
-                            fixes, largest_fitting)
+from plait.fit.plan import (ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, Plan, Settings, estimate, fixes,
+                            largest_fitting)
 from plait.fit.shape import ModelShape, preset_shape, read_hf_shape
 
 GiB = 2**30
@@ -64,7 +64,7 @@ def render(plan: Plan) -> str:
     for name, gpu, host in plan.rows:
         lines.append(f"{name:<44}{gpu / GiB:>10.2f}{host / GiB:>10.2f}")
     lines += [f"{'activations + loss (peak)':<44}{plan.activations / GiB:>10.2f}{0:>10.2f}",
-              f"{'process (host)':<44}{0:>10.2f}{HOST_PROCESS_BYTES / GiB:>10.2f}",
+              *(f"{name:<44}{0:>10.2f}{size / GiB:>10.2f}" for name, size in plan.host_terms),
               f"{'peak':<44}{plan.gpu_peak / GiB:>10.2f}{plan.host_peak / GiB:>10.2f}",
               *(["(ZeRO-3: the fp32 gradient shard lives from backward to the step, after the activations peak: "
                  "the peak counts the larger of the two)"] if s.stage == 3 and not s.offload_optimizer else []),

@@ -12,8 +12,8 @@ training loop below (one engine step per ``gradient_accumulation_steps`` micro-b
 ``save_model``.
 
 * The optimizer and schedule: the ds_config's sections when present ("auto" values from the arguments,
-  ``plait.hf.config_fill``); otherwise the Trainer's own (``create_optimizer``: AdamW, no decay on biases
-  and norms; ``args.lr_scheduler_type`` with its warm-up), as with DeepSpeed.
+  ``plait.hf.config_fill``); otherwise the Trainer's own (``args.optim``: 8-bit/paged AdamW as plait's state_dtype,
+  ``plait.hf.optim_names``; no decay on biases and norms; ``args.lr_scheduler_type``), as with DeepSpeed.
 * The loss: as transformers computes it: an accumulation step's micro-batches are read together, their label
   tokens counted over the ranks (``get_batch_samples``), and a model that takes loss kwargs divides by that
   count (the engine then does not divide by the accumulation steps); other models' losses are averaged over
@@ -53,6 +53,7 @@ from plait.hf import read_ahead
 from plait.hf.checkpoints import PREFIX, STATE_NAME, on_rank0, resume_folder, rotate, write_folder
 from plait.hf.config_fill import fill_from_args, hf_hidden_size
 from plait.hf.loop_parts import LossWindow, Skip, is_datasets_dataset, new_state
+from plait.hf.optim_names import hf_optimizer
 from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
@@ -136,7 +137,7 @@ class Trainer(transformers.Trainer):
         args = self.args
         config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps,
                                 hidden_size=hf_hidden_size(self.model))
-        optimizer = self.create_optimizer() if not config.get("optimizer") else None
+        config, optimizer, groups = hf_optimizer(self, config)   # TrainingArguments.optim: plait.hf.optim_names
 
         def hf_scheduler(opt):
             return transformers.get_scheduler(args.lr_scheduler_type, opt,
@@ -150,7 +151,8 @@ class Trainer(transformers.Trainer):
         if args.gradient_checkpointing:   # as transformers' own loop does before it wraps the model
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         self.engine = initialize_keeping_rng(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
-                                             weights=weights, units=self._stage3_units(self.model))
+                                             weights=weights, units=self._stage3_units(self.model),
+                                             model_parameters=groups)
         if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
             self.engine.compile(args.torch_compile_backend or "inductor",
                                 {"mode": args.torch_compile_mode} if args.torch_compile_mode else {})
