@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from plait.fit import Settings, estimate, preset_shape
 from plait.fit.host import host_peak
+from plait.fit.plan import resident_elements
 from plait.fit.shape import ModelShape
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -45,6 +46,11 @@ RECORDS = {
                                                                                model_build="fp32")),
     ("hf_trainer_estimate_1xH200.jsonl", "plait-z3"): (TINYLLAMA, dict(micro_batch=4, stage=3, model_build="fp32")),
 }
+#: records measured before CopyBack stopped allocating a bf16 copy-out buffer for the groups whose optimizer states
+#: stay on the GPU (never written; 2 B per resident element on the host): that code's term, added to today's plan
+OLD_RESIDENT_COPY_OUT = "bf16 copy-out buffer of the resident share (code of the record)"
+BEFORE_COPY_OUT_FIX = {("gpu_first_1xH200.jsonl", "plait-z3-gpufirst-7b"), ("gpu_first_1xH200.jsonl",
+                                                                           "plait-z3-gpufirst-13b")}
 #: bench_offload.py's rows: part a ZeRO-2 + offload_optimizer at micro-batch 4, part b ZeRO-3 + offload_optimizer +
 #: offload_param at micro-batch 1 (its ``ds_config``, pin_memory on both); the model built on the GPU
 OFFLOAD_FILES = ("offload_1xH200_session2.md", "offload_default_1xH100.jsonl")
@@ -55,7 +61,7 @@ OFFLOAD_SIZES = {"886m": None, "5b": (4096, 24, 32, 8, 11008), "7b": (4096, 32, 
 BASELINE_SOURCE = "offload_1xH200_session2.md plait 886m a #1"
 #: the host terms of the model; each one dropped must take some recorded peak out of TOLERANCE
 TERMS = ("process", "model build", "fp32 master weights", "Adam moments", "gradient shard", "bf16 copy-out buffer",
-         "bf16 copy-out buffer of the resident share", "weights (bf16)")
+         OLD_RESIDENT_COPY_OUT, "weights (bf16)")
 #: too small to move any recorded peak by 1% (0.07 GiB): cited from benchmarks/probe_host_runtime.py, not asserted
 BELOW_RESOLUTION = ("CPU optimizer runtime",)
 EXCLUDED = {
@@ -87,12 +93,14 @@ def offload_shape(size: str) -> ModelShape:
                    num_kv_heads=kv, head_dim=h // heads, ffn_hidden_size=ffn)
 
 
-def cases() -> list[tuple[str, dict, ModelShape, dict]]:
-    """``(record name, record, shape, settings)`` of every predicted record."""
+def cases() -> list[tuple[str, dict, ModelShape, dict, int]]:
+    """``(record name, record, shape, settings, bytes of the record's code that today's plan lacks)`` of every
+    predicted record."""
     out = []
     for (name, arm), (shape, kw) in RECORDS.items():
         record = next(r for r in _records(name) if r.get("arm") == arm)
-        out.append((f"{name} {arm}", record, shape, kw))
+        old = 2 * resident_elements(shape, kw["stage"], kw["ratio"]) if (name, arm) in BEFORE_COPY_OUT_FIX else 0
+        out.append((f"{name} {arm}", record, shape, kw, old))
     for name in OFFLOAD_FILES:
         seen: dict[tuple, int] = {}
         for r in _records(name):
@@ -101,31 +109,31 @@ def cases() -> list[tuple[str, dict, ModelShape, dict]]:
                 seen[key] = seen.get(key, 0) + 1
                 out.append((f"{name} plait {r['size']} {r['part']} #{seen[key]}", {**r, "peak_gib": None,
                                                                                    "host_peak_gib": r["host_rss_gib"]},
-                            offload_shape(r["size"]), OFFLOAD_PARTS[r["part"]]))
+                            offload_shape(r["size"]), OFFLOAD_PARTS[r["part"]], 0))
     return out
 
 
-def predicted_host(plan, drop: str | None = None) -> int:
-    """The plan's host peak, or with the term or state row named ``drop`` left out (``TERMS``)."""
+def predicted_host(plan, old_code: int, drop: str | None = None) -> int:
+    """The plan's host peak with ``old_code`` bytes of the record's code added to the states, or with the term
+    or state row named ``drop`` left out (``TERMS``)."""
     terms = tuple((n, 0 if drop and n.startswith(drop) else b) for n, b in plan.host_terms)
     states = sum(r[2] for r in plan.rows if not (drop and (r[0] == drop or
                                                           (r[0].startswith(drop) and drop != "bf16 copy-out buffer"))))
-    return host_peak(terms, states)
+    return host_peak(terms, states + (0 if drop == OLD_RESIDENT_COPY_OUT else old_code))
 
 
 def rows(drop: str | None = None) -> list[dict]:
     """One row per predicted record: measured and predicted GPU and host peaks (GiB; None: not measured or
     not predicted), and the host terms (GiB)."""
     out = []
-    for name, record, shape, kw in cases():
+    for name, record, shape, kw, old in cases():
         assert record["params"] == shape.params, (name, record["params"], shape.params)
         plan = estimate(shape, Settings(gpu_bytes=1 << 40, host_bytes=1 << 40, seq_len=2048, **kw))
         out.append({"record": name, "params": shape.params, "gpu": record.get("peak_gib"),
                     "gpu_pred": plan.gpu_peak / GiB if record.get("peak_gib") else None,
-                    "host": record.get("host_peak_gib"), "host_pred": predicted_host(plan, drop) / GiB,
+                    "host": record.get("host_peak_gib"), "host_pred": predicted_host(plan, old, drop) / GiB,
                     "terms": {n.split(" (")[0]: b / GiB for n, b in plan.host_terms},
-                    "states": plan.host_states / GiB,
-                    "resident_copy_out": sum(r[2] for r in plan.rows if r[0].endswith("resident share")) / GiB})
+                    "states": (plan.host_states + old) / GiB, "resident_copy_out": old / GiB})
     return out
 
 
@@ -149,8 +157,8 @@ def table(measured: list[dict]) -> str:
 
 def host_table(measured: list[dict]) -> str:
     """The host terms of each record with a host peak (GiB)."""
-    lines = ["| record | process | CPU optimizer runtime | model build copy | host states (of which resident "
-             "copy-out) | predicted | measured | error |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| record | process | CPU optimizer runtime | model build copy | host states (of which the record's "
+             "code's resident copy-out) | predicted | measured | error |", "|---|---|---|---|---|---|---|---|"]
     for r in measured:
         if r["host"]:
             t = r["terms"]

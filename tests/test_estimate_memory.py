@@ -40,9 +40,10 @@ def test_cli_plans_llama2_7b_from_config_json(tmp_path, capsys):
     assert "ZeRO-3, dp 1, offload_optimizer ratio 0.2, micro-batch 4 x 2048 tokens, activation checkpointing on" in out
     # 25 blocks + the embedding resident (77.0% <= 80%): 5,190,631,424 elements x 14 B on the GPU
     assert "Adam moments (fp32)                              38.67     11.53" in out
-    # host: 1,347,759,616 elements x 16 B + the resident share's copy-out 2 x 5,190,656,000 + process and runtime
-    assert "bf16 copy-out buffer of the resident share        0.00      9.67" in out
-    assert "peak                                             88.04     34.21" in out
+    # host: 1,347,759,616 elements x 16 B + process and runtime (no copy-out buffer for the resident share)
+    assert "bf16 copy-out buffer                              0.00      2.88" in out
+    assert "resident share" not in out
+    assert "peak                                             88.04     24.54" in out
     assert "fits: yes" in out
     assert "largest of these widths that fits: 50 layers, 10,381,316,096 parameters" in out
 
@@ -96,8 +97,8 @@ def test_each_host_term_is_needed_by_some_recorded_peak(table, term):
 def test_the_host_rows_are_the_engines_host_tensors():
     """A tiny unmodified Llama under ZeRO-3 with half of the optimizer states on the host (ratio 0.5; on the CPU
     the resident share's tensors are host memory too, told apart by their group's key): the plan's host rows are
-    the bytes of the engine's host masters, gradient shards, moments and copy-out buffers, the resident share's
-    copy-out buffers (plait.zero.offload.copyback.CopyBack) included."""
+    the bytes of the engine's host masters, gradient shards, moments and copy-out buffers, and the resident share
+    has no copy-out buffer (plait.zero.offload.copyback.CopyBack; it had one, never written, before)."""
     import plait
     import torch
     import transformers
@@ -124,7 +125,8 @@ def test_the_host_rows_are_the_engines_host_tensors():
     assert rows["Adam moments"] == nbytes([kernels[m].exp_avg for m in opt.masters]) + \
         nbytes([kernels[m].exp_avg_sq for m in opt.masters])
     assert rows["bf16 copy-out buffer"] == nbytes(opt.stepper.writer.lowp)
-    assert rows["bf16 copy-out buffer of the resident share"] == nbytes(opt.stepper.writer.lowp, False) > 0
+    assert "bf16 copy-out buffer of the resident share" not in rows
+    assert all(buf is None for buf, h in zip(opt.stepper.writer.lowp, host) if not h)
 
 
 def test_refusal_names_bytes_on_each_side_and_the_fixes():

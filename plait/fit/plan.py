@@ -15,9 +15,8 @@ accumulation 1, where the shard stays bf16, ``plait.zero.build.grad_dtypes``; el
          (the two largest, bf16: the one running and the one prefetched; none where the weights on the GPU
          are the whole model), activations and loss (``plait.fit.activations``)
     host: host share (g + 4 + 8) + its bf16 copy-out buffer 2 (none with offload_param, whose host weight
-          shard of 2 takes its place) + the copy-out buffers of the resident share, 2 (allocated for every flat
-          group: ``plait.zero.offload.copyback.CopyBack``); the peak adds the process, the CPU optimizer's
-          runtime and the model build's copy (``plait.fit.host``)
+          shard of 2 takes its place; none for the resident share: ``plait.zero.offload.copyback.CopyBack``);
+          the peak adds the process, the CPU optimizer's runtime and the model build's copy (``plait.fit.host``)
 
 A run fits when the GPU peak plus :data:`CUDA_CONTEXT_BYTES` and :data:`ALLOCATOR_SLACK_BYTES` is at most the
 GPU's memory and the host peak at most the host's.
@@ -154,8 +153,6 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
              (f"Adam moments ({s.state_dtype})", moment_bytes(res, s.state_dtype), moment_bytes(host, s.state_dtype))]
     if not s.offload_param:
         rows.append(("bf16 copy-out buffer", 0, 2 * host))
-        if res:   # CopyBack allocates one for every flat group, the resident ones too (never written)
-            rows.append(("bf16 copy-out buffer of the resident share", 0, 2 * res))
     if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host:
         rows.append(("device share: streamed gradients (at most)", g * host, 0))
     return rows

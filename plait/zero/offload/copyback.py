@@ -26,11 +26,13 @@ class CopyBack:
     def __init__(self, shards: ShardSet, device: torch.device, param_offload: bool, pin: bool):
         self.shards, self.param_offload = shards, param_offload
         self.device, self.cuda = device, device.type == "cuda"
-        # bf16/fp16 copy-out targets on the host, one per flat group (stage 3 with offload_param:
-        # the kernel writes the host parameter shards directly, so none for those segments).
+        # bf16/fp16 copy-out targets on the host, one per flat group the host steps (none for a group whose
+        # states stay on the device, offload_optimizer.ratio < 1; none with offload_param at stage 3: the
+        # kernel writes the host parameter shards directly).
         self.lowp: list[torch.Tensor | None] = []
         for g in shards.groups:
-            needs = g.key.dtype != torch.float32 and any(self.dest(s) is not None for s in g.segments)
+            needs = (not g.key.resident and g.key.dtype != torch.float32
+                     and any(self.dest(s) is not None for s in g.segments))
             self.lowp.append(host_empty(g.shard_numel, g.key.dtype, pin) if needs else None)
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
