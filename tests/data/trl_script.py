@@ -3,8 +3,10 @@ run a copy with ``from trl import`` for the plain TRL reference, and ``none`` as
 
     torchrun --nproc-per-node 2 trl_script.py {sft,dpo} OUT DS_CONFIG MAX_STEPS [--resume DIR] [--dropout P]
 
-Writes OUT/losses.jsonl (rank 0: the logged loss, grad_norm and learning_rate of every step) and OUT/result-RANK.json (the bytes of the
-reference model's parameters this rank holds, for DPO on plait; the whole model's bytes).
+Writes OUT/losses.jsonl (rank 0: the logged loss, grad_norm and learning_rate of every step) and
+OUT/result-RANK.json (the bytes of the reference model's parameters this rank holds, for DPO on plait; the whole
+model's bytes). The Trainer's defaults otherwise: max_grad_norm=1.0 (clipping on where the ds_config's
+"gradient_clipping" is "auto", as under DeepSpeed).
 """
 import argparse
 import json
