@@ -2,10 +2,11 @@
 run a copy with ``from trl import`` for the plain TRL reference, and ``none`` as the config: no DeepSpeed).
 
     torchrun --nproc-per-node 2 trl_script.py {sft,dpo} OUT DS_CONFIG MAX_STEPS [--resume DIR] [--dropout P]
-        [--max-grad-norm N]
 
-Writes OUT/losses.jsonl (rank 0: the logged loss of every step) and OUT/result-RANK.json (the bytes of the
-reference model's parameters this rank holds, for DPO on plait; the whole model's bytes).
+Writes OUT/losses.jsonl (rank 0: the logged loss, grad_norm and learning_rate of every step) and
+OUT/result-RANK.json (the bytes of the reference model's parameters this rank holds, for DPO on plait; the whole
+model's bytes). The Trainer's defaults otherwise: max_grad_norm=1.0 (clipping on where the ds_config's
+"gradient_clipping" is "auto", as under DeepSpeed).
 """
 import argparse
 import json
@@ -25,7 +26,6 @@ cli.add_argument("ds_config")
 cli.add_argument("max_steps", type=int)
 cli.add_argument("--resume", default=None)
 cli.add_argument("--dropout", type=float, default=0.0)
-cli.add_argument("--max-grad-norm", type=float, default=1.0)
 opt = cli.parse_args()
 
 # a word-level tokenizer made here (no hub): 16380 words and 4 special tokens; the vocabulary is large enough
@@ -51,17 +51,19 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, inte
 whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+LOGGED = ("loss", "grad_norm", "learning_rate")
+
+
 class LossFile(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and "loss" in logs:
             with open(f"{opt.out}/losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+                f.write(json.dumps({"step": state.global_step, **{k: logs.get(k) for k in LOGGED}}) + "\n")
 
 
 common = dict(output_dir=opt.out, deepspeed=None if opt.ds_config == "none" else opt.ds_config,
               per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
-              max_steps=opt.max_steps, logging_steps=1, save_steps=5, report_to=[], seed=7, use_cpu=True, bf16=False,
-              max_grad_norm=opt.max_grad_norm)
+              max_steps=opt.max_steps, logging_steps=1, save_steps=5, report_to=[], seed=7, use_cpu=True, bf16=False)
 if opt.task == "sft":
     dataset = Dataset.from_dict({"text": [words(i, 8) for i in range(64)]})
     trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=dataset, processing_class=tokenizer,
