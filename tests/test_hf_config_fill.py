@@ -124,3 +124,22 @@ def test_a_ddp_timeout_the_script_set_becomes_the_collective_timeouts(tmp_path):
                                       dp=1, max_steps=MAX_STEPS, hidden_size=48), dp_size=1).comm.timeout_s == 7200
     assert comm(EVERY_AUTO) is None
     assert comm({**EVERY_AUTO, "comm": {"timeout_s": 60}}, ddp_timeout=7200) == {"timeout_s": 60}
+
+
+def test_a_config_without_gradient_clipping_says_once_that_max_grad_norm_goes_unused(tmp_path, caplog):
+    """FastChat's configs have no gradient_clipping key: DeepSpeed clips nothing then, nor does plait, while the
+    same script without a ds_config clips at max_grad_norm=1.0; the user is told, naming the key to add."""
+    fastchat = json.loads((Path(__file__).parent / "data" / "ds_configs" / "fastchat__deepspeed_config_s2.json")
+                          .read_text())
+    assert "gradient_clipping" not in fastchat
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with caplog.at_level("WARNING", logger="plait.hf.config_fill"):
+        filled = fill_from_args(fastchat, args, dp=1, max_steps=MAX_STEPS)
+        fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS)                 # says "auto": clips, no word
+        fill_from_args(fastchat, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                   max_grad_norm=0.0), dp=1, max_steps=MAX_STEPS)   # asks for none
+    assert "gradient_clipping" not in filled
+    assert [r.getMessage() for r in caplog.records] == [
+        "the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "
+        "TrainingArguments max_grad_norm=1.0 is not used; add \"gradient_clipping\": \"auto\" to the ds_config to "
+        "clip at max_grad_norm"]
