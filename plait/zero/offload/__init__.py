@@ -79,7 +79,7 @@ counting micro-steps after its schedule) are finalized there.
 Pipelines (``OffloadOptions.final_at_step``, set by the engine for a ``PipelineParallel``): a pipeline
 engine edits the gradients after backward -- it sums the tied embedding copies' gradients (first and last
 stage) after its schedule, in the host gradient shards at stages 2-3, once the worker's landings are in
-(``plait.engine_pipeline.settle_landings``) -- and interleaved chunks land a segment once per chunk backward.
+(``plait.engine.pipeline.settle_landings``) -- and interleaved chunks land a segment once per chunk backward.
 So no landing is taken as final: every norm is computed on the host at ``step()`` and the host steps run in
 deferred mode (still overlapped with the next forward); no early mode, no device-side norms at GAS 1 and no
 device share (``device_step_fraction`` must be 0). Stage 1 keeps gradients in ``.grad`` until ``step()``

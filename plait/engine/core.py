@@ -21,21 +21,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.batch import batch_limits, check_micro_batch, to_half
+from plait.engine.batch import batch_limits, check_micro_batch, to_half
 from plait.config import ConfigError, PlaitConfig, load_config
-from plait.engine_compile import compile_regions, compiled_backend, is_compiled
-from plait.engine_context import check_context_parallel, shard_batch
-from plait.engine_facts import EngineFacts
-from plait.engine_guard import RunGuard
-from plait.engine_ranks import check_ranks_agree, start_up, timeout_groups
-from plait.engine_report import StepReport
-from plait.engine_model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
-from plait.engine_moe import ExpertLayers
-from plait.engine_offload import engine_optimizer, offload_options
+from plait.engine.compile import compile_regions, compiled_backend, is_compiled
+from plait.engine.context import check_context_parallel, shard_batch
+from plait.engine.facts import EngineFacts
+from plait.engine.guard import RunGuard
+from plait.engine.ranks import check_ranks_agree, start_up, timeout_groups
+from plait.engine.report import StepReport
+from plait.engine.model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
+from plait.engine.moe import ExpertLayers
+from plait.engine.offload import engine_optimizer, offload_options
 from plait.fit.check import fit_config
-from plait.engine_pipeline import check_pipeline, pipeline_train_step
-from plait.gc_schedule import CollectionSchedule
-from plait.monitor import build_monitors
+from plait.engine.pipeline import check_pipeline, pipeline_train_step
+from plait.engine.gc_schedule import CollectionSchedule
+from plait.engine.monitor import build_monitors
 from plait.layers.init import TIED_ATTR
 from plait.optim.factory import (
     NO_OPTIMIZER,
@@ -116,7 +116,7 @@ class Engine(EngineFacts):
                               pipelined=pipeline is not None)
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
-        self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine_moe)
+        self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine.moe)
         self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
 
     @property
@@ -130,7 +130,7 @@ class Engine(EngineFacts):
 
     def forward(self, *args, **kwargs):
         """The model's forward. ``input_ids``/``labels``/``position_ids`` keyword tensors are screened first
-        (``plait.batch.screen_micro_batch``: the verdict is agreed over every rank at the accumulation boundary);
+        (``plait.engine.batch.screen_micro_batch``: the verdict is agreed over every rank at the accumulation boundary);
         with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
         kwargs = shard_batch(self.guard.screen(kwargs), self.mesh, args)   # context parallel: this rank's chunks
         self.optimizer.rebind_views()
@@ -227,7 +227,7 @@ class Engine(EngineFacts):
 
     def _pull(self, data_iter, check: bool = False) -> list[dict]:
         """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline, or ``check`` (evaluation),
-        each is checked (``plait.batch``) and the verdict agreed over every rank before any computes; with a
+        each is checked (``plait.engine.batch``) and the verdict agreed over every rank before any computes; with a
         pipeline each is cut to this cp rank's chunks here, else in ``forward``."""
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
         out, n, problem = [], self.config.gradient_accumulation_steps, None
@@ -265,7 +265,7 @@ class Engine(EngineFacts):
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each transformer block in place, the engine's
-        hooks outside (``plait.engine_compile``); the ds_config's ``compile`` section calls it from
+        hooks outside (``plait.engine.compile``); the ds_config's ``compile`` section calls it from
         ``initialize``. A second call is a no-op.
 
         Raises:
@@ -357,7 +357,7 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
             a Hugging Face checkpoint folder (safetensors) or a ``plait.zero.weights.WeightSource``; under
             ZeRO-3 each rank reads only its shard of the parameters (``plait.zero.weights``).
         units: ZeRO-3's gather units, modules of ``model`` (the root gathers what none encloses); None: plait's
-            choice (``plait.engine_model.stage3_units``: the blocks, and each other module with parameters).
+            choice (``plait.engine.model.stage3_units``: the blocks, and each other module with parameters).
         config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
 
     Raises:

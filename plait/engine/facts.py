@@ -15,7 +15,7 @@ from plait.parallel.launch import launch_info
 
 class EngineFacts:
     """Mixin of ``plait.engine.Engine``: needs ``module``, ``optimizer`` (a ``ZeroOptimizer``), ``config``,
-    ``mesh``, ``experts`` (``plait.engine_moe.ExpertLayers``) and ``_step_applied``."""
+    ``mesh``, ``experts`` (``plait.engine.moe.ExpertLayers``) and ``_step_applied``."""
 
     # ---- model access ---------------------------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -87,7 +87,7 @@ class EngineFacts:
 
     def moe_stats(self) -> dict | None:
         """Mixture-of-experts statistics since the last call: ``aux_loss``, ``load_imbalance`` (max/mean
-        tokens per expert, the worst layer) and ``dropped`` (``plait.engine_moe.ExpertLayers.stats``);
+        tokens per expert, the worst layer) and ``dropped`` (``plait.engine.moe.ExpertLayers.stats``);
         None for a model without expert layers. Collective: every rank calls it."""
         return self.experts.stats()
 

@@ -7,7 +7,7 @@ wait for each other.
   train a silently mixed model or abort in a collective naming nothing (``plait.parallel.agree``).
 * Timeouts: ``comm.startup_timeout_s`` holds on every group of the mesh from ``initialize`` on (a rank that
   stalls before the first step is caught after it), ``comm.timeout_s`` from the first applied step
-  (``plait.engine_guard``). A timeout the script passed to ``init_distributed`` holds for the whole run
+  (``plait.engine.guard``). A timeout the script passed to ``init_distributed`` holds for the whole run
   instead, and the config says so (``comm`` replaced, logged once).
 """
 from __future__ import annotations
