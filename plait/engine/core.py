@@ -1,5 +1,5 @@
-"""``plait.initialize()`` and the ``Engine``: DeepSpeed's training API over plait's ZeRO, tensor and
-pipeline parallelism.
+"""The ``Engine`` that ``plait.initialize()`` builds: DeepSpeed's training API (and its read-side members,
+under DeepSpeed's names and meanings) over plait's ZeRO, tensor and pipeline parallelism.
 
     engine = plait.initialize(model, "ds_config.json", mesh=mesh)
     for batch in loader:                       # without a pipeline
@@ -15,46 +15,30 @@ over the fp32 master shards.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.engine.batch import batch_limits, check_micro_batch, to_half
-from plait.config import ConfigError, PlaitConfig, load_config
-from plait.engine.compile import compile_regions, compiled_backend, is_compiled
-from plait.engine.context import check_context_parallel, shard_batch
-from plait.engine.facts import EngineFacts
-from plait.engine.guard import RunGuard
-from plait.engine.ranks import check_ranks_agree, start_up, timeout_groups
-from plait.engine.report import StepReport
-from plait.engine.model import apply_activation_checkpointing, as_groups, loss_of, on_device, stage3_units
-from plait.engine.moe import ExpertLayers
-from plait.engine.offload import engine_optimizer, offload_options
-from plait.fit.check import fit_config
-from plait.engine.pipeline import check_pipeline, pipeline_train_step
+from plait.config import ConfigError, PlaitConfig
+from plait.engine.batch import batch_limits, to_half
+from plait.engine.compile import compile_engine_model, is_compiled
+from plait.engine.context import shard_batch
 from plait.engine.gc_schedule import CollectionSchedule
+from plait.engine.guard import RunGuard
+from plait.engine.model import apply_activation_checkpointing, loss_of, to_device
+from plait.engine.moe import ExpertLayers
 from plait.engine.monitor import build_monitors
-from plait.layers.init import TIED_ATTR
-from plait.optim.factory import (
-    NO_OPTIMIZER,
-    NoOptimizer,
-    scheduler_from_config,
-    scheduler_from_user,
-)
-from plait.optim.lamb import Lamb
-from plait.optim.lamb_segments import attach_lamb_segments
-from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
+from plait.engine.optimizer import lr_schedule, zero_optimizer
+from plait.engine.pipeline import pipeline_train_step
+from plait.engine.ranks import dp_mean, timeout_groups
+from plait.engine.report import StepReport
+from plait.optim.factory import NO_OPTIMIZER, NoOptimizer
+from plait.parallel.launch import launch_info
 from plait.parallel.mesh import ParallelMesh
-from plait.parallel.pipeline.parallel import PipelineParallel
-from plait.zero import (ClipOptions, CommOptions, LossScaler, NormGroups, PrecisionOptions, ZeroOptimizer,
-                        weight_decay_groups)
-from plait.zero.weights import prepare_weights
 from plait.precision.float8 import convert_to_float8
 
 
-class Engine(EngineFacts):
+class Engine:
     """Training engine; build it with ``plait.initialize``. See the module docstring.
 
     Attributes:
@@ -62,6 +46,12 @@ class Engine(EngineFacts):
         optimizer: the ``ZeroOptimizer``. lr_scheduler: the schedule (or None).
         config: the resolved ``PlaitConfig``. mesh: the ``ParallelMesh``.
         pipeline: a ``PipelineParallel`` when the model is pipelined, else None.
+        step_applied: whether the last ``step()`` applied the update (``was_step_applied()``).
+        global_samples: samples of every optimizer step so far (``train_batch_size()`` each).
+
+    Counters follow DeepSpeed (``deepspeed.runtime.engine.DeepSpeedEngine``): ``global_steps`` counts every
+    optimizer step taken at an accumulation boundary, applied or skipped (an fp16 overflow, a non-finite
+    gradient); ``skipped_steps`` counts the skipped ones; the schedule advances only on applied steps.
     """
 
     def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
@@ -72,45 +62,9 @@ class Engine(EngineFacts):
         if config.compile.on:   # first: a refused combination builds nothing
             self.compile(config.compile.backend, config.compile.kwargs)
         apply_activation_checkpointing(module, config.activation_checkpointing)
-        z = config.zero_optimization
-        offload = offload_options(config, pipeline, optimizer)
-        if config.fp16.enabled:
-            param_dtype = torch.float16
-            f = config.fp16
-            scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
-                                f.min_loss_scale, f.consecutive_hysteresis)
-        else:
-            param_dtype, scaler = (torch.bfloat16 if config.bf16.enabled else None), None
-        factory, kwargs, groups = engine_optimizer(config, optimizer, offload, mesh.device.type)
-        if groups is None and model_parameters is not None:
-            groups = as_groups(model_parameters)
-        if groups is None:
-            groups = weight_decay_groups(module, kwargs.get("weight_decay", 0.0))
-            groups = [g for g in groups if g["params"]]
-        reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.communication_data_type,
-                                                                            torch.float32)
-        self.optimizer = ZeroOptimizer(
-            module, mesh.group("dp_cp"), expert_group=mesh.group("edp") if mesh.ep > 1 else None,
-            stage=z.stage, optimizer=factory, optimizer_kwargs=kwargs,
-            param_groups=groups, comm=CommOptions(
-                reduce_dtype=reduce_dtype,
-                # a bucket size of 0 (the Hugging Face test configs): every gradient is reduced on its own, as DeepSpeed
-                reduce_bucket_size=max(1, z.reduce_bucket_size), allgather_bucket_size=max(1, z.allgather_bucket_size),
-                overlap_comm=z.overlap_comm, prefetch_bucket_size=z.stage3_prefetch_bucket_size,
-                param_persistence_threshold=z.stage3_param_persistence_threshold,
-                reshard_after_forward=z.reshard_after_forward),
-            units=(units if units is not None else stage3_units(module)) if z.stage == 3 else None,
-            gradient_accumulation_steps=config.gradient_accumulation_steps, offload=offload, weights=weights,
-            precision=PrecisionOptions(param_dtype, scaler, skip_nonfinite=config.nonfinite_guard.enabled),
-            clip=ClipOptions(config.gradient_clipping, NormGroups(tp=mesh.tp_group, pp=mesh.pp_group),
-                             # a tied head copy (on another pipeline stage than its embedding) counts once
-                             norm_exclude={id(p) for p in module.parameters() if getattr(p, TIED_ATTR, None)}))
-        inner = self.optimizer.optimizer
-        if isinstance(inner, Lamb):
-            attach_lamb_segments(inner, self.optimizer, module, mesh)
-        self.lr_scheduler = (scheduler_from_user(lr_scheduler, inner) if lr_scheduler is not None
-                             else scheduler_from_config(config.scheduler, inner))
-        self._step_applied, self.global_samples = False, 0
+        self.optimizer = zero_optimizer(module, config, mesh, optimizer, model_parameters, pipeline, weights, units)
+        self.lr_scheduler = lr_schedule(config, lr_scheduler, self.optimizer.optimizer)
+        self.step_applied, self.global_samples = False, 0
         limits = batch_limits(getattr(module[0] if pipeline is not None else module, "config", None))
         self.guard = RunGuard(self.optimizer, config, timeout_groups(mesh, pipeline), limits, mesh.device,
                               pipelined=pipeline is not None)
@@ -123,6 +77,120 @@ class Engine(EngineFacts):
     def forward_only(self) -> bool:
         """Built without an optimizer (``plait.optim.factory.NoOptimizer``): forward passes only."""
         return isinstance(self.optimizer.optimizer, NoOptimizer)
+
+    # ---- model access ---------------------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def zero_grad(self) -> None:
+        """Discard accumulated gradients and restart the accumulation count (``step`` already does)."""
+        self.optimizer.zero_grad()
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+        return self.mesh.device
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``; 0 without)."""
+        return launch_info().local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.mesh.dp
+
+    # ---- counters ---------------------------------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken at accumulation boundaries, skipped ones included (DeepSpeed's count)."""
+        return self.optimizer.global_steps + self.optimizer.skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (fp16 overflow, or the nonfinite guard)."""
+        return self.optimizer.skipped_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches since the last optimizer step."""
+        return self.optimizer.micro_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last applied step."""
+        return self.optimizer.grad_norm
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.grad_norm
+
+    def moe_stats(self) -> dict | None:
+        """Mixture-of-experts statistics since the last call: ``aux_loss``, ``load_imbalance`` (max/mean
+        tokens per expert, the worst layer) and ``dropped`` (``plait.engine.moe.ExpertLayers.stats``);
+        None for a model without expert layers. Collective: every rank calls it."""
+        return self.experts.stats()
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Per group: Adam's ``betas`` or SGD's ``momentum`` (None when the optimizer has neither)."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` applied the update (False off the boundary and for a skipped step)."""
+        return self.step_applied
+
+    # ---- configuration facts ----------------------------------------------------------------------
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the accumulation boundary (DeepSpeed's API): ``True`` makes the next ``step()`` apply
+        after however many micro-batches were accumulated (an epoch's short last accumulation: the
+        gradient is then the sum of those micro-batches' losses / GAS, as in DeepSpeed); ``False``
+        holds the step back; ``None`` returns to counting micro-batches. It stays until changed."""
+        self.optimizer.boundary_override = None if is_boundary is None else bool(is_boundary)
 
     # ---- DeepSpeed's training API -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -176,14 +244,14 @@ class Engine(EngineFacts):
         if self.forward_only:
             raise ConfigError(NO_OPTIMIZER)
         if not self.is_gradient_accumulation_boundary():
-            self._step_applied = False
+            self.step_applied = False
             return
         self.guard.before_step()
         with self.report.timed("step"):
-            self._step_applied = self.optimizer.step()
+            self.step_applied = self.optimizer.step()
         self.global_samples += self.train_batch_size()
-        self.guard.after_step(self._step_applied, self.global_steps)
-        if self._step_applied:
+        self.guard.after_step(self.step_applied, self.global_steps)
+        if self.step_applied:
             self.experts.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -208,7 +276,7 @@ class Engine(EngineFacts):
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
             for batch in batches:
-                loss = loss_of(self.forward(**self._to_device(batch)))
+                loss = loss_of(self.forward(**to_device(batch, self.mesh.device)))
                 self.backward(loss)
                 total += loss.detach().float()
             loss = total / self.config.gradient_accumulation_steps
@@ -222,45 +290,19 @@ class Engine(EngineFacts):
         batches = self._pull(data_iter, check=True)
         if self.pipeline is not None:
             return self.dp_mean(self.pipeline.eval_batch(iter(batches)))
-        loss = sum(loss_of(self.forward(**self._to_device(b))).float() for b in batches) / len(batches)
+        loss = sum(loss_of(self.forward(**to_device(b, self.mesh.device))).float() for b in batches) / len(batches)
         return self.dp_mean(loss)
 
     def _pull(self, data_iter, check: bool = False) -> list[dict]:
-        """The step's ``gradient_accumulation_steps`` micro-batches. With a pipeline, or ``check`` (evaluation),
-        each is checked (``plait.engine.batch``) and the verdict agreed over every rank before any computes; with a
+        """The step's micro-batches (``RunGuard.pull``), checked with a pipeline or ``check`` (evaluation); with a
         pipeline each is cut to this cp rank's chunks here, else in ``forward``."""
-        it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
-        out, n, problem = [], self.config.gradient_accumulation_steps, None
-        for i in range(n):
-            try:
-                batch = next(it)
-            except StopIteration:
-                raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
-                                 f"{self.global_steps + 1} (gradient_accumulation_steps={n}); "
-                                 "give train_batch an iterator with enough batches (or one that cycles)") from None
-            if self.pipeline is not None or check:
-                try:
-                    batch = check_micro_batch(batch, self.guard.limits)
-                except (TypeError, ValueError) as err:
-                    problem = problem or err
-            out.append(batch)
-        if self.pipeline is not None or check:
-            self.guard.agree(problem)
-        return [shard_batch(b, self.mesh) for b in out] if self.pipeline is not None else out
-
-    def _to_device(self, batch: dict) -> dict:
-        device = self.mesh.device
-        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        n, pipelined = self.config.gradient_accumulation_steps, self.pipeline is not None
+        out = self.guard.pull(data_iter, n, self.global_steps + 1, check=pipelined or check)
+        return [shard_batch(b, self.mesh) for b in out] if pipelined else out
 
     def dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of a scalar over the data-parallel (x context-parallel) ranks (collective; the value
-        itself at dp x cp 1), as a float32 tensor of shape ``[]`` on the engine's device (no host sync)."""
-        group, size = self.mesh.group("dp_cp"), self.mesh.size("dp_cp")
-        if group is None or size == 1:
-            return loss
-        out = loss.detach().to(self.mesh.device, torch.float32).reshape(1)
-        dist.all_reduce(out, group=group)
-        return (out / size).reshape(())
+        """``plait.engine.ranks.dp_mean`` over this engine's mesh."""
+        return dp_mean(loss, self.mesh)
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
@@ -273,23 +315,8 @@ class Engine(EngineFacts):
                 backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
             ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
         """
-        if schedule is not None or compiled_autograd_enabled:
-            raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
-                             "call engine.compile(backend, compile_kwargs) without them")
-        if self.pipeline is not None and str(self.pipeline.schedule).startswith("zb"):
-            raise ConfigError(f"compile with pipeline schedule {self.pipeline.schedule!r}: a compiled block "
-                              "is one autograd node, which the zero-bubble split would run whole in both its "
-                              "input- and weight-gradient passes; use schedule '1f1b' or 'interleaved', or "
-                              "compile off")
-        before = compiled_backend(self.module)
-        if before is not None and before != backend:
-            logging.getLogger("plait").warning("engine.compile: the model is compiled with backend %r already; "
-                                               "backend %r is not applied", before, backend)
-        if self.config.compile.deepcompile:
-            logging.getLogger("plait").warning(
-                "config: compile.deepcompile = true is accepted: plait compiles each transformer block with "
-                "torch.compile (its ZeRO hooks stay outside the compiled regions) instead of DeepCompile's passes")
-        compile_regions(self.module, backend, compile_kwargs)
+        compile_engine_model(self.module, self.pipeline, backend, compile_kwargs, schedule, compiled_autograd_enabled,
+                             self.config.compile.deepcompile)
 
     @property
     def is_compiled(self) -> bool:
@@ -333,63 +360,3 @@ class Engine(EngineFacts):
         return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model
-
-
-def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
-               model_parameters=None, weights=None, units=None, **config_facts) -> Engine:
-    """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
-
-    Args:
-        model: any ``nn.Module`` (an unmodified Hugging Face model works), a plait model, or a
-            ``PipelineParallel`` over this rank's stage chunks (``train_batch`` then runs its schedule;
-            its ``micro_batches`` must equal ``gradient_accumulation_steps``). A model elsewhere is moved to
-            the rank's device (its GPU when there is one). Under torchrun or SLURM with no process group
-            yet, the job's group is started first (``init_distributed``).
-        config: a ds_config path or dict (DeepSpeed key names), or a resolved ``PlaitConfig``.
-        mesh: the ``ParallelMesh``; default: ``tensor_parallel.size`` x ``pipeline.size`` from the config
-            over the initialized process group (or one process).
-        optimizer: None (use the config's ``optimizer``), a torch optimizer class/factory, or an instance.
-        lr_scheduler: None (use the config's ``scheduler``) or a factory ``f(optimizer) -> scheduler``.
-        model_parameters: the parameters to train, exactly as given: an iterable of parameters (one group
-            with the optimizer's options, weight decay on every one of them, as DeepSpeed) or torch param
-            groups (dicts). None: plait's grouping (matrices decay; biases and norm weights do not).
-        weights: for a model built under ``plait.zero.meta_parameters()`` (parameters on the meta device):
-            a Hugging Face checkpoint folder (safetensors) or a ``plait.zero.weights.WeightSource``; under
-            ZeRO-3 each rank reads only its shard of the parameters (``plait.zero.weights``).
-        units: ZeRO-3's gather units, modules of ``model`` (the root gathers what none encloses); None: plait's
-            choice (``plait.engine.model.stage3_units``: the blocks, and each other module with parameters).
-        config_facts: extra facts for "auto" values (e.g. ``model_hidden_size``, ``lr``), see ``load_config``.
-
-    Raises:
-        ConfigError: unknown or inconsistent config keys (named, with the fix), or ranks started with
-            different configs or models (the same message on every rank, naming keys, values and ranks).
-        ValueError: parameters on the meta device without ``weights``, ``weights`` for a model whose
-            parameters are not on the meta device, or a checkpoint tensor of another shape.
-    """
-    if not dist.is_initialized() and launcher_world_size() > 1:
-        init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
-        leave_at_exit()
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # a Hugging Face model's, or plait's
-    config_facts.setdefault("model_hidden_size", hidden)
-    if mesh is None:
-        raw = config if isinstance(config, PlaitConfig) else load_config(
-            config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            **config_facts)
-        check_ranks_agree(raw, model, None)   # before the mesh: every rank builds it from its config
-        mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size, cp=raw.context_parallel.size)
-    if not isinstance(config, PlaitConfig):
-        config = load_config(config, dp_size=mesh.dp, **config_facts)
-    if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
-        raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
-                          f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
-    config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
-    torch.manual_seed(config.seed)
-    pipeline = None
-    weights = prepare_weights(model, weights, mesh.device)
-    config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal
-    model = on_device(model, mesh.device)
-    if isinstance(model, PipelineParallel):
-        pipeline, model = model, nn.ModuleList(model.stage_modules)
-        check_pipeline(pipeline, config)
-    check_context_parallel(config, mesh, model, pipeline)
-    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from plait.engine.batch import BatchLimits, screen_micro_batch
+from plait.engine.batch import BatchLimits, check_micro_batch, screen_micro_batch
 from plait.config import PlaitConfig
 from plait.parallel.launch import set_collective_timeout
 from plait.zero.precision import NonFiniteError
@@ -79,6 +79,33 @@ class RunGuard:
         error = agreed_error(problem, self.device)
         if error is not None:
             raise error
+
+    def pull(self, data_iter, n: int, step: int, check: bool) -> list[dict]:
+        """The ``n`` (``gradient_accumulation_steps``) micro-batches of step ``step`` from ``data_iter``. With
+        ``check`` each is checked (``plait.engine.batch.check_micro_batch``) and the verdict agreed over every
+        rank (``agree``) before any computes.
+
+        Raises:
+            ValueError: the iterator ran out (naming how many of ``n`` it gave); a bad micro-batch on any rank.
+        """
+        it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
+        out, problem = [], None
+        for i in range(n):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
+                                 f"{step} (gradient_accumulation_steps={n}); "
+                                 "give train_batch an iterator with enough batches (or one that cycles)") from None
+            if check:
+                try:
+                    batch = check_micro_batch(batch, self.limits)
+                except (TypeError, ValueError) as err:
+                    problem = problem or err
+            out.append(batch)
+        if check:
+            self.agree(problem)
+        return out
 
     def after_step(self, applied: bool, global_steps: int) -> None:
         """After the optimizer step: end start-up (short timeout) or count towards the skip limit."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -104,3 +105,14 @@ def start_up(config: PlaitConfig, model, mesh: ParallelMesh) -> PlaitConfig:
     check_ranks_agree(config, model, mesh)
     return config
 
+
+
+def dp_mean(loss: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """The mean of a scalar over the data-parallel (x context-parallel) ranks (collective; the value
+    itself at dp x cp 1), as a float32 tensor of shape ``[]`` on the mesh's device (no host sync)."""
+    group, size = mesh.group("dp_cp"), mesh.size("dp_cp")
+    if group is None or size == 1:
+        return loss
+    out = loss.detach().to(mesh.device, torch.float32).reshape(1)
+    dist.all_reduce(out, group=group)
+    return (out / size).reshape(())
