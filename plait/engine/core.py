@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.checkpoint.contract import Checkpointable, RngState, TrainerState, WriterSlot
+from plait.checkpoint.engine_io import load_engine, save_engine
 from plait.config import ConfigError, PlaitConfig
 from plait.engine.batch import batch_limits, to_half
 from plait.engine.compile import compile_engine_model, is_compiled
@@ -32,14 +34,16 @@ from plait.engine.optimizer import lr_schedule, zero_optimizer
 from plait.engine.pipeline import pipeline_train_step
 from plait.engine.ranks import dp_mean, timeout_groups
 from plait.engine.report import StepReport
+from plait.engine.rng import load_rng_state, rng_state
 from plait.optim.factory import NO_OPTIMIZER, NoOptimizer
 from plait.parallel.launch import launch_info
 from plait.parallel.mesh import ParallelMesh
 from plait.precision.float8 import convert_to_float8
 
 
-class Engine:
-    """Training engine; build it with ``plait.initialize``. See the module docstring.
+class Engine(Checkpointable):
+    """Training engine; build it with ``plait.initialize``. See the module docstring. It implements
+    ``plait.checkpoint.Checkpointable`` (what ``save_checkpoint``/``load_checkpoint`` save and load into).
 
     Attributes:
         module: the wrapped model (its parameters live in ZeRO's flat buffers).
@@ -47,6 +51,8 @@ class Engine:
         config: the resolved ``PlaitConfig``. mesh: the ``ParallelMesh``.
         pipeline: a ``PipelineParallel`` when the model is pipelined, else None.
         step_applied: whether the last ``step()`` applied the update (``was_step_applied()``).
+        data_loader: None, or a loader with ``state_dict``/``load_state_dict`` (set by the user) whose
+            position checkpoints keep. checkpoint_writer: the ``WriterSlot`` saves write through.
         global_samples: samples of every optimizer step so far (``train_batch_size()`` each).
 
     Counters follow DeepSpeed (``deepspeed.runtime.engine.DeepSpeedEngine``): ``global_steps`` counts every
@@ -71,6 +77,8 @@ class Engine:
         self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
                                  config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine.moe)
+        self.data_loader = None   # a loader with state_dict/load_state_dict whose position checkpoints keep
+        self.checkpoint_writer = WriterSlot()
         self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
 
     @property
@@ -329,14 +337,39 @@ class Engine:
         ``ZeroOptimizer.gathered_parameters``."""
         return self.optimizer.gathered_parameters(modifier_rank)
 
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- checkpoints (plait.checkpoint.Checkpointable) ------------------------------------------------
+    def model_chunks(self) -> list[nn.Module]:
+        """This rank's model chunks: the pipeline's stage modules, else the model."""
+        return list(self.pipeline.stage_modules) if self.pipeline is not None else [self.module]
+
+    def trainer_state(self) -> TrainerState:
+        """Samples so far, the schedule's and the ``data_loader``'s states, and the resolved config."""
+        sched, loader = self.lr_scheduler, self.data_loader
+        return TrainerState(self.global_samples, sched.state_dict() if sched is not None else None,
+                            self.config.to_dict(), loader.state_dict() if hasattr(loader, "state_dict") else None)
+
+    def load_trainer_state(self, state: TrainerState) -> None:
+        """Take a checkpoint's counters and schedule and ``data_loader`` states (None fields: keep ours)."""
+        if state.global_samples is not None:
+            self.global_samples = state.global_samples
+        if state.lr_scheduler is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if state.data_loader is not None and hasattr(self.data_loader, "load_state_dict"):
+            self.data_loader.load_state_dict(state.data_loader)
+
+    def rng_state(self) -> RngState:
+        """torch's CPU and (on a GPU) CUDA generators, and each chunk's tensor-parallel RNG tracker."""
+        return rng_state(self.model_chunks(), self.mesh.device)
+
+    def load_rng_state(self, state: RngState) -> None:
+        load_rng_state(self.model_chunks(), self.mesh.device, state)
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False,
                         keep_last: int | None = None):
         """Write a sharded, layout-free checkpoint (see ``plait.checkpoint``) as ``save_dir/tag``
         (default tag ``global_step<N>``) and point ``save_dir/latest`` at it; keep only the newest
         ``keep_last`` checkpoints. With ``async_save`` the tensors are copied to host and written in a
         background thread (the returned handle's ``wait()`` finishes it). Collective."""
-        from plait.checkpoint.engine_io import save_engine
         with self.guard.startup_timeout():
             return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
@@ -346,7 +379,6 @@ class Engine:
         """Load a checkpoint saved at any layout. Returns ``(path, client_state)``. Collective.
         A checkpoint of a model whose config computes differently (heads, activation, norm, ...) is
         refused with ``CheckpointError`` unless ``allow_config_change``."""
-        from plait.checkpoint.engine_io import load_engine
         with self.guard.startup_timeout():
             return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
                                allow_config_change)
