@@ -1,4 +1,4 @@
-"""Cost of the engine's micro-batch checks (``plait.batch``: token ids and labels in ``[0, vocab)``) on one GPU.
+"""Cost of the engine's micro-batch checks (``plait.engine.batch``: token ids and labels in ``[0, vocab)``) on one GPU.
 
     python benchmarks/bench_input_checks.py [--rounds 96] [--out results.jsonl]
 
@@ -46,8 +46,8 @@ def batch(cfg, step, device):
 
 
 def time_arm(arm, engine, cfg, steps, start):
-    import plait.engine_guard as guard_mod
-    from plait.batch import screen_micro_batch
+    import plait.engine.guard as guard_mod
+    from plait.engine.batch import screen_micro_batch
     calls = []
 
     def counted(b, v):   # proves the arm's screen is the one the engine calls
@@ -73,7 +73,7 @@ def time_arm(arm, engine, cfg, steps, start):
 
 
 def check_alone(cfg, reps=200):
-    from plait.batch import BatchLimits, check_micro_batch
+    from plait.engine.batch import BatchLimits, check_micro_batch
     out, limits = {}, BatchLimits(cfg.vocab_size, cfg.max_position_embeddings)
     for device in ("cuda", "cpu"):
         b = batch(cfg, 0, device)

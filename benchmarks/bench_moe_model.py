@@ -71,7 +71,7 @@ def run_arm(arm: str, args) -> dict:
             layer.grouped_gemm = arm != "moe-ep2-loop"
     conf = ds_like_config(1)
     conf["train_micro_batch_size_per_gpu"], conf["gradient_accumulation_steps"] = args.micro, args.gas
-    conf["compile"] = {"enabled": args.compile}   # torch.compile of every block (plait.engine_compile)
+    conf["compile"] = {"enabled": args.compile}   # torch.compile of every block (plait.engine.compile)
     engine = plait.initialize(model, conf, mesh=mesh)
     rank = dist.get_rank()
 

@@ -1,4 +1,4 @@
-"""Cost of agreeing on a step's micro-batch verdict over the ranks (``plait.engine_guard.agreed_error``) on one GPU.
+"""Cost of agreeing on a step's micro-batch verdict over the ranks (``plait.engine.guard.agreed_error``) on one GPU.
 
     python benchmarks/bench_step_agreement.py [--rounds 48]
 
@@ -38,7 +38,7 @@ def main():
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
-    import plait.engine_guard as guard_mod
+    import plait.engine.guard as guard_mod
     shipped = guard_mod.agreed_error
     cfg, engine = make_engine()
     arms = {"as shipped": shipped, "agree": forced}

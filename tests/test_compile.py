@@ -1,4 +1,4 @@
-"""Regional compilation (ds_config ``compile``, ``engine.compile``; ``plait.engine_compile``).
+"""Regional compilation (ds_config ``compile``, ``engine.compile``; ``plait.engine.compile``).
 
 Parity: a compiled engine against the same engine in eager mode, 4 steps of a tiny Llama, float32, whole
 weights to 1e-6 norm-relative (``||w_c - w_e|| / ||w_e||``). Why 1e-6: inductor reorders and fuses the
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import plait
 from plait.config import ConfigError, load_config
-from plait.engine_compile import compile_regions, compile_targets, is_compiled
+from plait.engine.compile import compile_regions, compile_targets, is_compiled
 from plait.layers import TransformerModel
 from plait.layers.block import TransformerBlock
 from plait.layers.model import LMHead

@@ -351,7 +351,7 @@ def test_context_parallel_guards():
 
 
 def guards_body():
-    from plait.engine_context import shard_batch
+    from plait.engine.context import shard_batch
     from plait.layers import TransformerModel
     from plait.parallel import ParallelMesh
     mesh = ParallelMesh(cp=2)
@@ -369,7 +369,7 @@ def test_a_pipeline_rank_without_attention_passes_the_context_parallel_check():
     from types import SimpleNamespace
 
     from plait.config import ConfigError, load_config
-    from plait.engine_context import check_context_parallel
+    from plait.engine.context import check_context_parallel
     config = load_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}, dp_size=1)
     embedding_only = torch.nn.ModuleList([torch.nn.Embedding(8, 4)])
     check_context_parallel(config, SimpleNamespace(cp=2), embedding_only, pipeline=object())

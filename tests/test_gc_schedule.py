@@ -1,4 +1,4 @@
-"""``garbage_collection.interval`` (``plait.gc_schedule``): Python's automatic cyclic collector off, one full
+"""``garbage_collection.interval`` (``plait.engine.gc_schedule``): Python's automatic cyclic collector off, one full
 collection after every N-th optimizer step. Counted with ``gc.callbacks`` (full = generation 2) and checked
 by what it is for: a reference cycle made in a step lives until the scheduled collection frees it. Every test
 restores the collector's state (it is process-wide)."""

@@ -66,6 +66,11 @@ def test_no_cycle_between_plaits_packages():
     assert cycles(edges) == []
 
 
+def test_only_the_edges_import_the_engine():
+    edges = import_graph()   # the core packages never reach up into plait.engine; "__init__" is plait.initialize
+    assert sorted(p for p, to in edges.items() if "engine" in to) == ["__init__", "trl"]
+
+
 def test_the_check_finds_a_cycle():
     assert cycles({"layers": {"parallel", "models"}, "models": {"layers"}, "parallel": set()}) == [["layers", "models"]]
 

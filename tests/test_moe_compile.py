@@ -1,4 +1,4 @@
-"""Compiled mixture-of-experts blocks (``plait.engine_compile``): the host's read of an expert-parallel layer's
+"""Compiled mixture-of-experts blocks (``plait.engine.compile``): the host's read of an expert-parallel layer's
 all-to-all sizes breaks a compiled block once, with eager's results bitwise (aot_eager runs eager's ops)."""
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ def compiled_ep_body(regions):
     from test_engine import micro_batch
     from torch._dynamo.utils import counters
 
-    from plait.engine_compile import compile_regions
+    from plait.engine.compile import compile_regions
     from plait.layers import TransformerBlock
     from plait.parallel import ParallelMesh
     torch._dynamo.reset()

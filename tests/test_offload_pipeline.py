@@ -1,7 +1,7 @@
 """ZeRO-Offload (``zero_optimization.offload_optimizer``, stages 1-3; stage 3 also with ``offload_param``) through
 a pipeline engine (``engine.train_batch`` over a ``PipelineParallel``), CPU/gloo, on a Llama whose embedding is
 tied to the LM head across the first and the last stage (the pipeline sums the two copies' gradients after its
-schedule, in the host gradient shards under offload: ``plait.engine_pipeline``).
+schedule, in the host gradient shards under offload: ``plait.engine.pipeline``).
 
 Two references, two tolerances:
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import plait
 from plait.config import ConfigError
-from plait.engine_pipeline import settle_landings
+from plait.engine.pipeline import settle_landings
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
 from plait.parallel.pipeline.parallel import PipelineParallel

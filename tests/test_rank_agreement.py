@@ -1,7 +1,7 @@
 """Ranks that disagree or stop early (CPU/gloo, 2 ranks).
 
 * Ranks started with different configs or models are refused at ``initialize``, every rank raising the same
-  ``ConfigError`` naming the keys, the values and the ranks (``plait.engine_ranks``, ``plait.parallel.agree``).
+  ``ConfigError`` naming the keys, the values and the ranks (``plait.engine.ranks``, ``plait.parallel.agree``).
 * A rank that ends through ``sys.exit(1)`` frees its peers at once (no exit barrier holds them for the
   collective timeout); a clean exit on every rank still leaves with status 0.
 * ``comm.startup_timeout_s`` holds from ``initialize`` to the first step; ``init_distributed`` without a

@@ -168,7 +168,7 @@ def test_int32_ids_and_labels_give_the_int64_loss_bitwise():
     batch["labels"][0, :4] = -100
     narrow = {k: v.int() for k, v in batch.items()}
     assert torch.equal(engine(**narrow), engine(**batch))
-    from plait.batch import BatchLimits, check_micro_batch   # the pipeline's check: int64 out
+    from plait.engine.batch import BatchLimits, check_micro_batch   # the pipeline's check: int64 out
     assert all(v.dtype == torch.int64 for v in check_micro_batch(narrow, BatchLimits(257, 256)).values())
 
 
@@ -211,7 +211,7 @@ def test_positions_past_the_table_are_refused_and_rope_scaling_extrapolates():
                                          r"ids must be in \[0, 16\)"):
         _steps_of(model, 16, position_ids=torch.arange(1, 17).expand(2, 16))
     assert _steps_of(_hf_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}), 24) == 1
-    from plait.batch import BatchLimits, batch_limits
+    from plait.engine.batch import BatchLimits, batch_limits
     assert batch_limits(_hf_llama().config) == BatchLimits(64, 16)
     assert batch_limits(None) == BatchLimits(None, None)
 

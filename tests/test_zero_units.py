@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import transformers
 
-from plait.engine_model import stage3_units
+from plait.engine.model import stage3_units
 from plait.zero import CommOptions, ZeroOptimizer, weight_decay_groups
 from zero_cases import MICRO_BS, STEPS, assert_weights, build, full_weights, make_model, reference, train
 

@@ -1,147 +1,60 @@
-"""``Engine.save_checkpoint`` / ``load_checkpoint``: model weights, ZeRO master weights and optimizer
-state as logical tensors, plus the engine's counters, schedule, loss scaler and RNG states.
+"""``Engine.save_checkpoint`` / ``load_checkpoint``: save any ``Checkpointable`` (``plait.checkpoint.contract``)
+and load into one, at any layout.
 
-What a rank writes (every element exactly once):
+What a rank writes (every element exactly once): its model chunks' weights (``model_io.model_shard_items``:
+dp rank 0; tp-replicated ones from tp rank 0; each pipeline stage its own layers), gathered first under
+ZeRO-3; and the optimizer's ZeRO pieces (``optimizer_io``). ``meta.json`` holds ``engine`` (steps, samples,
+optimizer hyper-parameters and scalar state, loss scaler, schedule), ``config`` (the resolved ds_config),
+``client_state``, ``data_loader`` when kept, and ``model_config`` / ``mesh`` from ``model_io``;
+``rank_meta.json`` holds each rank's RNG states.
 
-- model weights: ``model_io.model_shard_items`` (dp rank 0; tp-replicated ones from tp rank 0;
-  each pipeline stage its own layers), gathered first under ZeRO-3;
-- ``optimizer.master.<name>`` and ``optimizer.<state>.<name>``: each rank's ZeRO pieces of each
-  parameter (a flattened range of its tp-local shard), stored as boxes of the logical tensor with
-  vocabulary padding dropped; stage 0 (replicated) from dp rank 0 only; tp-replicated parameters
-  from tp rank 0 only; tied head copies not at all (the embedding's entries serve both).
-
-``meta.json`` holds ``engine`` (steps, samples, optimizer hyper-parameters and scalar state, loss
-scaler, schedule), ``config`` (the resolved ds_config), ``client_state``, and ``model_config`` /
-``mesh`` from ``model_io``; ``rank_meta.json`` holds each rank's RNG states. Loading reads only
-the boxes this rank's new layout needs, so tp, pp, dp, ZeRO stage all may change on resume.
+A load is one pass: the index (``CheckpointReader`` checks the whole checkpoint) -> the plan (every model
+chunk's parameters matched to their tensors, shapes and config checked, nothing changed yet) -> the reads
+into this rank's shards (model weights, then the optimizer's flat pieces, then RNG and trainer state). Only
+the boxes the new layout needs are read, so tp, pp, dp and the ZeRO stage all may change on resume.
 """
 from __future__ import annotations
 
-import math
-import re
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from plait.checkpoint.boxes import flat_range_boxes
+from plait.checkpoint.contract import Checkpointable, RngState, TrainerState
 from plait.checkpoint.errors import CheckpointError
-from plait.checkpoint.index import optimizer_key
 from plait.checkpoint.meta import tensor_from_json, tensor_to_json
-from plait.checkpoint.model_io import checkpoint_name, load_model_weights, model_meta, model_shard_items
+from plait.checkpoint.model_io import fill_model, model_meta, model_shard_items, plan_model_load
+from plait.checkpoint.optimizer_io import flat_reader, optimizer_items, param_table
 from plait.checkpoint.reader import CheckpointReader
-from plait.checkpoint.writer import CheckpointWriter, ShardItem
-from plait.parallel.sharding import TPShard, logical_parts, split_flat
 from plait.zero.flat import ShardState
 
-_CHUNK_PREFIX = re.compile(r"^\d+\.")
 
-
-def _chunks(engine) -> list:
-    return list(engine.pipeline.stage_modules) if engine.pipeline is not None else [engine.module]
-
-
-def _param_table(engine) -> dict:
-    """ZeRO slot name -> (the ``LogicalPart``s under their checkpoint names, parameter)."""
-    table = {}
-    strip = engine.pipeline is not None
-    chunk_params = {}
-    for chunk in _chunks(engine):
-        for name, p in chunk.named_parameters():
-            chunk_params[id(p)] = (name, chunk)
-    for name, p in engine.optimizer.module.named_parameters():
-        own, chunk = chunk_params.get(id(p), (_CHUNK_PREFIX.sub("", name) if strip else name, engine.module))
-        table[name] = (logical_parts(checkpoint_name(own, p, chunk), p), p)
-    return table
-
-
-def _logical_boxes(spec: TPShard, start: int, length: int):
-    """``(local_flat_offset, offsets, lengths)`` boxes of the logical tensor holding the flattened
-    local-shard elements ``[start, start + length)``; padding rows are left out."""
-    valid = None
-    tp_start = 0
-    if spec.dim is not None:
-        tp_start, tp_stop = spec.logical_range()
-        valid = tp_stop - tp_start
-    pos = 0
-    for offsets, lengths in flat_range_boxes(spec.local_shape, start, start + length):
-        n = 1
-        for s in lengths:
-            n *= s
-        offsets, lengths = list(offsets), list(lengths)
-        keep = lengths
-        if valid is not None:
-            d = spec.dim
-            rows = max(0, min(offsets[d] + lengths[d], valid) - offsets[d])
-            keep = lengths[:d] + [rows] + lengths[d + 1:]
-            offsets[d] += tp_start
-        yield pos, tuple(offsets), tuple(lengths), tuple(keep)
-        pos += n
-
-
-def _optimizer_items(engine, state: ShardState) -> list[ShardItem]:
-    mesh = engine.mesh
-    if state.replicated and mesh.rank("dp_cp") != 0:
-        return []
-    table = _param_table(engine)
-    items = []
-    for sl in state.slices:
-        parts, param = table[sl.name]
-        if getattr(param, "plait_tied_to", None):
-            continue
-        for part, start, length, pos in split_flat(parts, sl.start, sl.length):
-            if not part.spec.tp_split and mesh.tp_rank != 0:
-                continue
-            for kind, flat in [("master", sl.master)] + sorted(sl.state.items()):
-                items += _part_items(optimizer_key(kind, part.name), part.spec, flat[pos:pos + length], start)
-    return items
-
-
-def _part_items(key: str, spec: TPShard, flat: torch.Tensor, start: int) -> list[ShardItem]:
-    """``flat``, the local-shard elements ``[start, start + len(flat))`` of logical tensor ``key``'s
-    shard ``spec``, as ``ShardItem`` boxes (padding rows dropped)."""
-    items = []
-    for pos, offsets, lengths, keep in _logical_boxes(spec, start, flat.numel()):
-        box = flat[pos:pos + math.prod(lengths)].view(lengths)
-        if spec.dim is not None:
-            box = box.narrow(spec.dim, 0, keep[spec.dim])
-        if box.numel():
-            items.append(ShardItem(key, box.detach(), spec.logical_shape, offsets))
-    return items
-
-
-def _rng_state(engine) -> dict:
-    out = {"torch": tensor_to_json(torch.get_rng_state())}
-    if torch.cuda.is_available() and engine.mesh.device.type == "cuda":
-        out["cuda"] = tensor_to_json(torch.cuda.get_rng_state())
-    for i, chunk in enumerate(_chunks(engine)):
-        tracker = getattr(chunk, "rng", None)
-        if tracker is not None:
-            out[f"tracker{i}"] = {k: tensor_to_json(v) for k, v in tracker.get_states().items()}
-    return out
-
-
-def _engine_meta(engine, state: ShardState, client_state: dict) -> dict:
-    sched = engine.lr_scheduler
+def _engine_meta(state: ShardState, trainer: TrainerState, client_state: dict) -> dict:
     meta = {
         "engine": {
             "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
-            "global_samples": engine.global_samples, "zero_stage": state.stage,
+            "global_samples": trainer.global_samples, "zero_stage": state.stage,
             "optimizer_groups": {str(k): {"hyper": {h: list(v) if isinstance(v, tuple) else v
                                                      for h, v in g["hyper"].items()},
                                           "scalars": g["scalars"], "elementwise": g["elementwise"],
                                           "state_dtype": g.get("state_dtype", "fp32")}
                                  for k, g in state.groups.items()},
             "loss_scaler": state.loss_scaler,
-            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "lr_scheduler": trainer.lr_scheduler,
         },
-        "config": engine.config.to_dict(),
+        "config": trainer.config,
         "client_state": client_state,
     }
-    loader = getattr(engine, "data_loader", None)
-    if loader is not None and hasattr(loader, "state_dict"):
-        meta["data_loader"] = loader.state_dict()
-    return model_meta(_chunks(engine)[0], engine.mesh, meta)
+    if trainer.data_loader is not None:
+        meta["data_loader"] = trainer.data_loader
+    return meta
+
+
+def _rng_to_json(rng: RngState) -> dict:
+    out = {"torch": tensor_to_json(rng.cpu)}
+    if rng.cuda is not None:
+        out["cuda"] = tensor_to_json(rng.cuda)
+    for i, states in rng.trackers.items():
+        out[f"tracker{i}"] = {k: tensor_to_json(v) for k, v in states.items()}
+    return out
 
 
 def _refuse_nonfinite(state: ShardState, save_dir, tag: str, device) -> None:
@@ -160,49 +73,25 @@ def _refuse_nonfinite(state: ShardState, save_dir, tag: str, device) -> None:
                               "it (engine.load_checkpoint) and look for the step that diverged")
 
 
-def save_engine(engine, save_dir, tag, client_state: dict, async_save: bool, keep_last: int | None = None):
-    """Collective; returns the checkpoint writer's handle (``.wait()`` it for async saves)."""
-    tag = tag or f"global_step{engine.global_steps}"
-    state = engine.optimizer.shard_state()
-    _refuse_nonfinite(state, save_dir, tag, engine.mesh.device)
-    writer = getattr(engine, "_checkpoint_writer", None)
-    if writer is None or str(writer.root) != str(save_dir) or writer.keep_last != keep_last:
-        if writer is not None:
-            writer.wait()
-        writer = engine._checkpoint_writer = CheckpointWriter(save_dir, keep_last=keep_last)
-    with engine.optimizer.gathered_parameters():
-        items = [item for chunk in _chunks(engine) for item in model_shard_items(chunk, engine.mesh)]
-        items += _optimizer_items(engine, state)
-        return writer.save(tag, items, _engine_meta(engine, state, client_state),
-                           rank_meta=_rng_state(engine), async_=async_save)
+def save_engine(target: Checkpointable, save_dir, tag, client_state: dict, async_save: bool,
+                keep_last: int | None = None):
+    """Save ``target`` as ``save_dir/tag`` (default tag ``global_step<N>``). Collective; returns the checkpoint
+    writer's handle (``.wait()`` it for async saves).
 
-
-def _flat_reader(reader: CheckpointReader, table: dict, load_optimizer_states: bool):
-    """``read(slot_name, kind, start, length)`` for ``ZeroOptimizer.load_shard_state``."""
-    names = set(reader.names())
-
-    def read(slot: str, kind: str, start: int, length: int) -> torch.Tensor:
-        parts, _ = table[slot]
-        out = [_read_part(reader, names, kind, part, lo, n) for part, lo, n, _ in split_flat(parts, start, length)]
-        return torch.cat(out) if out else torch.zeros(0)
-
-    return read
-
-
-def _read_part(reader: CheckpointReader, names: set, kind: str, part, start: int, length: int) -> torch.Tensor:
-    """float32 elements ``[start, start + length)`` of ``part``'s local shard, padding rows zero."""
-    spec = part.spec
-    key = optimizer_key(kind, part.name)
-    if kind == "master" and key not in names:
-        key = part.name                             # no master saved (e.g. a converted checkpoint)
-    out = []
-    for _, offsets, lengths, keep in _logical_boxes(spec, start, length):
-        got = reader.read(key, offsets, keep, dtype=torch.float32)
-        if keep != lengths:
-            d = spec.dim
-            got = F.pad(got, [0, 0] * (got.dim() - 1 - d) + [0, lengths[d] - keep[d]])
-        out.append(got.reshape(-1))
-    return torch.cat(out) if out else torch.zeros(0)
+    Raises:
+        CheckpointError: a rank's master weights or optimizer state hold inf/nan (nothing is written), or as
+            ``CheckpointWriter.save``.
+    """
+    tag = tag or f"global_step{target.global_steps}"
+    state = target.optimizer.shard_state()
+    _refuse_nonfinite(state, save_dir, tag, target.mesh.device)
+    writer = target.checkpoint_writer.writer(save_dir, keep_last)
+    chunks = target.model_chunks()
+    with target.optimizer.gathered_parameters():
+        items = [item for chunk in chunks for item in model_shard_items(chunk, target.mesh)]
+        items += optimizer_items(param_table(chunks, target.optimizer), state, target.mesh)
+        meta = model_meta(chunks[0], target.mesh, _engine_meta(state, target.trainer_state(), client_state))
+        return writer.save(tag, items, meta, rank_meta=_rng_to_json(target.rng_state()), async_=async_save)
 
 
 def _saved_state(meta: dict) -> ShardState:
@@ -214,35 +103,46 @@ def _saved_state(meta: dict) -> ShardState:
     return ShardState([], groups, e["loss_scaler"], e["global_steps"], e["skipped_steps"], e["zero_stage"], 0, 0)
 
 
-def load_engine(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                strict: bool, allow_config_change: bool = False):
-    """Collective; returns ``(checkpoint path, client_state)``."""
-    reader = CheckpointReader(load_dir, tag)
-    meta = reader.meta
-    with engine.optimizer.gathered_parameters():
-        for chunk in _chunks(engine):
-            load_model_weights(chunk, reader, strict=strict, allow_config_change=allow_config_change)
-    has_engine = "engine" in meta
-    state = _saved_state(meta) if has_engine and load_optimizer_states else None
-    engine.optimizer.load_shard_state(_flat_reader(reader, _param_table(engine), state is not None), state)
-    if has_engine:
-        e = meta["engine"]
-        engine.global_samples = e.get("global_samples", 0)
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and e.get("lr_scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(e["lr_scheduler"])
+def _saved_trainer_state(meta: dict, load_lr_scheduler_states: bool) -> TrainerState:
+    e = meta.get("engine")
+    return TrainerState(global_samples=e.get("global_samples", 0) if e is not None else None,
+                        lr_scheduler=e.get("lr_scheduler") if e is not None and load_lr_scheduler_states else None,
+                        data_loader=meta.get("data_loader"))
+
+
+def _saved_rng(reader: CheckpointReader, mesh) -> RngState | None:
+    """This rank's saved RNG states; None when the checkpoint was saved by another number of ranks."""
     rank_meta = reader.rank_meta()
-    if rank_meta is not None and len(rank_meta) == engine.mesh.world_size:
-        mine = rank_meta[engine.mesh.global_rank]
-        torch.set_rng_state(tensor_from_json(mine["torch"]))
-        if "cuda" in mine and engine.mesh.device.type == "cuda":
-            torch.cuda.set_rng_state(tensor_from_json(mine["cuda"]))
-        for i, chunk in enumerate(_chunks(engine)):
-            tracker = getattr(chunk, "rng", None)
-            if tracker is not None and f"tracker{i}" in mine:
-                tracker.set_states({k: tensor_from_json(v) for k, v in mine[f"tracker{i}"].items()})
-    loader = getattr(engine, "data_loader", None)
-    if loader is not None and "data_loader" in meta and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(meta["data_loader"])
+    if rank_meta is None or len(rank_meta) != mesh.world_size:
+        return None
+    mine = rank_meta[mesh.global_rank]
+    trackers = {int(k[len("tracker"):]): {n: tensor_from_json(v) for n, v in states.items()}
+                for k, states in mine.items() if k.startswith("tracker")}
+    return RngState(tensor_from_json(mine["torch"]), tensor_from_json(mine["cuda"]) if "cuda" in mine else None,
+                    trackers)
+
+
+def load_engine(target: Checkpointable, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                strict: bool, allow_config_change: bool = False):
+    """Load checkpoint ``load_dir/tag`` (default: ``latest``) into ``target`` (the module docstring's one pass).
+    Collective; returns ``(checkpoint path, client_state)``.
+
+    Raises:
+        CheckpointError: as ``CheckpointReader`` and ``model_io.load_model_weights`` (shapes, config, with
+            ``strict`` missing or unexpected weights), before any parameter is changed.
+    """
+    reader = CheckpointReader(load_dir, tag)
+    meta, chunks = reader.meta, target.model_chunks()
+    with target.optimizer.gathered_parameters():
+        plans = [plan_model_load(chunk, reader, strict, allow_config_change)[0] for chunk in chunks]
+        for chunk, plan in zip(chunks, plans):
+            fill_model(chunk, reader, plan)
+    state = _saved_state(meta) if "engine" in meta and load_optimizer_states else None
+    target.optimizer.load_shard_state(flat_reader(reader, param_table(chunks, target.optimizer)), state)
+    rng = _saved_rng(reader, target.mesh)
+    if rng is not None:
+        target.load_rng_state(rng)
+    target.load_trainer_state(_saved_trainer_state(meta, load_lr_scheduler_states))
     path = str(reader.path)
     reader.close()
     return path, meta.get("client_state", {})

@@ -70,6 +70,11 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
+def is_tied_copy(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a tied copy (``plait_tied_to``): stored only under the original's name."""
+    return bool(getattr(param, TIED_ATTR, None))
+
+
 def checkpoint_name(name: str, param: torch.Tensor, model: nn.Module | None = None) -> str:
     """The logical name a parameter is stored under: its own, or for a tied copy the original's.
 
@@ -252,6 +257,15 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
     """
     if not isinstance(reader, CheckpointReader):
         reader = CheckpointReader(reader, tag)
+    plan, report = plan_model_load(model, reader, strict, allow_config_change)
+    fill_model(model, reader, plan, device)
+    return report
+
+
+def plan_model_load(model: nn.Module, reader: CheckpointReader, strict: bool = True,
+                    allow_config_change: bool = False) -> tuple[list, LoadReport]:
+    """``load_model_weights``' checks and plan, changing nothing: the ``(param, LogicalPart)`` pairs to read
+    (for ``fill_model``) and the ``LoadReport``. Raises as ``load_model_weights``."""
     if not allow_config_change:
         check_model_config(model, reader)
     plan, report = _plan_load(model, reader)
@@ -259,9 +273,14 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
         raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
                               f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
                               f"pass strict=False to load the rest")
+    return plan, report
+
+
+@torch.no_grad()
+def fill_model(model: nn.Module, reader: CheckpointReader, plan: list, device=None) -> None:
+    """Read ``plan`` (from ``plan_model_load``) into ``model``'s parameters, then its buffers."""
     _fill_parameters(model, reader, plan, device)
     _fill_buffers(model, reader, device)
-    return report
 
 
 def _fill_buffers(model: nn.Module, reader: CheckpointReader, device) -> None:

@@ -1,6 +1,6 @@
 """Monitor sections of a ds_config: ``csv_monitor``, ``tensorboard``, ``wandb`` (DeepSpeed's
 ``deepspeed.monitor.config`` keys and defaults). The engine writes DeepSpeed's events to each enabled one
-(``plait.monitor``): ``Train/Samples/train_loss``, ``Train/Samples/lr`` and, with fp16,
+(``plait.engine.monitor``): ``Train/Samples/train_loss``, ``Train/Samples/lr`` and, with fp16,
 ``Train/Samples/loss_scale``, against the number of samples trained so far."""
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class ActivationCheckpointingConfig:
 @dataclass(frozen=True)
 class CompileConfig:
     """``compile``: regional ``torch.compile`` of each transformer block inside ``initialize``, as
-    torchtitan does (``plait.engine_compile``); the ZeRO hooks, activation checkpointing and the pipeline
+    torchtitan does (``plait.engine.compile``); the ZeRO hooks, activation checkpointing and the pipeline
     schedule stay outside the compiled regions.
 
     On when ``enabled`` is true, or ``disable`` is false (DeepSpeed 0.13-0.14's spelling), or
@@ -208,7 +208,7 @@ class NonFiniteGuardConfig:
 class GarbageCollectionConfig:
     """``garbage_collection`` (plait): ``interval`` > 0 turns Python's automatic cyclic collector off for the
     process and runs a full collection after every ``interval``-th optimizer step, the same step on every
-    rank (``plait.gc_schedule``; Megatron-LM's ``--manual-gc-interval``); 0 leaves the collector alone."""
+    rank (``plait.engine.gc_schedule``; Megatron-LM's ``--manual-gc-interval``); 0 leaves the collector alone."""
 
     interval: int = 0
 

@@ -12,7 +12,7 @@
   into an empty cache.
 * model build copy (``Settings.model_build``): a model built from its config on the host holds every parameter
   in fp32 (4 B/param; ``transformers.LlamaForCausalLM(config)``) until ``plait.initialize`` moves it to the GPU
-  (``plait.engine_model.on_device``: ``model.to(device)``, parameter by parameter, before ZeRO allocates
+  (``plait.engine.model.on_device``: ``model.to(device)``, parameter by parameter, before ZeRO allocates
   anything), so it and the states peak apart; ``plait.hf.from_pretrained`` (meta parameters, checkpoint slices
   read per segment: ``plait.zero.weights.SafetensorsWeights.read``) and models built on the GPU hold none.
 * host states: the plan's rows (``plait.fit.plan``): fp32 masters (``plait.zero.build.materialize``), gradient

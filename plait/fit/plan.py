@@ -122,7 +122,7 @@ class Plan:
 
 def unit_sizes(shape: ModelShape, stage: int) -> list[int]:
     """Elements of the units of placement in forward order: ZeRO-3's units (embedding, each block, final norm,
-    head: ``plait.engine_model.stage3_units``), below stage 3 each parameter in registration order."""
+    head: ``plait.engine.model.stage3_units``), below stage 3 each parameter in registration order."""
     h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
         shape.ffn_hidden_size
     block = [shape.block_params] if stage == 3 else [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h, h, h]

@@ -55,8 +55,8 @@ def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
     kind = opt_cfg.type.lower()
     fused = {"fused": True} if device_type == "cuda" else {}
     if kind in ("adam", "adamw"):
-        if params.pop("state_dtype", "fp32") != "fp32":   # served by HostOptimizer: plait.engine_offload
-            raise ConfigError("optimizer.params.state_dtype other than fp32 is built by plait.engine_offload."
+        if params.pop("state_dtype", "fp32") != "fp32":   # served by HostOptimizer: plait.engine.offload
+            raise ConfigError("optimizer.params.state_dtype other than fp32 is built by plait.engine.offload."
                               "engine_optimizer (the HostOptimizer kernels)")
         if not params.pop("bias_correction", True):
             raise ConfigError("optimizer.params.bias_correction = false is not supported by torch's Adam; "

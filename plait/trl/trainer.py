@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.config import ConfigError
-from plait.engine_model import stage3_units
+from plait.engine.model import stage3_units
 from plait.hf.config_fill import fill_from_args, hf_hidden_size
 from plait.hf.trainer import Trainer, initialize_keeping_rng
 

@@ -1,4 +1,4 @@
-"""GPU check of the deferred micro-batch check (plait.batch.screen_micro_batch), run on a lent GPU:
+"""GPU check of the deferred micro-batch check (plait.engine.batch.screen_micro_batch), run on a lent GPU:
 
     python tests/gpu/run_input_checks_gpu.py
 
@@ -14,8 +14,8 @@ import sys
 import torch
 
 import plait
-import plait.engine_guard as guard_mod
-from plait.batch import screen_micro_batch
+import plait.engine.guard as guard_mod
+from plait.engine.batch import screen_micro_batch
 from plait.layers import TransformerModel
 from plait.models import preset
 from plait.parallel import ParallelMesh

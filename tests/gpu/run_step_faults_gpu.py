@@ -1,4 +1,4 @@
-"""GPU check of the agreed micro-batch verdict (``plait.engine_guard``), run on one lent GPU:
+"""GPU check of the agreed micro-batch verdict (``plait.engine.guard``), run on one lent GPU:
 
     python tests/gpu/run_step_faults_gpu.py
 

@@ -36,7 +36,7 @@ class OffloadOptions:
             Below 1: Adam/AdamW, compute weights on the device (no ``param``), no pipeline (``final_at_step``).
         final_at_step: the gradients are final only at ``step()``, not when backward lands them: the caller
             edits them between backward and ``step()`` (a pipeline sums its tied embedding copies' gradients
-            after its schedule, ``plait.engine_pipeline``) or one micro-batch lands a segment several times
+            after its schedule, ``plait.engine.pipeline``) or one micro-batch lands a segment several times
             (interleaved pipeline chunks run one backward each). Every landing is then a partial sum; norms
             (host, float64) and host steps start at ``step()`` (deferred mode, still overlapped with the next
             forward): no early steps, no device-side norms, no device share. The engine sets it for pipelines.

@@ -11,7 +11,7 @@ dtype (int32 from a tokenizer) to int64 once.
 With autograd on (training) a micro-batch is screened (``screen_micro_batch``): the model computes on a
 stand-in (ids clamped into range, sequences cut to the positions; identical for valid input) and the
 verdict is read at the accumulation boundary, where the engine agrees on it over every rank before the
-optimizer step (``plait.engine_guard``): one rank's bad micro-batch drops the step on every rank. A batch
+optimizer step (``plait.engine.guard``): one rank's bad micro-batch drops the step on every rank. A batch
 on the host is checked at once (one min/max per tensor, no device work); one already on a GPU without a
 host synchronization (the min/max go to pinned host memory behind an event; benchmarks/bench_input_checks.py
 measures both). A batch that cannot be computed at all (not a dict, ids that are not integers, an empty
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from plait.data.masking import IGNORE_INDEX
-from plait.engine_context import SEQUENCE_KEYS
+from plait.engine.context import SEQUENCE_KEYS
 
 _UNBOUNDED = 2 ** 62
 

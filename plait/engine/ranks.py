@@ -7,7 +7,7 @@ wait for each other.
   train a silently mixed model or abort in a collective naming nothing (``plait.parallel.agree``).
 * Timeouts: ``comm.startup_timeout_s`` holds on every group of the mesh from ``initialize`` on (a rank that
   stalls before the first step is caught after it), ``comm.timeout_s`` from the first applied step
-  (``plait.engine_guard``). A timeout the script passed to ``init_distributed`` holds for the whole run
+  (``plait.engine.guard``). A timeout the script passed to ``init_distributed`` holds for the whole run
   instead, and the config says so (``comm`` replaced, logged once).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -116,3 +117,14 @@ def start_up(config: PlaitConfig, model, mesh: ParallelMesh) -> PlaitConfig:
     check_ranks_agree(config, model, mesh)
     return config
 
+
+
+def dp_mean(loss: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """The mean of a scalar over the data-parallel (x context-parallel) ranks (collective; the value
+    itself at dp x cp 1), as a float32 tensor of shape ``[]`` on the mesh's device (no host sync)."""
+    group, size = mesh.group("dp_cp"), mesh.size("dp_cp")
+    if group is None or size == 1:
+        return loss
+    out = loss.detach().to(mesh.device, torch.float32).reshape(1)
+    dist.all_reduce(out, group=group)
+    return (out / size).reshape(())

@@ -5,7 +5,7 @@ them (``plait.zero.whole_gradients``) through the pipeline's one ``sum_tied_grad
 Under ZeRO-Offload (``zero_optimization.offload_optimizer``) stages 2-3 land each reduced gradient in a host
 shard from a worker thread during backward, so the tied sum first waits for those landings
 (``settle_landings``); the engine builds the offload with ``OffloadOptions(final_at_step=True)``
-(``plait.engine_offload``), so no norm or host step reads a gradient before that sum (``plait.zero.offload``)."""
+(``plait.engine.offload``), so no norm or host step reads a gradient before that sum (``plait.zero.offload``)."""
 from __future__ import annotations
 
 import torch

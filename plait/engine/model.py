@@ -111,3 +111,8 @@ def on_device(model, device: torch.device):
     if where and torch.device("meta") not in where and where != {device}:
         model = model.to(device)
     return model
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """``batch`` with its tensors on ``device`` (copied without blocking the host)."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -5,7 +5,7 @@
 * ``wall_clock_breakdown``: forward, backward and optimizer-step wall time in milliseconds, summed over
   the same window, printed after that line as ``time (ms) | forward: ... | backward: ... | step: ...``
   (each timed region ends with a device synchronization, so the times are the device's too);
-* monitors (``csv_monitor``, ``tensorboard``, ``wandb``; ``plait.monitor``): after every optimizer step the
+* monitors (``csv_monitor``, ``tensorboard``, ``wandb``; ``plait.engine.monitor``): after every optimizer step the
   events ``Train/Samples/train_loss`` (the step's mean micro-batch loss on rank 0), ``Train/Samples/lr``
   (the first param group's) and, with fp16, ``Train/Samples/loss_scale``; with ``wall_clock_breakdown`` also
   ``Train/Samples/elapsed_time_ms_{forward,backward,step}``; each at the step's number of samples trained.
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from plait.monitor import Monitor
+from plait.engine.monitor import Monitor
 
 log = logging.getLogger("plait")
 
@@ -43,7 +43,7 @@ class StepReport:
         wall_clock_breakdown: time forward, backward and step. rank: this process's global rank (only
         rank 0 prints and writes). device: the compute device (synchronized around timed regions).
         gradient_accumulation_steps: micro-batches per step (a step's loss is their mean).
-        monitors: from ``plait.monitor.build_monitors``.
+        monitors: from ``plait.engine.monitor.build_monitors``.
     """
 
     def __init__(self, steps_per_print: int, wall_clock_breakdown: bool, rank: int, device: torch.device,

@@ -84,7 +84,7 @@ def check_pipeline_offload(z) -> None:
     """The offload settings a pipeline engine refuses (``z``: the config's ``zero_optimization``).
 
     With a pipeline the engine sums the tied embedding copies' gradients after the schedule, in the host
-    gradient shards (``plait.engine_pipeline``), so the offload takes every gradient as final only at
+    gradient shards (``plait.engine.pipeline``), so the offload takes every gradient as final only at
     ``step()`` (``OffloadOptions.final_at_step``). A device share of the host step keeps its gradients on the
     device, out of reach of that sum.
 

@@ -1,6 +1,6 @@
 """What keeps a bad step from destroying a run, around the engine's training loop (``Engine`` holds one).
 
-* Micro-batches: each is screened (``plait.batch``); its verdict is read at the accumulation boundary,
+* Micro-batches: each is screened (``plait.engine.batch``); its verdict is read at the accumulation boundary,
   before the optimizer step, and agreed over every rank (one all-reduce of a flag per step; the texts are
   gathered only when some rank saw a bad one): a bad micro-batch on any rank drops the step's accumulation
   on every rank, and every rank raises the same error naming the rank(s) and the problem.
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from plait.batch import BatchLimits, screen_micro_batch
+from plait.engine.batch import BatchLimits, check_micro_batch, screen_micro_batch
 from plait.config import PlaitConfig
 from plait.parallel.launch import set_collective_timeout
 from plait.zero.precision import NonFiniteError
@@ -31,7 +31,7 @@ class RunGuard:
         optimizer: the ``ZeroOptimizer`` (its gradients are dropped for a bad micro-batch; its skip
             counters and loss scaler are read). config: the resolved ``PlaitConfig`` (``nonfinite_guard``,
             ``comm``). groups: the process groups whose collective timeout is set (None entries skipped).
-        limits: the model's ``plait.batch.BatchLimits`` (vocabulary, positions).
+        limits: the model's ``plait.engine.batch.BatchLimits`` (vocabulary, positions).
         device: where the agreement's flag is all-reduced (the engine's device: a GPU under NCCL).
         pipelined: the engine runs a pipeline, whose micro-batches are agreed on when pulled
             (``agree``), so ``before_step`` has nothing to agree on.
@@ -41,7 +41,7 @@ class RunGuard:
                  pipelined: bool):
         self.optimizer, self.config, self.groups = optimizer, config, tuple(groups)
         self.limits, self.device, self.pipelined = limits, device, pipelined
-        self.pending: list = []   # plait.batch verdicts (Verdict, PendingCheck) of this step's micro-batches
+        self.pending: list = []   # plait.engine.batch verdicts (Verdict, PendingCheck) of this step's micro-batches
         self.loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
         self.last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
         self.scale_before: float | None = None   # the fp16 loss scale the last step ran at
@@ -79,6 +79,33 @@ class RunGuard:
         error = agreed_error(problem, self.device)
         if error is not None:
             raise error
+
+    def pull(self, data_iter, n: int, step: int, check: bool) -> list[dict]:
+        """The ``n`` (``gradient_accumulation_steps``) micro-batches of step ``step`` from ``data_iter``. With
+        ``check`` each is checked (``plait.engine.batch.check_micro_batch``) and the verdict agreed over every
+        rank (``agree``) before any computes.
+
+        Raises:
+            ValueError: the iterator ran out (naming how many of ``n`` it gave); a bad micro-batch on any rank.
+        """
+        it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
+        out, problem = [], None
+        for i in range(n):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
+                                 f"{step} (gradient_accumulation_steps={n}); "
+                                 "give train_batch an iterator with enough batches (or one that cycles)") from None
+            if check:
+                try:
+                    batch = check_micro_batch(batch, self.limits)
+                except (TypeError, ValueError) as err:
+                    problem = problem or err
+            out.append(batch)
+        if check:
+            self.agree(problem)
+        return out
 
     def after_step(self, applied: bool, global_steps: int) -> None:
         """After the optimizer step: end start-up (short timeout) or count towards the skip limit."""

@@ -34,6 +34,8 @@ import types
 import torch
 from torch import nn
 
+from plait.config import ConfigError
+
 #: attribute marking a module whose ``forward`` this module compiled
 COMPILED_ATTR = "_plait_compiled_forward"
 
@@ -107,3 +109,26 @@ def compiled_backend(module: nn.Module):
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``compile_regions`` compiled any region of ``module``."""
     return compiled_backend(module) is not None
+
+
+def compile_engine_model(module: nn.Module, pipeline, backend: str, compile_kwargs: dict | None, schedule,
+                         compiled_autograd_enabled: bool, deepcompile: bool) -> None:
+    """``Engine.compile``: refuse what it does not serve, warn about what it does differently, then
+    ``compile_regions`` (see ``Engine.compile`` for the errors)."""
+    if schedule is not None or compiled_autograd_enabled:
+        raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
+                         "call engine.compile(backend, compile_kwargs) without them")
+    if pipeline is not None and str(pipeline.schedule).startswith("zb"):
+        raise ConfigError(f"compile with pipeline schedule {pipeline.schedule!r}: a compiled block "
+                          "is one autograd node, which the zero-bubble split would run whole in both its "
+                          "input- and weight-gradient passes; use schedule '1f1b' or 'interleaved', or "
+                          "compile off")
+    before = compiled_backend(module)
+    if before is not None and before != backend:
+        logging.getLogger("plait").warning("engine.compile: the model is compiled with backend %r already; "
+                                           "backend %r is not applied", before, backend)
+    if deepcompile:
+        logging.getLogger("plait").warning(
+            "config: compile.deepcompile = true is accepted: plait compiles each transformer block with "
+            "torch.compile (its ZeRO hooks stay outside the compiled regions) instead of DeepCompile's passes")
+    compile_regions(module, backend, compile_kwargs)
