@@ -2,8 +2,7 @@
 
 Subcommands live in :data:`COMMANDS`: each is a :class:`Command` with a name, a one-line help, a function
 that adds its arguments to an ``argparse`` parser, and a function that runs it and returns the exit status.
-Adding a subcommand (e.g. ``convert``) means writing those two functions and one table entry; import heavy
-modules inside ``run`` so ``plait --help`` stays fast.
+Heavy modules are imported inside ``run`` so ``plait --help`` stays fast.
 
     plait estimate-memory CONFIG_JSON|PRESET [--gpu-gib 80] [--micro 4] [--seq 2048] [--act-ckpt] [--ds-config X]
     plait estimate-memory --params 7e9 --dp 8 --stage 3 [--offload-optimizer] [--offload-param]

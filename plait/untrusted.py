@@ -1,12 +1,10 @@
 """Files someone else wrote: confined to their folder, regular, and read with a bound.
 
-A checkpoint, a Hugging Face folder or a tokenizer from elsewhere must never make plait open a file outside
-its folder (a name such as ``../x`` or ``/etc/x`` in an index, or a symlink leading out), block on a FIFO, or
-read an endless device or a huge file into memory. Every loader reaches such files through this module:
+Every loader of a checkpoint, Hugging Face folder or tokenizer from elsewhere reaches its files here, so a
+name such as ``../x`` or a symlink leading out, a FIFO, or an endless or huge file is refused:
 
 - ``inside(folder, name)``: the path of ``name`` in ``folder``, refused when it (symlinks resolved) leads out
-  of the folder. A Hugging Face hub snapshot (``<repo>/snapshots/<rev>/``, whose files link to
-  ``<repo>/blobs/``) is confined to its repository's cache folder ``<repo>``.
+  of the folder (a hub snapshot is confined to its repository's cache folder).
 - ``file_size(path)``: the size of a regular file; a FIFO, device, socket or directory is refused.
 - ``read_small`` / ``read_json`` / ``read_text``: a regular file of at most :data:`SMALL_FILE_CAP` bytes.
 - ``hf_weight_files(folder)``: the tensor -> file map of a Hugging Face safetensors folder.

@@ -4,16 +4,11 @@
     # was: from accelerate import Accelerator, DeepSpeedPlugin; from accelerate.utils import DummyOptim, ...
 
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config="ds_config.json"))
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
-    for batch in train_dl:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)                 # engine.backward + engine.step
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
 Launch with ``torchrun`` or ``python -m plait.accelerate.launch``. ``DeepSpeedPlugin``, ``DummyOptim`` and
 ``DummyScheduler`` are accelerate's own classes (from ``accelerate.utils.deepspeed``). Needs accelerate (the
-``hf`` extra). Details: ``docs/accelerate.md``.
+``hf`` extra). The methods and the training loop: ``docs/accelerate.md``.
 """
 from accelerate.utils import DeepSpeedPlugin
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler

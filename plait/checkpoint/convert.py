@@ -1,18 +1,15 @@
 """Checkpoint conversion: Hugging Face directories <-> plait checkpoints, consolidation, inspection.
 
-- ``from_hf(hf_dir, out_root, tag="hf")`` (``plait.checkpoint.hf_import``): a Hugging Face
-  directory -> a plait checkpoint of whole logical tensors.
-- ``to_hf(plait_root, out_dir)`` (``plait.checkpoint.hf_export``): a plait checkpoint of any
-  layout -> ``config.json`` plus safetensors weights loadable by ``transformers``.
-- ``consolidate(plait_root, out_file)`` and ``inspect(plait_root)`` / ``describe``
-  (``plait.checkpoint.inspection``): every logical tensor whole in one file; a readable listing.
-- ``from_gguf(folder, out_root)`` (``plait.checkpoint.hf_gguf``): a GGUF-only folder, dequantized by
-  transformers, -> a plait checkpoint; ``reshard(plait_root, out_root)`` (``plait.checkpoint.reshard``):
-  the files rewritten offline, every tensor whole.
+- ``from_hf(hf_dir, out_root, tag="hf")``: a Hugging Face directory -> a plait checkpoint.
+- ``to_hf(plait_root, out_dir)``: a plait checkpoint of any layout -> ``config.json`` plus safetensors
+  weights loadable by ``transformers``.
+- ``consolidate(plait_root, out_file)`` and ``inspect(plait_root)`` / ``describe``: every logical tensor
+  whole in one file; a readable listing.
+- ``from_gguf(folder, out_root)``: a GGUF-only folder, dequantized by transformers, -> a plait checkpoint;
+  ``reshard(plait_root, out_root)``: the files rewritten offline, every tensor whole.
 
-The name rules and config mappings per architecture are in ``plait.models`` (one module per
-family), dispatched by ``plait.checkpoint.hf``. This module keeps the names the ``plait convert``
-command and users import from here.
+This module keeps the names the ``plait convert`` command and users import; each lives in its own module
+of ``plait.checkpoint`` (``docs/checkpoints.md``), and the per-architecture name rules in ``plait.models``.
 """
 from plait.checkpoint.hf_export import TOKENIZER_FILES, ExportReport, parse_size, to_hf
 from plait.checkpoint.hf_import import (HF_CONFIG, HF_INDEX, HF_KEY, HF_WEIGHTS, ConvertReport, HFWeights, from_hf,

@@ -1,29 +1,15 @@
 """Save and load a model's weights in any tensor/pipeline/data-parallel layout.
 
-``save_model_weights`` is collective over the writer's group (every rank calls it); each rank
-contributes only the boxes it owns, so every logical element is written exactly once:
+``save_model_weights`` is collective over the writer's group (every rank calls it); each rank contributes
+only the boxes it owns, so every logical element (tp shards, replicated tensors, expert shards, training-state
+buffers, each pipeline stage's layers) is written exactly once; a tied head copy (``plait_tied_to``) is not
+saved. ``load_model_weights`` fills every local parameter of any layout from any saved layout, reading only
+this rank's box of each tensor (``read_tp_shard``); vocabulary padding rows are zero-filled.
 
-- tp-sharded parameters: the unpadded part of the local shard, from dp rank 0 only;
-- tp-replicated parameters (norms, row-parallel biases, position tables): from tp rank 0 of dp
-  rank 0 only;
-- expert-parallel shards (a mixture of experts' expert weights, ``TPShard.axis == "ep"``): each ep rank's
-  experts from tp rank 0 of its first expert-data-parallel rank, so a checkpoint stores every expert once, as
-  part of the logical ``[E, ...]`` tensor, and loads at any ep;
-- buffers that are training state (a module's ``checkpointed_buffers``, e.g. ``MoE.expert_bias``): whole,
-  from tp rank 0 of dp rank 0 (every rank holds the same); a checkpoint without them (a Hugging Face import)
-  leaves them as they are;
-- pipeline stages: each stage saves the layers it built;
-- a tied head copy (a parameter with ``plait_tied_to``, the output weight of a head that lives on
-  another pipeline stage than the embedding) is not saved; the embedding's stage saves it.
-
-``load_model_weights`` fills every local parameter of any layout from any saved layout, reading
-only this rank's box of each tensor (``read_tp_shard``); vocabulary padding rows are zero-filled.
-
-The checkpoint's ``meta.json`` holds the architecture under :data:`MODEL_CONFIG_KEY`
-(``TransformerConfig.to_dict()``) and the saving layout under :data:`MESH_KEY`, so a checkpoint
-knows what it is; ``config_from_meta`` rebuilds the config. Names starting with
-:data:`EXTRA_PREFIX` (tensors kept only for Hugging Face export, e.g. BERT's pooler) and
-``optimizer.`` are not model weights and are ignored by ``load_model_weights``.
+``meta.json`` holds the architecture under :data:`MODEL_CONFIG_KEY` (``TransformerConfig.to_dict()``) and the
+saving layout under :data:`MESH_KEY`; ``config_from_meta`` rebuilds the config. Names starting with
+:data:`EXTRA_PREFIX` (kept only for Hugging Face export) or ``optimizer.`` are not model weights and are
+ignored on load. Which rank writes what: ``docs/checkpoints.md``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Collective, crash-safe checkpoint save: every rank writes its slices, rank 0 publishes.
 
-Steps of one save (``CheckpointWriter.save``; all ranks of ``group`` call it together):
+``CheckpointWriter.save`` (all ranks of ``group`` call it together, inline or in a background thread):
+every rank writes its slices to ``rank<RRRRR>.safetensors`` in a temporary ``<root>/.tmp-<tag>-<nonce>/``
+that rank 0 created, fsyncing each and computing CRC-32s; rank 0 checks that the slices of every tensor tile
+it exactly, writes ``meta.json`` and last ``index.json``, renames the folder to ``<root>/<tag>``, replaces
+``latest`` and prunes to ``keep_last``; every rank raises the same ``CheckpointError`` on failure.
 
-1. Every rank checks its arguments (tag, JSON metadata); in async mode it also copies its
-   tensors to host memory. The rest runs inline, or in a background thread (async).
-2. Rank 0 creates ``<root>/.tmp-<tag>-<nonce>/`` and broadcasts its name.
-3. Every rank writes its slices to ``rank<RRRRR>.safetensors`` there (more files when
-   ``max_file_bytes`` is set), fsyncing each, and computes CRC-32s while writing.
-4. Rank 0 gathers the slice descriptors (or the errors), checks that the slices of every tensor
-   tile it exactly, writes ``meta.json`` (+ ``rank_meta.json``) and finally ``index.json``,
-   fsyncs the directory, renames it to ``<root>/<tag>``, fsyncs the root, replaces ``latest``
-   atomically, and prunes to ``keep_last``.
-5. Rank 0 broadcasts the outcome; every rank raises the same ``CheckpointError`` on failure.
-
-Ranks must share the file system holding ``root``. One writer per root at a time.
+Ranks must share the file system holding ``root``. One writer per root at a time. The steps in order, with
+each fsync: ``docs/checkpoints.md``.
 """
 from __future__ import annotations
 

@@ -6,16 +6,11 @@ its import line::
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset,
         config="ds_config.json")
-    for batch in loader:
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint("ckpt", client_state={"epoch": 1})
 
-Names, keyword arguments, return values and counters are DeepSpeed's (``deepspeed.initialize``,
-``deepspeed.init_distributed``, ``deepspeed.add_config_arguments``, ``deepspeed.zero.GatheredParameters``,
-``deepspeed.comm``). Where plait cannot do what DeepSpeed would, it raises, naming the argument and the
-alternative; it never ignores an argument that changes training. plait's own API is ``plait.initialize``.
+Names, keyword arguments, return values and counters are DeepSpeed's (``initialize``, ``init_distributed``,
+``add_config_arguments``, ``zero.GatheredParameters``, ``comm``). Where plait cannot do what DeepSpeed would,
+it raises, naming the argument and the alternative; it never ignores an argument that changes training.
+plait's own API is ``plait.initialize``; see ``docs/migrating.md``.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Checks of a micro-batch at the engine's edge, before any rank computes with it.
 
-A token id outside the vocabulary does not fail where it is used: the vocabulary-parallel embedding and
-cross entropy (tp > 1) mask it and train on silently, torch's embedding at tp = 1 raises a bare
-``IndexError`` on the CPU and a device-side assert on CUDA, and a label past the vocabulary gives an
-``inf`` loss. A sequence longer than the model's positions trains silently under RoPE and fails in
-torch's embedding with learned positions. So the engine checks every micro-batch here first, against
-``BatchLimits`` read from the model's config, and casts token ids, labels and positions of any integer
-dtype (int32 from a tokenizer) to int64 once.
-
-With autograd on (training) a micro-batch is screened (``screen_micro_batch``): the model computes on a
-stand-in (ids clamped into range, sequences cut to the positions; identical for valid input) and the
-verdict is read at the accumulation boundary, where the engine agrees on it over every rank before the
-optimizer step (``plait.engine.guard``): one rank's bad micro-batch drops the step on every rank. A batch
-on the host is checked at once (one min/max per tensor, no device work); one already on a GPU without a
-host synchronization (the min/max go to pinned host memory behind an event; benchmarks/bench_input_checks.py
-measures both). A batch that cannot be computed at all (not a dict, ids that are not integers, an empty
-tensor) raises at once.
+Token ids and labels outside the vocabulary and sequences longer than the model's positions are caught here,
+against ``BatchLimits`` read from the model's config; token ids, labels and positions of any integer dtype
+are cast to int64 once. With autograd on, a micro-batch is screened (``screen_micro_batch``): the model
+computes on a stand-in (identical for valid input) and the verdict is agreed over every rank at the
+accumulation boundary (``plait.engine.guard``), so one rank's bad micro-batch drops the step on every rank.
+A batch that cannot be computed at all (not a dict, ids that are not integers, an empty tensor) raises at
+once. Why each check, and how a batch on a GPU is checked without a host sync: ``docs/engine.md``.
 """
 from __future__ import annotations
 

@@ -1,29 +1,11 @@
 """Regional compilation: ``torch.compile`` of each transformer block, the engine's ZeRO machinery outside.
 
-Compiling the whole training step (or the whole model) puts ZeRO's parameter gathers, gradient hooks and
-the pipeline schedule inside the traced region, where data-dependent Python and collectives break the
-graph. Compiling each transformer block instead (torchtitan's ``apply_compile``; Ansel et al.,
-"PyTorch 2", ASPLOS'24 for dynamo/inductor) gives inductor the fusions that matter -- norms, RoPE, the
-SwiGLU product, residual adds, dropout, the loss's softmax -- while the module hooks ZeRO-3 and ZeRO-Offload
-register on a block run eagerly around it: the block's ``forward`` is replaced by its compiled version (a method
-bound to the block, so ``copy.deepcopy`` gives a copy that computes with its own weights; pickling a
-whole compiled model is not supported, save its ``state_dict``), so ``nn.Module.__call__`` still runs
-the hooks, and parameter names (checkpoints) do not change.
-Activation checkpointing around a block (``recompute="full"``) stays outside the region and replays the
-compiled forward. All blocks share one compiled graph: dynamo treats a block's parameters as inputs.
-
-What still breaks a block's graph, and why: a ``torch.distributed`` collective that dynamo cannot
-trace (the tensor-parallel ``copy_to_tp`` / ``reduce_from_tp`` functions run c10d ops inside an
-autograd function), the RNG tracker's state forks around dropout (``torch.cuda.set_rng_state``), and
-selective recomputation's replaying closure. Each break splits the block into compiled pieces with
-eager code between them: the results are the same, only the fusions across the break are lost.
-
-A break inside a call nested in the block used to cut every frame on the way, each then running as two
-compiled pieces with their own guard checks and autograd node on the host: a MoE layer's read of sizes on
-the host (the expert-parallel all-to-all's split sizes, the per-expert loop's block sizes, with ``.tolist()``)
-four calls below the block's ``forward`` made six pieces of a block. Regions are traced with dynamo's
-``nested_graph_breaks`` (scoped to their calls, never set globally): dynamo resumes inside the nested frame,
-so a block runs as one piece more than it has breaks (the device sync itself stays).
+Each block's ``forward`` is replaced by its compiled version (a method bound to the block), so module hooks
+(ZeRO-3, ZeRO-Offload) still run eagerly around it and parameter names (checkpoints) do not change; all
+blocks share one compiled graph (torchtitan's ``apply_compile``; Ansel et al., "PyTorch 2", ASPLOS'24).
+Activation checkpointing stays outside the region. Pickling a whole compiled model is not supported (save
+its ``state_dict``). Regions are traced with dynamo's ``nested_graph_breaks``, scoped to their calls.
+Why per block, what still breaks a block's graph and what that costs: ``docs/engine.md``.
 """
 from __future__ import annotations
 

@@ -1,30 +1,12 @@
-"""The host side of a run's peak (VmHWM, the process's peak resident set), term by term.
+"""The host side of a run's peak (VmHWM, the process's peak resident set), term by term, in bytes.
 
     host peak = process + CPU optimizer runtime + max(model build copy, host states)
 
-* process (:data:`PROCESS_BASELINE_BYTES`): Python, torch and its CUDA libraries, the CUDA context's host side,
-  the loaded GPU kernels, NCCL: what a training process holds besides its tensors. Measured once: the first
-  plait record of ``benchmarks/results/offload_1xH200_session2.md`` (``bench_offload.py --part a``: plait's own
-  886M Llama built on the GPU, ZeRO-2 + offload_optimizer, pin_memory; nothing else on the host) minus its 16 B
-  per parameter of states and the runtime below.
-* CPU optimizer runtime (:data:`CPU_OPTIMIZER_RUNTIME_BYTES`, with ``offload_optimizer``): numba, llvmlite and
-  the compiled kernels (``plait.kernels``); ``benchmarks/probe_host_runtime.py`` on the CPU, kernels compiled
-  into an empty cache.
-* model build copy (``Settings.model_build``): a model built from its config on the host holds every parameter
-  in fp32 (4 B/param; ``transformers.LlamaForCausalLM(config)``) until ``plait.initialize`` moves it to the GPU
-  (``plait.engine.model.on_device``: ``model.to(device)``, parameter by parameter, before ZeRO allocates
-  anything), so it and the states peak apart; ``plait.hf.from_pretrained`` (meta parameters, checkpoint slices
-  read per segment: ``plait.zero.weights.SafetensorsWeights.read``) and models built on the GPU hold none.
-* host states: the plan's rows (``plait.fit.plan``): fp32 masters (``plait.zero.build.materialize``), gradient
-  shards (``ZeroOptimizer._build_masters``, page-locked at their exact size: ``plait.zero.pinned.host_empty``),
-  Adam moments (``plait.kernels.CPUAdam`` / ``CPUAdamStates``), the bf16 copy-out buffers
-  (``plait.zero.offload.copyback.CopyBack``: one per flat group, the groups the placement keeps on the GPU
-  included) and, with offload_param, the bf16 parameter shards (``materialize``: ``to_host``).
-
-Left out, each below 0.1 GiB in the recorded runs: the landing's staging buffers (only where the reduced
-gradient's dtype differs from the shard's, one segment at a time: ``plait.zero.offload.landing``), the weight
-reader's per-segment slices, the Trainer's batches (its DataLoader workers are processes of their own). The
-stage-3 gatherer and the device share allocate on the GPU only.
+:data:`PROCESS_BASELINE_BYTES` (Python, torch, CUDA and NCCL libraries; measured in
+``benchmarks/results/offload_1xH200_session2.md``), :data:`CPU_OPTIMIZER_RUNTIME_BYTES` (numba and the
+compiled kernels, with ``offload_optimizer``; ``benchmarks/probe_host_runtime.py``), the fp32 copy of a model
+built on the host (``Settings.model_build``), and the plan's host states (``plait.fit.plan``). What each
+term holds, and what is left out (each below 0.1 GiB in the recorded runs): ``docs/fit.md``.
 """
 from __future__ import annotations
 

@@ -2,24 +2,12 @@
 
 Model states follow plait's own accounting (``plait.zero.memory``, ``accounting="plait"``, from the ZeRO paper,
 Rajbhandari et al., SC'20, Sec. 3.1) and, with ``offload_optimizer``, plait's GPU-first placement
-(``plait.zero.offload.placement``: the first ``1 - ratio`` of the optimizer partition, in forward order and
-rounded to whole units, keeps its fp32 master, Adam moments and gradient shard in device memory). Per element
-with mixed precision (bf16/fp16 weights, Adam), ``g`` the gradient shard's bytes (2 with offload at gradient
-accumulation 1, where the shard stays bf16, ``plait.zero.build.grad_dtypes``; else 4):
-
-    GPU: weights 2 (stage 3: of the partition); without offload ``plait.zero.memory``'s stage rows, where at
-         stage 3 the fp32 gradient shard is allocated in backward and freed at the step, so it and the
-         activations peak apart (the larger counts); resident share (g + 4 + 8), the streamed device share's
-         gradients up to g x the host share (``device_step_fraction`` "auto", the default on a GPU with
-         pin_memory; it moves step by step and may take every host segment), stage 3's gathered units
-         (the two largest, bf16: the one running and the one prefetched; none where the weights on the GPU
-         are the whole model), activations and loss (``plait.fit.activations``)
-    host: host share (g + 4 + 8) + its bf16 copy-out buffer 2 (none with offload_param, whose host weight
-          shard of 2 takes its place; none for the resident share: ``plait.zero.offload.copyback.CopyBack``);
-          the peak adds the process, the CPU optimizer's runtime and the model build's copy (``plait.fit.host``)
+(``plait.zero.offload.placement``); activations and loss come from ``plait.fit.activations``, the host's
+process, runtime and model-build terms from ``plait.fit.host``. All sizes are bytes.
 
 A run fits when the GPU peak plus :data:`CUDA_CONTEXT_BYTES` and :data:`ALLOCATOR_SLACK_BYTES` is at most the
-GPU's memory and the host peak at most the host's.
+GPU's memory and the host peak at most the host's. The per-element rows (GPU and host, with and without
+offload, stage 3's gathered units): ``docs/fit.md``.
 """
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """The Trainer's ``output_dir/checkpoint-N/`` folders: written whole or not at all, and told apart on resume.
 
-A save (``write_folder``) fills ``output_dir/.tmp-checkpoint-N-<nonce>/``: every rank its engine shards
-(the engine's own crash-safe writer, tag ``global_stepN`` of that folder) and its RNG state, rank 0 the
-16-bit model and, last, ``trainer_state.json``. Every rank fsyncs what it wrote; the ranks then agree (a
-gather that carries each rank's error, so no rank renames before all have written), and only then rank 0
-renames the folder to ``checkpoint-N`` (``plait.checkpoint.dirs.publish``: an existing ``checkpoint-N`` is
-replaced through ``.old-``; the directory is fsynced), and every rank waits for that. A crash at any point
-leaves the earlier checkpoints as they were and at most a ``.tmp-`` folder, which the next save removes and
-which transformers' ``get_last_checkpoint`` never sees.
+A save (``write_folder``) fills ``output_dir/.tmp-checkpoint-N-<nonce>/`` (every rank its engine shards and
+RNG state, rank 0 the 16-bit model and last ``trainer_state.json``); only after every rank has written and
+fsynced does rank 0 rename it to ``checkpoint-N`` (``plait.checkpoint.dirs.publish``). A crash leaves the
+earlier checkpoints as they were and at most a ``.tmp-`` folder, which the next save removes.
 
-A folder named ``checkpoint-N`` can still be incomplete (left by an older plait, copied in part) or damaged;
-``problem`` says why. ``resume_folder`` resolves ``resume_from_checkpoint``: True takes the newest complete
-one, passing over each newer incomplete one with a one-line warning; a path naming an incomplete one is
-refused. ``rotate`` (``save_total_limit``) counts and deletes complete checkpoints only.
+``problem`` says why a ``checkpoint-N`` folder is incomplete or damaged. ``resume_folder`` resolves
+``resume_from_checkpoint`` (True: the newest complete one, warning once per newer incomplete one; a path
+naming an incomplete one is refused). ``rotate`` (``save_total_limit``) counts and deletes complete
+checkpoints only. The save in order: ``docs/hf.md``.
 """
 from __future__ import annotations
 

@@ -2,36 +2,10 @@
 DeepSpeed integration does (``HfTrainerDeepSpeedConfig.trainer_config_process`` / ``_finalize``), and refuse
 a value that is not "auto" and disagrees with the arguments, naming both.
 
-The pairs (ds_config key <- TrainingArguments):
-
-    train_micro_batch_size_per_gpu   per_device_train_batch_size
-    gradient_accumulation_steps      gradient_accumulation_steps
-    train_batch_size                 per_device_train_batch_size x gradient_accumulation_steps x dp
-    gradient_clipping                max_grad_norm
-    optimizer.params.lr              learning_rate
-    optimizer.params.betas           [adam_beta1, adam_beta2]
-    optimizer.params.eps             adam_epsilon
-    optimizer.params.weight_decay    weight_decay
-    scheduler.params.warmup_min_lr   0 (filled only)
-    scheduler.params.warmup_max_lr   learning_rate
-    scheduler.params.warmup_num_steps  max(1, get_warmup_steps(max_steps))  (DeepSpeed >= 0.19.6 refuses 0)
-    scheduler.params.total_num_steps   max_steps
-    zero_optimization.reduce_bucket_size                 h x h      (filled only; h: the model's hidden size,
-    zero_optimization.stage3_prefetch_bucket_size        0.9 h x h   as ``hf_hidden_size`` finds it; the two
-    zero_optimization.stage3_param_persistence_threshold 10 h        stage-3 keys at ZeRO stage 3 only)
-    fp16.enabled                     fp16 or fp16_full_eval
-    bf16.enabled                     bf16 or bf16_full_eval
-
-A micro-batch or accumulation key the config does not give takes the argument's value, as accelerate
-does (the Hugging Face test configs give no batch key; the engine's are checked against the arguments);
-``bf16=True`` (``fp16=True``) adds a ``bf16`` (``fp16``, with ``auto_cast``) section the config lacks, as
-accelerate's DeepSpeed plugin does.
-Beyond transformers' table: a ``ddp_timeout`` the script set (not its default) becomes both ``comm`` timeouts
-when the config sets neither (the Trainer starts the process group with it; plait's engine would otherwise
-apply its own collective timeouts), logged once.
-
-The table is transformers' (``trainer_config_process`` and ``trainer_config_finalize``); tests/test_hf_config_fill.py
-checks every key against the installed transformers' own code.
+The key table (batch triple, clipping, optimizer and scheduler params, ZeRO bucket sizes from the model's
+hidden size, fp16/bf16) and what plait adds beyond it (missing batch keys, precision sections, ``ddp_timeout``
+as the ``comm`` timeouts) are in ``docs/hf.md``; tests/test_hf_config_fill.py checks every key against the
+installed transformers' own code.
 """
 from __future__ import annotations
 

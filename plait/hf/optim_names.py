@@ -1,25 +1,12 @@
 """``TrainingArguments.optim`` on plait's engine: the names plait serves become the ds_config's ``optimizer``
 section, the names it cannot serve are refused, the rest stay the Trainer's ``create_optimizer``.
 
-Served (AdamW with ``lr``, ``betas = (adam_beta1, adam_beta2)``, ``eps = adam_epsilon``, ``weight_decay`` as
-transformers passes them; the Trainer's weight-decay groups: no decay on biases and norms):
-
-    adamw_torch_8bit, adamw_bnb_8bit, adamw_8bit,   state_dtype "int8": 8-bit block-wise moments
-    paged_adamw_8bit                                 (plait.kernels.quant, blocks of 256 with a float32 scale)
-    paged_adamw_32bit                                state_dtype "fp32"
-    adamw_anyprecision                               state_dtype from optim_args momentum_dtype/variance_dtype
-                                                     (both float32: "fp32", both bfloat16: "bf16")
-
-"paged" is bitsandbytes' unified-memory paging of the states; the math is the same, and plait's way of
-keeping states off the GPU is ``zero_optimization.offload_optimizer`` (with ``ratio``/device share). bitsandbytes
-keeps 32-bit states for tensors under 4096 elements; plait quantizes every master shard in blocks of 256.
-
-Refused (``REFUSED``): low-precision states of optimizers other than AdamW, and optimizers whose update reads a
-whole matrix (factored or projected moments, per-tensor scaling), which ZeRO's flat master shards do not hold.
-
-A ds_config with its own ``optimizer`` section wins, as transformers' DeepSpeed integration does
-(``deepspeed_optim_sched``: ``DummyOptim`` when the config has "optimizer"); a non-default ``optim`` is then
-logged once.
+Served: the AdamW names (8-bit, paged, ``adamw_anyprecision``), each mapped to a ``state_dtype``
+(``"int8"``, ``"fp32"``, ``"bf16"``), with ``lr``, betas, eps and weight decay as transformers passes them
+and no decay on biases and norms. Refused (``REFUSED``): low-precision states of optimizers other than AdamW,
+and optimizers whose update reads a whole matrix, which ZeRO's flat master shards do not hold. A ds_config
+with its own ``optimizer`` section wins, as in transformers' DeepSpeed integration (a non-default ``optim``
+is then logged once). The name table and how "paged" maps to plait: ``docs/hf.md``.
 """
 from __future__ import annotations
 

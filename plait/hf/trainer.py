@@ -6,31 +6,11 @@ A Trainer script moves from DeepSpeed to plait by its import line::
     args = TrainingArguments(output_dir="out", deepspeed="ds_config.json", ...)
     Trainer(model=model, args=args, train_dataset=ds, data_collator=collate).train()
 
-What stays transformers': the arguments, callbacks, logging, evaluation (``evaluate`` runs the model
-under the engine, ZeRO-3 parameters gathered by its hooks), ``TrainerState``. What is plait's: the
-training loop below (one engine step per ``gradient_accumulation_steps`` micro-batches), checkpoints and
-``save_model``.
-
-* The optimizer and schedule: the ds_config's sections when present ("auto" values from the arguments,
-  ``plait.hf.config_fill``); otherwise the Trainer's own (``args.optim``: 8-bit/paged AdamW as plait's state_dtype,
-  ``plait.hf.optim_names``; no decay on biases and norms; ``args.lr_scheduler_type``), as with DeepSpeed.
-* The loss: as transformers computes it: an accumulation step's micro-batches are read together, their label
-  tokens counted over the ranks (``get_batch_samples``), and a model that takes loss kwargs divides by that
-  count (the engine then does not divide by the accumulation steps); other models' losses are averaged over
-  micro-batches and ranks. The data order and RNG draws are transformers' (its ``get_train_dataloader``).
-* Checkpoints: ``output_dir/checkpoint-N/`` holds plait's sharded engine checkpoint (any dp/ZeRO layout can
-  resume from it), ``trainer_state.json``, the ranks' RNG states and, when the weights can be gathered,
-  the 16-bit model (``save_model``). It appears whole or not at all (written in a temporary folder, renamed
-  when every rank has written: ``plait.hf.checkpoints``). ``train(resume_from_checkpoint=...)`` loads the
-  engine checkpoint and skips the micro-batches already trained; ``True`` takes the newest complete folder.
-* ``save_model(dir)``: the whole model in its training dtype, written by rank 0 with the model's
-  ``save_pretrained`` (``from_pretrained`` loads it), the processing class beside it. Under ZeRO-3 it
-  needs ``stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed); otherwise it logs and writes none.
-* A model from ``plait.hf.from_pretrained`` (parameters on the meta device) gets its weights from its
-  checkpoint folder, each rank reading only its ZeRO-3 shards.
-* Tensor and pipeline parallelism need plait's own layers (``plait.layers``); this Trainer trains
-  Hugging Face models with ZeRO data parallelism (stages 0-3, offload), which is what ds_configs
-  written for the Trainer ask for.
+transformers keeps the arguments, callbacks, logging, evaluation and ``TrainerState``; plait owns the
+training loop (one engine step per ``gradient_accumulation_steps`` micro-batches, the loss as transformers
+computes it), checkpoints (``plait.hf.checkpoints``) and ``save_model``. The optimizer and schedule come
+from the ds_config (``plait.hf.config_fill``) or from ``args.optim`` (``plait.hf.optim_names``). ZeRO data
+parallelism only (stages 0-3, offload): tp and pp need ``plait.layers``. Details: ``docs/hf.md``.
 """
 from __future__ import annotations
 

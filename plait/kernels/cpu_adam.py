@@ -1,11 +1,7 @@
 """Adam / AdamW on the host over flat float32 buffers, fused with the bf16/fp16 copy-out (numba).
 
-Adam: Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", Algorithm 1, with the
-step size folded as in torch.optim.Adam (``lr / (1 - beta1^t)`` and ``sqrt(v) / sqrt(1 - beta2^t) + eps``).
-Weight decay either as an L2 term added to the gradient (``adamw_mode=False``, torch.optim.Adam) or
-decoupled (``adamw_mode=True``, Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization",
-Algorithm 2, torch.optim.AdamW: ``w *= 1 - lr * weight_decay`` before the Adam update).
-
+Kingma & Ba 2015, Algorithm 1, step size folded as in torch.optim.Adam; weight decay as an L2 term
+(``adamw_mode=False``) or decoupled (``adamw_mode=True``, Loshchilov & Hutter 2019, as torch.optim.AdamW).
 Per element ``i`` and step ``t`` (all float32; ``g = grad * grad_coef``)::
 
     adamw: w = w * (1 - lr*wd)        adam: g = g + wd * w
@@ -13,6 +9,8 @@ Per element ``i`` and step ``t`` (all float32; ``g = grad * grad_coef``)::
     v = beta2 * v + (1 - beta2) * g * g
     w = w - (lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps))      bc_k = 1 - beta_k^t (or 1 when off)
     out = round_nearest_even(w) to bf16/fp16                      (when a low-precision copy is given)
+
+Sources and the flat-buffer design: ``docs/kernels.md``.
 """
 from __future__ import annotations
 

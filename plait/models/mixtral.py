@@ -5,14 +5,9 @@ mixture of SwiGLU experts (``plait.layers.MoE``): the router's softmax over the 
 ``moe_top_k`` (2 in Mixtral 8x7B) renormalized to sum to 1 (``moe_router_order="softmax_topk"``,
 ``moe_normalize_topk=True``), dropless (every token reaches its experts, as in transformers).
 
-Expert weights on the hub are one ``Linear`` per expert, ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3``
-(up) and ``w2`` (down), with the router at ``block_sparse_moe.gate``. transformers 5 holds them fused in
-memory (``mlp.experts.gate_up_proj`` ``[E, 2 ffn, h]``, ``mlp.experts.down_proj`` ``[E, h, ffn]``,
-``mlp.gate.weight``), converts the hub names on load and writes them back on ``save_pretrained`` (5.24
-saves the per-expert names). An import reads either layout; an export writes the hub's.
-
-The balance loss coefficient maps to HF's ``router_aux_loss_coef`` but weighs balancing about
-``num_layers`` times more in plait (per-block losses, not one pooled loss; ``docs/layers.md``).
+An import reads both the hub's per-expert names (``block_sparse_moe.experts.{j}.w1/w3/w2``) and
+transformers 5's fused ones; an export writes the hub's. The balance loss coefficient maps to HF's
+``router_aux_loss_coef`` but weighs balancing about ``num_layers`` times more in plait (``docs/layers.md``).
 """
 from __future__ import annotations
 

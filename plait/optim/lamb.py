@@ -8,13 +8,9 @@ the ``1 - b^t`` factors)::
     r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w         (weight decay inside r)
     w = w - lr * clip(||w|| / ||r||, min_coeff, max_coeff) * r           (ratio 1 if either norm is 0)
 
-Algorithm 2 scales by ``phi(||w||) / ||r||``; like DeepSpeed's FusedLamb (whose ``min_coeff`` /
-``max_coeff``, defaults 0.01 and 10, plait accepts) plait clips the ratio itself. Over whole
-parameters (``step`` without segments) each parameter is one tensor. Over ZeRO's flat fp32 shards
-(stages 0-3, any tp; ``plait.optim.lamb_segments.attach_lamb_segments``, which the engine calls)
-``set_segments`` maps shard elements to logical tensors (a fused q/k/v counts as three) and sums the
-float64 squared norms over the ranks sharing a tensor, so the ratio equals one process's. Not
-offered with ``offload_optimizer`` (no host kernel).
+Over whole parameters each parameter is one tensor; over ZeRO's flat fp32 shards ``set_segments``
+(``plait.optim.lamb_segments``) maps shard elements to logical tensors, so the ratio equals one process's.
+Not offered with ``offload_optimizer``. The clipped ratio against Algorithm 2's ``phi``: ``docs/optim.md``.
 """
 from __future__ import annotations
 

@@ -1,21 +1,17 @@
 """DeepSpeed's learning-rate schedules, with DeepSpeed's parameter names and step semantics.
 
 Each schedule sets ``lr`` of every param group of the optimizer it wraps at construction (step
--1 -> the warm-up start) and on every ``step()``; ``state_dict()`` is a plain dict
-(``{"last_batch_iteration": n}``) so checkpoints stay JSON. With ``t`` the step index and
-``W = max(2, warmup_num_steps)`` warm-up steps, the warm-up fraction is ``log(t + 1) / log(W)``
-("log", DeepSpeed's default) or ``t / W`` ("linear"):
+-1 -> the warm-up start) and on every ``step()``; ``state_dict()`` is ``{"last_batch_iteration": n}``.
+With ``t`` the step index and ``W = max(2, warmup_num_steps)``, the warm-up fraction is
+``log(t + 1) / log(W)`` ("log", DeepSpeed's default) or ``t / W`` ("linear"):
 
-* ``WarmupLR``: ``min_lr + (max_lr - min_lr) * frac`` during warm-up, then ``max_lr``.
-* ``WarmupDecayLR``: the same warm-up, then linear decay ``min_lr + (max_lr - min_lr) * (T - t) / (T - W)``
-  down to ``min_lr`` at ``total_num_steps = T``.
-* ``WarmupCosineLR``: a ratio of each group's initial lr: from ``warmup_min_ratio`` to 1 during
-  warm-up, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * progress)) / 2`` with
-  ``progress = min(1, (t - W + 1) / max(1, T - W))``.
+* ``WarmupLR``: warm-up from ``min_lr`` to ``max_lr``, then ``max_lr``.
+* ``WarmupDecayLR``: the same warm-up, then linear decay to ``min_lr`` at ``total_num_steps = T``.
+* ``WarmupCosineLR``: a ratio of each group's initial lr, ``warmup_min_ratio`` -> 1, then cosine to
+  ``cos_min_ratio``.
 
-Built directly, the classes check what DeepSpeed's check (``warmup_num_steps >= 1``); a ds_config's
-``scheduler.params`` are range-checked when the config is read (``plait.config.schema_optim``:
-``T >= warmup_num_steps >= 1``, ratios in [0, 1], lrs >= 0 with ``min_lr <= max_lr``).
+Built directly, the classes check ``warmup_num_steps >= 1`` (as DeepSpeed). The formulas and the ranges a
+ds_config is checked against: ``docs/optim.md``.
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """Tensor-parallel collectives as autograd functions, in mirrored pairs.
 
-Each forward collective has its adjoint as backward (Shoeybi et al., "Megatron-LM",
-2019, Sec. 3 for f/g; Korthikanti et al., "Reducing Activation Recomputation in Large
-Transformer Models", 2022, Sec. 4.2.2 for sequence parallelism):
+Each forward collective has its adjoint as backward (Shoeybi et al., "Megatron-LM", 2019, Sec. 3 for f/g;
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Sec. 4.2.2 for
+sequence parallelism): ``copy_to_tp`` / ``reduce_from_tp`` (identity <-> all-reduce),
+``scatter_to_tp`` / ``gather_from_tp`` (last dim), ``scatter_to_sp`` / ``gather_from_sp`` and
+``reduce_scatter_to_sp`` (sequence dim); the table of each pair's forward and backward is in
+``docs/tensor-parallel.md``.
 
-==========================  ==========================  ==========================
-function                    forward                     backward
-==========================  ==========================  ==========================
-copy_to_tp                  identity                    all-reduce
-reduce_from_tp              all-reduce                  identity
-scatter_to_tp (last dim)    keep own chunk              all-gather
-gather_from_tp (last dim)   all-gather                  keep own chunk
-scatter_to_sp (seq dim)     keep own chunk              all-gather
-gather_from_sp (seq dim)    all-gather                  reduce-scatter
-reduce_scatter_to_sp        reduce-scatter              all-gather
-==========================  ==========================  ==========================
-
-``group=None`` (or a group of size 1) makes every function the identity, so the same
-layer code runs in a single process. Activations are ``[batch, seq, ...]``; the
-sequence dim is 1.
+``group=None`` (or a group of size 1) makes every function the identity, so the same layer code runs in a
+single process. Activations are ``[batch, seq, ...]``; the sequence dim is 1.
 """
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
 """ParallelMesh: the (pp, dp, cp, tp) grid of ranks and its process groups.
 
-Rank layout follows Megatron-LM and torchtitan: tp varies fastest (neighbouring
-ranks, same node, fastest links), then cp (context parallel: ranks that split each sequence,
-``plait.parallel.context``), then dp, then pp. For world size W = pp*dp*cp*tp, global rank r sits at
+Rank layout follows Megatron-LM and torchtitan: tp varies fastest, then cp (context parallel), then dp,
+then pp. For world size W = pp*dp*cp*tp, global rank r sits at
 ``(pp_rank, dp_rank, cp_rank, tp_rank) = (r // (dp*cp*tp), (r // (cp*tp)) % dp, (r // tp) % cp, r % tp)``.
-The cp ranks of a dp rank see the same samples (each its part of every sequence), so their parameter
-gradients add up like those of dp ranks: ZeRO shards and reduces over the ``dp x cp`` ranks together
-(``group("dp_cp")``, FSDP's ``dp_shard_cp``); with cp = 1 that group is the dp group.
+ZeRO shards and reduces over ``group("dp_cp")`` (the dp group when cp = 1). Expert parallelism splits the dp
+ranks: ``ep`` divides ``dp``, ``dp_rank = edp_rank * ep + ep_rank``, and an expert's parameters are
+replicated over ``group("edp")`` (``dp`` when ``ep = 1``).
 
-Expert parallelism (``ep``, ``plait.layers.MoE``) splits each mixture-of-experts layer's experts over ``ep``
-ranks carved out of the dp ranks, as in Megatron-Core and torchtitan: ``ep`` divides ``dp``, the ep ranks are
-neighbouring dp ranks (``dp_rank = edp_rank * ep + ep_rank``) and exchange their tokens by all-to-all. Every
-other parameter is replicated over all dp ranks; an expert's parameters only over the ``dp / ep`` ranks
-with the same ep rank (``group("edp")``, expert data parallel). Without ep (``ep = 1``) ``edp`` is ``dp``.
-
-The mesh is an ordinary object passed explicitly to every layer, optimizer and
-schedule that needs it; plait keeps no module-level process-group state.
+The mesh is an ordinary object passed explicitly to every layer, optimizer and schedule that needs it;
+plait keeps no module-level process-group state. Why this order and these groups:
+``docs/tensor-parallel.md``.
 """
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """RNG tracking for dropout under tensor parallelism and activation recomputation.
 
-Two named random streams per model (Shoeybi et al., "Megatron-LM", 2019, Sec. 3, "hybrid
-model and data parallelism" / dropout seeding):
+Two named random streams per model (Shoeybi et al., "Megatron-LM", 2019, Sec. 3): ``"replicated"``,
+seeded identically on every tp rank (dropout where activations are replicated over tp), and ``"tp"``,
+seeded with ``seed + 2718 + tp_rank`` (dropout where activations are split over tp).
 
-* ``"replicated"``: seeded identically on every tp rank. Used where activations are
-  replicated over tp (residual-stream dropout without sequence parallelism), so every tp
-  rank draws the same mask and the replicas stay identical.
-* ``"tp"``: seeded with ``seed + 2718 + tp_rank``. Used where activations are split over
-  tp (attention-probability dropout on a rank's heads, dropout on a sequence-parallel
-  shard), so each rank draws its own mask.
-
-``tracker.fork(name)`` swaps the stream into the device's default generator for the
-duration of the block (so any torch op, e.g. SDPA's fused dropout, draws from it), then
-stores the advanced state back. ``checkpoint(fn, *args, tracker=...)`` is activation
-recomputation that also rewinds the tracker's streams, so recomputed dropout masks equal
-the original ones bit for bit. The tracker is an ordinary object owned by the model; there
-is no global registry.
+``tracker.fork(name)`` swaps the stream into the device's default generator for the duration of the block,
+then stores the advanced state back. ``checkpoint(fn, *args, tracker=...)`` is activation recomputation
+that also rewinds the tracker's streams, so recomputed dropout masks equal the original ones bit for bit.
+The tracker is an ordinary object owned by the model; there is no global registry. Which dropout uses
+which stream: ``docs/tensor-parallel.md``.
 """
 from __future__ import annotations
 

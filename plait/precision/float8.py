@@ -1,20 +1,13 @@
 """Float8 training (the ds_config's ``fp8`` section) through torchao's float8 recipes, applied in one place.
 
-``convert_to_float8`` swaps, in place, every linear layer of a model that float8 serves:
-
-* plait's ``ColumnParallelLinear`` (fused q/k/v and gate/up included) and ``RowParallelLinear`` for the
-  float8 layers of ``plait.precision.float8_layers`` (tensor and sequence parallel kept exact: see there);
-* a Hugging Face model's ``nn.Linear`` layers for torchao's ``Float8Linear`` (``convert_to_float8_training``).
-
-Left in high precision: modules matched by ``fp8.exclude``; layers whose local weight is not a multiple of 16
-in both dimensions (``torch._scaled_mm`` needs it; the same rule on a CPU, so that CPU tests convert what a GPU
-converts); plait's ``LMHead``, embeddings, MoE experts and routers (they are not linear layers).
-
-The swap keeps the parameter tensors themselves (names, dtypes, ZeRO's flat buffers, checkpoints are those of
-the high-precision model: float8 is a compute format) and must run before ``torch.compile`` traces the blocks
-and before ZeRO collects parameters; ``plait.engine`` calls it first. torchao: Float8LinearConfig recipes
-(https://github.com/pytorch/ao/tree/main/torchao/float8); formats: Micikevicius et al., "FP8 Formats for Deep
-Learning", 2022.
+``convert_to_float8`` swaps, in place, every linear layer of a model that float8 serves: plait's
+``ColumnParallelLinear`` and ``RowParallelLinear`` for the layers of ``plait.precision.float8_layers``, a
+Hugging Face model's ``nn.Linear`` for torchao's ``Float8Linear``. Left in high precision: modules matched by
+``fp8.exclude``, layers whose local weight is not a multiple of 16 in both dimensions, plait's ``LMHead``,
+embeddings, MoE experts and routers. Parameter tensors are kept (names, dtypes, ZeRO's flat buffers,
+checkpoints); the swap must run before ``torch.compile`` and before ZeRO collects parameters, and
+``plait.engine`` calls it first. Sources (torchao's ``Float8LinearConfig``; Micikevicius et al., "FP8
+Formats for Deep Learning", 2022) and the reasons for each rule: ``docs/kernels.md``.
 """
 from __future__ import annotations
 
