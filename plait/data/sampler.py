@@ -20,28 +20,15 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 class DistributedBatches:
     """Micro-batches ``{"input_ids": [b, s], "labels": [b, s]}`` (int64) for one data-parallel rank.
 
-    Order. Each epoch ``e`` has one global order ``perm = epoch_permutation(N, seed, e)`` shared by
-    all ranks. A step consumes the next ``G = micro_batch_size * dp_size`` samples of it, and dp rank
-    ``r`` takes the ``r``-th block of ``b = micro_batch_size``::
-
-        step k, rank r:  perm[p + r*b : p + (r+1)*b]    where p = k*G (+ the resume position)
-
-    so the micro-batches of ranks 0..dp-1 at one step, concatenated, are exactly the next ``dp``
-    micro-batches of the dp=1 order, and shards are disjoint. Only ``dp_rank``/``dp_size`` matter:
-    tensor- and pipeline-parallel ranks of one replica pass the same dp rank and get identical
-    batches. With gradient accumulation, consecutive micro-batches form one global batch.
-
-    Resume rule. ``position`` counts *global* samples of the current epoch already handed out (by
-    all ranks); it advances by ``G`` per step and is the same on every rank. ``state_dict()`` is
-    ``{"epoch", "position", "seed", "num_samples"}`` (plain ints). Resuming continues at
-    ``perm[position]`` whatever the new ``dp_size`` or ``micro_batch_size``, so the stream never
-    repeats or skips a sample; only the dropped epoch tail (below) depends on ``G``.
-
-    Epoch end. With ``drop_last=True`` a step happens only while ``position + G <= N``; the
-    remaining ``(N - position) % G`` samples of the epoch are dropped. With ``drop_last=False`` the
-    last step takes what is left, so a rank's final micro-batch may be short or empty (``[0, s]``):
-    every rank still runs the same number of steps, keeping collectives matched. When no step is
-    left, the epoch counter moves on and ``position`` returns to 0.
+    Each epoch ``e`` has one global order ``perm = epoch_permutation(N, seed, e)`` shared by all ranks; a
+    step consumes the next ``G = micro_batch_size * dp_size`` samples of it, and dp rank ``r`` takes the
+    ``r``-th block of ``micro_batch_size``, so the ranks' micro-batches of one step, concatenated, are the
+    dp=1 order's. Tensor- and pipeline-parallel ranks of one replica pass the same dp rank and get identical
+    batches. ``state_dict()`` is ``{"epoch", "position", "seed", "num_samples"}`` (plain ints; ``position``
+    counts the epoch's global samples handed out); resuming continues at ``perm[position]`` at any new
+    ``dp_size`` or ``micro_batch_size``. With ``drop_last=False`` a rank's final micro-batch may be short or
+    empty (``[0, s]``) so that every rank runs the same number of steps. The order, resume and epoch-end
+    rules in full: ``docs/data.md``.
 
     Iterating yields the rest of the current epoch; iterate again for the next epoch.
 
@@ -51,7 +38,7 @@ class DistributedBatches:
         micro_batch_size: samples per rank per step (``b``).
         dp_rank, dp_size: this rank's data-parallel coordinate, ``0 <= dp_rank < dp_size``.
         seed: shuffle seed, the same on all ranks.
-        drop_last: see "Epoch end".
+        drop_last: drop the epoch's last ``(N - position) % G`` samples (False: a last, short step).
         shuffle: False keeps the dataset order (``perm = arange(N)``), e.g. for evaluation.
 
     Raises ValueError for bad sizes or ranks, or if ``drop_last`` and ``N < G`` (no full step).

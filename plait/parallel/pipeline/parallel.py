@@ -80,15 +80,8 @@ class PipelineParallel:
             "zb-v", or when nothing is tied).
         slice_tp: whether transfers carry tp parts (the resolved ``slice_tp`` argument).
 
-    What crosses a stage boundary, per micro-batch and per tp rank: the activation of
-    ``activation_shape(batch)`` forward and its gradient backward, to the same tp rank of the neighbouring
-    stage; whole, or with ``slice_tp`` this rank's ``ceil(b*s*h / tp)`` elements, all-gathered over the tp
-    group by the reader (``docs/pipeline.md``, "Tensor-parallel slices").
-
-    Tied parameters: when the chunks are ``tied_across_stages`` (e.g. the head on the last stage
-    holds a copy of the embedding on stage 0), their gradients are summed over a 2-rank group per
-    (dp, tp) coordinate, built here collectively (every rank of the world must construct
-    PipelineParallel, in the same order).
+    Construction is collective (every rank of the world constructs PipelineParallel, in the same order).
+    What crosses a stage boundary and how tied copies are summed: ``docs/pipeline.md``.
 
     Raises:
         TypeError: a chunk lacks a ``StageChunk`` member (named).

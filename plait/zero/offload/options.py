@@ -27,19 +27,17 @@ class OffloadOptions:
             the rest (``plait.zero.offload.device_share``); 0: everything on the CPU. ``"auto"``: after
             every step, move the split towards equal CPU and device times (exact either way). Adam/AdamW,
             GAS 1, weights on the device. None (default): ``"auto"`` where the module is on a CUDA device,
-            those conditions hold and ``pin_memory`` is on, else 0. A device share keeps its segments'
-            reduced gradients on the device until the step (the share x the partition x 4 bytes, fp32).
+            those conditions hold and ``pin_memory`` is on, else 0. Device memory: the share x the
+            partition x 4 bytes (fp32 reduced gradients kept until the step); ``docs/offload.md``.
         ratio: the fraction, in [0, 1], of the optimizer partition (elements) whose fp32 masters and Adam
             moments live in host memory (DeepSpeed's ``offload_optimizer.ratio``); the first ``1 - ratio`` in
             forward order keep theirs in device memory for the whole run and are stepped there, with the same
             roundings as the host kernels (``plait.zero.offload.placement``). 1 (default): all on the host.
             Below 1: Adam/AdamW, compute weights on the device (no ``param``), no pipeline (``final_at_step``).
-        final_at_step: the gradients are final only at ``step()``, not when backward lands them: the caller
-            edits them between backward and ``step()`` (a pipeline sums its tied embedding copies' gradients
-            after its schedule, ``plait.engine.pipeline``) or one micro-batch lands a segment several times
-            (interleaved pipeline chunks run one backward each). Every landing is then a partial sum; norms
-            (host, float64) and host steps start at ``step()`` (deferred mode, still overlapped with the next
-            forward): no early steps, no device-side norms, no device share. The engine sets it for pipelines.
+        final_at_step: the gradients are final only at ``step()``, not when backward lands them (a
+            pipeline's tied-gradient sum, interleaved chunks): norms and host steps start at ``step()``
+            (deferred mode); no early steps, no device share. The engine sets it for pipelines; why:
+            ``docs/offload.md``, "Gradient accumulation and pipelines".
 
     Raises:
         ValueError: ``device_step_fraction`` neither None, "auto" nor in [0, 1); ``ratio`` not in [0, 1].
