@@ -15,25 +15,19 @@ def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None, tries: int = 16)
     two chunks per rank in the "v" placement (rank ``r`` holds stages ``r`` and ``2p-1-r``), the backward
     split into BI and BW as in :func:`zb_h1`.
 
-    The lists come from a greedy list scheduler run in time order: a free rank starts the first ready
-    action of BI (chunk 0 first), F (chunk 1 first; only while fewer than ``2p`` of its chunk-forwards
-    await their BW, 1F1B's first-rank peak of ``p`` whole stages), then BW (oldest first); else it idles
-    until an action ends. On unit costs (one chunk's F = BI = BW; the paper's setting, Sec. 3.1) a step
-    takes ``6m + p - 1`` units for ``m >= 2p`` and p in {1, 2, 3, 4, 8} (the bound: rank ``p-1`` waits
-    ``p-1`` before its first forward; at most 2 more for p in 5..7, ``tests/test_zb_v.py``; up to about
-    ``p/3`` more beyond 8), against ``6m + 2(p-1)`` for ZB-H1 and ``6m + 6(p-1)`` for 1F1B. Any ``m >= 1``
-    works (small m leaves more bubble).
+    The lists come from a greedy list scheduler run in time order, at most ``2p`` chunk-forwards per rank
+    awaiting their BW. On unit costs a step takes ``6m + p - 1`` units for ``m >= 2p`` and p in
+    {1, 2, 3, 4, 8} (ZB-H1: ``6m + 2(p-1)``); any ``m >= 1`` works. The scheduler's rules and bounds:
+    ``docs/pipeline.md``.
 
     Args:
         costs: measured or estimated durations per virtual stage, ``{"F": [...], "BI": [...], "BW": [...]}``
             with ``2p`` values each (any unit; e.g. ``stage_costs`` of the executor's timeline), for which
-            the scheduler then plans (as the paper's schedules are planned on profiled times, Sec. 4). Real
-            stages differ: the first stage's BI is empty and its BW a whole backward, the last carries
-            the loss, and a host-bound BI costs more than BW. None: unit costs.
-        tries: with ``costs``, the greedy list is sensitive to near-ties (two measurements of the same stages
-            can plan a 7% or a 14% bubble), so it also plans for ``tries - 1`` copies of ``costs`` jittered by
-            up to 5% (seeded) and keeps the list whose simulated step (``plait.parallel.pipeline.simulate``) at
-            ``costs`` is shortest, the first on ties.
+            the scheduler then plans (as the paper's schedules are planned on profiled times, Sec. 4).
+            None: unit costs.
+        tries: with ``costs``, also plan for ``tries - 1`` copies of ``costs`` jittered by up to 5% (seeded)
+            and keep the list whose simulated step (``plait.parallel.pipeline.simulate``) at ``costs`` is
+            shortest, the first on ties.
 
     Raises:
         ValueError: ``v != 2``, or ``costs`` without ``2p`` finite non-negative values for each of F, BI, BW.
