@@ -339,3 +339,18 @@ def test_keeping_an_edit_leaves_the_other_fp32_master_weights_bit_for_bit():
     assert changed == emb.shape[1]                       # the edited row, nothing else
     with engine.gathered_parameters():
         assert torch.equal(emb.detach()[3].float(), torch.full((emb.shape[1],), 0.5))
+
+
+def test_initialize_leaves_torchs_generator_as_the_script_set_it_unless_the_config_sets_a_seed():
+    """DeepSpeed's initialize seeds nothing: a script's torch.manual_seed(args.seed) goes on into its dropout and
+    shuffling (before, plait seeded 1234 whatever the script set, so a seed sweep drew the same streams). A config
+    with "seed" seeds torch's generators with it."""
+    model = bert()
+    torch.manual_seed(42)
+    before = torch.get_rng_state()
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    assert torch.equal(torch.get_rng_state(), before)
+    deepspeed.initialize(model=bert(), config=ds_config(seed=7))
+    drawn = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(4))

@@ -137,10 +137,7 @@ def build(model, config: dict, optimizer, scheduler, step_with_optimizer: bool, 
             kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
     elif isinstance(optimizer, torch.optim.Optimizer):
         kwargs["optimizer"] = optimizer
-    # deepspeed.initialize leaves the generators as the script set them (plait.initialize seeds them with the
-    # config's seed): dropout then draws what it draws without DeepSpeed
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        engine = plait.initialize(model, engine_config(config), **kwargs)
+    engine = plait.initialize(model, engine_config(config), **kwargs)
     wrapped = EngineOptimizer(engine) if optimizer is not None else None
     if scheduler is None:
         return engine, wrapped, None

@@ -259,7 +259,8 @@ class PlaitConfig:
     gradient_accumulation_steps * dp`` (one optimizer step); ``data_parallel_size`` recovers dp.
     ``gradient_clipping`` is the max global L2 norm (0 = off). ``communication_data_type`` is the dtype of
     gradient reductions ("fp32", "fp16", "bf16"; None = fp32, plait's default). ``gradient_predivide_factor``
-    divides gradients before the all-reduce and the rest after. ``seed`` seeds layout-invariant init.
+    divides gradients before the all-reduce and the rest after. ``seed``: when set, ``initialize`` seeds torch's generators with it;
+    unset (the default), it seeds nothing, as DeepSpeed's ``initialize``.
     """
 
     train_batch_size: int = field(metadata={"auto": True})
@@ -292,7 +293,7 @@ class PlaitConfig:
     gradient_predivide_factor: float = bounded(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     zero_allow_untested_optimizer: bool = False
-    seed: int = 1234
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:

@@ -69,7 +69,8 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
     config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
-    torch.manual_seed(config.seed)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
     pipeline = None
     weights = prepare_weights(model, weights, mesh.device)
     config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal

@@ -40,14 +40,6 @@ from plait.parallel import launch
 log = logging.getLogger("plait")
 
 
-def initialize_keeping_rng(model, config, **kwargs):
-    """``plait.initialize`` without its seeding of torch's generators (``config.seed``): DeepSpeed's does not
-    seed, so dropout, collators and transformers' samplers (seeded from torch's generator) continue from
-    ``args.seed`` as under plain transformers. Every engine an edge of ``plait.hf`` builds goes through here."""
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        return plait.initialize(model, config, **kwargs)
-
-
 class Trainer(transformers.Trainer):
     """transformers' ``Trainer`` on plait's engine (see the module docstring). Takes the same arguments;
     ``args`` must be ``plait.hf.TrainingArguments`` (with the ds_config in ``deepspeed=`` or ``plait=``).
@@ -130,7 +122,7 @@ class Trainer(transformers.Trainer):
         weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
         if args.gradient_checkpointing:   # as transformers' own loop does before it wraps the model
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        self.engine = initialize_keeping_rng(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
+        self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
                                              weights=weights, units=self._stage3_units(self.model),
                                              model_parameters=groups)
         if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from torch import nn
 
+import plait
 from plait.config import ConfigError
 from plait.engine.model import stage3_units
 from plait.hf.config_fill import fill_from_args, hf_hidden_size
-from plait.hf.trainer import Trainer, initialize_keeping_rng
+from plait.hf.trainer import Trainer
 
 # argument -> why plait does not serve it (checked on the TRL config, when the config has the field)
 _UNSERVED = {
@@ -76,7 +77,7 @@ class TRLTrainer(Trainer):
         if zero.get("stage", 0) != 3:
             zero["stage"] = 0
         config["zero_optimization"] = zero
-        engine = initialize_keeping_rng(model, config, units=self._stage3_units(model))
+        engine = plait.initialize(model, config, units=self._stage3_units(model))
         engine.eval()
         return engine
 
