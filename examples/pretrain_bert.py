@@ -15,12 +15,13 @@ dp rank), so a resumed run masks exactly as the uninterrupted one. Progress line
 the rest, as in pretrain_gpt.py. At the end the checkpoint is exported as ``BertForMaskedLM`` and
 transformers fills in a masked word.
 
-The defaults are sized to learn in minutes on a CPU (benchmarks/results/pretrain_bert_cpu.md): an MLM
-first learns the corpus's token frequencies (loss ~6.2, the unigram entropy of the bundled corpus) and
-leaves that plateau only once attention finds the neighbouring words, which takes hundreds of steps of
-32 samples at an Adam-sized step. LAMB (pretrain_bert_lamb.json) moves each weight tensor by lr x its
-norm per step: at lr 1e-2 and BERT's 0.02 init that is ~2e-4 per weight, like Adam at 2e-4, made for
-batches of thousands; dropout (BERT's 0.1) slows a short run further.
+The defaults are sized for minutes on a CPU (benchmarks/results/pretrain_bert_cpu.md). An MLM first
+learns the corpus's token frequencies (loss ~6.2, the unigram entropy of the bundled corpus), then to copy
+the visible 20% of the scored tokens (~5.7), and only then to read the words around a ``[MASK]``. These
+1000 steps of 32 samples reach the second stage; the fill-mask answer (a ``[MASK]``) still comes mostly
+from the frequencies. LAMB (pretrain_bert_lamb.json) moves each weight tensor by lr x its norm per step:
+at lr 1e-2 and BERT's 0.02 init that is ~2e-4 per weight, as Adam does at 2e-4. It is made for batches of
+thousands. Dropout (BERT's 0.1) slows a short run further.
 """
 from __future__ import annotations
 
