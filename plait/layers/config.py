@@ -35,6 +35,12 @@ class TransformerConfig:
     chunk's float32 logits exist at a time. Same loss and gradients up to float rounding. Without
     labels the head returns the logits either way.
 
+    ``head_labeled_only`` (default False): with labels given, the head projects and scores only the positions
+    whose label is not -100 (``[n, h]`` rows instead of ``[b, s, h]``), as BERT's pretraining code gathers the
+    masked positions (Devlin et al., 2019, ``masked_lm_positions``): the same loss and gradients, and for MLM
+    (15% of positions labeled) about a sixth of the head's ``[.., V]`` matmuls and softmax. The row count then
+    depends on the data, which CUDA-graph capture and ``torch.compile(fullgraph=True)`` cannot take.
+
     ``mlp_chunk_tokens`` (positions, default 0) runs each block's MLP over tiles of that many sequence
     positions, keeping only its input for backward and recomputing each tile there
     (``plait.layers.tiled``, Arctic Long Sequence Training's TiledMLP): for long sequences, whose
@@ -101,6 +107,7 @@ class TransformerConfig:
     embedding_norm: bool = False
     head_transform: bool = False
     head_bias: bool = False
+    head_labeled_only: bool = False
 
     def __post_init__(self):
         self._check_sizes()

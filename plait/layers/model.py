@@ -86,7 +86,8 @@ class LMHead(nn.Module):
     Decoders apply the final norm first; a family wired with ``head_transform`` (BERT) applies a
     dense layer and GELU before the norm, one with ``head_bias`` adds an output bias ``[V]``.
     ``forward`` returns the scalar mean loss over tokens whose label is not -100 when ``batch`` has
-    ``labels``, else this rank's logits (``gather_logits`` makes them whole). With labels and
+    ``labels``, else this rank's logits (``gather_logits`` makes them whole); ``config.head_labeled_only``
+    projects only the labeled positions. With labels and
     ``config.fused_loss_chunk_tokens`` > 0 the loss comes from ``fused_linear_cross_entropy``: the
     ``[b, s, V_pad/tp]`` logits never exist at once, only one token chunk of them. The output weight is
     the embedding's when tied and both are on this rank; a tied head on a different pipeline stage
@@ -127,6 +128,9 @@ class LMHead(nn.Module):
         labels = batch.get("labels")
         if labels is None:
             return F.linear(x, self.weight, self.bias)                           # [b, s, V_pad/tp]
+        if self.config.head_labeled_only:                                        # [n, h], [n]: the scored rows
+            keep = labels != -100
+            x, labels = x[keep], labels[keep]
         kw = dict(vocab_size=self.config.vocab_size, vocab_start=self.vocab.vocab_start, group=self.group,
                   label_smoothing=self.config.label_smoothing)
         chunk = self.config.fused_loss_chunk_tokens
