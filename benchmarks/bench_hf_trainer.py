@@ -138,6 +138,8 @@ def write_checkpoint(folder: str, size: str) -> None:
     flush()
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    if dev == "cuda":   # the arm's process gets the GPU: this one keeps only its CUDA context
+        torch.cuda.empty_cache()
 
 
 def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ratio: float = 1.0,

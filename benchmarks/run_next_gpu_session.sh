@@ -38,13 +38,14 @@ int8-21b)   # issue 43: 20.68B Llama, int8 Adam moments, ZeRO-3 GPU-first, throu
   facts
   COMMON="--largest 21b --frameworks plait --state-dtype int8 --act-ckpt --steps ${STEPS:-8} --warmup ${WARMUP:-2}"
   COMMON="$COMMON --out $OUT/hf_trainer_int8_1xH200.jsonl --log $OUT/hf_trainer_int8_1xH200.log"
-  timeout ${TIMEOUT:-420} python3 benchmarks/bench_hf_trainer.py $COMMON --ratio ${RATIO:-0.5} --micro ${MICRO:-4} \
+  timeout ${TIMEOUT:-500} python3 benchmarks/bench_hf_trainer.py $COMMON --ratio ${RATIO:-0.5} --micro ${MICRO:-4} \
     2>&1 | tee "$OUT/hf_trainer_int8_1xH200.txt"
-  # one retry on the same checkpoint if the first placement ran out of memory: GPU side -> more on the host,
-  # host side (SIGKILL) -> less; micro-batch 1 either way (estimate-memory: 0.55 fits with 111.8 GiB GPU, 109 GiB host)
+  # one retry on the same checkpoint, in the call's remaining seconds, if the first placement failed: CUDA out of
+  # memory -> more on the host, else (host OOM: SIGKILL) -> less; micro-batch 1 either way
+  # (plait estimate-memory, 1 x H200: 0.55 needs 111.8 GiB GPU / 109 GiB host; 0.45 126.4 / 90.8)
   if grep -q '"error"' "$OUT/hf_trainer_int8_1xH200.jsonl" 2>/dev/null; then
     if grep -q 'out of memory' "$OUT/hf_trainer_int8_1xH200.jsonl"; then R=0.55; else R=0.45; fi
-    timeout ${RETRY_TIMEOUT:-150} python3 benchmarks/bench_hf_trainer.py $COMMON --ratio $R --micro 1 \
+    timeout $(( ${CALL_SECONDS:-580} - SECONDS )) python3 benchmarks/bench_hf_trainer.py $COMMON --ratio $R --micro 1 \
       2>&1 | tee -a "$OUT/hf_trainer_int8_1xH200.txt"
   fi
   ;;
