@@ -69,8 +69,9 @@ def bundled_tokenizer():
 
 
 def corpus_dataset(tokens: int):
-    """A ``datasets.Dataset`` of ``{"text": ...}`` documents of ``LINES_PER_DOCUMENT`` lines of the bundled
-    corpus, about ``tokens`` tokens and at least twice that in characters' worth (4 bytes a token, doubled)."""
+    """A ``datasets.Dataset`` of ``{"text": ...}`` documents of ``LINES_PER_DOCUMENT`` lines from the start of
+    the bundled corpus, until they hold ``8 * tokens`` characters: about twice ``tokens`` tokens (the bundled
+    BPE reads about 4.2 characters a token)."""
     from datasets import Dataset
 
     from plait.data.bundled import load_bundled_text
