@@ -31,7 +31,10 @@ offload (arms ``plait-z3-gpufirst-<size>``; ``ds-z3-gpufirst-<size>``: the same 
 whose ZeRO-3 keeps the same share of its optimizer states on the GPU): ZeRO-3 with the weights on the GPU and
 ``offload_optimizer.ratio`` of the optimizer states on the host, the rest resident on the GPU
 (``plait.zero.offload.placement``); ``--frameworks plait`` runs one framework only;
-``--act-ckpt`` turns on the Trainer's ``gradient_checkpointing`` in every arm, ``--micro`` sets the micro-batch.
+``--act-ckpt`` turns on the Trainer's ``gradient_checkpointing`` in every arm, ``--micro`` sets the micro-batch;
+``--state-dtype int8`` (or bf16; with ``--frameworks plait``: DeepSpeed's config has no such key) stores Adam's
+moments so (``optimizer.params.state_dtype``), and the host-memory guard counts them at that size.
+``--log FILE`` appends every arm's full output to FILE.
 
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
 step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
@@ -65,9 +68,11 @@ if SMOKE:
     SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
 
 
-def ds_config(arm: str, ratio: float = 1.0) -> dict:
+def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
+    """The arm's ds_config; ``state_dtype`` other than fp32 (plait arms of ``--largest`` only) is written as
+    plait's ``optimizer.params.state_dtype``."""
     if "gpufirst" in arm:   # the weights on the GPU, a ratio of the optimizer states on the host
-        config = ds_config("z3-offload")
+        config = ds_config("z3-offload", state_dtype=state_dtype)
         del config["zero_optimization"]["offload_param"]
         config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
         return config
@@ -76,6 +81,8 @@ def ds_config(arm: str, ratio: float = 1.0) -> dict:
             config = json.load(f)
         # transformers' DeepSpeed integration fills "auto" under "bf16" only, not the legacy "bfloat16" spelling
         config["bf16"] = config.pop("bfloat16")
+        if state_dtype != "fp32":
+            config["optimizer"]["params"]["state_dtype"] = state_dtype
         return config
     if arm.endswith("z2-offload"):
         with open(os.path.join(ROOT, "examples", "configs", "zero2_offload_hf.json")) as f:
@@ -131,10 +138,12 @@ def write_checkpoint(folder: str, size: str) -> None:
     flush()
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    if dev == "cuda":   # the arm's process gets the GPU: this one keeps only its CUDA context
+        torch.cuda.empty_cache()
 
 
 def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ratio: float = 1.0,
-            act_ckpt: bool = False, micro: int | None = None) -> dict:
+            act_ckpt: bool = False, micro: int | None = None, state_dtype: str = "fp32") -> dict:
     import torch
     import transformers
     if arm.startswith("plait"):
@@ -159,45 +168,72 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
             ids = torch.randint(0, SHAPE["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(i))
             return {"input_ids": ids, "labels": ids.clone()}
 
-    marks = {}
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step in (warmup, warmup + steps):
-                if not SMOKE:
-                    torch.cuda.synchronize()
-                marks[state.global_step] = time.perf_counter()
-            if state.global_step == warmup and not SMOKE:
-                torch.cuda.reset_peak_memory_stats()
-
+    clock = step_clock(warmup, steps)
     extra = {}
     if arm.startswith(("plait", "ds")):
-        extra["deepspeed"] = ds_config(arm, ratio)
+        extra["deepspeed"] = ds_config(arm, ratio, state_dtype)
     if arm == "fsdp2":
         extra.update(fsdp="full_shard auto_wrap",
                      fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                   "reshard_after_forward": True})
-    out_dir = tempfile.mkdtemp(prefix=f"bench_{arm}_")
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
-                             learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
-                             max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[],
-                             lr_scheduler_type="constant", warmup_steps=1,
-                             dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")),
-                             use_cpu=SMOKE, bf16=not SMOKE, gradient_checkpointing=act_ckpt, **extra)
+    args = TrainingArguments(**trainer_arguments(arm, micro, steps + warmup), gradient_checkpointing=act_ckpt,
+                             **extra)
     if sized and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ds_numel: under zero.Init
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
+    row = timed_train(arm, trainer, clock, micro * SEQ, n_params)
+    # the moments' storage as the engine built it (plait's inner optimizer), not as asked
+    built = getattr(getattr(trainer.optimizer, "optimizer", None), "state_dtype", "fp32")
+    return {**row, "ratio": ratio if "gpufirst" in arm else 1.0, "micro": micro, "act_ckpt": act_ckpt,
+            "state_dtype": built if arm.startswith("plait") else "fp32"}
+
+
+def trainer_arguments(arm: str, micro: int, max_steps: int) -> dict:
+    """The ``TrainingArguments`` every arm shares: AdamW lr 1e-4 (constant after 1 warm-up step: DeepSpeed's
+    WarmupLR refuses 0), weight decay 0.1, clip 1.0, GAS 1, a loss logged every step, no saving, bf16 (fp32 on
+    the CPU in smoke mode), ``BENCH_WORKERS`` data-loader workers (default 2)."""
+    return dict(output_dir=tempfile.mkdtemp(prefix=f"bench_{arm}_"), per_device_train_batch_size=micro,
+                gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
+                max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[],
+                lr_scheduler_type="constant", warmup_steps=1,
+                dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")), use_cpu=SMOKE, bf16=not SMOKE)
+
+
+def step_clock(warmup: int, steps: int):
+    """A ``TrainerCallback`` that records in its ``marks`` the wall time at the ends of steps ``warmup`` and
+    ``warmup + steps`` (each after a CUDA synchronization) and resets the peak-memory counter after the warm-up."""
+    import torch
+    import transformers
+
+    class Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.marks, self.warmup, self.steps = {}, warmup, steps
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step in (warmup, warmup + steps):
+                if not SMOKE:
+                    torch.cuda.synchronize()
+                self.marks[state.global_step] = time.perf_counter()
+            if state.global_step == warmup and not SMOKE:
+                torch.cuda.reset_peak_memory_stats()
+
+    return Clock()
+
+
+def timed_train(arm: str, trainer, clock, tokens_per_step: int, n_params: int) -> dict:
+    """``trainer.train()`` timed by ``clock`` (``step_clock``): the row's common fields (tokens/s over the timed
+    steps, seconds a step, peak GPU and host memory, the last logged loss, versions, host threads)."""
+    import torch
+    import transformers
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
-    dt = marks[warmup + steps] - marks[warmup]
+    dt = clock.marks[clock.warmup + clock.steps] - clock.marks[clock.warmup]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"arm": arm, "params": n_params, "tokens_per_s": micro * SEQ * steps / dt, "step_s": dt / steps,
-            "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
-            "host_peak_gib": _host_peak_gib(), "ratio": ratio if "gpufirst" in arm else 1.0, "micro": micro,
-            "act_ckpt": act_ckpt, "state_dtype": "fp32",
-            "loss": losses[-1] if losses else None, "train_s": total,
+    return {"arm": arm, "params": n_params, "tokens_per_s": tokens_per_step * clock.steps / dt,
+            "step_s": dt / clock.steps, "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
+            "host_peak_gib": _host_peak_gib(), "loss": losses[-1] if losses else None, "train_s": total,
             "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "host": _host_threads()}
 
@@ -224,25 +260,73 @@ def _host_threads() -> dict:
     return info
 
 
+def launch_arm(script: str, arm: str, args: list[str], log: str | None = None, out: str | None = None) -> dict:
+    """Run ``script --arm ARM ARGS`` in its own process (torchrun, one process) and return the row of its
+    ``RESULT {json}`` line, or ``{"arm", "error", "returncode"}`` holding the child's own error lines (not
+    torchrun's); the row is printed as JSON and appended to the file ``out``. ``log``: a file the child's stdout
+    and stderr are appended to."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script,
+           "--arm", arm, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"=== {arm}: {' '.join(cmd[1:])}\n{done.stdout}{done.stderr}\n")
+    found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    causes = [x for x in (done.stderr or "").splitlines() if "Error" in x and "ChildFailedError" not in x]
+    why = "\n".join(causes[-3:]) or (done.stderr or done.stdout)[-1500:]
+    row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": why, "returncode": done.returncode}
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of the rows (a failed arm: the end of its error)."""
+    print("\n| arm | parameters | tokens/s | step s | peak GPU GiB | host peak GiB | last loss |\n"
+          "|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['arm']} | | failed: {r['error'][-160:]!r} | | | | |")
+        else:
+            print(f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
+                  f"{r['peak_gib']:.2f} | {r['host_peak_gib']:.1f} | {r['loss']:.4f} |")
+
+
+def host_bytes_per_param(fw: str, state_dtype: str) -> float:
+    """Host bytes per host-side parameter under ZeRO-3 + offload: bench_offload's fp32-moment figure with the
+    two moments (8 bytes) stored in ``state_dtype`` instead (``plait.fit.plan.moment_bytes``)."""
+    from plait.fit.plan import moment_bytes
+    return HOST_BYTES[fw] - 8 + moment_bytes(2**20, state_dtype) / 2**20
+
+
 def main() -> None:
     cli = argparse.ArgumentParser()
     cli.add_argument("--arms", default="plait-z2-offload,ds-z2-offload,plait-z3,fsdp2")
     cli.add_argument("--steps", type=int, default=8)
     cli.add_argument("--warmup", type=int, default=3)
     cli.add_argument("--out", default=None)
+    cli.add_argument("--log", default=None, help="append each arm's full output to this file")
     cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
     cli.add_argument("--ratio", type=float, default=None,
                      help="--largest with plait's GPU-first placement: share of optimizer states on the host")
     cli.add_argument("--frameworks", default="plait,ds", help="--largest: the frameworks, in order")
     cli.add_argument("--act-ckpt", action="store_true", help="the Trainer's gradient_checkpointing in every arm")
     cli.add_argument("--micro", type=int, default=None, help="micro-batch (default: 4; --largest: 1)")
+    cli.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                     help="--largest: Adam's moments in plait's arms (optimizer.params.state_dtype; default fp32)")
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
     cli.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opt = cli.parse_args()
     if opt.arm:
-        result = run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint, opt.ratio or 1.0, opt.act_ckpt, opt.micro)
+        result = run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint, opt.ratio or 1.0, opt.act_ckpt, opt.micro,
+                         opt.state_dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
+    if opt.state_dtype != "fp32" and not (opt.largest and opt.frameworks == "plait"):
+        cli.error(f"--state-dtype {opt.state_dtype} is plait's optimizer.params.state_dtype, which DeepSpeed's "
+                  "config has no key for: use it with --largest SIZES --frameworks plait")
     rows = []
     arms = opt.arms.split(",")
     if opt.largest:
@@ -258,42 +342,28 @@ def main() -> None:
             h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
             params = n * (2 * h * h * (1 + kv / heads) + 3 * h * ffn) + 2 * 32000 * h
             on_host = opt.ratio if "gpufirst" in arm else 1.0
-            need, have = params * HOST_BYTES[fw] * on_host / 2**30, mem_available_gib()
+            need = params * host_bytes_per_param(fw, opt.state_dtype) * on_host / 2**30
+            have = mem_available_gib()
             if need > 0.9 * have:
                 row = {"arm": arm, "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available"}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 failed.add(fw)
                 continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
-               "--arm", arm, "--steps", str(opt.steps), "--warmup", str(opt.warmup)]
-        cmd += (["--ratio", str(opt.ratio)] if opt.ratio is not None else []) + (["--act-ckpt"] if opt.act_ckpt else [])
-        cmd += ["--micro", str(opt.micro)] if opt.micro else []
+        args = ["--steps", str(opt.steps), "--warmup", str(opt.warmup), "--state-dtype", opt.state_dtype]
+        args += (["--ratio", str(opt.ratio)] if opt.ratio is not None else []) + (["--act-ckpt"] if opt.act_ckpt else [])
+        args += ["--micro", str(opt.micro)] if opt.micro else []
         if opt.largest:
             size = arm.rsplit("-", 1)[1]
             folder = os.path.join(tempfile.gettempdir(), f"bench_llama_{size}")
             if not os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
                 write_checkpoint(folder, size)
-            cmd += ["--checkpoint", folder]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-        causes = [x for x in (done.stderr or "").splitlines() if "Error" in x and "ChildFailedError" not in x]
-        why = "\n".join(causes[-3:]) or (done.stderr or done.stdout)[-1500:]   # the child's own error, not torchrun's
-        row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": why, "returncode": done.returncode}
-        print(json.dumps(row), flush=True)
+            args += ["--checkpoint", folder]
+        row = launch_arm(__file__, arm, args, opt.log, opt.out)
         rows.append(row)
         if "error" in row:
             failed.add(fw)
-        if opt.out:
-            with open(opt.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-    print("\n| arm | parameters | tokens/s | step s | peak GPU GiB | last loss |\n|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['arm']} | | failed: {r['error'][-160:]!r} | | | |")
-        else:
-            print(f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
-                  f"{r['peak_gib']:.2f} | {r['loss']:.4f} |")
+    print_table(rows)
 
 
 if __name__ == "__main__":
