@@ -24,7 +24,7 @@ from transformers import TrainingArguments
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from plait.config import ConfigError, load_config
-from plait.hf.config_fill import fill_from_args, hf_hidden_size
+from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_unclipped
 
 CONFIGS = sorted((Path(__file__).parent / "data" / "ds_configs").glob("*.json"))
 EVERY_AUTO = {
@@ -135,9 +135,10 @@ def test_a_config_without_gradient_clipping_says_once_that_max_grad_norm_goes_un
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with caplog.at_level("WARNING", logger="plait.hf.config_fill"):
         filled = fill_from_args(fastchat, args, dp=1, max_steps=MAX_STEPS)
-        fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS)                 # says "auto": clips, no word
-        fill_from_args(fastchat, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
-                                                   max_grad_norm=0.0), dp=1, max_steps=MAX_STEPS)   # asks for none
+        say_unclipped(filled, args)
+        say_unclipped(fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS), args)   # "auto": clips, no word
+        say_unclipped(filled, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                max_grad_norm=0.0))                          # asks for none
     assert "gradient_clipping" not in filled
     assert [r.getMessage() for r in caplog.records] == [
         "the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "

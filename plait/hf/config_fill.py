@@ -103,15 +103,14 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
         elif must_match and key in node and not _same(node[key], value):
             mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")
     _script_timeout(config, args)
-    _say_unclipped(config, args)
     if mismatches:
         raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
                           "or make them equal:\n" + "\n".join(mismatches))
     return config
 
 
-def _say_unclipped(config: dict, args) -> None:
-    """Log once that ``max_grad_norm`` goes unused when the ds_config has no ``gradient_clipping`` key: DeepSpeed
+def say_unclipped(config: dict, args) -> None:
+    """Log (on rank 0; the Trainer calls it once, for the engine it trains) that ``max_grad_norm`` goes unused when the ds_config has no ``gradient_clipping`` key: DeepSpeed
     then clips nothing (its default 0), and so does plait, while the same script without a ds_config clips."""
     if "gradient_clipping" in config or not args.max_grad_norm or (dist.is_initialized() and dist.get_rank() != 0):
         return
