@@ -24,7 +24,7 @@ from transformers import TrainingArguments
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from plait.config import ConfigError, load_config
-from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_unclipped
+from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_filled
 
 CONFIGS = sorted((Path(__file__).parent / "data" / "ds_configs").glob("*.json"))
 EVERY_AUTO = {
@@ -126,6 +126,19 @@ def test_a_ddp_timeout_the_script_set_becomes_the_collective_timeouts(tmp_path):
     assert comm({**EVERY_AUTO, "comm": {"timeout_s": 60}}, ddp_timeout=7200) == {"timeout_s": 60}
 
 
+def test_the_ddp_timeout_line_is_said_by_the_trainer_once_not_by_each_fill(tmp_path, caplog):
+    """TRL's DPO fills a second config for its reference engine: filling logs nothing, the Trainer's one
+    ``say_filled`` call says where the timeouts came from (before: the line came once per fill)."""
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, ddp_timeout=7200)
+    with caplog.at_level("INFO", logger="plait"):
+        filled = [fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS) for _ in range(2)]
+        assert caplog.records == []
+        say_filled(EVERY_AUTO, filled[0], args)
+        say_filled({**EVERY_AUTO, "comm": {"timeout_s": 60}},
+                   fill_from_args({**EVERY_AUTO, "comm": {"timeout_s": 60}}, args, dp=1, max_steps=MAX_STEPS), args)
+    assert [r.getMessage() for r in caplog.records] == ["comm timeouts: 7200 s from TrainingArguments.ddp_timeout"]
+
+
 def test_a_config_without_gradient_clipping_says_once_that_max_grad_norm_goes_unused(tmp_path, caplog):
     """FastChat's configs have no gradient_clipping key: DeepSpeed clips nothing then, nor does plait, while the
     same script without a ds_config clips at max_grad_norm=1.0; the user is told, naming the key to add."""
@@ -135,9 +148,9 @@ def test_a_config_without_gradient_clipping_says_once_that_max_grad_norm_goes_un
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with caplog.at_level("WARNING", logger="plait.hf.config_fill"):
         filled = fill_from_args(fastchat, args, dp=1, max_steps=MAX_STEPS)
-        say_unclipped(filled, args)
-        say_unclipped(fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS), args)   # "auto": clips, no word
-        say_unclipped(filled, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+        say_filled(fastchat, filled, args)
+        say_filled(EVERY_AUTO, fill_from_args(EVERY_AUTO, args, dp=1, max_steps=MAX_STEPS), args)   # "auto": clips
+        say_filled(fastchat, filled, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
                                                 max_grad_norm=0.0))                          # asks for none
     assert "gradient_clipping" not in filled
     assert [r.getMessage() for r in caplog.records] == [

@@ -109,14 +109,21 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
     return config
 
 
-def say_unclipped(config: dict, args) -> None:
-    """Log (on rank 0; the Trainer calls it once, for the engine it trains) that ``max_grad_norm`` goes unused when the ds_config has no ``gradient_clipping`` key: DeepSpeed
-    then clips nothing (its default 0), and so does plait, while the same script without a ds_config clips."""
-    if "gradient_clipping" in config or not args.max_grad_norm or (dist.is_initialized() and dist.get_rank() != 0):
+def say_filled(raw: dict, filled: dict, args) -> None:
+    """Log on rank 0 what the filling changed beyond "auto" values. The Trainer calls it once, for the engine it
+    trains (TRL's reference engine fills a second config and says nothing):
+
+    - the ds_config has no ``gradient_clipping`` key: DeepSpeed then clips nothing (its default 0), and so does
+      plait, while the same script without a ds_config clips at ``max_grad_norm`` (a warning naming the key);
+    - the ``comm`` timeouts came from ``TrainingArguments.ddp_timeout`` (``_script_timeout``)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
         return
-    log.warning("the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "
-                "TrainingArguments max_grad_norm=%s is not used; add \"gradient_clipping\": \"auto\" to the "
-                "ds_config to clip at max_grad_norm", args.max_grad_norm)
+    if "gradient_clipping" not in filled and args.max_grad_norm:
+        log.warning("the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "
+                    "TrainingArguments max_grad_norm=%s is not used; add \"gradient_clipping\": \"auto\" to the "
+                    "ds_config to clip at max_grad_norm", args.max_grad_norm)
+    if filled.get("comm") != raw.get("comm"):
+        log.info("comm timeouts: %s s from TrainingArguments.ddp_timeout", args.ddp_timeout)
 
 
 def _script_timeout(config: dict, args) -> None:
@@ -127,5 +134,3 @@ def _script_timeout(config: dict, args) -> None:
     if args.ddp_timeout == default or "timeout_s" in comm or "startup_timeout_s" in comm:
         return
     config["comm"] = {**comm, "timeout_s": float(args.ddp_timeout), "startup_timeout_s": float(args.ddp_timeout)}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("comm timeouts: %s s from TrainingArguments.ddp_timeout", args.ddp_timeout)

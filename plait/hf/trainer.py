@@ -31,7 +31,7 @@ from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
 from plait.hf import read_ahead
 from plait.hf.checkpoints import PREFIX, STATE_NAME, on_rank0, resume_folder, rotate, write_folder
-from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_unclipped
+from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_filled
 from plait.hf.loop_parts import LossWindow, Skip, is_datasets_dataset, new_state
 from plait.hf.optim_names import hf_optimizer
 from plait.zero.weights import has_meta_parameters
@@ -107,9 +107,9 @@ class Trainer(transformers.Trainer):
     def _build_engine(self, max_steps: int):
         """Raises ConfigError: the engine's micro-batch or accumulation differs from the arguments'."""
         args = self.args
-        config = fill_from_args(self.args.ds_config(), args, dp=self._dp(), max_steps=max_steps,
-                                hidden_size=hf_hidden_size(self.model))
-        say_unclipped(config, args)
+        raw = self.args.ds_config()
+        config = fill_from_args(raw, args, dp=self._dp(), max_steps=max_steps, hidden_size=hf_hidden_size(self.model))
+        say_filled(raw, config, args)
         config, optimizer, groups = hf_optimizer(self, config)   # TrainingArguments.optim: plait.hf.optim_names
 
         def hf_scheduler(opt):
