@@ -94,8 +94,9 @@ def check_bf16_large(failures):
     for name in ("fused-1024", "fused-2048", "fused-4096"):
         got = results[name]
         errs = [rel(a, r) for a, r in zip([got[0]] + got[1], [ref[0]] + ref[1])]
-        # Held from forward to backward: only the gradients it computed (weight and hidden, bf16).
-        ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2 and got[2] <= (w.numel() + x.numel()) * 2 + 4 * MIB
+        # Held from forward to backward: only the gradients it computed, the hidden one in bf16 and the weight's
+        # float32 sum over chunks (kept float32 until backward scales it: commit 0ab7085; 2 B/element before).
+        ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2 and got[2] <= w.numel() * 4 + x.numel() * 2 + 4 * MIB
         print(f"  {name} vs unfused (loss, hidden, weight): {['%.1e' % e for e in errs]} {'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(name)
