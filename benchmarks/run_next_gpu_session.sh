@@ -21,7 +21,7 @@ facts() {    # what the results depend on, at the top of every call's output
   date -u
   [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-  python3 -m pip list 2>/dev/null | grep -i -E '^(trl|datasets|pyarrow|deepspeed|accelerate) '
+  python3 -m pip list 2>/dev/null | grep -i -E '^(trl|datasets|pyarrow|deepspeed|accelerate|torchao) '
   grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /tmp | tail -1; nproc
 }
 
