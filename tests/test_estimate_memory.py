@@ -203,3 +203,37 @@ def test_only_fp32_moments_stream_a_device_share_and_the_step_counts_its_range(s
     assert plan.step == STEP_BYTES_PER_ELEMENT[state_dtype] * 196_608_000 < plan.activations
     assert plan.gpu_peak == sum(r[1] for r in plan.rows) + plan.activations
     assert estimate(shape, replace(s, micro_batch=1)).gpu_peak == sum(r[1] for r in plan.rows) + plan.step
+
+
+def test_cli_ratio_takes_auto_or_a_share_and_names_the_flag(tmp_path, capsys):
+    write_config(tmp_path, LLAMA2_7B)
+    for bad in ("1.5", "half"):
+        with pytest.raises(SystemExit):
+            main(["estimate-memory", str(tmp_path), "--gpu-gib", "80", "--ratio", bad])
+        assert f"argument --ratio: '{bad}' is not a host share: give a number in [0, 1] or auto" in \
+            capsys.readouterr().err
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "8", "--host-gib", "125", "--ratio", "auto",
+                 "--offload-param"]) == 0
+    assert capsys.readouterr().out.startswith(
+        'offload_optimizer.ratio "auto" -> 1 (offload_param keeps every optimizer state on the host)\n')
+
+
+def test_cli_model_build_counts_the_fp32_host_copy(tmp_path, capsys):
+    """``--model-build fp32``: a model built from its config on the host (LlamaForCausalLM(config)) holds 4 B per
+    parameter there until plait.initialize moves it (plait.fit.host); the default (from_pretrained) holds none.
+    Llama-2-7B at ratio 0.2 (the first test's run): the copy, 6,738,415,616 x 4 B = 25.10 GiB, is above the host
+    states (1,347,759,616 x 16 B = 20.08 GiB), so the host peak is the process and runtime (1.48) plus the copy."""
+    write_config(tmp_path, LLAMA2_7B)
+    run = ["estimate-memory", str(tmp_path), "--gpu-gib", "139.8", "--host-gib", "125", "--micro", "4",
+           "--act-ckpt", "--ratio", "0.2"]
+    assert main(run) == 0
+    default = capsys.readouterr().out
+    assert main(run + ["--model-build", "fp32"]) == 0
+    built = capsys.readouterr().out
+    assert "model build copy (none, before the states)        0.00      0.00" in default
+    assert "peak                                             88.04     24.54" in default
+    assert "model build copy (fp32, before the states)        0.00     25.10" in built
+    assert "peak                                             88.04     26.58" in built
+    with pytest.raises(SystemExit):
+        main(run + ["--model-build", "bf16"])
+    assert "argument --model-build: invalid choice: 'bf16'" in capsys.readouterr().err

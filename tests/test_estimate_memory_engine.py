@@ -3,6 +3,7 @@ engine's refusal before allocation, and the "auto" offload ratio it resolves (on
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 
 import pytest
@@ -200,3 +201,36 @@ def test_step_bytes_per_element_are_the_device_steps_temporaries(state_dtype):
             quantize_(x, k.exp_avg, k.exp_avg_absmax, tables["lengths"], signed=True, mid=tables["smid"])
         per_block = 16 * (n // 256)   # float32 [blocks] scales: the block maxima, ones_like, where (4 B each)
         assert n * 13 <= live.peak <= n * 13 + per_block and STEP_BYTES_PER_ELEMENT["int8"] == 8 + 13
+
+
+def test_cli_ratio_auto_says_the_ratio_the_engine_picks(tmp_path, capsys, caplog):
+    """``plait estimate-memory --ratio auto`` prints the host share the engine's "auto" resolves to
+    (plait.fit.check.fit_config) for the same model and run: Llama-2-7B (built on the meta device: nothing is
+    allocated) on an 80 GiB GPU, micro-batch 4 x 2048, checkpointing, ZeRO-3 with pin_memory (the streamed
+    device share on, as the CLI plans it). The ratio is 0.35, and the same line is said by both."""
+    import torch
+    import transformers
+    from plait.cli import main
+    hf = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+              num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert main(["estimate-memory", str(tmp_path), "--gpu-gib", "80", "--host-gib", "125", "--micro", "4",
+                 "--act-ckpt", "--ratio", "auto"]) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+    # transformers 5 renamed it (the old name warns); 4.56, the lowest admitted, has only the old one
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    config = load_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                          "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": "auto",
+                                                                                  "pin_memory": True}},
+                          "memory_check": {"gpu_bytes": 80 * GiB, "host_bytes": 125 * GiB, "seq_len": 2048}},
+                         dp_size=1)
+    with caplog.at_level("WARNING", logger="plait"):
+        got = fit_config(model, config, torch.device("cpu"))
+    assert got.zero_optimization.offload_optimizer.ratio == 0.35
+    said = [r.getMessage() for r in caplog.records if "auto" in r.getMessage()]
+    assert said == ['config: ' + out.splitlines()[0]]
+    assert out.startswith('offload_optimizer.ratio "auto" -> 0.35 (planned GPU need 79.5 of 80.0 GiB at ')
+    assert "run: ZeRO-3, dp 1, offload_optimizer ratio 0.35, micro-batch 4 x 2048 tokens" in out

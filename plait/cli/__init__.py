@@ -6,6 +6,7 @@ one module per subcommand (``plait.cli.estimate``, ``plait.cli.check``, ``plait.
 Heavy modules are imported inside ``run`` so ``plait --help`` stays fast.
 
     plait estimate-memory CONFIG_JSON|PRESET [--gpu-gib 80] [--micro 4] [--seq 2048] [--act-ckpt] [--ds-config X]
+        [--ratio 0.5|auto] [--state-dtype int8] [--model-build fp32]
     plait estimate-memory --params 7e9 --dp 8 --stage 3 [--offload-optimizer] [--offload-param]
     plait check-config ds_config.json --dp 8 [--hidden 4096]
     plait convert from-hf HF_DIR ROOT | to-hf ROOT OUT_DIR [--dtype bf16] [--max-shard-size 5GB]

@@ -33,11 +33,29 @@ def _configure_model(g) -> None:
     g.add_argument("--micro", type=int, default=1, help="micro-batch per GPU (default 1)")
     g.add_argument("--seq", type=int, default=2048, help="sequence length, tokens (default 2048)")
     g.add_argument("--act-ckpt", action="store_true", help="activation checkpointing of every block")
-    g.add_argument("--ratio", type=float, default=1.0,
-                   help="offload_optimizer.ratio: share of optimizer states on the host (default 1)")
+    g.add_argument("--ratio", type=parse_ratio, default=1.0,
+                   help="offload_optimizer.ratio: share of optimizer states on the host, or auto: the smallest "
+                   "share whose plan fits the GPU, as the engine picks it (default 1)")
     g.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="Adam's moments (optimizer.params.state_dtype; default fp32)")
+    g.add_argument("--model-build", choices=("none", "fp32"), default="none",
+                   help="how the model is built: none (plait.hf.from_pretrained or on the GPU: no host copy) or "
+                   "fp32 (from its config on the host, e.g. LlamaForCausalLM(config): an fp32 copy until "
+                   "plait.initialize moves it; default none)")
     g.add_argument("--ds-config", default=None, help="read stage, offload and micro-batch from this ds_config")
+
+
+def parse_ratio(text: str) -> float | str:
+    """``--ratio``: a host share in [0, 1], or "auto"."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host share: give a number in [0, 1] or auto")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -189,6 +189,8 @@ def auto_ratio(shape: ModelShape, s: Settings) -> tuple[float, str]:
     """``offload_optimizer.ratio: "auto"``: the smallest host share of :data:`RATIO_STEPS` whose planned GPU need
     fits ``s.gpu_bytes`` (1, every state on the host, when none does), and the reason, said by the engine's log
     (``plait.fit.check``) and ``plait estimate-memory --ratio auto``."""
+    if s.offload_param:
+        return 1.0, "offload_param keeps every optimizer state on the host"
     for ratio in RATIO_STEPS:
         plan = estimate(shape, replace(s, offload_optimizer=True, ratio=ratio))
         if plan.gpu_need <= s.gpu_bytes:
