@@ -6,7 +6,7 @@
 2048, bf16, AdamW, GAS 1, one GPU) whose settings are known, each with those settings; GPU and host peaks.
 ``OFFLOAD_FILES``: every plait row with a host peak of ``bench_offload.py`` (plait's own Llama built on the
 GPU: host peaks only, its GPU peak is not the Hugging Face block ``plait.fit.activations`` models).
-``EXCLUDED``: the records with a peak that are not predicted, and why. ``tests/test_estimate_memory.py``
+``EXCLUDED``: the records with a peak that are not predicted, and why. ``tests/test_estimate_memory_plan.py``
 recomputes the tables and asserts every prediction within ``TOLERANCE`` of its measurement, and that
 dropping any host term named in ``TERMS`` takes some prediction out of it.
 """
