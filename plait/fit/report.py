@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
 from dataclasses import replace
 
 from plait.fit.plan import (ALLOCATOR_SLACK_BYTES, CUDA_CONTEXT_BYTES, Plan, Settings, auto_ratio, estimate, fixes,
