@@ -6,7 +6,7 @@
 2048, bf16, AdamW, GAS 1, one GPU) whose settings are known, each with those settings; GPU and host peaks.
 ``OFFLOAD_FILES``: every plait row with a host peak of ``bench_offload.py`` (plait's own Llama built on the
 GPU: host peaks only, its GPU peak is not the Hugging Face block ``plait.fit.activations`` models).
-``EXCLUDED``: the records with a peak that are not predicted, and why. ``tests/test_estimate_memory.py``
+``EXCLUDED``: the records with a peak that are not predicted, and why. ``tests/test_estimate_memory_plan.py``
 recomputes the tables and asserts every prediction within ``TOLERANCE`` of its measurement, and that
 dropping any host term named in ``TERMS`` takes some prediction out of it.
 """
@@ -45,6 +45,9 @@ RECORDS = {
                                                                                offload_optimizer=True,
                                                                                model_build="fp32")),
     ("hf_trainer_estimate_1xH200.jsonl", "plait-z3"): (TINYLLAMA, dict(micro_batch=4, stage=3, model_build="fp32")),
+    # int8 moments; reduce_bucket_size "auto" filled by transformers with hidden^2 (bench_offload's "21b")
+    ("hf_trainer_int8_1xH200.jsonl", "plait-z3-gpufirst-21b"): (llama(6144, 52, 48, 8, 16384), dict(
+        GPU_FIRST, ratio=0.5, state_dtype="int8", bucket_numel=6144 * 6144)),
 }
 #: records measured before CopyBack stopped allocating a bf16 copy-out buffer for the groups whose optimizer states
 #: stay on the GPU (never written; 2 B per resident element on the host): that code's term, added to today's plan

@@ -21,7 +21,7 @@ import torch
 
 from plait.config import ConfigError, PlaitConfig
 from plait.config.schema_base import AUTO
-from plait.fit.plan import Plan, Settings, estimate, fixes
+from plait.fit.plan import Plan, Settings, auto_ratio, estimate, fixes
 from plait.fit.shape import ModelShape, shape_from_hf
 
 GiB = 2**30
@@ -30,16 +30,20 @@ log = logging.getLogger("plait")
 
 def settings_from_config(config: PlaitConfig, gpu_bytes: int, host_bytes: int, seq_len: int,
                          checkpointing: bool, dp: int = 1) -> Settings:
-    """:class:`Settings` of a resolved ds_config (stage, offload, ratio, micro-batch, accumulation)."""
+    """:class:`Settings` of a resolved ds_config (stage, offload, ratio, micro-batch, accumulation, bucket; a
+    bucket still "auto" is plait's default)."""
     z = config.zero_optimization
     fraction = z.offload_optimizer.device_step_fraction
+    bucket = z.reduce_bucket_size if isinstance(z.reduce_bucket_size, int) and z.reduce_bucket_size > 0 else \
+        Settings.bucket_numel
     return Settings(gpu_bytes=gpu_bytes, host_bytes=host_bytes, micro_batch=config.train_micro_batch_size_per_gpu,
                     seq_len=seq_len, checkpointing=checkpointing, stage=z.stage, dp=dp,
                     offload_optimizer=z.offload_optimizer.enabled, offload_param=z.offload_param.enabled,
                     ratio=z.offload_optimizer.ratio if z.offload_optimizer.enabled and
                     z.offload_optimizer.ratio != AUTO else 1.0,   # "auto": fit_config plans each ratio
                     gradient_accumulation=config.gradient_accumulation_steps, state_dtype=config.optimizer_state_dtype,
-                    device_share=fraction not in (0, 0.0) and (fraction is not None or z.offload_optimizer.pin_memory))
+                    device_share=fraction not in (0, 0.0) and (fraction is not None or z.offload_optimizer.pin_memory),
+                    bucket_numel=bucket)
 
 
 def model_shape(model) -> ModelShape | None:
@@ -126,13 +130,8 @@ def _auto_ratio(model, shape: ModelShape | None, config: PlaitConfig, gpu: int |
     if gpu is None:
         return 1.0, "no GPU to plan for (memory_check.gpu_bytes sets one)"
     seq = config.memory_check.seq_len or getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1
-    s = settings_from_config(config, gpu, _host_bytes(config.memory_check), seq, _checkpointing(model), dp)
-    for ratio in [i / 20 for i in range(21)]:
-        plan = estimate(shape, replace(s, ratio=ratio))
-        if plan.gpu_need <= gpu:
-            return ratio, (f"planned GPU need {plan.gpu_need / GiB:.1f} of {gpu / GiB:.1f} GiB at micro-batch "
-                           f"{s.micro_batch} x {seq} tokens")
-    return 1.0, f"even every state on the host does not fit {gpu / GiB:.1f} GiB"
+    return auto_ratio(shape, settings_from_config(config, gpu, _host_bytes(config.memory_check), seq,
+                                                  _checkpointing(model), dp))
 
 
 def _available(device: torch.device) -> int:

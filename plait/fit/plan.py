@@ -30,6 +30,15 @@ CUDA_CONTEXT_BYTES = 804_061_184
 #: The caching allocator's reserve above the allocated peak (fragmentation): 2,139,895,296 bytes, max reserved
 #: minus max allocated in the same measurement at micro-batch 4, sequence 2048.
 ALLOCATOR_SLACK_BYTES = 2_139_895_296
+#: Device bytes per element of the range one device step of Adam/AdamW holds besides the states it updates, by
+#: moment dtype (``plait.zero.offload.device_states.state_update_`` and ``device_share.adam_update_``; freed
+#: before the next forward). fp32: the float32 gradient copy, the square root and one quotient, 4 + 4 + 4. bf16:
+#: the two moments widened to float32 besides, 8 + 12. int8: the two dequantized moments, and while one is
+#: requantized (``plait.kernels.quant.quantize_``) its scaled values (4), ``bucketize``'s int64 codes (8) and
+#: their uint8 cast (1): 8 + 13. Derivation: ``docs/fit.md``.
+STEP_BYTES_PER_ELEMENT = {"fp32": 12, "bf16": 20, "int8": 21}
+#: The host shares ``offload_optimizer.ratio: "auto"`` tries, smallest first (:func:`auto_ratio`).
+RATIO_STEPS = tuple(i / 20 for i in range(21))
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,8 @@ class Settings:
     None or "auto" with pin_memory); ``state_dtype``: Adam's moments in "fp32", "bf16" or "int8" (8-bit blocks of
     256 with a float32 scale each: ``plait.kernels.quant``; ``optimizer.params.state_dtype``); ``model_build``:
     "fp32" for a model built from its config on the host, "none" for one read by ``plait.hf.from_pretrained`` or
-    built on the GPU (``plait.fit.host``)."""
+    built on the GPU (``plait.fit.host``); ``bucket_numel``: ``zero_optimization.reduce_bucket_size``, the most
+    elements of a segment of parameters (one device step range, ``plait.zero.flat.build_layout``)."""
 
     gpu_bytes: int
     host_bytes: int
@@ -56,9 +66,11 @@ class Settings:
     device_share: bool = True
     state_dtype: str = "fp32"
     model_build: str = "none"
+    bucket_numel: int = 500_000_000
 
     def __post_init__(self):
-        for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation"):
+        for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation",
+                    "bucket_numel"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a whole number >= 1")
@@ -83,7 +95,8 @@ def moment_bytes(elements: int, state_dtype: str) -> int:
 @dataclass(frozen=True)
 class Plan:
     """Bytes of one run: ``rows`` (state, GPU bytes, host bytes), ``host_terms`` (the host's other terms,
-    ``plait.fit.host``), the peaks, and whether it fits."""
+    ``plait.fit.host``), ``step`` (the device step's working bytes, :func:`step_bytes`), the peaks, and whether it
+    fits."""
 
     shape: ModelShape
     settings: Settings
@@ -92,6 +105,7 @@ class Plan:
     gpu_peak: int
     host_peak: int
     host_terms: tuple[tuple[str, int], ...] = ()
+    step: int = 0
 
     @property
     def host_states(self) -> int:
@@ -108,14 +122,21 @@ class Plan:
         return self.gpu_need <= self.settings.gpu_bytes and self.host_peak <= self.settings.host_bytes
 
 
-def unit_sizes(shape: ModelShape, stage: int) -> list[int]:
-    """Elements of the units of placement in forward order: ZeRO-3's units (embedding, each block, final norm,
-    head: ``plait.engine.model.stage3_units``), below stage 3 each parameter in registration order."""
+def unit_params(shape: ModelShape, stage: int) -> list[list[int]]:
+    """The units of placement in forward order, each as its parameters' elements in registration order:
+    ZeRO-3's units (embedding, each block, final norm, head: ``plait.engine.model.stage3_units``), below stage 3
+    each parameter a unit of its own."""
     h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
         shape.ffn_hidden_size
-    block = [shape.block_params] if stage == 3 else [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h, h, h]
-    head = [] if shape.tied_embeddings else [shape.vocab_size * h]
-    return [shape.embedding_params] + block * shape.num_layers + [h] + head
+    block = [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h, h, h]
+    head = [] if shape.tied_embeddings else [[shape.vocab_size * h]]
+    units = [[shape.embedding_params]] + [block] * shape.num_layers + [[h]] + head
+    return units if stage == 3 else [[n] for unit in units for n in unit]
+
+
+def unit_sizes(shape: ModelShape, stage: int) -> list[int]:
+    """Elements of the units of placement in forward order (:func:`unit_params`)."""
+    return [sum(unit) for unit in unit_params(shape, stage)]
 
 
 def resident_elements(shape: ModelShape, stage: int, ratio: float) -> int:
@@ -126,6 +147,56 @@ def resident_elements(shape: ModelShape, stage: int, ratio: float) -> int:
     blocks = [[torch.empty(n, device="meta")] for n in unit_sizes(shape, stage)]
     chosen = resident_params(blocks, ratio)
     return sum(b[0].numel() for b in blocks if id(b[0]) in chosen)
+
+
+def largest_resident_segment(shape: ModelShape, s: Settings) -> int:
+    """Elements of this rank's largest segment whose states stay on the GPU at host share ``s.ratio``: the
+    resident parameters (``placement.resident_params`` over meta tensors) packed as ``flat.build_layout`` packs
+    them (a segment closes past ``s.bucket_numel`` elements, and at a unit's end at stage 3), split over dp."""
+    if s.ratio >= 1.0:
+        return 0
+    blocks = [[torch.empty(n, device="meta") for n in unit] for unit in unit_params(shape, s.stage)]
+    chosen = resident_params(blocks, s.ratio)
+    largest = open_segment = 0
+    for block in blocks:
+        if s.stage == 3:
+            open_segment = 0
+        for n in (t.numel() for t in block if id(t) in chosen):
+            if open_segment and open_segment + n > s.bucket_numel:
+                open_segment = 0
+            open_segment += n
+            largest = max(largest, open_segment)
+    return math.ceil(largest / s.dp)
+
+
+def step_bytes(shape: ModelShape, s: Settings) -> int:
+    """Device bytes the optimizer step holds besides the states, at its peak (after backward: the activations
+    are freed): :data:`STEP_BYTES_PER_ELEMENT` times the largest range stepped at once on the device. With
+    ``offload_optimizer``, the resident share is stepped one segment at a time (``DeviceShare._step_resident``);
+    without it, bf16/int8 moments are stepped one master at a time (``HostOptimizer.step``: one per ZeRO-3 unit,
+    below stage 3 the rank's partition) and fp32 ones by torch's fused AdamW (not counted)."""
+    if s.offload_optimizer:
+        elements = 0 if s.offload_param else largest_resident_segment(shape, s)
+    elif s.state_dtype == "fp32":
+        elements = 0
+    else:
+        whole = max(unit_sizes(shape, 3)) if s.stage == 3 else shape.params
+        elements = math.ceil(whole / (s.dp if s.stage else 1))
+    return STEP_BYTES_PER_ELEMENT[s.state_dtype] * elements
+
+
+def auto_ratio(shape: ModelShape, s: Settings) -> tuple[float, str]:
+    """``offload_optimizer.ratio: "auto"``: the smallest host share of :data:`RATIO_STEPS` whose planned GPU need
+    fits ``s.gpu_bytes`` (1, every state on the host, when none does), and the reason, said by the engine's log
+    (``plait.fit.check``) and ``plait estimate-memory --ratio auto``."""
+    if s.offload_param:
+        return 1.0, "offload_param keeps every optimizer state on the host"
+    for ratio in RATIO_STEPS:
+        plan = estimate(shape, replace(s, offload_optimizer=True, ratio=ratio))
+        if plan.gpu_need <= s.gpu_bytes:
+            return ratio, (f"planned GPU need {plan.gpu_need / GiB:.1f} of {s.gpu_bytes / GiB:.1f} GiB at "
+                           f"micro-batch {s.micro_batch} x {s.seq_len} tokens")
+    return 1.0, f"even every state on the host does not fit {s.gpu_bytes / GiB:.1f} GiB"
 
 
 def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, int, int]]:
@@ -141,7 +212,8 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
              (f"Adam moments ({s.state_dtype})", moment_bytes(res, s.state_dtype), moment_bytes(host, s.state_dtype))]
     if not s.offload_param:
         rows.append(("bf16 copy-out buffer", 0, 2 * host))
-    if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host:
+    # bf16/int8 moments are never streamed (``HostStepper._streams_moments``): they step on the host or resident
+    if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host and s.state_dtype == "fp32":
         rows.append(("device share: streamed gradients (at most)", g * host, 0))
     return rows
 
@@ -169,11 +241,13 @@ def estimate(shape: ModelShape, s: Settings) -> Plan:
     if s.stage == 3 and (s.dp > 1 or s.offload_param or not s.offload_optimizer):
         rows.append(("stage 3: gathered units (bf16)", 2 * sum(units), 0))
     acts = activation_peak(shape, s.micro_batch * s.seq_len, s.checkpointing)
-    gpu = sum(r[1] for r in rows) + acts
-    if s.stage == 3 and not s.offload_optimizer:   # the fp32 gradient shard lives from backward to the step
-        gpu += max(0, rows[1][1] - acts) - rows[1][1]
+    # the step follows backward: its working bytes (and ZeRO-3's fp32 gradient shard, alive from backward to the
+    # step) are held after the activations are freed; the peak counts the larger of the two
+    late = rows[1][1] if s.stage == 3 and not s.offload_optimizer else 0
+    step = step_bytes(shape, s)
+    gpu = sum(r[1] for r in rows) - late + max(acts, late + step)
     terms = host_terms(shape.params, s.offload_optimizer, s.model_build)
-    return Plan(shape, s, tuple(rows), acts, gpu, host_peak(terms, sum(r[2] for r in rows)), terms)
+    return Plan(shape, s, tuple(rows), acts, gpu, host_peak(terms, sum(r[2] for r in rows)), terms, step)
 
 
 def largest_fitting(shape: ModelShape, s: Settings) -> ModelShape | None:

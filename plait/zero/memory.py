@@ -87,6 +87,19 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         ValueError: negative sizes, dp_size < 1, stage outside 0..3, offload_optimizer with stage 0,
             offload_param without stage 3.
     """
+    gpu, host = _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision,
+                              num_gpus_per_node, optimizer_states, largest_layer_params, accounting)
+    ranks_per_host = min(num_gpus_per_node, dp_size)
+    return MemoryEstimate(
+        num_params=num_params, dp_size=dp_size, stage=stage, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, mixed_precision=mixed_precision, num_gpus_per_node=num_gpus_per_node,
+        gpu=MemoryBreakdown(*gpu), cpu=MemoryBreakdown(*(b * ranks_per_host for b in host)))
+
+
+def _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision, num_gpus_per_node,
+                  optimizer_states, largest_layer_params, accounting) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """((params, grads, optimizer states) bytes on one GPU, the same on the host for one rank), after checking
+    the arguments (:func:`_check`)."""
     _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
            largest_layer_params)
     low = 2 if mixed_precision else 4                      # bytes per weight / gradient element
@@ -113,13 +126,7 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
     if stage == 3:
         gpu_params += largest_layer_params * low
         gpu_grads += largest_layer_params * low
-
-    ranks_per_host = min(num_gpus_per_node, dp_size)
-    return MemoryEstimate(
-        num_params=num_params, dp_size=dp_size, stage=stage, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, mixed_precision=mixed_precision, num_gpus_per_node=num_gpus_per_node,
-        gpu=MemoryBreakdown(gpu_params, gpu_grads, gpu_optim),
-        cpu=MemoryBreakdown(host_params * ranks_per_host, host_grads * ranks_per_host, host_optim * ranks_per_host))
+    return (gpu_params, gpu_grads, gpu_optim), (host_params, host_grads, host_optim)
 
 
 def _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
