@@ -109,6 +109,17 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
     return config
 
 
+def check_batch(engine, args) -> None:
+    """Raises ConfigError: ``engine``'s micro-batch or accumulation differs from ``args``'."""
+    got = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
+        raise ConfigError(
+            f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "
+            f"TrainingArguments ask {args.per_device_train_batch_size} x "
+            f'{args.gradient_accumulation_steps}; set the batch keys to "auto" or make them agree'
+        )
+
+
 def say_filled(raw: dict, filled: dict, args) -> None:
     """Log on rank 0 what the filling changed beyond "auto" values. The Trainer calls it once, for the engine it
     trains (TRL's reference engine fills a second config and says nothing):
