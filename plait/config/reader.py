@@ -37,40 +37,34 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
                 betas: tuple[float, float] | None = None, eps: float | None = None,
                 weight_decay: float | None = None, warmup_min_lr: float | None = None,
                 warmup_num_steps: int | None = None, total_num_steps: int | None = None) -> PlaitConfig:
-    """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated :class:`PlaitConfig`.
+    """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated, frozen
+    :class:`PlaitConfig` (``cfg.to_dict()`` loads back to an equal config).
 
     Args:
         source: path of a JSON file or an already-parsed dict (not modified).
-        dp_size: data-parallel size (ranks holding model replicas). Needed to derive a missing member of
+        dp_size, world_size: data-parallel size, or all ranks (``dp = world_size / (tensor_parallel.size x
+            pipeline.size x context_parallel.size)``); needed to derive a missing member of
             ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp``.
-        world_size: total ranks; gives ``dp = world_size / (tensor_parallel.size x pipeline.size x
-            context_parallel.size)``.
         model_hidden_size: hidden size h, for the ZeRO "auto" bucket sizes.
-        micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
         mixed_precision: "fp16", "bf16", "fp32" or None: resolves ``fp16.enabled``/``bf16.enabled`` "auto".
-        gradient_clipping, lr, betas, eps, weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps:
-            values for those keys when "auto" (Hugging Face Trainer style).
-        The "auto" rules are listed in :mod:`plait.config.resolve`.
-
-    Returns:
-        The frozen :class:`PlaitConfig`; ``cfg.to_dict()`` loads back to an equal config.
+        micro_batch_size, gradient_accumulation_steps, train_batch_size, gradient_clipping, lr, betas, eps,
+            weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps: values for those keys when
+            "auto" (Hugging Face Trainer style; the rules: :mod:`plait.config.resolve`).
 
     Raises:
-        ConfigError (a ValueError): unknown key (with the closest valid key), wrong value type, batch sizes
-            that do not multiply out (naming all four numbers), "auto" without the fact it needs, fp16 and
-            bf16 both enabled, zero stage outside 0..3, offload_param without stage 3, a number outside its
-            range (NaN, inf, an integer beyond 64 bits, or a key's own range such as a scheduler's
-            ``total_num_steps`` below its ``warmup_num_steps``), named with the range it must be in.
+        ConfigError (a ValueError), naming the key and the fix: an unknown key, a wrong type, batch sizes
+            that do not multiply out, "auto" without the fact it needs, contradicting sections, a number out
+            of range (the list: ``docs/config.md``, "Errors").
         UnsupportedConfigError (a ConfigError): a DeepSpeed feature plait does not implement.
         FileNotFoundError: ``source`` path does not exist.
     """
-    data = _load_json(source)
-    raw = read_raw(data)
-    facts = dict(dp_size=dp_size, world_size=world_size, hidden=model_hidden_size, micro=micro_batch_size,
-                 gas=gradient_accumulation_steps, train=train_batch_size, mixed_precision=mixed_precision,
-                 gradient_clipping=gradient_clipping, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                 warmup_min_lr=warmup_min_lr, warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
-    return build_config(resolve_auto(raw, **facts))
+    raw = read_raw(_load_json(source))
+    resolved = resolve_auto(raw, dp_size=dp_size, world_size=world_size, hidden=model_hidden_size,
+                            micro=micro_batch_size, gas=gradient_accumulation_steps, train=train_batch_size,
+                            mixed_precision=mixed_precision, gradient_clipping=gradient_clipping, lr=lr,
+                            betas=betas, eps=eps, weight_decay=weight_decay, warmup_min_lr=warmup_min_lr,
+                            warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
+    return build_config(resolved)
 
 
 def _load_json(source: Any) -> dict:
