@@ -47,9 +47,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
             ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp``.
         model_hidden_size: hidden size h, for the ZeRO "auto" bucket sizes.
         mixed_precision: "fp16", "bf16", "fp32" or None: resolves ``fp16.enabled``/``bf16.enabled`` "auto".
-        micro_batch_size, gradient_accumulation_steps, train_batch_size, gradient_clipping, lr, betas, eps,
-            weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps: values for those keys when
-            "auto" (Hugging Face Trainer style; the rules: :mod:`plait.config.resolve`).
+        micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
+        gradient_clipping, lr, betas, eps, weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps:
+            the same, Hugging Face Trainer style (the rules: :mod:`plait.config.resolve`).
 
     Raises:
         ConfigError (a ValueError), naming the key and the fix: an unknown key, a wrong type, batch sizes
