@@ -31,7 +31,8 @@ transformers = pytest.importorskip("transformers")
 from plait.checkpoint import CheckpointReader
 from plait.checkpoint.convert import consolidate, from_hf, to_hf
 from plait.checkpoint.hf import config_from_hf
-from plait.checkpoint.model_io import config_from_meta, load_model_weights, save_model_weights
+from plait.checkpoint.model_io import config_from_meta, save_model_weights
+from plait.checkpoint.model_load import load_model_weights
 from plait.cli import main
 from plait.layers import TransformerModel
 from plait.layers.model import check_tensor_parallel

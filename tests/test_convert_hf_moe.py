@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 from plait.checkpoint import CheckpointReader
 from plait.checkpoint.convert import from_hf, to_hf
 from plait.checkpoint.hf import config_from_hf, config_to_hf
-from plait.checkpoint.model_io import config_from_meta, load_model_weights, save_model_weights
+from plait.checkpoint.model_io import config_from_meta, save_model_weights
+from plait.checkpoint.model_load import load_model_weights
 from plait.layers import TransformerModel
 from plait.models import preset
 from plait.parallel import ParallelMesh

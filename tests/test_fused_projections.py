@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from helpers import make_config, rel_err
 from plait.checkpoint import CheckpointReader
-from plait.checkpoint.model_io import load_model_weights, save_model_weights
+from plait.checkpoint.model_io import save_model_weights
+from plait.checkpoint.model_load import load_model_weights
 from plait.layers import TransformerModel
 from plait.layers.linear import ColumnParallelLinear
 from plait.parallel import ParallelMesh

@@ -17,9 +17,9 @@ from plait.checkpoint.model_io import (
     MESH_KEY,
     MODEL_CONFIG_KEY,
     config_from_meta,
-    load_model_weights,
     save_model_weights,
 )
+from plait.checkpoint.model_load import load_model_weights
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.parallel.sharding import gather_logical_state, shard_of

@@ -194,7 +194,8 @@ def test_engine_reports_the_expert_losses_and_load_and_moves_the_expert_bias():
 def expert_checkpoint_body(ep, root):
     """Build the model at ``ep`` (seed 5) and save it; load the one-process checkpoint into a model built with
     another seed at ``ep`` and return its whole weights (gathered over ep)."""
-    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from plait.checkpoint.model_io import save_model_weights
+    from plait.checkpoint.model_load import load_model_weights
     from plait.parallel import ParallelMesh
     from plait.parallel.sharding import gather_logical_state
     mesh = ParallelMesh(ep=ep)
@@ -211,7 +212,8 @@ def test_expert_checkpoints_hold_logical_experts_and_load_at_any_ep(ep, tmp_path
     """Experts are saved as the logical ``[E, ...]`` tensors, each expert once: a checkpoint saved at ep=2 or 4
     loads into one process exactly, and one saved in one process loads at ep exactly (initialization is
     layout-invariant, so the one-process model of the same seed is the reference, bit for bit)."""
-    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from plait.checkpoint.model_io import save_model_weights
+    from plait.checkpoint.model_load import load_model_weights
     from plait.parallel.sharding import gather_logical_state
     from plait.testing import run_distributed
     one = TransformerModel(moe_tiny(), None, seed=5)
@@ -286,7 +288,8 @@ def test_the_expert_bias_is_checkpointed_and_resumed(tmp_path):
     """Auxiliary-loss-free balancing's bias is training state: a checkpoint holds it and a load restores it.
     (A checkpoint without it, a Hugging Face import, loads strictly and leaves it at zero, and an export leaves
     a bias of zeros out: ``test_convert_hf_moe``'s strict loads and ``dropped == []``.)"""
-    from plait.checkpoint.model_io import load_model_weights, save_model_weights
+    from plait.checkpoint.model_io import save_model_weights
+    from plait.checkpoint.model_load import load_model_weights
     from test_engine import micro_batch
     model = TransformerModel(moe_tiny(moe_bias_update_rate=0.01), None, seed=5)
     model(**micro_batch(0, 0, 0)).backward()

@@ -97,25 +97,38 @@ def fill_auto(plugin, model, optimizer, scheduler, micro: int | None, num_proces
     if micro is not None:
         values["train_micro_batch_size_per_gpu"] = micro
         values["train_batch_size"] = micro * plugin.get_value("gradient_accumulation_steps") * num_processes
-    auto = [k for k in HIDDEN_SIZE_KEYS if plugin.is_auto(k)]
-    if auto:
-        config = getattr(model, "config", None)
-        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
-        if hidden is None:
-            raise ValueError(f"the ds_config's {auto} are \"auto\" but the model has no config.hidden_size: set them "
-                             "to integers in the ds_config")
-        values.update(zip(HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)))
+    values.update(_bucket_values(plugin, model))
     if isinstance(optimizer, DummyOptim):
         values.update({"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay})
     if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
-        opt = scheduler.optimizer
-        max_lr = opt.defaults["lr"] if getattr(opt, "defaults", None) is not None else getattr(opt, "lr", None)
-        values.update({"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": max_lr,
-                       "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps)})
-        if scheduler.total_num_steps is not None:
-            values["scheduler.params.total_num_steps"] = (scheduler.total_num_steps if split_batches else
-                                                          math.ceil(scheduler.total_num_steps / num_processes))
+        values.update(_scheduler_values(scheduler, num_processes, split_batches))
     plugin.deepspeed_config_process(must_match=False, **values)
+
+
+def _bucket_values(plugin, model) -> dict:
+    """The ZeRO bucket keys the plugin's config leaves "auto", from the model's hidden size h (``h*h``,
+    ``int(0.9*h*h)``, ``10*h``). Raises ValueError: one is "auto" and the model has no hidden size."""
+    auto = [k for k in HIDDEN_SIZE_KEYS if plugin.is_auto(k)]
+    if not auto:
+        return {}
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+    if hidden is None:
+        raise ValueError(f"the ds_config's {auto} are \"auto\" but the model has no config.hidden_size: set them "
+                         "to integers in the ds_config")
+    return dict(zip(HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)))
+
+
+def _scheduler_values(scheduler: DummyScheduler, num_processes: int, split_batches: bool) -> dict:
+    """``scheduler.params`` from a ``DummyScheduler`` without a callable, as accelerate fills them."""
+    opt = scheduler.optimizer
+    max_lr = opt.defaults["lr"] if getattr(opt, "defaults", None) is not None else getattr(opt, "lr", None)
+    values = {"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": max_lr,
+              "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps)}
+    if scheduler.total_num_steps is not None:
+        values["scheduler.params.total_num_steps"] = (scheduler.total_num_steps if split_batches else
+                                                      math.ceil(scheduler.total_num_steps / num_processes))
+    return values
 
 
 def engine_config(plugin_config: dict) -> dict:

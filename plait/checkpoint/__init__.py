@@ -2,7 +2,7 @@
 
 Save collectively with ``save`` / ``CheckpointWriter`` (each rank passes the ``ShardItem`` boxes
 it owns); read any box of any tensor with ``CheckpointReader``, whatever layout wrote it. The
-on-disk format is described in ``plait/checkpoint/FORMAT.md``. ``model_io`` saves and loads a
+on-disk format is described in ``plait/checkpoint/FORMAT.md``. ``model_io`` / ``model_load`` save and load a
 model's weights in any tp/pp/dp layout; ``convert`` goes to and from Hugging Face (``plait convert``);
 ``engine_io`` is what ``Engine.save_checkpoint`` / ``load_checkpoint`` run, over the ``Checkpointable``
 Protocol (``contract``) that the engine implements; ``optimizer_io`` stores ZeRO's flat pieces as boxes.
@@ -16,7 +16,8 @@ from plait.checkpoint.meta import tensor_from_json, tensor_to_json
 from plait.checkpoint.reader import CheckpointReader, ModelCheck
 from plait.checkpoint.tp import read_tp_shard, tp_box, tp_shard_item
 from plait.checkpoint.writer import CheckpointWriter, SaveHandle, ShardItem, save
-from plait.checkpoint.model_io import LoadReport, load_model_weights, save_model_weights
+from plait.checkpoint.model_io import save_model_weights
+from plait.checkpoint.model_load import LoadReport, load_model_weights
 from plait.checkpoint.convert import consolidate, from_hf, inspect, to_hf
 
 __all__ = [

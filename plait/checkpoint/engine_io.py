@@ -21,7 +21,8 @@ import torch.distributed as dist
 from plait.checkpoint.contract import Checkpointable, RngState, TrainerState
 from plait.checkpoint.errors import CheckpointError
 from plait.checkpoint.meta import tensor_from_json, tensor_to_json
-from plait.checkpoint.model_io import fill_model, model_meta, model_shard_items, plan_model_load
+from plait.checkpoint.model_io import model_meta, model_shard_items
+from plait.checkpoint.model_load import fill_model, plan_model_load
 from plait.checkpoint.optimizer_io import flat_reader, optimizer_items, param_table
 from plait.checkpoint.reader import CheckpointReader
 from plait.zero.flat import ShardState
@@ -128,7 +129,7 @@ def load_engine(target: Checkpointable, load_dir, tag, load_optimizer_states: bo
     Collective; returns ``(checkpoint path, client_state)``.
 
     Raises:
-        CheckpointError: as ``CheckpointReader`` and ``model_io.load_model_weights`` (shapes, config, with
+        CheckpointError: as ``CheckpointReader`` and ``model_load.load_model_weights`` (shapes, config, with
             ``strict`` missing or unexpected weights), before any parameter is changed.
     """
     reader = CheckpointReader(load_dir, tag)

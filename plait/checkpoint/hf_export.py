@@ -151,8 +151,26 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         return _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config)
     config = config or config_from_meta(reader.meta, f"checkpoint {reader.path}")
     hf_meta = reader.meta.get(HF_KEY) or {}
-    names = [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)]
+    names = _weight_names(reader)
     layout = hfmap.export_layout(config, names)
+    jobs, sizes, used, missing = _export_jobs(reader, config, layout, names, hf_meta, dtype)
+    dropped = sorted(set(names) - used)
+    shards = _plan_shards(jobs, sizes, max_shard_bytes)
+    files = _write_hf_weights(reader, out_dir, shards, dtype, overwrite)
+    _write_hf_config(reader, config, layout, hf_meta.get("config"), names, dtype, out_dir)
+    files += _copy_tokenizer(tokenizer_from, out_dir) if tokenizer_from else []
+    return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
+
+
+def _weight_names(reader: CheckpointReader) -> list[str]:
+    """The checkpoint's tensors less optimizer state and ZeRO training state (``_zero_state``)."""
+    return [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)]
+
+
+def _export_jobs(reader: CheckpointReader, config: TransformerConfig, layout, names: list[str],
+                 hf_meta: dict, dtype) -> tuple[list, list[int], set, list]:
+    """``_rule_jobs``' (jobs, sizes, used names, missing) plus the ``hf_extra.`` tensors, kept when the
+    checkpoint was imported from the same HF class and prefix."""
     jobs, sizes, used, missing = _rule_jobs(reader, config, layout, names, dtype)
     extras = [n for n in names if n.startswith(EXTRA_PREFIX)]
     keep_extras = hf_meta.get("architecture") == layout.architecture and hf_meta.get("prefix") == layout.prefix
@@ -160,16 +178,19 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
         jobs.append(n)
         sizes.append(_nbytes(reader, n, dtype))
         used.add(n)
-    dropped = sorted(set(names) - used)
-    files = _write_hf_weights(reader, out_dir, _plan_shards(jobs, sizes, max_shard_bytes), dtype, overwrite)
-    hf_config = hfmap.config_to_hf(config, hf_meta.get("config"))
+    return jobs, sizes, used, missing
+
+
+def _write_hf_config(reader: CheckpointReader, config: TransformerConfig, layout, saved: dict | None,
+                     names: list[str], dtype, out_dir: str) -> None:
+    """``config.json`` of the HF class (``saved``: the imported model's HF config, for fields plait does
+    not keep), its dtype the export's, else the most common floating dtype stored."""
+    hf_config = hfmap.config_to_hf(config, saved)
     hf_config.architectures = [layout.architecture]
     stored = Counter(reader.dtype(n) for n in names if reader.dtype(n).is_floating_point)
     out_dtype = dtype or (stored.most_common(1)[0][0] if stored else torch.float32)
     setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", out_dtype)
     hf_config.to_json_file(os.path.join(out_dir, HF_CONFIG), use_diff=True)
-    files += _copy_tokenizer(tokenizer_from, out_dir) if tokenizer_from else []
-    return ExportReport(os.fspath(out_dir), layout.architecture, files, sorted(missing), dropped)
 
 
 def _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config) -> ExportReport:

@@ -153,26 +153,44 @@ def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtyp
         raise RuntimeError("from_hf runs in one process; call it before torch.distributed is initialized "
                            "or use the `plait convert from-hf` command")
     dtype = parse_dtype(dtype)
-    raw = read_hf_config(hf_dir)
-    hfmap.check_model_type(raw.get("model_type"))
-    weights = HFWeights(hf_dir)
-    hfmap.check_hf_sizes(raw, os.path.join(os.fspath(hf_dir), HF_CONFIG), weights.nbytes)
+    raw, weights = _open_source(hf_dir)
     config = hfmap.config_from_hf(raw)
     layout = hfmap.detect_layout(raw["model_type"], weights.names())
     shapes = logical_shapes(config)
     rule_list = hfmap.rules(config, layout)
     items, used = _rule_items(hf_dir, weights, rule_list, shapes, dtype)
-    leftover = sorted(set(weights.names()) - used)
-    aliases = hfmap.alias_names(rule_list)
-    ignored = [n for n in leftover if n in aliases or hfmap.ignored_hf_name(n, config)]
-    extra = [n for n in leftover if n not in set(ignored)]
+    ignored, extra = _leftovers(sorted(set(weights.names()) - used), rule_list, config)
     items += [ShardItem.whole(EXTRA_PREFIX + n, cast_floating(weights.get(n), dtype)) for n in extra]
     missing = sorted(set(shapes) - {it.name for it in items})
-    meta = {MODEL_CONFIG_KEY: config.to_dict(),
-            HF_KEY: {"model_type": layout.model_type, "architecture": layout.architecture, "prefix": layout.prefix,
-                     "source": os.path.abspath(hf_dir),
-                     "config": {k: raw[k] for k in hfmap.CARRIED_FIELDS if k in raw},
-                     "missing": missing, "extra": extra}}
+    meta = {MODEL_CONFIG_KEY: config.to_dict(), HF_KEY: _import_meta(raw, layout, hf_dir, missing, extra)}
     CheckpointWriter(out_root, max_file_bytes=max_file_bytes).save(tag, items, meta)
     return ConvertReport(os.path.join(os.fspath(out_root), tag), tag, config, layout.architecture,
                          len(items), missing, extra, ignored)
+
+
+def _open_source(hf_dir: str) -> tuple[dict, HFWeights]:
+    """``config.json`` and the weights of ``hf_dir``, checked before any tensor is read: a known model type,
+    and sizes the files can hold (``check_hf_sizes``)."""
+    raw = read_hf_config(hf_dir)
+    hfmap.check_model_type(raw.get("model_type"))
+    weights = HFWeights(hf_dir)
+    hfmap.check_hf_sizes(raw, os.path.join(os.fspath(hf_dir), HF_CONFIG), weights.nbytes)
+    return raw, weights
+
+
+def _leftovers(leftover: list[str], rule_list: list, config) -> tuple[list[str], list[str]]:
+    """The HF tensors no rule read, as (ignored: aliases and names plait drops on purpose, extra: kept
+    under ``hf_extra.`` for export)."""
+    aliases = hfmap.alias_names(rule_list)
+    ignored = [n for n in leftover if n in aliases or hfmap.ignored_hf_name(n, config)]
+    extra = [n for n in leftover if n not in set(ignored)]
+    return ignored, extra
+
+
+def _import_meta(raw: dict, layout, hf_dir: str, missing: list[str], extra: list[str]) -> dict:
+    """``meta.json[HF_KEY]``: what ``from_hf`` saw (model type, class, prefix, source folder, the HF config
+    fields plait carries for export, missing and extra tensors)."""
+    return {"model_type": layout.model_type, "architecture": layout.architecture, "prefix": layout.prefix,
+            "source": os.path.abspath(hf_dir),
+            "config": {k: raw[k] for k in hfmap.CARRIED_FIELDS if k in raw},
+            "missing": missing, "extra": extra}

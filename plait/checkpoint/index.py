@@ -125,30 +125,46 @@ def load_index(path: str) -> dict:
     files, tensors = index.get("files"), index.get("tensors")
     if not isinstance(files, dict) or not isinstance(tensors, dict):
         _fail(path, "'files' and 'tensors' must be JSON objects")
+    _check_files(path, files)
+    for name, entry in tensors.items():
+        _check_tensor(path, name, entry, files)
+    _check_sums(path, index, tensors)
+    return index
+
+
+def _check_files(path: str, files: dict) -> None:
+    """Every file entry: a plain name, integer ``bytes`` and a string ``checksum``."""
     for fname, info in files.items():
         if "/" in fname or "\\" in fname or fname.startswith("."):
             _fail(path, f"file name {fname!r} must be a plain name inside the checkpoint directory")
         if not isinstance(info, dict) or type(info.get("bytes")) is not int \
                 or not isinstance(info.get("checksum"), str):
             _fail(path, f"file {fname!r} needs integer 'bytes' and string 'checksum', got {info!r}")
-    for name, entry in tensors.items():
-        if not isinstance(entry, dict) or not _int_list(entry.get("shape")) \
-                or not isinstance(entry.get("slices"), list):
-            _fail(path, f"tensor {name!r} needs 'shape' (list of int) and 'slices' (list)")
-        if entry.get("dtype") not in DTYPE_BY_NAME:
-            _fail(path, f"tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
-        for i, sl in enumerate(entry["slices"]):
-            if not isinstance(sl, dict) or sl.get("file") not in files or not isinstance(sl.get("key"), str):
-                _fail(path, f"tensor {name!r} slice {i} must name a listed file and a key, got {sl!r}")
-            err = box_error(entry["shape"], sl.get("offsets") if _int_list(sl.get("offsets")) else [None],
-                            sl.get("lengths") if _int_list(sl.get("lengths")) else [None])
-            if err:
-                _fail(path, f"tensor {name!r} slice {i} ({sl['file']}): {err}")
-        try:
-            check_tiling(name, entry["shape"], [(s["offsets"], s["lengths"]) for s in entry["slices"]],
-                         describe=lambda i, sl=entry["slices"]: f"slice {i} ({sl[i]['file']}:{sl[i]['key']})")
-        except CheckpointError as e:
-            _fail(path, str(e))
+
+
+def _check_tensor(path: str, name: str, entry, files: dict) -> None:
+    """Tensor ``name``: its shape, a known dtype, in-bounds slices in listed ``files`` that tile it exactly."""
+    if not isinstance(entry, dict) or not _int_list(entry.get("shape")) \
+            or not isinstance(entry.get("slices"), list):
+        _fail(path, f"tensor {name!r} needs 'shape' (list of int) and 'slices' (list)")
+    if entry.get("dtype") not in DTYPE_BY_NAME:
+        _fail(path, f"tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
+    for i, sl in enumerate(entry["slices"]):
+        if not isinstance(sl, dict) or sl.get("file") not in files or not isinstance(sl.get("key"), str):
+            _fail(path, f"tensor {name!r} slice {i} must name a listed file and a key, got {sl!r}")
+        err = box_error(entry["shape"], sl.get("offsets") if _int_list(sl.get("offsets")) else [None],
+                        sl.get("lengths") if _int_list(sl.get("lengths")) else [None])
+        if err:
+            _fail(path, f"tensor {name!r} slice {i} ({sl['file']}): {err}")
+    try:
+        check_tiling(name, entry["shape"], [(s["offsets"], s["lengths"]) for s in entry["slices"]],
+                     describe=lambda i, sl=entry["slices"]: f"slice {i} ({sl[i]['file']}:{sl[i]['key']})")
+    except CheckpointError as e:
+        _fail(path, str(e))
+
+
+def _check_sums(path: str, index: dict, tensors: dict) -> None:
+    """The index's own checksum (when recorded) and the model fingerprint of its tensors."""
     own = index.get("index_checksum")   # absent in checkpoints written before it was added
     if own is not None and own != index_checksum(index):
         _fail(path, f"its own checksum {own!r} does not match its contents ({index_checksum(index)}): the file was "
@@ -157,7 +173,6 @@ def load_index(path: str) -> dict:
     if index.get("model_fingerprint") != expected:
         _fail(path, f"model fingerprint {index.get('model_fingerprint')!r} does not match its tensors "
                     f"({expected}); the index was edited or mixed with another model's")
-    return index
 
 
 def dumps_index(index: dict) -> bytes:

@@ -6,17 +6,14 @@ that rank 0 created, fsyncing each and computing CRC-32s; rank 0 checks that the
 it exactly, writes ``meta.json`` and last ``index.json``, renames the folder to ``<root>/<tag>``, replaces
 ``latest`` and prunes to ``keep_last``; every rank raises the same ``CheckpointError`` on failure.
 
-Ranks must share the file system holding ``root``. One writer per root at a time. The steps in order, with
-each fsync: ``docs/checkpoints.md``.
+Ranks must share the file system holding ``root``. One writer per root at a time. The protocol every rank
+runs is ``save_job``; the steps in order, with each fsync: ``docs/checkpoints.md``.
 """
 from __future__ import annotations
 
 import copy
 import os
-import secrets
-import shutil
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,21 +21,11 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint.boxes import box_error, flat_range_boxes
-from plait.checkpoint.dirs import check_tag, prune, publish, remove_leftovers
+from plait.checkpoint.dirs import check_tag
 from plait.checkpoint.errors import CheckpointError
-from plait.checkpoint.index import (
-    INDEX_FILE,
-    META_FILE,
-    RANK_META_FILE,
-    build_index,
-    dumps_index,
-)
-from plait.checkpoint.integrity import fsync_path, write_durable
-from plait.checkpoint.meta import dumps, json_error
-from plait.checkpoint.stfile import dtype_name, write_safetensors
-
-PAUSE_ENV = "PLAIT_CHECKPOINT_TEST_PAUSE"  # "<phase>:<marker path>": tests kill a save mid-way
-
+from plait.checkpoint.meta import json_error
+from plait.checkpoint.save_job import Comm, SaveJob, run
+from plait.checkpoint.stfile import dtype_name
 
 @dataclass(frozen=True)
 class ShardItem:
@@ -117,51 +104,6 @@ class SaveHandle:
             raise self.error
 
 
-def _pause(phase: str) -> None:
-    spec = os.environ.get(PAUSE_ENV, "")
-    want, _, marker = spec.partition(":")
-    if want == phase:
-        with open(marker, "w") as f:
-            f.write(phase)
-        time.sleep(3600)
-
-
-class _Comm:
-    """Object collectives over ``group`` (None: one process, collectives are no-ops)."""
-
-    def __init__(self, group):
-        self.group = group
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.world = 1 if group is None else dist.get_world_size(group)
-
-    def bcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
-
-    def gather(self, obj):
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
-        return out
-
-
-@dataclass
-class _Job:
-    root: str
-    tag: str
-    items: list
-    meta: dict
-    rank_meta: object
-    keep_last: int | None
-    max_file_bytes: int | None
-    comm: _Comm
-    error: str | None
-
-
 class CheckpointWriter:
     """Saves checkpoints into one ``root``, collectively over ``group``; owns the async queue.
 
@@ -186,15 +128,15 @@ class CheckpointWriter:
         self._side = None
         self._pending: SaveHandle | None = None
 
-    def _comm(self, async_: bool) -> _Comm:
+    def _comm(self, async_: bool) -> Comm:
         if self._group is None:
-            return _Comm(None)
+            return Comm(None)
         if not async_ and dist.get_backend(self._group) == "gloo" and self._side is None:
-            return _Comm(self._group)
+            return Comm(self._group)
         if self._side is None:  # collective: every rank of the group reaches its first such save together
             self._side = dist.new_group(ranks=dist.get_process_group_ranks(self._group), backend="gloo",
                                         use_local_synchronization=True)
-        return _Comm(self._side)
+        return Comm(self._side)
 
     def wait(self) -> None:
         """Wait for the previous async save; raise its error if nobody has seen it yet."""
@@ -224,43 +166,63 @@ class CheckpointWriter:
         """
         self.wait()
         comm = self._comm(async_)
-        error = None
-        try:
-            check_tag(tag)
-            if not isinstance(meta if meta is not None else {}, dict):
-                raise CheckpointError(f"meta must be a dict, got {type(meta).__name__}")
-            err = json_error(meta or {}, "meta") or json_error(rank_meta, "rank_meta")
-            if err:
-                raise CheckpointError(f"cannot save checkpoint {tag!r}: {err}")
-        except CheckpointError as e:
-            error = f"rank {comm.rank}: {e}"
-        items = [(s.name, s.tensor.detach().to("cpu", copy=True) if async_ else s.tensor.detach(),
-                  s.global_shape, s.offsets) for s in shards] if error is None else []
+        error = _argument_error(tag, meta, rank_meta)
+        error = None if error is None else f"rank {comm.rank}: {error}"
+        items = _held(shards, async_) if error is None else []
         if async_:  # the caller may change its dicts while the thread writes
             meta, rank_meta = copy.deepcopy(meta), copy.deepcopy(rank_meta)
-        job = _Job(self.root, tag, items, meta or {}, rank_meta, self.keep_last, self.max_file_bytes,
-                   comm, error)
+        job = SaveJob(self.root, tag, items, meta or {}, rank_meta, self.keep_last, self.max_file_bytes,
+                      comm, error)
         if error is not None and comm.world == 1:
             raise CheckpointError(error.removeprefix("rank 0: "))
         if not async_:
             handle = SaveHandle()
-            _run(job)
+            run(job)
             return handle
-        handle = SaveHandle()
-
-        def target():
-            try:
-                _run(job)
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                handle.error = e
-
-        handle._thread = threading.Thread(target=target, name=f"plait-ckpt-{tag}")
-        handle._thread.start()
-        self._pending = handle
+        self._pending = handle = _start(job, tag)
         if error is not None:  # peers learn it from the collective; this rank raises now
             handle.observed = True
             raise CheckpointError(error)
         return handle
+
+
+def _held(shards: Sequence[ShardItem], async_: bool) -> list[tuple]:
+    """``(name, tensor, global_shape, offsets)`` of each shard, the tensor detached (and copied to host
+    memory for an async save, so the caller may change it while the thread writes)."""
+    out = []
+    for s in shards:
+        tensor = s.tensor.detach().to("cpu", copy=True) if async_ else s.tensor.detach()
+        out.append((s.name, tensor, s.global_shape, s.offsets))
+    return out
+
+
+def _argument_error(tag: str, meta, rank_meta) -> str | None:
+    """What is wrong with ``save``'s arguments (the tag, non-JSON metadata), or None."""
+    try:
+        check_tag(tag)
+        if not isinstance(meta if meta is not None else {}, dict):
+            raise CheckpointError(f"meta must be a dict, got {type(meta).__name__}")
+        err = json_error(meta or {}, "meta") or json_error(rank_meta, "rank_meta")
+        if err:
+            raise CheckpointError(f"cannot save checkpoint {tag!r}: {err}")
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _start(job: SaveJob, tag: str) -> SaveHandle:
+    """``run(job)`` in a background thread; its error goes to the handle (``wait()`` raises it)."""
+    handle = SaveHandle()
+
+    def target():
+        try:
+            run(job)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            handle.error = e
+
+    handle._thread = threading.Thread(target=target, name=f"plait-ckpt-{tag}")
+    handle._thread.start()
+    return handle
 
 
 def save(root: str, tag: str, shards: Sequence[ShardItem], meta: dict | None = None, *, group=None,
@@ -274,85 +236,3 @@ def save(root: str, tag: str, shards: Sequence[ShardItem], meta: dict | None = N
                                                                         rank_meta, async_)
 
 
-def _write_rank_files(job: _Job, tmp: str) -> tuple[list[dict], dict]:
-    rank, groups, size = job.comm.rank, [[]], 0
-    for it in job.items:
-        nbytes = it[1].numel() * it[1].element_size()
-        if job.max_file_bytes and groups[-1] and size + nbytes > job.max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(it)
-        size += nbytes
-    slices, files = [], {}
-    for k, group in enumerate(g for g in groups if g):
-        fname = f"rank{rank:05d}.safetensors" if len(groups) == 1 else f"rank{rank:05d}-{k:03d}.safetensors"
-        entries, seen = [], {}
-        for name, tensor, shape, offsets in group:
-            n = seen.get(name, 0)
-            seen[name] = n + 1
-            key = name if n == 0 else f"{name}#{n}"
-            entries.append((key, tensor))
-            slices.append({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(shape),
-                           "offsets": list(offsets), "lengths": list(tensor.shape), "file": fname,
-                           "key": key, "rank": rank})
-        files[fname] = write_safetensors(os.path.join(tmp, fname), entries,
-                                         after_tensor=lambda i: _pause("file"))
-    return slices, files
-
-
-def _run(job: _Job) -> None:
-    comm = job.comm
-    header = None
-    if comm.rank == 0:
-        nonce = secrets.token_hex(6)
-        tmp = os.path.join(job.root, f".tmp-{job.tag}-{nonce}")
-        try:
-            os.makedirs(job.root, exist_ok=True)
-            remove_leftovers(job.root, keep=tmp)
-            os.mkdir(tmp)
-            header = (tmp, nonce, job.tag, None)
-        except OSError as e:
-            header = (tmp, nonce, job.tag, f"rank 0 cannot create {tmp}: {e}")
-    tmp, nonce, tag, error = comm.bcast(header)
-    result = {"rank": comm.rank, "error": job.error, "slices": [], "files": {},
-              "rank_meta": job.rank_meta if job.error is None else None}
-    if result["error"] is None and tag != job.tag:
-        result["error"] = f"rank {comm.rank} saves tag {job.tag!r} but rank 0 saves {tag!r}"
-    if result["error"] is None and error is None:
-        try:
-            result["slices"], result["files"] = _write_rank_files(job, tmp)
-        except Exception as e:  # noqa: BLE001 - reported collectively below
-            result["error"] = f"rank {comm.rank} writing {tmp}: {type(e).__name__}: {e}"
-    results = comm.gather(result)
-    status = None
-    if comm.rank == 0:
-        errors = ([error] if error else []) + [r["error"] for r in results if r["error"]]
-        try:
-            if errors:
-                raise CheckpointError("; ".join(errors))
-            _finish(job, tmp, nonce, results)
-        except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            status = str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"
-            shutil.rmtree(tmp, ignore_errors=True)
-    status = comm.bcast(status)
-    if status is not None:
-        raise CheckpointError(f"saving checkpoint {os.path.join(job.root, job.tag)} failed: {status}")
-
-
-def _finish(job: _Job, tmp: str, nonce: str, results: list[dict]) -> None:
-    """Rank 0: metadata, index, fsync, publish, prune."""
-    files, slices = {}, []
-    for r in results:
-        files.update(r["files"])
-        slices.extend(r["slices"])
-    files[META_FILE] = write_durable(os.path.join(tmp, META_FILE), dumps(job.meta))
-    rank_metas = [r["rank_meta"] for r in results]
-    if any(m is not None for m in rank_metas):
-        files[RANK_META_FILE] = write_durable(os.path.join(tmp, RANK_META_FILE), dumps(rank_metas))
-    index = build_index(job.tag, slices, files, writers=job.comm.world, saved_at=time.time())
-    _pause("index")
-    write_durable(os.path.join(tmp, INDEX_FILE), dumps_index(index))
-    fsync_path(tmp)
-    publish(job.root, job.tag, tmp, nonce, pause=_pause)
-    if job.keep_last is not None:
-        prune(job.root, job.keep_last)

@@ -3,9 +3,9 @@
 Keys are checked against the dataclasses in :mod:`plait.config.schema`. An unknown key raises
 :class:`ConfigError` naming the key, its section and the closest valid key (``difflib``); a DeepSpeed key
 plait does not implement raises :class:`UnsupportedConfigError` (see :mod:`plait.config.unsupported`);
-a value of the wrong type names the key and the expected type. ``"auto"`` is kept for the fields that
-allow it and resolved in :mod:`plait.config.resolve`; a field typed with ``Literal["auto"]``
-(``device_step_fraction``) keeps it as its value (``schema_base.takes_auto``).
+a value of the wrong type names the key and the expected type (:mod:`plait.config.coerce`). ``"auto"`` is
+kept for the fields that allow it and resolved in :mod:`plait.config.resolve`; a field typed with
+``Literal["auto"]`` (``device_step_fraction``) keeps it as its value (``schema_base.takes_auto``).
 """
 from __future__ import annotations
 
@@ -15,18 +15,17 @@ import os
 import types
 import typing
 from dataclasses import fields, is_dataclass
-from typing import Any, Literal, Union
+from typing import Any
 from collections.abc import Mapping
 
 from plait.config.accepted import check_accepted, log
+from plait.config.coerce import coerce, describe, strip_optional
 from plait.config.resolve import build_config, resolve_auto
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
                                  PlaitConfig, SchedulerConfig)
 from plait.config.schema_base import takes_auto
 from plait.config.unsupported import (UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS, UnsupportedConfigError,
                                       check_unsupported, check_unsupported_value)
-
-_UNIONS = (Union, types.UnionType)
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any], *,
@@ -38,40 +37,34 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
                 betas: tuple[float, float] | None = None, eps: float | None = None,
                 weight_decay: float | None = None, warmup_min_lr: float | None = None,
                 warmup_num_steps: int | None = None, total_num_steps: int | None = None) -> PlaitConfig:
-    """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated :class:`PlaitConfig`.
+    """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated, frozen
+    :class:`PlaitConfig` (``cfg.to_dict()`` loads back to an equal config).
 
     Args:
         source: path of a JSON file or an already-parsed dict (not modified).
-        dp_size: data-parallel size (ranks holding model replicas). Needed to derive a missing member of
+        dp_size, world_size: data-parallel size, or all ranks (``dp = world_size / (tensor_parallel.size x
+            pipeline.size x context_parallel.size)``); needed to derive a missing member of
             ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp``.
-        world_size: total ranks; gives ``dp = world_size / (tensor_parallel.size x pipeline.size x
-            context_parallel.size)``.
         model_hidden_size: hidden size h, for the ZeRO "auto" bucket sizes.
-        micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
         mixed_precision: "fp16", "bf16", "fp32" or None: resolves ``fp16.enabled``/``bf16.enabled`` "auto".
+        micro_batch_size, gradient_accumulation_steps, train_batch_size: values for those keys when "auto".
         gradient_clipping, lr, betas, eps, weight_decay, warmup_min_lr, warmup_num_steps, total_num_steps:
-            values for those keys when "auto" (Hugging Face Trainer style).
-        The "auto" rules are listed in :mod:`plait.config.resolve`.
-
-    Returns:
-        The frozen :class:`PlaitConfig`; ``cfg.to_dict()`` loads back to an equal config.
+            the same, Hugging Face Trainer style (the rules: :mod:`plait.config.resolve`).
 
     Raises:
-        ConfigError (a ValueError): unknown key (with the closest valid key), wrong value type, batch sizes
-            that do not multiply out (naming all four numbers), "auto" without the fact it needs, fp16 and
-            bf16 both enabled, zero stage outside 0..3, offload_param without stage 3, a number outside its
-            range (NaN, inf, an integer beyond 64 bits, or a key's own range such as a scheduler's
-            ``total_num_steps`` below its ``warmup_num_steps``), named with the range it must be in.
+        ConfigError (a ValueError), naming the key and the fix: an unknown key, a wrong type, batch sizes
+            that do not multiply out, "auto" without the fact it needs, contradicting sections, a number out
+            of range (the list: ``docs/config.md``, "Errors").
         UnsupportedConfigError (a ConfigError): a DeepSpeed feature plait does not implement.
         FileNotFoundError: ``source`` path does not exist.
     """
-    data = _load_json(source)
-    raw = read_raw(data)
-    facts = dict(dp_size=dp_size, world_size=world_size, hidden=model_hidden_size, micro=micro_batch_size,
-                 gas=gradient_accumulation_steps, train=train_batch_size, mixed_precision=mixed_precision,
-                 gradient_clipping=gradient_clipping, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                 warmup_min_lr=warmup_min_lr, warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
-    return build_config(resolve_auto(raw, **facts))
+    raw = read_raw(_load_json(source))
+    resolved = resolve_auto(raw, dp_size=dp_size, world_size=world_size, hidden=model_hidden_size,
+                            micro=micro_batch_size, gas=gradient_accumulation_steps, train=train_batch_size,
+                            mixed_precision=mixed_precision, gradient_clipping=gradient_clipping, lr=lr,
+                            betas=betas, eps=eps, weight_decay=weight_decay, warmup_min_lr=warmup_min_lr,
+                            warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
+    return build_config(resolved)
 
 
 def _load_json(source: Any) -> dict:
@@ -195,7 +188,7 @@ def _sections_with_key(key: str, cls: type = PlaitConfig, section: str = "") -> 
     if key in by_key:
         found.append(section)
     for f in fields(cls):
-        sub = _strip_optional(hints[f.name])
+        sub = strip_optional(hints[f.name])
         if is_dataclass(sub) and sub not in (OptimizerConfig, SchedulerConfig):
             found += _sections_with_key(key, sub, _join(section, f.name))
     return found
@@ -206,16 +199,16 @@ def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
     if isinstance(value, str) and value == AUTO and not takes_auto(hint):
         if f.metadata.get("auto"):
             return AUTO
-        raise ConfigError(f"'{written}' does not accept \"auto\"; write {_describe(hint)}")
+        raise ConfigError(f"'{written}' does not accept \"auto\"; write {describe(hint)}")
     check_unsupported_value(section, key, value)
-    inner = _strip_optional(hint)
+    inner = strip_optional(hint)
     if inner is OptimizerConfig:
         return None if value is None else _read_typed(value, path, OPTIMIZER_PARAMS, UNSUPPORTED_OPTIMIZERS)
     if inner is SchedulerConfig:
         return None if value is None else _read_typed(value, path, SCHEDULER_PARAMS, UNSUPPORTED_SCHEDULERS)
     if is_dataclass(inner):
         return _read_section(value, inner, path if isinstance(value, dict) else written)   # keys: canonical section
-    return _coerce(value, hint, written)
+    return coerce(value, hint, written)
 
 
 def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozenset) -> dict:
@@ -242,103 +235,3 @@ def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozens
         raise ConfigError("optimizer type 'AdamW' with params.adam_w_mode false is contradictory; use type "
                           "'Adam' with adam_w_mode false for L2-regularised Adam")
     return {"type": canonical, "params": params}
-
-
-# ------------------------------------------------------------------------------------------------- types
-def _strip_optional(hint: Any) -> Any:
-    if typing.get_origin(hint) in _UNIONS:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return hint
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is bool:
-        return "a boolean (true/false)"
-    if hint is int:
-        return "an integer"
-    if hint is float:
-        return "a number"
-    if hint is str:
-        return "a string"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is tuple:
-        return f"a list of {len(args)} numbers"
-    if origin is list:
-        return "a list of strings" if args == (str,) else "a list of integers"
-    if is_dataclass(hint):
-        return "a JSON object (a section)"
-    if origin in _UNIONS:
-        parts = [_describe(a) for a in args if a is not type(None)]
-        return " or ".join(parts) + (" or null" if type(None) in args else "")
-    return getattr(hint, "__name__", str(hint))
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    try:
-        return _convert(value, hint)
-    except _Mismatch:
-        extra = ""
-        if typing.get_origin(_strip_optional(hint)) is Literal and isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(a) for a in typing.get_args(_strip_optional(hint))], 1)
-            extra = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"'{path}' must be {_describe(hint)}, got {type(value).__name__} {value!r}"
-                          f"{extra}") from None
-
-
-def _convert(value: Any, hint: Any) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)  # DeepSpeed configs write bucket sizes as 2e8
-        raise _Mismatch
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _Mismatch
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    if origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-        raise _Mismatch
-    if origin in _UNIONS:
-        for arg in args:
-            try:
-                return _convert(value, arg)
-            except _Mismatch:
-                pass
-        raise _Mismatch
-    if origin is tuple:
-        if isinstance(value, (list, tuple)) and len(value) == len(args):
-            return tuple(_convert(v, a) for v, a in zip(value, args))
-        raise _Mismatch
-    if hint is dict or origin is dict:
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return dict(value)
-        raise _Mismatch
-    if origin is list:
-        if isinstance(value, list):
-            return [_convert(v, args[0]) for v in value]
-        raise _Mismatch
-    raise TypeError(f"plait.config: no reader for type {hint!r}")  # a schema bug, not a user error
-

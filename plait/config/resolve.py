@@ -12,11 +12,11 @@ written. Every rule, one per key: ``docs/config.md``.
 """
 from __future__ import annotations
 
-import types
 import typing
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from typing import Any
 
+from plait.config.coerce import strip_optional
 from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
                                  OptimizerConfig, PlaitConfig, SchedulerConfig, ZeroConfig)
 from plait.config.schema_base import INT_LIMIT, check_number, takes_auto
@@ -57,7 +57,18 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
     """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
     batch triple complete, following the table in ``docs/config.md``. Raises ConfigError."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    _resolve_precision(cfg, mixed_precision, gradient_clipping)
+    opt_lr = _resolve_optimizer(cfg, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    max_lr = lr if lr is not None else opt_lr
+    _resolve_scheduler(cfg, max_lr, warmup_min_lr, warmup_num_steps, total_num_steps)
+    _resolve_zero(cfg, hidden)
+    _resolve_batch(cfg, dp_size=dp_size, world_size=world_size, facts=(train, micro, gas))
+    _check_no_auto(cfg, "")
+    return cfg
 
+
+def _resolve_precision(cfg: dict, mixed_precision: str | None, gradient_clipping: float | None) -> None:
+    """``fp16.enabled`` / ``bf16.enabled`` from ``mixed_precision``; ``gradient_clipping`` (default 1.0)."""
     if mixed_precision not in (None, "fp16", "bf16", "fp32"):
         raise ConfigError(f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}")
     for section in ("fp16", "bf16"):
@@ -66,30 +77,43 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
     if cfg.get("gradient_clipping") == AUTO:
         cfg["gradient_clipping"] = 1.0 if gradient_clipping is None else float(gradient_clipping)
 
-    opt_lr = None
-    if cfg.get("optimizer"):
-        opt = cfg["optimizer"] = {"type": cfg["optimizer"]["type"], "params": dict(cfg["optimizer"]["params"])}
-        cls = OPTIMIZER_PARAMS[opt["type"]]
-        facts = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
-                 "weight_decay": weight_decay}
-        if opt["params"].get("lr") == AUTO:   # no default: the Trainer's is 5e-5, torch's AdamW's 1e-3
-            opt["params"]["lr"] = _need(lr, "optimizer.params.lr", "lr")
-        for key, fact in facts.items():
-            if opt["params"].get(key) == AUTO:
-                opt["params"][key] = fact if fact is not None else field_default(cls, key)
-        opt_lr = opt["params"].get("lr", field_default(cls, "lr"))
-    if cfg.get("scheduler"):
-        sch = cfg["scheduler"] = {"type": cfg["scheduler"]["type"], "params": dict(cfg["scheduler"]["params"])}
-        p, where = sch["params"], "scheduler.params."
-        if p.get("warmup_min_lr") == AUTO:
-            p["warmup_min_lr"] = 0.0 if warmup_min_lr is None else float(warmup_min_lr)
-        if p.get("warmup_max_lr") == AUTO:
-            p["warmup_max_lr"] = float(_need(lr if lr is not None else opt_lr, where + "warmup_max_lr", "lr"))
-        if p.get("warmup_num_steps") == AUTO:
-            p["warmup_num_steps"] = _need(warmup_num_steps, where + "warmup_num_steps", "warmup_num_steps")
-        if p.get("total_num_steps") == AUTO:
-            p["total_num_steps"] = _need(total_num_steps, where + "total_num_steps", "total_num_steps")
 
+def _resolve_optimizer(cfg: dict, *, lr, betas, eps, weight_decay) -> float | None:
+    """``optimizer.params`` "auto" values from the facts (else the type's defaults; ``lr`` has none).
+    Returns the optimizer's learning rate (None without an ``optimizer`` section)."""
+    if not cfg.get("optimizer"):
+        return None
+    opt = cfg["optimizer"] = {"type": cfg["optimizer"]["type"], "params": dict(cfg["optimizer"]["params"])}
+    cls = OPTIMIZER_PARAMS[opt["type"]]
+    facts = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
+             "weight_decay": weight_decay}
+    if opt["params"].get("lr") == AUTO:   # no default: the Trainer's is 5e-5, torch's AdamW's 1e-3
+        opt["params"]["lr"] = _need(lr, "optimizer.params.lr", "lr")
+    for key, fact in facts.items():
+        if opt["params"].get(key) == AUTO:
+            opt["params"][key] = fact if fact is not None else field_default(cls, key)
+    return opt["params"].get("lr", field_default(cls, "lr"))
+
+
+def _resolve_scheduler(cfg: dict, max_lr: float | None, warmup_min_lr: float | None,
+                       warmup_num_steps: int | None, total_num_steps: int | None) -> None:
+    """``scheduler.params`` "auto" values; ``max_lr``: the ``lr`` fact, else the optimizer's."""
+    if not cfg.get("scheduler"):
+        return
+    sch = cfg["scheduler"] = {"type": cfg["scheduler"]["type"], "params": dict(cfg["scheduler"]["params"])}
+    p, where = sch["params"], "scheduler.params."
+    if p.get("warmup_min_lr") == AUTO:
+        p["warmup_min_lr"] = 0.0 if warmup_min_lr is None else float(warmup_min_lr)
+    if p.get("warmup_max_lr") == AUTO:
+        p["warmup_max_lr"] = float(_need(max_lr, where + "warmup_max_lr", "lr"))
+    if p.get("warmup_num_steps") == AUTO:
+        p["warmup_num_steps"] = _need(warmup_num_steps, where + "warmup_num_steps", "warmup_num_steps")
+    if p.get("total_num_steps") == AUTO:
+        p["total_num_steps"] = _need(total_num_steps, where + "total_num_steps", "total_num_steps")
+
+
+def _resolve_zero(cfg: dict, hidden: int | None) -> None:
+    """``zero_optimization`` "auto" values: bucket sizes from the hidden size, DeepSpeed's defaults else."""
     zero = cfg.get("zero_optimization", {})
     for key in BUCKET_KEYS:
         if zero.get(key) == AUTO:
@@ -99,10 +123,6 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
             zero[key] = field_default(ZeroConfig, key)
     if zero.get("stage3_gather_16bit_weights_on_model_save") == AUTO:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
-
-    _resolve_batch(cfg, dp_size=dp_size, world_size=world_size, facts=(train, micro, gas))
-    _check_no_auto(cfg, "")
-    return cfg
 
 
 def _dp(cfg: dict, dp_size: int | None, world_size: int | None) -> int | None:
@@ -127,10 +147,21 @@ def _dp(cfg: dict, dp_size: int | None, world_size: int | None) -> int | None:
 
 
 def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, facts: tuple) -> None:
+    """The batch triple completed in ``cfg`` (DeepSpeed's rule, module docstring); ``facts``: the caller's
+    (train, micro, gas) for "auto". ``pipeline.micro_batches`` is the accumulation when that is unset."""
     dp = _dp(cfg, dp_size, world_size)
     mb = cfg.get("pipeline", {}).get("micro_batches")
     if mb is not None and cfg.get("gradient_accumulation_steps") in (None, AUTO):
         cfg["gradient_accumulation_steps"] = mb
+    train, micro, gas = _complete_triple(*_given_triple(cfg, facts), dp)
+    cfg.update(zip(_TRIPLE, (train, micro, gas)))
+    pipe = cfg.get("pipeline")
+    if pipe is not None and (pipe.get("size", 1) > 1 or "micro_batches" in pipe):
+        cfg["pipeline"] = {**pipe, "micro_batches": pipe.get("micro_batches", gas)}
+
+
+def _given_triple(cfg: dict, facts: tuple) -> tuple:
+    """(train, micro, gas) as written, "auto" taking the caller's fact; None where unknown."""
     # no batch size at all (the Hugging Face test configs): the caller's facts, as for "auto"
     none_given = all(cfg.get(key) is None for key in _TRIPLE[:2])
     vals = {}
@@ -140,7 +171,12 @@ def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, fa
     for key, v in vals.items():
         if v is not None and (not isinstance(v, int) or not 1 <= v < INT_LIMIT):
             raise ConfigError(f"{key} must be a positive integer below 2**63, got {v!r}")
-    train, micro, gas = (vals[k] for k in _TRIPLE)
+    return tuple(vals[k] for k in _TRIPLE)
+
+
+def _complete_triple(train: int | None, micro: int | None, gas: int | None, dp: int | None) -> tuple:
+    """(train, micro, gas): all three checked against ``train = micro x gas x dp``, or the missing one
+    derived. Raises ConfigError naming all four numbers."""
     dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
 
     def show(v: int | None) -> object:
@@ -163,28 +199,22 @@ def _resolve_batch(cfg: dict, *, dp_size: int | None, world_size: int | None, fa
         if train % (micro * gas) != 0:
             raise ConfigError(f"inconsistent batch sizes: {numbers}: {train} is not a multiple of {micro} x "
                               f"{gas}; {fix}")
+        return train, micro, gas
+    if dp is None:
+        raise ConfigError(f"cannot complete the batch sizes without the data-parallel size: {numbers}; pass "
+                          "dp_size= (or world_size=) to load_config, or give all three batch keys")
+    if train is None:
+        return micro * gas * dp, micro, gas
+    if gas is None:
+        known, missing = micro, "gradient_accumulation_steps"
     else:
-        if dp is None:
-            raise ConfigError(f"cannot complete the batch sizes without the data-parallel size: {numbers}; pass "
-                              "dp_size= (or world_size=) to load_config, or give all three batch keys")
-        if train is None:
-            train = micro * gas * dp
-        else:
-            if gas is None:
-                known, missing = micro, "gradient_accumulation_steps"
-            else:
-                known, missing = gas, "train_micro_batch_size_per_gpu"
-            if train % (known * dp) != 0:
-                raise ConfigError(f"cannot derive {missing}: {numbers}: {train} is not divisible by "
-                                  f"{known} x {dp}; {fix}")
-            if gas is None:
-                gas = train // (micro * dp)
-            else:
-                micro = train // (gas * dp)
-    cfg.update(zip(_TRIPLE, (train, micro, gas)))
-    pipe = cfg.get("pipeline")
-    if pipe is not None and (pipe.get("size", 1) > 1 or "micro_batches" in pipe):
-        cfg["pipeline"] = {**pipe, "micro_batches": pipe.get("micro_batches", gas)}
+        known, missing = gas, "train_micro_batch_size_per_gpu"
+    if train % (known * dp) != 0:
+        raise ConfigError(f"cannot derive {missing}: {numbers}: {train} is not divisible by "
+                          f"{known} x {dp}; {fix}")
+    if gas is None:
+        return train, micro, train // (micro * dp)
+    return train, train // (gas * dp), gas
 
 
 def _check_no_auto(value: Any, path: str, cls: Any = PlaitConfig) -> None:
@@ -197,7 +227,7 @@ def _check_no_auto(value: Any, path: str, cls: Any = PlaitConfig) -> None:
         for k, v in value.items():
             hint = hints.get(k)
             if hint is None or not takes_auto(hint):
-                _check_no_auto(v, f"{path}.{k}" if path else k, _unwrap(hint) if hint is not None else None)
+                _check_no_auto(v, f"{path}.{k}" if path else k, strip_optional(hint) if hint is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -215,7 +245,7 @@ def _build(cls: type, data: dict, path: str) -> Any:
         if f.name not in data:
             continue
         value, hint, where = data[f.name], hints[f.name], f"{path}.{f.name}" if path else f.name
-        inner = _unwrap(hint)
+        inner = strip_optional(hint)
         if value is None:
             kwargs[f.name] = None
         elif inner is OptimizerConfig:
@@ -237,12 +267,6 @@ def _check_numbers(cls: type, data: dict, path: str) -> None:
             spellings = f.metadata.get("aliases", ())
             check_number(where + (f" (or {', '.join(spellings)})" if spellings else ""), data[f.name],
                          f.metadata.get("bounds"))
-
-
-def _unwrap(hint: Any) -> Any:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    return args[0] if union and len(args) == 1 else hint
 
 
 def _params(cls: type, value: dict, section: str) -> dict:

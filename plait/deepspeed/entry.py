@@ -138,14 +138,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             or a process group is needed while ``dist_init_required`` is False.
         ConfigError: no config, or two of them.
     """
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("plait builds its own tensor/pipeline groups: drop mpu=/mesh_param= and set "
-                         "\"tensor_parallel\": {\"size\": N} and \"pipeline\": {\"size\": N} in the config")
-    if model is None:
-        raise ValueError("initialize needs model=")
-    if dist_init_required is False and not dist.is_initialized() and launch.launcher_world_size() > 1:
-        raise ValueError("dist_init_required=False but no process group exists under a launcher of "
-                         f"{launch.launcher_world_size()} processes; call init_distributed() first")
+    _refuse(model, mpu, mesh_param, dist_init_required)
     init_distributed()
     source = _config_source(args, config, config_params)
     if model_parameters is None:
@@ -156,3 +149,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                               lr_scheduler=scheduler_factory(lr_scheduler, optimizer))
     loader = _loader(training_data, engine, collate_fn, drop_last=False)   # dataloader_drop_last: true is refused
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _refuse(model, mpu, mesh_param, dist_init_required) -> None:
+    """Raises ValueError: ``initialize``'s arguments plait does not serve, or no model (see ``initialize``)."""
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("plait builds its own tensor/pipeline groups: drop mpu=/mesh_param= and set "
+                         "\"tensor_parallel\": {\"size\": N} and \"pipeline\": {\"size\": N} in the config")
+    if model is None:
+        raise ValueError("initialize needs model=")
+    if dist_init_required is False and not dist.is_initialized() and launch.launcher_world_size() > 1:
+        raise ValueError("dist_init_required=False but no process group exists under a launcher of "
+                         f"{launch.launcher_world_size()} processes; call init_distributed() first")

@@ -62,6 +62,19 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
             its argument and both values).
     """
     config = copy.deepcopy(ds_config)
+    pairs = _pairs(config, args, dp, max_steps, hidden_size)
+    _precision_sections(config, args)
+    mismatches = _fill(config, pairs)
+    _script_timeout(config, args)
+    if mismatches:
+        raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
+                          "or make them equal:\n" + "\n".join(mismatches))
+    return config
+
+
+def _pairs(config: dict, args, dp: int, max_steps: int, hidden_size: int | None) -> list[tuple]:
+    """The key table: (ds_config path, value from ``args``, the argument's name, whether a value that is not
+    "auto" must equal it)."""
     micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
     pairs = [
         ("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", True),
@@ -84,13 +97,22 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
         stage3 = config.get("zero_optimization", {}).get("stage") == 3
         pairs += [(f"zero_optimization.{key}", size, None, False) for key, size in bucket_sizes(hidden_size).items()
                   if stage3 or not key.startswith("stage3_")]
+    return pairs
+
+
+def _precision_sections(config: dict, args) -> None:
+    """``bfloat16`` read as ``bf16``; the Trainer's mixed precision enables a section the config does not have
+    (accelerate's DeepSpeed plugin)."""
     if "bfloat16" in config and "bf16" not in config:
         config["bf16"] = config.pop("bfloat16")
-    # the Trainer's mixed precision enables a section the config does not have (accelerate's DeepSpeed plugin)
     if args.bf16 and "bf16" not in config:
         config["bf16"] = {"enabled": True}
     if args.fp16 and "fp16" not in config:
         config["fp16"] = {"enabled": True, "auto_cast": True}
+
+
+def _fill(config: dict, pairs: list[tuple]) -> list[str]:
+    """Fill each "auto" of ``pairs`` in ``config``; the lines naming values that disagree (none: [])."""
     mismatches = []
     for path, value, arg, must_match in pairs:
         node, key = _node(config, path)
@@ -102,11 +124,18 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
             node[key] = value
         elif must_match and key in node and not _same(node[key], value):
             mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")
-    _script_timeout(config, args)
-    if mismatches:
-        raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
-                          "or make them equal:\n" + "\n".join(mismatches))
-    return config
+    return mismatches
+
+
+def check_batch(engine, args) -> None:
+    """Raises ConfigError: ``engine``'s micro-batch or accumulation differs from ``args``'."""
+    got = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
+        raise ConfigError(
+            f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "
+            f"TrainingArguments ask {args.per_device_train_batch_size} x "
+            f'{args.gradient_accumulation_steps}; set the batch keys to "auto" or make them agree'
+        )
 
 
 def say_filled(raw: dict, filled: dict, args) -> None:

@@ -1,5 +1,6 @@
 """Pieces of ``plait.hf.Trainer``'s loop: the window of step losses between logs, a batch sampler that skips
-the micro-batches a resumed run already trained, and the ``TrainerState`` of a run, as transformers counts it."""
+the micro-batches a resumed run already trained, and the steps and ``TrainerState`` of a run, as transformers
+counts them."""
 from __future__ import annotations
 
 import itertools
@@ -65,6 +66,20 @@ def is_datasets_dataset(data) -> bool:
 def steps_of(value: float, max_steps: int) -> int:
     """transformers' rule: a value below 1 is a fraction of ``max_steps``."""
     return math.ceil(max_steps * value) if value is not None and value < 1 else int(value or 0)
+
+
+def plan_steps(args, examples: int, dp: int) -> tuple[int, int, int]:
+    """(max_steps, epochs, optimizer steps per epoch) as transformers counts them, from the micro-batches
+    each of ``dp`` ranks' loaders yields over ``examples`` examples."""
+    per_rank = math.ceil(examples / dp)  # DistributedSampler pads to equal parts
+    b = args.per_device_train_batch_size
+    micro_batches = per_rank // b if args.dataloader_drop_last else math.ceil(per_rank / b)
+    updates_per_epoch = max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
+    if args.max_steps > 0:
+        epochs = math.ceil(args.max_steps / updates_per_epoch)
+        return args.max_steps, epochs, updates_per_epoch
+    epochs = math.ceil(args.num_train_epochs)
+    return math.ceil(args.num_train_epochs * updates_per_epoch), epochs, updates_per_epoch
 
 
 def new_state(args, max_steps: int, epochs: int) -> TrainerState:

@@ -1,5 +1,6 @@
 """``TrainingArguments.optim`` on plait's engine: the names plait serves become the ds_config's ``optimizer``
-section, the names it cannot serve are refused, the rest stay the Trainer's ``create_optimizer``.
+section, the names it cannot serve are refused, the rest stay the Trainer's ``create_optimizer``; without a
+ds_config ``scheduler`` section, ``lr_scheduler_type`` is the engine's schedule (``hf_scheduler``).
 
 Served: the AdamW names (8-bit, paged, ``adamw_anyprecision``), each mapped to a ``state_dtype``
 (``"int8"``, ``"fp32"``, ``"bf16"``), with ``lr``, betas, eps and weight decay as transformers passes them
@@ -14,6 +15,7 @@ import dataclasses
 import logging
 
 import torch.distributed as dist
+import transformers
 
 from plait.config import ConfigError
 
@@ -101,6 +103,22 @@ def hf_optimizer(trainer, config: dict) -> tuple[dict, object, list[dict] | None
     params = {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
               "weight_decay": args.weight_decay, "state_dtype": state_dtype}
     return {**config, "optimizer": {"type": "AdamW", "params": params}}, None, decay_groups(trainer)
+
+
+def hf_scheduler(args, max_steps: int):
+    """The engine's ``lr_scheduler`` factory (optimizer -> scheduler) for a ds_config without a ``scheduler``
+    section: transformers' ``get_scheduler`` of ``args.lr_scheduler_type`` over ``max_steps``."""
+
+    def scheduler(optimizer):
+        return transformers.get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=args.get_warmup_steps(max_steps),
+            num_training_steps=max_steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
+        )
+
+    return scheduler
 
 
 def decay_groups(trainer) -> list[dict]:

@@ -15,25 +15,22 @@ parallelism only (stages 0-3, offload): tp and pp need ``plait.layers``. Details
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
 import torch.distributed as dist
 import transformers
-from accelerate import skip_first_batches
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
 import plait
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
-from plait.hf import read_ahead
+from plait.hf import read_ahead, train_data
 from plait.hf.checkpoints import PREFIX, STATE_NAME, on_rank0, resume_folder, rotate, write_folder
-from plait.hf.config_fill import fill_from_args, hf_hidden_size, say_filled
-from plait.hf.loop_parts import LossWindow, Skip, is_datasets_dataset, new_state
-from plait.hf.optim_names import hf_optimizer
+from plait.hf.config_fill import check_batch, fill_from_args, hf_hidden_size, say_filled
+from plait.hf.loop_parts import LossWindow, new_state, plan_steps
+from plait.hf.optim_names import hf_optimizer, hf_scheduler
 from plait.zero.weights import has_meta_parameters
 from plait.parallel import launch
 
@@ -110,30 +107,33 @@ class Trainer(transformers.Trainer):
         raw = self.args.ds_config()
         config = fill_from_args(raw, args, dp=self._dp(), max_steps=max_steps, hidden_size=hf_hidden_size(self.model))
         say_filled(raw, config, args)
-        config, optimizer, groups = hf_optimizer(self, config)   # TrainingArguments.optim: plait.hf.optim_names
-
-        def hf_scheduler(opt):
-            return transformers.get_scheduler(args.lr_scheduler_type, opt,
-                                              num_warmup_steps=args.get_warmup_steps(max_steps),
-                                              num_training_steps=max_steps,
-                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
-        scheduler = hf_scheduler if not config.get("scheduler") else None
+        # TrainingArguments.optim: plait.hf.optim_names
+        config, optimizer, groups = hf_optimizer(self, config)
+        scheduler = hf_scheduler(args, max_steps) if not config.get("scheduler") else None
         if dist.is_initialized():
-            launch.leave_at_exit()   # transformers started the group and leaves it alive at exit
-        weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None   # plait.hf.from_pretrained
-        if args.gradient_checkpointing:   # as transformers' own loop does before it wraps the model
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        self.engine = plait.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler,
-                                             weights=weights, units=self._stage3_units(self.model),
-                                             model_parameters=groups)
-        if args.torch_compile:   # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
-            self.engine.compile(args.torch_compile_backend or "inductor",
-                                {"mode": args.torch_compile_mode} if args.torch_compile_mode else {})
-        got = (self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps())
-        if got != (args.per_device_train_batch_size, args.gradient_accumulation_steps):
-            raise ConfigError(f"the ds_config resolves to micro-batch {got[0]} x accumulation {got[1]}, but the "
-                              f"TrainingArguments ask {args.per_device_train_batch_size} x "
-                              f"{args.gradient_accumulation_steps}; set the batch keys to \"auto\" or make them agree")
+            launch.leave_at_exit()  # transformers started the group and leaves it alive at exit
+        # plait.hf.from_pretrained
+        weights = self.model.config.name_or_path if has_meta_parameters(self.model) else None
+        if args.gradient_checkpointing:  # as transformers' own loop does before it wraps the model
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            )
+        self.engine = plait.initialize(
+            self.model,
+            config,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            weights=weights,
+            units=self._stage3_units(self.model),
+            model_parameters=groups,
+        )
+        # as accelerate's DeepSpeed path: engine.compile(backend, compile_kwargs)
+        if args.torch_compile:
+            self.engine.compile(
+                args.torch_compile_backend or "inductor",
+                {"mode": args.torch_compile_mode} if args.torch_compile_mode else {},
+            )
+        check_batch(self.engine, args)
         self.model_wrapped = self.engine
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         return self.engine
@@ -143,56 +143,6 @@ class Trainer(transformers.Trainer):
         whose model reads parameters outside their module's forward (TRL's fused LM head) names others."""
         return None
 
-    def _train_loader(self, engine):
-        """(micro-batches of this dp rank, the object whose ``set_epoch`` reshuffles them, the collator's
-        ``ReadAheadCollate`` or None). When dp is the world (ZeRO data parallelism, what this Trainer serves):
-        transformers' own ``get_train_dataloader`` (its sampler seeded with ``args.data_seed`` or ``seed``,
-        accelerate's sharding of batches over the ranks and its one-batch read-ahead), so data and RNG draws
-        are those of plain transformers. Otherwise a ``DistributedSampler`` over the dp ranks."""
-        if not self._dp_is_world(engine):
-            loader, sampler = self._dp_loader(engine)
-            return loader, sampler, None
-        collate = plain = self.data_collator
-        if self.args.dataloader_num_workers == 0:
-            collate = read_ahead.ReadAheadCollate(plain)
-        self.data_collator = collate   # get_train_dataloader reads the collator from here
-        try:
-            loader = self.get_train_dataloader()
-        finally:
-            self.data_collator = plain
-        return loader, loader, collate if collate is not plain else None
-
-    @staticmethod
-    def _dp_is_world(engine) -> bool:
-        return engine.mesh.dp == (dist.get_world_size() if dist.is_initialized() else 1)
-
-    def _skipping(self, loader, engine, skip: int):
-        """``loader`` without its first ``skip`` micro-batches (already trained, on resume), left out before
-        anything is read or collated (accelerate's ``skip_first_batches``, or ``Skip``)."""
-        if not self._dp_is_world(engine):
-            return self._dp_loader(engine, skip)[0]
-        return skip_first_batches(loader, skip)
-
-    def _dp_loader(self, engine, skip: int = 0) -> tuple[DataLoader, DistributedSampler]:
-        """Micro-batches of this dp rank when dp is not the world: a ``DistributedSampler`` (seeded with
-        ``args.seed``, reshuffled by ``set_epoch``) over the dataset with transformers' unused columns removed;
-        the first ``skip`` micro-batches are left out before anything is read or collated."""
-        args, data = self.args, self.train_dataset
-        collate = self.data_collator
-        if is_datasets_dataset(data) and args.remove_unused_columns:
-            data = self._remove_unused_columns(data, description="training")
-        else:
-            collate = self._get_collator_with_removed_columns(collate, description="training")
-        mesh = engine.mesh
-        sampler = DistributedSampler(data, num_replicas=mesh.dp, rank=mesh.dp_rank, seed=args.seed)
-        workers = args.dataloader_num_workers
-        batches = BatchSampler(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
-        loader = DataLoader(data, batch_sampler=Skip(batches, skip) if skip else batches,
-                            collate_fn=collate, num_workers=workers,
-                            pin_memory=args.dataloader_pin_memory,
-                            persistent_workers=bool(args.dataloader_persistent_workers and workers))
-        return loader, sampler
-
     # ---- the loop -------------------------------------------------------------------------------------------
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
                              ignore_keys_for_eval=None):
@@ -201,7 +151,7 @@ class Trainer(transformers.Trainer):
         engine = self.engine or self._build_engine(max_steps)
         first_epoch, skip, resumed = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
                                                        resume_from_checkpoint)
-        loader, sampler, self._read_ahead = self._train_loader(engine)
+        loader, sampler, self._read_ahead = train_data.train_loader(self, engine)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         window = LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
         for epoch in range(first_epoch, epochs):
@@ -209,7 +159,7 @@ class Trainer(transformers.Trainer):
                 sampler.set_epoch(epoch)
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             start = skip if epoch == first_epoch else 0
-            batches = iter(self._skipping(loader, engine, start) if start else loader)
+            batches = iter(train_data.skipping(self, loader, engine, start) if start else loader)
             if resumed is not None and epoch == first_epoch:
                 # after the iterator drew its seed and with no skipped micro-batch collated: the generators
                 # then stand where the uninterrupted run's stood at this micro-batch (transformers' order)
@@ -250,17 +200,10 @@ class Trainer(transformers.Trainer):
                 return
 
     def _plan(self, args) -> tuple[int, int, int]:
-        """(max_steps, epochs, optimizer steps per epoch) as transformers counts them, from the micro-batches
-        each dp rank's loader yields."""
+        """(max_steps, epochs, optimizer steps per epoch) as transformers counts them (``plan_steps``)."""
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        per_rank = math.ceil(len(self.train_dataset) / self._dp())   # DistributedSampler pads to equal parts
-        b = args.per_device_train_batch_size
-        micro_batches = per_rank // b if args.dataloader_drop_last else math.ceil(per_rank / b)
-        updates_per_epoch = max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
-        if args.max_steps > 0:
-            return args.max_steps, math.ceil(args.max_steps / updates_per_epoch), updates_per_epoch
-        return math.ceil(args.num_train_epochs * updates_per_epoch), math.ceil(args.num_train_epochs), updates_per_epoch
+        return plan_steps(args, len(self.train_dataset), self._dp())
 
     def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int, str | None]:
         """A fresh ``TrainerState``, or the checkpoint's (with this run's limits); (first epoch, micro-batches
