@@ -1,6 +1,10 @@
 """``plait.initialize()``: from a model, a ds_config and (optionally) a mesh to an ``Engine``: the process
 group and the mesh, the ranks' agreement on config and model, the weights of a meta-device model, the
-device, the pipeline and the checks of the combinations the engine refuses, in that order."""
+device, the pipeline and the checks of the combinations the engine refuses, in that order.
+
+Differences from ``deepspeed.initialize``: it returns the engine alone (not a 4-tuple), and a user
+learning-rate schedule is passed as a factory ``f(optimizer)`` because ZeRO builds its own optimizer
+over the fp32 master shards."""
 from __future__ import annotations
 
 import torch

@@ -96,7 +96,13 @@ def is_compiled(module: nn.Module) -> bool:
 def compile_engine_model(module: nn.Module, pipeline, backend: str, compile_kwargs: dict | None, schedule,
                          compiled_autograd_enabled: bool, deepcompile: bool) -> None:
     """``Engine.compile``: refuse what it does not serve, warn about what it does differently, then
-    ``compile_regions`` (see ``Engine.compile`` for the errors)."""
+    ``compile_regions``.
+
+    Raises:
+        ValueError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not implemented: the
+            backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
+        ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
+    """
     if schedule is not None or compiled_autograd_enabled:
         raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
                          "call engine.compile(backend, compile_kwargs) without them")
