@@ -24,7 +24,7 @@ from plait.checkpoint.meta import tensor_from_json, tensor_to_json
 from plait.checkpoint.model_io import fill_model, model_meta, model_shard_items, plan_model_load
 from plait.checkpoint.optimizer_io import flat_reader, optimizer_items, param_table
 from plait.checkpoint.reader import CheckpointReader
-from plait.zero.flat import ShardState
+from plait.zero.slices import ShardState
 
 
 def _engine_meta(state: ShardState, trainer: TrainerState, client_state: dict) -> dict:

@@ -23,7 +23,8 @@ from plait.zero.build import check_arguments, weight_decay_groups
 from plait.zero.clip import clip_coefficient
 from plait.zero.comm import make_comms
 from plait.zero.edits import gathered, mark_owner
-from plait.zero.flat import ParamSlice, ShardState, load_shard_state, rebind_views, shard_state
+from plait.zero.flat import rebind_views
+from plait.zero.slices import ParamSlice, ShardState, load_shard_state, shard_state
 from plait.zero.grads import weak_hook
 from plait.zero.memory import held_bytes
 from plait.zero.offload import OffloadOptions
@@ -291,12 +292,12 @@ class ZeroOptimizer:
 
     def shard_state(self) -> ShardState:
         """This rank's fp32 master and optimizer-state slices per logical parameter (views, not
-        copies), plus per-group scalars and counters; see ``plait.zero.flat.ShardState``."""
+        copies), plus per-group scalars and counters; see ``plait.zero.slices.ShardState``."""
         self.synchronize()
         return shard_state(self)
 
     def load_shard_state(self, read, state: ShardState | None = None) -> None:
-        """Restore from slices saved at any dp size / stage; see ``plait.zero.flat.load_shard_state``."""
+        """Restore from slices saved at any dp size / stage; see ``plait.zero.slices.load_shard_state``."""
         self.synchronize()
         load_shard_state(self, read, state)
 
