@@ -27,7 +27,7 @@ def compile_targets(module: nn.Module) -> list[nn.Module]:
     loss: inductor fuses the float32 softmax passes); for Hugging Face models the modules whose class is
     named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
     from plait.layers.block import TransformerBlock
-    from plait.layers.model import LMHead
+    from plait.layers.ends import LMHead
     blocks = [m for m in module.modules() if isinstance(m, (TransformerBlock, LMHead))]
     if blocks:
         return blocks
