@@ -87,6 +87,18 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         ValueError: negative sizes, dp_size < 1, stage outside 0..3, offload_optimizer with stage 0,
             offload_param without stage 3.
     """
+    gpu, cpu = _breakdowns(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision,
+                           num_gpus_per_node, optimizer_states, largest_layer_params, accounting)
+    return MemoryEstimate(
+        num_params=num_params, dp_size=dp_size, stage=stage, offload_optimizer=offload_optimizer,
+        offload_param=offload_param, mixed_precision=mixed_precision, num_gpus_per_node=num_gpus_per_node,
+        gpu=gpu, cpu=cpu)
+
+
+def _breakdowns(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision, num_gpus_per_node,
+                optimizer_states, largest_layer_params, accounting) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """``estimate_model_state_memory``'s arguments checked, then its ``(gpu, cpu)`` breakdowns by the module
+    doc's formulas (the host's: ``min(num_gpus_per_node, dp_size)`` ranks' offloaded state)."""
     _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
            largest_layer_params)
     low = 2 if mixed_precision else 4                      # bytes per weight / gradient element
@@ -115,11 +127,8 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         gpu_grads += largest_layer_params * low
 
     ranks_per_host = min(num_gpus_per_node, dp_size)
-    return MemoryEstimate(
-        num_params=num_params, dp_size=dp_size, stage=stage, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, mixed_precision=mixed_precision, num_gpus_per_node=num_gpus_per_node,
-        gpu=MemoryBreakdown(gpu_params, gpu_grads, gpu_optim),
-        cpu=MemoryBreakdown(host_params * ranks_per_host, host_grads * ranks_per_host, host_optim * ranks_per_host))
+    return (MemoryBreakdown(gpu_params, gpu_grads, gpu_optim),
+            MemoryBreakdown(host_params * ranks_per_host, host_grads * ranks_per_host, host_optim * ranks_per_host))
 
 
 def _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
