@@ -84,7 +84,7 @@ def main():
 def masked_check(seq: int = 2048):
     """One block with a key padding bias (as ring attention builds it) through the memory-efficient kernel,
     forward and backward given its own log-sum-exp, against float32 SDPA's autograd, in fp32 and bf16."""
-    from plait.parallel.context import _key_bias
+    from plait.parallel.attention_block import _key_bias
     g = torch.Generator(device="cuda").manual_seed(1)
     base = [torch.randn(2, 8, seq, 64, device="cuda", generator=g) for _ in range(4)]
     keep = torch.ones(2, seq, dtype=torch.bool, device="cuda")

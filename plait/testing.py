@@ -61,6 +61,45 @@ def _leave_together(dist) -> None:
         pass
 
 
+def _collect(procs, results, world_size: int, timeout_s: float) -> dict[int, tuple[str, object]]:
+    """Every rank's ``(status, value)`` from ``results`` until all reported, one died without reporting, or the
+    deadline (``timeout_s``; 5 s after the first error, for peers to report too)."""
+    outcomes: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcomes) < world_size:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            outcomes[rank] = (status, value)
+            if status == "error":  # give peers a moment to report too, then stop
+                deadline = min(deadline, time.monotonic() + 5.0)
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+        if dead:
+            time.sleep(0.5)  # a result may still be in flight through the queue
+            while not results.empty():
+                rank, status, value = results.get()
+                outcomes[rank] = (status, value)
+            for r in dead:
+                outcomes.setdefault(r, ("error", f"process exited with code {procs[r].exitcode} "
+                                                  "without reporting a result"))
+        if time.monotonic() > deadline:
+            break
+    return outcomes
+
+
+def _raise_failures(name: str, world_size: int, outcomes: dict, timeout_s: float) -> None:
+    """Raise ``DistributedTestError`` with every failed rank's traceback and the ranks that never finished."""
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if errors or missing:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            parts.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (killed)")
+        raise DistributedTestError(f"{name} on {world_size} ranks failed:\n" + "\n".join(parts))
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, threads: int = 1):
     """Call ``fn(*args)`` on ``world_size`` gloo ranks; return ``[result_rank0, result_rank1, ...]``.
 
@@ -79,29 +118,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, thread
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        outcomes: dict[int, tuple[str, object]] = {}
-        deadline = time.monotonic() + timeout_s
         try:
-            while len(outcomes) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=0.2)
-                    outcomes[rank] = (status, value)
-                    if status == "error":  # give peers a moment to report too, then stop
-                        deadline = min(deadline, time.monotonic() + 5.0)
-                    continue
-                except queue.Empty:
-                    pass
-                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
-                if dead:
-                    time.sleep(0.5)  # a result may still be in flight through the queue
-                    while not results.empty():
-                        rank, status, value = results.get()
-                        outcomes[rank] = (status, value)
-                    for r in dead:
-                        outcomes.setdefault(r, ("error", f"process exited with code {procs[r].exitcode} "
-                                                          "without reporting a result"))
-                if time.monotonic() > deadline:
-                    break
+            outcomes = _collect(procs, results, world_size, timeout_s)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -110,11 +128,5 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, thread
                 p.join(timeout=10)
             results.close()
             results.join_thread()
-    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if errors or missing:
-        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
-        if missing:
-            parts.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (killed)")
-        raise DistributedTestError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(parts))
+    _raise_failures(fn.__name__, world_size, outcomes, timeout_s)
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

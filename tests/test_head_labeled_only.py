@@ -9,7 +9,7 @@ test_fused_cross_entropy.py.
 import torch
 from helpers import rel_err, tiny
 
-import plait.layers.model as model_module
+import plait.layers.ends as model_module
 from plait.data import mask_tokens
 from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.testing import run_distributed
 from plait.zero import ClipOptions, CommOptions, PrecisionOptions, ZeroOptimizer, slices_reader, weight_decay_groups
-from plait.zero.flat import ParamSlice, ShardState
+from plait.zero.slices import ParamSlice, ShardState
 
 VOCAB, HIDDEN, SEQ, MICRO_BS, STEPS, LR, MAX_NORM = 32, 16, 8, 2, 5, 1e-3, 0.05
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from plait.checkpoint.writer import CheckpointWriter
 from plait.parallel.mesh import ParallelMesh
-from plait.zero.flat import ShardState
+from plait.zero.slices import ShardState
 
 
 class ShardedOptimizer(Protocol):

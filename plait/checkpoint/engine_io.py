@@ -25,7 +25,7 @@ from plait.checkpoint.model_io import model_meta, model_shard_items
 from plait.checkpoint.model_load import fill_model, plan_model_load
 from plait.checkpoint.optimizer_io import flat_reader, optimizer_items, param_table
 from plait.checkpoint.reader import CheckpointReader
-from plait.zero.flat import ShardState
+from plait.zero.slices import ShardState
 
 
 def _engine_meta(state: ShardState, trainer: TrainerState, client_state: dict) -> dict:

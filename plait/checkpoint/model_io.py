@@ -23,7 +23,7 @@ from plait.checkpoint.tp import tp_shard_item
 from plait.checkpoint.writer import CheckpointWriter, SaveHandle, ShardItem
 from plait.layers.config import TransformerConfig
 from plait.layers.init import TIED_ATTR
-from plait.layers.model import EMBEDDING_WEIGHT
+from plait.layers.ends import EMBEDDING_WEIGHT
 from plait.models.registry import get_family
 from plait.parallel.sharding import logical_parts
 

@@ -22,7 +22,7 @@ from plait.checkpoint.reader import CheckpointReader
 from plait.checkpoint.tp import read_box, shard_boxes
 from plait.checkpoint.writer import ShardItem
 from plait.parallel.sharding import TPShard, logical_parts, split_flat
-from plait.zero.flat import ShardState
+from plait.zero.slices import ShardState
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
 

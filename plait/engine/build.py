@@ -1,6 +1,10 @@
 """``plait.initialize()``: from a model, a ds_config and (optionally) a mesh to an ``Engine``: the process
 group and the mesh, the ranks' agreement on config and model, the weights of a meta-device model, the
-device, the pipeline and the checks of the combinations the engine refuses, in that order."""
+device, the pipeline and the checks of the combinations the engine refuses, in that order.
+
+Differences from ``deepspeed.initialize``: it returns the engine alone (not a 4-tuple), and a user
+learning-rate schedule is passed as a factory ``f(optimizer)`` because ZeRO builds its own optimizer
+over the fp32 master shards."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +58,21 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     if not dist.is_initialized() and launcher_world_size() > 1:
         init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
         leave_at_exit()
+    config, mesh = config_and_mesh(model, config, mesh, config_facts)
+    config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    weights = prepare_weights(model, weights, mesh.device)
+    config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal
+    model, pipeline = stage_chunks(on_device(model, mesh.device), config)
+    check_context_parallel(config, mesh, model, pipeline)
+    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)
+
+
+def config_and_mesh(model, config, mesh: ParallelMesh | None, config_facts: dict) -> tuple[PlaitConfig, ParallelMesh]:
+    """The resolved ``PlaitConfig`` and the mesh (built from the config's tp/pp/cp sizes when ``mesh`` is None,
+    after the ranks agree on the config and model). Raises ConfigError: the config's tp/pp differ from the
+    mesh's, or a mesh that does not cover the world."""
     check_mesh_covers_world(mesh)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # a Hugging Face model's, or plait's
     config_facts.setdefault("model_hidden_size", hidden)
@@ -68,15 +87,13 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
     if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
         raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
                           f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
-    config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
-    if config.seed is not None:
-        torch.manual_seed(config.seed)
-    pipeline = None
-    weights = prepare_weights(model, weights, mesh.device)
-    config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal
-    model = on_device(model, mesh.device)
-    if isinstance(model, PipelineParallel):
-        pipeline, model = model, nn.ModuleList(model.stage_modules)
-        check_pipeline(pipeline, config)
-    check_context_parallel(config, mesh, model, pipeline)
-    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)
+    return config, mesh
+
+
+def stage_chunks(model, config: PlaitConfig) -> tuple[nn.Module, PipelineParallel | None]:
+    """A ``PipelineParallel`` -> ``(its stage modules as one ModuleList, it)`` after ``check_pipeline``; any
+    other model -> ``(model, None)``."""
+    if not isinstance(model, PipelineParallel):
+        return model, None
+    check_pipeline(model, config)
+    return nn.ModuleList(model.stage_modules), model

@@ -27,7 +27,7 @@ def compile_targets(module: nn.Module) -> list[nn.Module]:
     loss: inductor fuses the float32 softmax passes); for Hugging Face models the modules whose class is
     named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
     from plait.layers.block import TransformerBlock
-    from plait.layers.model import LMHead
+    from plait.layers.ends import LMHead
     blocks = [m for m in module.modules() if isinstance(m, (TransformerBlock, LMHead))]
     if blocks:
         return blocks
@@ -96,7 +96,13 @@ def is_compiled(module: nn.Module) -> bool:
 def compile_engine_model(module: nn.Module, pipeline, backend: str, compile_kwargs: dict | None, schedule,
                          compiled_autograd_enabled: bool, deepcompile: bool) -> None:
     """``Engine.compile``: refuse what it does not serve, warn about what it does differently, then
-    ``compile_regions`` (see ``Engine.compile`` for the errors)."""
+    ``compile_regions``.
+
+    Raises:
+        ValueError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not implemented: the
+            backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
+        ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
+    """
     if schedule is not None or compiled_autograd_enabled:
         raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
                          "call engine.compile(backend, compile_kwargs) without them")

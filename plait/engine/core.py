@@ -9,9 +9,7 @@ under DeepSpeed's names and meanings) over plait's ZeRO, tensor and pipeline par
     loss = engine.train_batch(data_iter)       # GAS micro-batches (through the pipeline when pp > 1)
     engine.save_checkpoint("ckpt")             # sharded safetensors; loads into any layout
 
-Differences from ``deepspeed.initialize``: it returns the engine alone (not a 4-tuple), and a user
-learning-rate schedule is passed as a factory ``f(optimizer)`` because ZeRO builds its own optimizer
-over the fp32 master shards.
+``plait.initialize`` (``plait.engine.build``) differs from ``deepspeed.initialize`` as that module says.
 """
 from __future__ import annotations
 
@@ -21,20 +19,20 @@ from torch import nn
 
 from plait.checkpoint.contract import Checkpointable, RngState, TrainerState, WriterSlot
 from plait.checkpoint.engine_io import load_engine, save_engine
+from plait.checkpoint.export16 import save_16bit
 from plait.config import ConfigError, PlaitConfig
-from plait.engine.batch import batch_limits, to_half
+from plait.engine.batch import batch_limits
 from plait.engine.compile import compile_engine_model, is_compiled
-from plait.engine.context import shard_batch
 from plait.engine.gc_schedule import CollectionSchedule
 from plait.engine.guard import RunGuard
-from plait.engine.model import apply_activation_checkpointing, loss_of, to_device
+from plait.engine import loop
+from plait.engine.model import apply_activation_checkpointing
 from plait.engine.moe import ExpertLayers
 from plait.engine.monitor import build_monitors
 from plait.engine.optimizer import lr_schedule, zero_optimizer
-from plait.engine.pipeline import pipeline_train_step
 from plait.engine.ranks import dp_mean, timeout_groups
 from plait.engine.report import StepReport
-from plait.engine.rng import load_rng_state, rng_state
+from plait.engine.state import load_rng_state, load_trainer_state, rng_state, trainer_state
 from plait.optim.factory import NO_OPTIMIZER, NoOptimizer
 from plait.parallel.launch import launch_info
 from plait.parallel.mesh import ParallelMesh
@@ -155,9 +153,8 @@ class Engine(Checkpointable):
         return self.optimizer.grad_norm
 
     def moe_stats(self) -> dict | None:
-        """Mixture-of-experts statistics since the last call: ``aux_loss``, ``load_imbalance`` (max/mean
-        tokens per expert, the worst layer) and ``dropped`` (``plait.engine.moe.ExpertLayers.stats``);
-        None for a model without expert layers. Collective: every rank calls it."""
+        """Mixture-of-experts statistics since the last call (``aux_loss``, ``load_imbalance``, ``dropped``:
+        ``plait.engine.moe.ExpertLayers.stats``); None without expert layers. Collective."""
         return self.experts.stats()
 
     def get_lr(self) -> list[float]:
@@ -208,13 +205,7 @@ class Engine(Checkpointable):
         """The model's forward. ``input_ids``/``labels``/``position_ids`` keyword tensors are screened first
         (``plait.engine.batch.screen_micro_batch``: the verdict is agreed over every rank at the accumulation boundary);
         with ``fp16.auto_cast`` floating-point inputs are cast to fp16 first, as DeepSpeed does."""
-        kwargs = shard_batch(self.guard.screen(kwargs), self.mesh, args)   # context parallel: this rank's chunks
-        self.optimizer.rebind_views()
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = to_half(args), to_half(kwargs)
-        # mixture-of-experts layers join their losses to the gradient scaled as backward scales the loss
-        opt = self.optimizer
-        kwargs = self.experts.forward_kwargs(kwargs, opt.loss_scale / opt.gradient_accumulation_steps)
+        args, kwargs = loop.model_inputs(self, args, kwargs)
         with self.report.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -225,16 +216,7 @@ class Engine(Checkpointable):
         Raises:
             ValueError: ``loss`` is not a scalar (a model given no ``labels`` returns its logits).
         """
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            shape = list(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-            raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
-                             "no 'labels' returns its logits: put the labels in the batch")
-        if self.forward_only:
-            raise ConfigError(NO_OPTIMIZER)
-        self.guard.loss = loss.detach()
-        self.report.add_micro_loss(loss)
-        with self.report.timed("backward"):
-            self.optimizer.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        loop.micro_backward(self, loss, scale_wrt_gas)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.optimizer.is_gradient_accumulation_boundary()
@@ -254,19 +236,9 @@ class Engine(Checkpointable):
         if not self.is_gradient_accumulation_boundary():
             self.step_applied = False
             return
-        self.guard.before_step()
-        with self.report.timed("step"):
-            self.step_applied = self.optimizer.step()
+        self.step_applied = loop.optimizer_step(self)
         self.global_samples += self.train_batch_size()
-        self.guard.after_step(self.step_applied, self.global_steps)
-        if self.step_applied:
-            self.experts.after_step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.report.after_step(global_steps=self.global_steps, global_samples=self.global_samples,
-                               skipped_steps=self.skipped_steps, lrs=self.get_lr(), moms=self.get_mom(),
-                               loss_scale=self.loss_scale if self.config.fp16.enabled else None)
-        self.collections.after_step(self.global_steps)   # applied and skipped steps, as every rank counts
+        loop.after_step(self)
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step over a global batch: GAS micro-batches pulled from ``data_iter`` (dicts of
@@ -276,37 +248,12 @@ class Engine(Checkpointable):
             The mean loss over the micro-batches and the dp ranks: a float32 tensor of shape ``[]`` on the
             engine's device (``mesh.device``). It stays there (no host sync) until read, e.g. ``float(loss)``.
         """
-        batches = self._pull(data_iter)
-        if self.pipeline is not None:
-            loss = pipeline_train_step(self.pipeline, self.optimizer, batches)
-            self.guard.loss = loss.detach()
-            self.report.set_step_loss(loss)
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-            for batch in batches:
-                loss = loss_of(self.forward(**to_device(batch, self.mesh.device)))
-                self.backward(loss)
-                total += loss.detach().float()
-            loss = total / self.config.gradient_accumulation_steps
-        self.step()
-        return self.dp_mean(loss)
+        return loop.train_batch(self, data_iter)
 
-    @torch.no_grad()
     def eval_batch(self, data_iter) -> torch.Tensor:
         """Mean loss over GAS micro-batches, forward only (through the pipeline when pp > 1); the same type
         as ``train_batch``'s (float32, shape ``[]``, on the device)."""
-        batches = self._pull(data_iter, check=True)
-        if self.pipeline is not None:
-            return self.dp_mean(self.pipeline.eval_batch(iter(batches)))
-        loss = sum(loss_of(self.forward(**to_device(b, self.mesh.device))).float() for b in batches) / len(batches)
-        return self.dp_mean(loss)
-
-    def _pull(self, data_iter, check: bool = False) -> list[dict]:
-        """The step's micro-batches (``RunGuard.pull``), checked with a pipeline or ``check`` (evaluation); with a
-        pipeline each is cut to this cp rank's chunks here, else in ``forward``."""
-        n, pipelined = self.config.gradient_accumulation_steps, self.pipeline is not None
-        out = self.guard.pull(data_iter, n, self.global_steps + 1, check=pipelined or check)
-        return [shard_batch(b, self.mesh) for b in out] if pipelined else out
+        return loop.eval_batch(self, data_iter)
 
     def dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """``plait.engine.ranks.dp_mean`` over this engine's mesh."""
@@ -315,14 +262,8 @@ class Engine(Checkpointable):
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each transformer block in place, the engine's
-        hooks outside (``plait.engine.compile``); the ds_config's ``compile`` section calls it from
-        ``initialize``. A second call is a no-op.
-
-        Raises:
-            ValueError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not implemented: the
-                backward of each compiled block is compiled already), or ``backend`` inside ``compile_kwargs``.
-            ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
-        """
+        hooks outside; the ds_config's ``compile`` section calls it from ``initialize``. A second call is a
+        no-op. Errors: ``plait.engine.compile.compile_engine_model``."""
         compile_engine_model(self.module, self.pipeline, backend, compile_kwargs, schedule, compiled_autograd_enabled,
                              self.config.compile.deepcompile)
 
@@ -344,18 +285,13 @@ class Engine(Checkpointable):
 
     def trainer_state(self) -> TrainerState:
         """Samples so far, the schedule's and the ``data_loader``'s states, and the resolved config."""
-        sched, loader = self.lr_scheduler, self.data_loader
-        return TrainerState(self.global_samples, sched.state_dict() if sched is not None else None,
-                            self.config.to_dict(), loader.state_dict() if hasattr(loader, "state_dict") else None)
+        return trainer_state(self.global_samples, self.lr_scheduler, self.config.to_dict(), self.data_loader)
 
     def load_trainer_state(self, state: TrainerState) -> None:
         """Take a checkpoint's counters and schedule and ``data_loader`` states (None fields: keep ours)."""
         if state.global_samples is not None:
             self.global_samples = state.global_samples
-        if state.lr_scheduler is not None and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state.lr_scheduler)
-        if state.data_loader is not None and hasattr(self.data_loader, "load_state_dict"):
-            self.data_loader.load_state_dict(state.data_loader)
+        load_trainer_state(state, self.lr_scheduler, self.data_loader)
 
     def rng_state(self) -> RngState:
         """torch's CPU and (on a GPU) CUDA generators, and each chunk's tensor-parallel RNG tracker."""
@@ -388,7 +324,6 @@ class Engine(Checkpointable):
         """The whole model's weights in the compute dtype as one file from rank 0 (DeepSpeed's method; see
         ``plait.checkpoint.export16``). Returns False under ZeRO-3 unless
         ``stage3_gather_16bit_weights_on_model_save``. Collective."""
-        from plait.checkpoint.export16 import save_16bit
         return save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model

@@ -8,7 +8,8 @@ from plait.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from plait.layers.fused_cross_entropy import fused_linear_cross_entropy
 from plait.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from plait.layers.mlp import MLP
-from plait.layers.model import EmbeddingLayer, LMHead, TransformerModel, logical_shapes
+from plait.layers.ends import EmbeddingLayer, LMHead
+from plait.layers.model import TransformerModel, logical_shapes
 from plait.layers.moe import MoE
 from plait.layers.norm import LayerNorm, RMSNorm
 

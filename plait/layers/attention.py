@@ -27,6 +27,20 @@ from plait.parallel.random import checkpoint
 CP_METHODS = ("ring", "all_to_all")
 
 
+def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int, cp: int, cp_method: str) -> tuple[int, int]:
+    """This tp rank's query and key/value heads. Raises ValueError (naming the counts and the fix): num_heads
+    not a multiple of num_kv_heads, a count not divisible by tp, or (all-to-all cp) by tp x cp."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    heads, kv_heads = divide(num_heads, tp, "num_heads"), divide(num_kv_heads, tp, "num_kv_heads")
+    if cp_method == "all_to_all" and cp > 1:   # heads are scattered over the cp ranks of each tp rank
+        for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if n % (tp * cp):
+                raise ValueError(f"all-to-all context parallelism needs {name} ({n}) divisible by tp x cp = "
+                                 f"{tp} x {cp}; use cp_method='ring' or other tp/cp sizes")
+    return heads, kv_heads
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention.
 
@@ -74,35 +88,32 @@ class Attention(nn.Module):
         self.cp_group, self.cp_method, self.cp = cp_group, cp_method, group_size(cp_group)
         tp = group_size(group)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.local_heads = divide(num_heads, tp, "num_heads")
-        self.local_kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
-        if cp_method == "all_to_all" and self.cp > 1:   # heads are scattered over the cp ranks of each tp rank
-            for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-                if n % (tp * self.cp):
-                    raise ValueError(f"all-to-all context parallelism needs {name} ({n}) divisible by tp x cp = "
-                                     f"{tp} x {self.cp}; use cp_method='ring' or other tp/cp sizes")
+        self.local_heads, self.local_kv_heads = heads_per_rank(num_heads, num_kv_heads, tp, self.cp, cp_method)
         self.head_dim = head_dim or hidden_size // num_heads
         self.causal, self.rope_theta, self.dropout = causal, rope_theta, attention_dropout
         self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
         self.recompute_core, self.fused = recompute_core, fused
         kw = dict(group=group, device=device, dtype=dtype)
+        self._build_projections(hidden_size, num_heads, num_kv_heads, bias, init_std, output_init_std, kw)
+        self.qk_norm = qk_norm
+        if qk_norm:   # copy_to_tp on the weights (the norms' sequence-parallel path) sums their gradients over tp
+            norm_kw = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
+
+    def _build_projections(self, hidden_size: int, num_heads: int, num_kv_heads: int, bias: bool,
+                           init_std: float, output_init_std: float | None, kw: dict) -> None:
+        """q/k/v (column-parallel; one ``qkv_proj`` when fused) and the row-parallel output projection."""
         sizes = (num_heads * self.head_dim, num_kv_heads * self.head_dim, num_kv_heads * self.head_dim)
-        if fused:
+        if self.fused:
             self.qkv_proj = ColumnParallelLinear(hidden_size, sizes, bias, parts=("q_proj", "k_proj", "v_proj"),
                                                  init_std=init_std, **kw)
         else:
             self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(hidden_size, n, bias, init_std=init_std, **kw)
                                                      for n in sizes)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, bias,
-                                        sequence_parallel=sequence_parallel,
+                                        sequence_parallel=self.sequence_parallel,
                                         init_std=output_init_std or init_std, **kw)
-        self.qk_norm = qk_norm
-        if qk_norm:   # copy_to_tp on the weights (the norms' sequence-parallel path) sums their gradients over tp
-            norm_kw = dict(group=group, sequence_parallel=tp > 1, device=device, dtype=dtype)
-            self.q_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
-            self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm_kw)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, rope=None) -> torch.Tensor:

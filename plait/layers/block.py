@@ -51,12 +51,7 @@ class TransformerBlock(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         out_std = scaled_init_std(c.init_std, c.num_layers)
         self.attn_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
-        self.attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
-                              rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
-                              rng=rng, init_std=c.init_std, output_init_std=out_std,
-                              recompute_core=recompute == "selective", fused=c.fused_projections,
-                              head_dim=c.head_dim, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
-                              cp_group=cp_group, cp_method=cp_method, **kw)
+        self.attn = _attention(c, out_std, rng, recompute, cp_group, cp_method, kw)
         self.mlp_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, c.bias, **kw)
         self.mlp = (_moe(c, out_std, sequence_parallel, ep_group, device, dtype) if c.num_experts else
                     MLP(c.hidden_size, c.ffn_hidden_size, c.activation, bias=c.bias, init_std=c.init_std,
@@ -88,6 +83,17 @@ class TransformerBlock(nn.Module):
             has_dropout = self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
             return checkpoint(self._body, hidden, mask, pos, rope, scale, tracker=self.rng if has_dropout else None)
         return self._body(hidden, mask, pos, rope, scale)
+
+
+def _attention(c: TransformerConfig, output_init_std: float, rng, recompute: str | None, cp_group, cp_method: str,
+               kw: dict) -> Attention:
+    """The block's attention as ``c`` describes it (``recompute`` "selective": its core recomputed)."""
+    return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, causal=c.causal,
+                     rope_theta=c.rope_theta, bias=c.bias, attention_dropout=c.attention_dropout,
+                     rng=rng, init_std=c.init_std, output_init_std=output_init_std,
+                     recompute_core=recompute == "selective", fused=c.fused_projections,
+                     head_dim=c.head_dim, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
+                     cp_group=cp_group, cp_method=cp_method, **kw)
 
 
 def _moe(c: TransformerConfig, output_init_std: float, sequence_parallel: bool, ep_group, device, dtype) -> MoE:

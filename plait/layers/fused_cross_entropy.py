@@ -144,9 +144,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
 
     Equals ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)`` in value and
     gradients (w.r.t. ``hidden``, ``weight``, ``bias``) up to float rounding, holding at most one chunk
-    of ``[chunk_tokens, V_pad/tp]`` float32 logits at a time and none after forward (see the module
-    docstring; sources: Megatron-LM, Shoeybi et al. 2019, Sec. 3, for the vocabulary-parallel loss;
-    Liger-Kernel, Hsu et al. 2024, for fusing the head with the loss).
+    of ``[chunk_tokens, V_pad/tp]`` float32 logits at a time and none after forward (module docstring).
 
     Args:
         hidden: ``[..., h]`` the head's input after ``enter_tp_region`` (the same on every tp rank);
@@ -174,11 +172,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     _check(hidden, weight, bias, target, label_smoothing, chunk_tokens, reduction)
     opts = _Options(vocab_size, vocab_start, group, ignore_index, float(label_smoothing), chunk_tokens,
                     reduction == "sum")
-    x, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    grads = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (hidden, weight, bias))
-    if grads:
-        loss = _FusedLinearCrossEntropy.apply(x, weight, bias, t, opts)
-    else:
-        loss = _chunked_pass(x, weight, bias, t, opts, (False, False, False))[0]
-        loss = loss.sum() if opts.summed else loss
+    loss = _flat_loss(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), opts)
     return loss if opts.summed else loss.reshape(target.shape)
+
+
+def _flat_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor,
+               opts: _Options) -> torch.Tensor:
+    """The loss of ``x [n, h]`` against ``t [n]``: through the autograd Function where a gradient is wanted,
+    else one forward pass that keeps no gradient sums."""
+    if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (x, weight, bias)):
+        return _FusedLinearCrossEntropy.apply(x, weight, bias, t, opts)
+    loss = _chunked_pass(x, weight, bias, t, opts, (False, False, False))[0]
+    return loss.sum() if opts.summed else loss

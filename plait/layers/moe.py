@@ -145,6 +145,17 @@ def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
     return slots[within < capacity], kept, (counts - kept).sum()
 
 
+def check_routing(num_experts: int, top_k: int, router_order: str, capacity_factor: float | None) -> None:
+    """Raises ValueError naming the value: top_k outside ``[1, num_experts]``, an unknown router_order, or a
+    capacity_factor <= 0."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+    if router_order not in ROUTER_ORDERS:
+        raise ValueError(f"unknown router_order {router_order!r}; use one of {ROUTER_ORDERS}")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
+
+
 class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts (module docstring). ``forward(x)`` returns ``(y, MoEAux)``.
 
@@ -177,12 +188,7 @@ class MoE(nn.Module):
                  bias_update_rate: float = 0.0, init_std: float = 0.02, output_init_std: float | None = None,
                  grouped_gemm: bool = True, ep_group=None, device=None, dtype=None):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
-        if router_order not in ROUTER_ORDERS:
-            raise ValueError(f"unknown router_order {router_order!r}; use one of {ROUTER_ORDERS}")
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
+        check_routing(num_experts, top_k, router_order, capacity_factor)
         self.num_experts, self.top_k, self.router_order = num_experts, top_k, router_order
         self.normalize_topk, self.capacity_factor = normalize_topk, capacity_factor
         self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
@@ -192,6 +198,20 @@ class MoE(nn.Module):
                         f"choose ep from {divisors(num_experts)}")
         self.ep_group = ep_group if ep > 1 else None
         kw = dict(device=device, dtype=dtype)
+        self._build_weights(hidden_size, ffn_hidden_size, shared_ffn_hidden_size, init_std, output_init_std, kw)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.register_buffer("tokens_seen", torch.zeros(num_experts, dtype=torch.float32, device=device),
+                             persistent=False)
+        # training forwards since ``take_stats``: tokens per expert [E], then the sums of balance, z, dropped
+        # and the forward count; a recomputed forward counts twice, which leaves every ratio unchanged
+        self.register_buffer("stats", torch.zeros(num_experts + 4, dtype=torch.float32, device=device),
+                             persistent=False)
+
+    def _build_weights(self, hidden_size: int, ffn_hidden_size: int, shared_ffn_hidden_size: int, init_std: float,
+                       output_init_std: float | None, kw: dict) -> None:
+        """The router ``[E, h]`` (replicated), the experts' SwiGLU weights ``[E(/ep), ...]`` split over the ep
+        group, and the shared experts' MLP (None without)."""
+        num_experts = self.num_experts
         self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
         experts = dict(dim=0, group=self.ep_group, kind="normal", axis="ep", **kw)
         self.gate_proj = sharded_param((num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts)
@@ -200,13 +220,6 @@ class MoE(nn.Module):
                                        **experts)
         self.shared = (MLP(hidden_size, shared_ffn_hidden_size, "swiglu", bias=False, init_std=init_std,
                            output_init_std=output_init_std, **kw) if shared_ffn_hidden_size else None)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
-        self.register_buffer("tokens_seen", torch.zeros(num_experts, dtype=torch.float32, device=device),
-                             persistent=False)
-        # training forwards since ``take_stats``: tokens per expert [E], then the sums of balance, z, dropped
-        # and the forward count; a recomputed forward counts twice, which leaves every ratio unchanged
-        self.register_buffer("stats", torch.zeros(num_experts + 4, dtype=torch.float32, device=device),
-                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         flat = x.reshape(-1, x.shape[-1])

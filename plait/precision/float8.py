@@ -90,23 +90,7 @@ def convert_to_float8(module: nn.Module, fp8: FP8Config, device: torch.device, *
     from torchao.float8.float8_linear import Float8Linear
     from plait.precision.float8_layers import Float8ColumnParallelLinear, Float8RowParallelLinear
     plait_layers = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
-    report: dict[str, list[str]] = {"converted": [], "excluded": [], "unaligned": []}
-    matched: set[str] = set()
-
-    def wanted(m: nn.Module, name: str) -> bool:
-        if isinstance(m, (Float8Linear, *plait_layers.values())):
-            return False
-        pattern = excluded(name, fp8.exclude)
-        if pattern is not None:
-            matched.add(pattern)
-            report["excluded"].append(name)
-            return False
-        if any(n % 16 for n in m.weight.shape):
-            report["unaligned"].append(name)
-            return False
-        report["converted"].append(name)
-        return True
-
+    wanted = _Selection(fp8.exclude, (Float8Linear, *plait_layers.values()))
     for name, child in list(module.named_modules()):
         for attr, sub in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
@@ -114,8 +98,33 @@ def convert_to_float8(module: nn.Module, fp8: FP8Config, device: torch.device, *
                 setattr(child, attr, plait_layers[type(sub)](sub, config))
     convert_to_float8_training(module, config=config,
                                module_filter_fn=lambda m, fqn: type(m) is nn.Linear and wanted(m, fqn))
-    _log(fp8, report, emulate, matched)
-    return report
+    _log(fp8, wanted.report, emulate, wanted.matched)
+    return wanted.report
+
+
+class _Selection:
+    """Which linear layers convert (called as ``selection(module, name)``): not one converted already, not one
+    an ``fp8.exclude`` pattern names, only weights whose dimensions are multiples of 16. ``report`` lists each
+    layer's verdict by kind; ``matched`` the exclude patterns that named one."""
+
+    def __init__(self, exclude: list[str], converted_types: tuple[type, ...]):
+        self.exclude, self.converted_types = exclude, converted_types
+        self.report: dict[str, list[str]] = {"converted": [], "excluded": [], "unaligned": []}
+        self.matched: set[str] = set()
+
+    def __call__(self, m: nn.Module, name: str) -> bool:
+        if isinstance(m, self.converted_types):
+            return False
+        pattern = excluded(name, self.exclude)
+        if pattern is not None:
+            self.matched.add(pattern)
+            self.report["excluded"].append(name)
+            return False
+        if any(n % 16 for n in m.weight.shape):
+            self.report["unaligned"].append(name)
+            return False
+        self.report["converted"].append(name)
+        return True
 
 
 def _log(fp8: FP8Config, report: dict, emulate: bool, matched: set) -> None:

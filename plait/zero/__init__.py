@@ -1,7 +1,7 @@
 """ZeRO data-parallel sharding (Rajbhandari et al., SC'20): stages 0-3, fp32 master weights,
 fp16 loss scaling, global gradient-norm clipping over dp/tp/pp, and logical checkpoint slices."""
 from plait.zero.clip import NormGroups, clip_coefficient, global_grad_norm
-from plait.zero.flat import ParamSlice, ShardState, slices_reader
+from plait.zero.slices import ParamSlice, ShardState, slices_reader
 from plait.zero.grads import whole_gradients
 from plait.zero.optimizer import (ClipOptions, CommOptions, PrecisionOptions, StagePolicy, ZeroOptimizer,
                                   weight_decay_groups)

@@ -17,25 +17,20 @@ import torch
 from torch import nn
 
 from plait.parallel.collectives import group_rank, group_size
-from plait.parallel.sharding import ATTR as SHARD_ATTR
-from plait.parallel.sharding import mark, shard_of
-from plait.zero.build import (block_boundaries, check_arguments, check_experts, derive_shards, grad_dtypes,
-                              layout_entries, materialize, optimizer_groups, resolve_groups, unit_segments,
-                              weight_decay_groups)
+from plait.zero.assemble import (gatherer_of, layout_of, masters_of, optimizer_of, readiness_of, reducer_of,
+                                 shard_set_of, stepper_of)
+from plait.zero.build import check_arguments, weight_decay_groups
 from plait.zero.clip import clip_coefficient
 from plait.zero.comm import make_comms
 from plait.zero.edits import gathered, mark_owner
-from plait.zero.flat import ParamSlice, ShardState, build_layout, load_shard_state, rebind_views, shard_state
+from plait.zero.flat import rebind_views
+from plait.zero.slices import ParamSlice, ShardState, load_shard_state, shard_state
 from plait.zero.grads import weak_hook
 from plait.zero.memory import held_bytes
-from plait.zero.offload import (HostStepper, OffloadGatherer, OffloadOptions, Readiness, forward_order, host_optimizer,
-                                is_host_optimizer)
-from plait.zero.pinned import host_empty
+from plait.zero.offload import OffloadOptions
 from plait.zero.policy import ClipOptions, CommOptions, PrecisionOptions, StagePolicy
 from plait.zero.precision import LossScaler, log_skipped_step
-from plait.zero.stage3 import ParamGatherer
-from plait.zero.stage12 import GradReducer, gives_back
-from plait.zero.stepper import DeviceStepper, ShardSet, Stepper, write_back
+from plait.zero.stepper import Stepper, write_back
 
 __all__ = ["ClipOptions", "CommOptions", "PrecisionOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
 
@@ -93,62 +88,15 @@ class ZeroOptimizer:
         self.offload_options, self._host = offload, offload is not None and offload.optimizer
         self.precision, self.clip = precision or PrecisionOptions(), clip or ClipOptions()
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        group_opts = self._build_layout(param_groups, self.precision.param_dtype, units)
-        self._build_masters(weights)
-        self._build_optimizer(optimizer, optimizer_kwargs, group_opts)
+        layout = layout_of(self, param_groups, self.precision.param_dtype, units)
+        self.groups, self.units, self.params, self.device = layout.groups, layout.units, layout.params, layout.device
+        self.masters, self.grad_shards, self._land_dtype = masters_of(self, weights)
+        self.optimizer, self._opt_index = optimizer_of(self, optimizer, optimizer_kwargs, layout.group_opts)
         fp16 = any(g.key.dtype == torch.float16 for g in self.groups)
         self.scaler = self.precision.loss_scaler if self.precision.loss_scaler is not None else \
             (LossScaler() if fp16 else None)
         self._reset_counters()
         self._build_communication()
-
-    def _build_layout(self, param_groups, dtype: torch.dtype | None, units) -> list[dict]:
-        """Trainable parameters -> flat groups (``groups``, ZeRO Sec. 5) and stage-3 ``units``; returns the
-        per-group optimizer options. Raises ValueError: no trainable parameters, bad param groups."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the module has no trainable parameters")
-        for _, p in named:   # the shape must outlive ZeRO-3's release of the data (checkpoints read it)
-            if getattr(p, SHARD_ATTR, None) is None:
-                mark(p, shard_of(p))
-        group_opts, group_of = resolve_groups(named, param_groups)
-        host_ratio = self.offload_options.ratio if self._host else 1.0
-        entries, self.units = layout_entries(self.module, named, group_of, dtype, self.policy,
-                                             self.comm.param_persistence_threshold, units, host_ratio)
-        world, rank = self.policy.shard_world(self.dp_size, self.dp_rank)
-        experts = self.policy.shard_world(self.comms.experts.size, self.comms.experts.rank)
-        self.groups = build_layout(entries, world, rank, self.comm.reduce_bucket_size, experts)
-        check_experts(self.groups, self.stage, self.offload_options, self.comms)
-        self.params = [p for _, p in named]
-        self.device = self.params[0].device
-        return group_opts
-
-    def _build_masters(self, weights) -> None:
-        """fp32 master shards and gradient shards, one per flat group: on the host with offload, but for the
-        groups the placement keeps on the device (``GroupKey.resident``)."""
-        off = self.offload_options
-        host_params = off is not None and off.param
-        on_host = [self._host and not g.key.resident for g in self.groups]   # offload: but resident groups
-        self.masters = [materialize(g, self.policy, self.device, torch.device("cpu") if h else self.device,
-                                    host_params, host_params and off.pin_memory, weights)
-                        for g, h in zip(self.groups, on_host)]
-        if not (self._host or host_params):   # offload: the host stepper writes the (host) shards itself
-            derive_shards(self.groups, self.masters)
-        world = self.policy.shard_world(self.dp_size, self.dp_rank)[0]   # bf16 host shards: see grad_dtypes
-        grad_dtype, self._land_dtype = grad_dtypes(self._host, self.gradient_accumulation_steps, self.groups, world,
-                                                   self.comm.reduce_dtype)
-        self.grad_shards = [host_empty(m.numel(), grad_dtype, off.pin_memory).zero_() if h
-                            else torch.zeros_like(m, dtype=grad_dtype) for h, m in zip(on_host, self.masters)]
-
-    def _build_optimizer(self, optimizer, optimizer_kwargs: dict | None, group_opts: list[dict]) -> None:
-        """The torch optimizer (``HostOptimizer`` with offload) over the master shards."""
-        if self._host:
-            optimizer = host_optimizer(optimizer, self.offload_options.num_threads)
-        opt_groups, self._opt_index = optimizer_groups(group_opts, self.groups, self.masters)
-        kwargs = dict(optimizer_kwargs or {})
-        if is_host_optimizer(optimizer):   # 8-bit moments: blocks start at segments and parameter pieces
-            kwargs["boundaries"] = block_boundaries(self.groups, self.masters)
-        self.optimizer = optimizer(opt_groups, **kwargs)
 
     def _reset_counters(self) -> None:
         self._in_backward = False
@@ -160,33 +108,15 @@ class ZeroOptimizer:
         self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
 
     def _build_communication(self) -> None:
-        """Stage-3 gatherer, gradient hooks, the stepper and the gradient reducer (its sink: the host
-        stepper's ``land`` under offload)."""
-        comm, off, dp = self.comm, self.offload_options, self.dp_group
-        ready = Readiness(forward_order(self.module, [s for g in self.groups for s in g.segments]), self.device,
-                          self.comms, comm.allgather_bucket_size, comm.overlap_comm) if self._host else None
-        self.gatherer = None
-        if self.policy.parameters:
-            unit_segments(self.units, self.groups)
-            extra = {"device": self.device} if off is not None and off.param else {}
-            self.gatherer = (OffloadGatherer if extra else ParamGatherer)(
-                self.module, self.units, self.comms, comm.allgather_bucket_size, comm.prefetch_bucket_size,
-                self._note_backward, gate=ready, reshard_after_forward=comm.reshard_after_forward, **extra)
+        """Stage-3 gatherer, gradient hooks, the stepper and the gradient reducer (``plait.zero.assemble``)."""
+        ready = readiness_of(self)
+        self.gatherer = gatherer_of(self, ready)
         on_grad = weak_hook(self._on_grad)   # a bound method in a C++ hook would keep this optimizer alive
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params] \
             if self.policy.gradients else []
-        self.shards = ShardSet(tuple(self.groups), tuple(self.masters), tuple(self.grad_shards), self.optimizer,
-                               self.clip.norm_groups, self.clip.norm_exclude)
-        self.stepper: Stepper = HostStepper(
-            self.shards, off, ready, module=self.module, device=self.device, dp_group=dp,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, is_last_micro_step=self._last_micro_step,
-            steps_as_is=not self.clip.max_grad_norm and self.scaler is None and not self.precision.skip_nonfinite,
-        ) if self._host else DeviceStepper(self.shards, dp if self.policy.optimizer_states else None, self.comms,
-                                           comm)
-        self.reducer = GradReducer(self.groups, self.grad_shards, self.comms, self._land_dtype,
-                                   comm.overlap_comm, eager=self.policy.gradients,
-                                   land=self.stepper.land if self._host else None,
-                                   give_back=gives_back(self.device, self._host, per_unit=len(self.units) > 1))
+        self.shards = shard_set_of(self)
+        self.stepper: Stepper = stepper_of(self, ready)
+        self.reducer = reducer_of(self)
         mark_owner(self.params, self)
 
     @property
@@ -362,12 +292,12 @@ class ZeroOptimizer:
 
     def shard_state(self) -> ShardState:
         """This rank's fp32 master and optimizer-state slices per logical parameter (views, not
-        copies), plus per-group scalars and counters; see ``plait.zero.flat.ShardState``."""
+        copies), plus per-group scalars and counters; see ``plait.zero.slices.ShardState``."""
         self.synchronize()
         return shard_state(self)
 
     def load_shard_state(self, read, state: ShardState | None = None) -> None:
-        """Restore from slices saved at any dp size / stage; see ``plait.zero.flat.load_shard_state``."""
+        """Restore from slices saved at any dp size / stage; see ``plait.zero.slices.load_shard_state``."""
         self.synchronize()
         load_shard_state(self, read, state)
 

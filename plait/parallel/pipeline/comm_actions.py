@@ -32,9 +32,24 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, 
     if p == 1:
         return compute
     simulate(compute, p, v, shape=shape)
+    sent_at, after = _sends(compute, p, v, shape)
+    before = _receives(compute, sent_at, p, v, shape, lookahead)
+    out = []
+    for r, acts in enumerate(compute):
+        new: list[Action] = []
+        for j, a in enumerate(acts):
+            new += [recv for _, recv in sorted(before[r].get(j, []), key=lambda item: item[0])]
+            new.append(a)
+            new += [after[r][j]] if j in after[r] else []
+        out.append(new)
+    return out
+
+
+def _sends(compute: Schedule, p: int, v: int, shape: str):
+    """Per rank, the SEND after each compute action whose output crosses to another rank (``after[r][j]``),
+    and the index of each message's producer on its sender (``sent_at[(direction, microbatch, stage)]``)."""
     sent_at: dict[tuple[str, int, int], int] = {}     # message -> index of its producer on the sender
     after: list[dict[int, Action]] = [{} for _ in range(p)]
-    reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
@@ -42,6 +57,14 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, 
                 direction = "F" if a.kind == "F" else "B"
                 sent_at[(direction, a.microbatch, s)] = j
                 after[r][j] = Action("SEND_" + direction, a.microbatch, a.chunk)
+    return sent_at, after
+
+
+def _receives(compute: Schedule, sent_at: dict, p: int, v: int, shape: str, lookahead: int):
+    """Per rank, the RECVs to post before compute action ``j`` (``before[r][j]``: ``(k, RECV)``, ``k`` the
+    receive's place in its channel's send order): ``lookahead`` actions before the reader, earlier where
+    the channel's posting order needs it."""
+    reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
@@ -55,12 +78,4 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, 
         for k, (_, j, recv) in reversed(list(enumerate(sorted(items)))):
             post = min(post, max(j - lookahead, 0))
             before[r].setdefault(post, []).append((k, recv))
-    out = []
-    for r, acts in enumerate(compute):
-        new: list[Action] = []
-        for j, a in enumerate(acts):
-            new += [recv for _, recv in sorted(before[r].get(j, []), key=lambda item: item[0])]
-            new.append(a)
-            new += [after[r][j]] if j in after[r] else []
-        out.append(new)
-    return out
+    return before

@@ -18,8 +18,6 @@ import gc
 import math
 import time
 
-from dataclasses import dataclass
-
 from collections.abc import Callable
 
 import torch
@@ -29,20 +27,7 @@ from plait.parallel.pipeline.backward import backward_input, backward_weight
 from plait.parallel.pipeline.graphs import ActionGraphs
 from plait.parallel.pipeline.schedules import Action, rank_chunk_of, stage_of
 from plait.parallel.pipeline.stage import takes_keyword
-
-
-@dataclass(frozen=True)
-class ActionTime:
-    """One compute action of a timed step (``PipelineExecutor.time_compute``): seconds since the step
-    began on this rank's device (``start``, ``end``; CUDA events on GPU) and the host seconds spent
-    issuing it (``host``; when ``host`` exceeds ``end - start`` the device waited for the host)."""
-
-    kind: str
-    microbatch: int
-    chunk: int
-    start: float
-    end: float
-    host: float
+from plait.parallel.pipeline.timing import ActionTime, mark, timeline
 
 
 MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
@@ -148,22 +133,22 @@ class PipelineExecutor:
 
     def _run_actions(self, actions: list[Action]) -> list[ActionTime]:
         spans = []
-        origin = self._mark() if self.time_compute else None
+        origin = mark(self.device) if self.time_compute else None
         for action in actions:
             if not action.is_compute:
                 self._post(action)
                 continue
             self._reap_sends()
             self._await_inputs(action)
-            start = self._mark() if self.time_compute else None
+            start = mark(self.device) if self.time_compute else None
             host = time.perf_counter()
             self._compute[action.kind](action.microbatch, action.chunk)
             if start is not None:
-                spans.append((action, start, self._mark(), time.perf_counter() - host))
+                spans.append((action, start, mark(self.device), time.perf_counter() - host))
         for work, _ in self._sends:
             work.wait()
         self._sends = []
-        return self._timeline(origin, spans) if self.time_compute else []
+        return timeline(self.device, origin, spans) if self.time_compute else []
 
     def _begin(self, actions, microbatches, train, scale_loss, on_micro_batch) -> None:
         self._m, self._mbs, self._train = len(microbatches), microbatches, train
@@ -184,21 +169,6 @@ class PipelineExecutor:
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: state left after the step {left}; the action "
                                f"list is incomplete (run check_schedule on it)")
-
-    def _mark(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _timeline(self, origin, spans) -> list[ActionTime]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            since = lambda e: origin.elapsed_time(e) / 1e3  # noqa: E731
-        else:
-            since = lambda t: t - origin  # noqa: E731
-        return [ActionTime(a.kind, a.microbatch, a.chunk, since(s), since(e), host) for a, s, e, host in spans]
 
     def _weight_actions(self, actions: list[Action]) -> dict[int, int]:
         count: dict[int, int] = {}

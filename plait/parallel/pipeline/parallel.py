@@ -25,7 +25,17 @@ from plait.parallel.pipeline.schedules import Action, rank_of
 from plait.parallel.pipeline.registry import get_schedule, placement
 from plait.parallel.pipeline.simulate import stage_costs
 from plait.parallel.pipeline.comm_actions import with_communication
-from plait.parallel.pipeline.stage import StageChunk, check_layer_order, missing_members
+from plait.parallel.pipeline.stage import StageChunk, check_layer_order, check_stage_modules
+
+
+def measures_costs(schedule_costs, schedule: str) -> bool:
+    """Whether the stage costs are measured on the first step (``schedule_costs="measure"``, zb-v only);
+    raises ValueError for another string or schedule."""
+    measure = isinstance(schedule_costs, str)
+    if measure and (schedule_costs != "measure" or schedule != "zb-v"):
+        raise ValueError(f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
+                         f"measured costs, and the string form is 'measure'")
+    return measure
 
 
 class PipelineParallel:
@@ -99,44 +109,39 @@ class PipelineParallel:
                  schedule_costs: dict | str | None = None, cuda_graphs: bool = False):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
-        if virtual_stages is not None and virtual_stages != v:
-            raise ValueError(f"virtual_stages={virtual_stages} but {v} stage modules were given; build "
-                             f"them with build_stage_modules(config, mesh, v={virtual_stages})")
-        if v < 1:
-            raise ValueError("PipelineParallel needs at least one stage module")
-        for c, chunk in enumerate(self.stage_modules):
-            if missing := missing_members(chunk):
-                raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
-                                f"{missing} (see plait.parallel.pipeline.stage; plait.layers.stages builds plait's)")
+        check_stage_modules(self.stage_modules, virtual_stages)
         self.mesh, self.schedule, self.m, self.v = mesh, schedule, micro_batches, v
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:
             self._check_graphs()
         self.p = 1 if mesh is None else mesh.pp
         self.rank = 0 if mesh is None else mesh.pp_rank
-        measure = isinstance(schedule_costs, str)
-        if measure and (schedule_costs != "measure" or schedule != "zb-v"):
-            raise ValueError(f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
-                             f"measured costs, and the string form is 'measure'")
+        measure = measures_costs(schedule_costs, schedule)
         self.shape, self.schedule_costs = placement(schedule), schedule_costs
         self._use_lists(get_schedule(schedule, self.p, micro_batches, v, None if measure else schedule_costs))
         self.planned_costs: dict | None = None
         self._steps, self._measure_step = 0, 1 if measure else None
-        first = next((t for t in self.parameters() if t.is_floating_point()), None)
-        dtype = first.dtype if first is not None else torch.float32
         self.device = torch.device("cpu") if mesh is None else mesh.device
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
         self.slice_tp = self._resolve_slice_tp(slice_tp)
         check_layer_order(self.stage_modules, self.p, self.rank, self.shape, None if mesh is None else mesh.pp_group)
-        p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * v, self.rank, self.shape)
-        p2p.connect(self.device)
-        self.executor = PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
-                                         activation_shape or self.stage_modules[0].activation_shape,
-                                         dtype, self.device, grads_ready,
-                                         tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
-                                         shape=self.shape, cuda_graphs=cuda_graphs)
+        self.executor = self._make_executor(activation_shape, grads_ready)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
         self._closed = False
+
+    def _make_executor(self, activation_shape, grads_ready) -> PipelineExecutor:
+        """The executor over this rank's chunks, its point-to-point channels connected; activations are sent
+        in the dtype of the chunks' first floating-point parameter (float32 without one)."""
+        first = next((t for t in self.parameters() if t.is_floating_point()), None)
+        dtype = first.dtype if first is not None else torch.float32
+        mesh = self.mesh
+        p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * self.v, self.rank, self.shape)
+        p2p.connect(self.device)
+        return PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
+                                activation_shape or self.stage_modules[0].activation_shape,
+                                dtype, self.device, grads_ready,
+                                tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
+                                shape=self.shape, cuda_graphs=self.cuda_graphs)
 
     def _check_graphs(self) -> None:
         check_device(torch.device("cpu") if self.mesh is None else self.mesh.device)

@@ -94,19 +94,25 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
             raise ValueError(f"unknown partition method {method!r}; use one of {METHODS} or a list of "
                              f"boundaries [0, ..., {num_items}]")
     else:
-        bounds = [int(b) for b in method]
-        if len(bounds) != stages + 1:
-            raise ValueError(f"explicit partition needs p x v + 1 = {stages + 1} boundaries for {stages} "
-                             f"stages, got {len(bounds)}: {bounds}")
-        if bounds[0] != 0 or bounds[-1] != num_items:
-            raise ValueError(f"explicit partition boundaries must start at 0 and end at {num_items} (the "
-                             f"number of layers) to cover the whole model, got {bounds}")
-        bad = [i for i in range(stages) if bounds[i + 1] <= bounds[i]]
-        if bad:
-            i = bad[0]
-            raise ValueError(f"explicit partition boundaries must strictly increase (every stage needs at "
-                             f"least one layer), but stage {i} is [{bounds[i]}, {bounds[i + 1]}) in {bounds}")
+        bounds = _explicit(method, num_items, stages)
     return [(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def _explicit(method: Sequence[int], num_items: int, stages: int) -> list[int]:
+    """Given boundaries as ints; ValueError unless ``stages + 1`` of them rise strictly from 0 to ``num_items``."""
+    bounds = [int(b) for b in method]
+    if len(bounds) != stages + 1:
+        raise ValueError(f"explicit partition needs p x v + 1 = {stages + 1} boundaries for {stages} "
+                         f"stages, got {len(bounds)}: {bounds}")
+    if bounds[0] != 0 or bounds[-1] != num_items:
+        raise ValueError(f"explicit partition boundaries must start at 0 and end at {num_items} (the "
+                         f"number of layers) to cover the whole model, got {bounds}")
+    bad = [i for i in range(stages) if bounds[i + 1] <= bounds[i]]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"explicit partition boundaries must strictly increase (every stage needs at "
+                         f"least one layer), but stage {i} is [{bounds[i]}, {bounds[i + 1]}) in {bounds}")
+    return bounds
 
 
 def stage_layers(parts: list[tuple[int, int]], p: int, rank: int, shape: str = "loop") -> list[range]:

@@ -65,6 +65,21 @@ def missing_members(chunk: object) -> list[str]:
     return [n for n in names if not hasattr(chunk, n)]
 
 
+def check_stage_modules(stage_modules: list, virtual_stages: int | None) -> None:
+    """Raises ValueError (no module, or not ``virtual_stages`` of them) or TypeError (a module that is not a
+    ``StageChunk``), naming the fix."""
+    v = len(stage_modules)
+    if virtual_stages is not None and virtual_stages != v:
+        raise ValueError(f"virtual_stages={virtual_stages} but {v} stage modules were given; build "
+                         f"them with build_stage_modules(config, mesh, v={virtual_stages})")
+    if v < 1:
+        raise ValueError("PipelineParallel needs at least one stage module")
+    for c, chunk in enumerate(stage_modules):
+        if missing := missing_members(chunk):
+            raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
+                            f"{missing} (see plait.parallel.pipeline.stage; plait.layers.stages builds plait's)")
+
+
 def takes_keyword(module, name: str) -> bool:
     """Whether ``module``'s forward accepts keyword argument ``name`` (by name or through ``**kwargs``)."""
     params = inspect.signature(module.forward).parameters.values()

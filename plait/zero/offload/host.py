@@ -122,15 +122,7 @@ class HostStepper:
             what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
         adaptive = adaptive and gas == 1   # by default with a resident group at GAS > 1: no streamed share
-        on_device = {id(s) for s in resident}
-        eligible = [s for s in eligible if id(s) not in on_device]
-        total = sum(s.shard_size for s in self.order if id(s) not in on_device)
-        count, acc = 0, 0
-        for s in eligible:
-            if adaptive or acc >= (fraction or 0) * total:
-                break
-            count += 1
-            acc += s.shard_size
+        eligible, count, total = streamed_prefix(self.order, eligible, resident, fraction, adaptive)
         try:
             return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive,
                                resident)
@@ -256,3 +248,19 @@ class HostStepper:
             h.remove()
         self._hooks.clear()
         self.worker.shutdown(wait=True)
+
+
+def streamed_prefix(order: list, eligible: list, resident: list, fraction, adaptive: bool):
+    """Of the segments not kept ``resident``: the ``eligible`` ones (weights on the device), how many of them
+    from the first stream their states for a step of ``fraction`` of the partition in forward ``order`` (0
+    when ``adaptive``: the share grows as it measures), and the partition's elements ``total``."""
+    on_device = {id(s) for s in resident}
+    eligible = [s for s in eligible if id(s) not in on_device]
+    total = sum(s.shard_size for s in order if id(s) not in on_device)
+    count, acc = 0, 0
+    for s in eligible:
+        if adaptive or acc >= (fraction or 0) * total:
+            break
+        count += 1
+        acc += s.shard_size
+    return eligible, count, total
