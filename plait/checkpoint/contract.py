@@ -91,6 +91,7 @@ class Checkpointable(Protocol):
         optimizer: the ``ShardedOptimizer`` holding the master weights and optimizer state.
         checkpoint_writer: the trainer's ``WriterSlot``.
         global_steps: optimizer steps so far (the default tag is ``global_step<N>``).
+        gathers_16bit_on_save: whether ``export16`` may gather the whole model at a save.
     """
 
     mesh: ParallelMesh
@@ -111,3 +112,9 @@ class Checkpointable(Protocol):
     def rng_state(self) -> RngState: ...
 
     def load_rng_state(self, state: RngState) -> None: ...
+
+    @property
+    def gathers_16bit_on_save(self) -> bool:
+        """Whether a consolidated 16-bit save may gather the weights (``save_16bit_model``): False under
+        ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` off, as DeepSpeed."""
+        ...

@@ -12,12 +12,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint.contract import Checkpointable
+
 log = logging.getLogger("plait")
 
 
-def save_16bit(engine, save_dir, save_filename: str = "pytorch_model.bin",
+def save_16bit(engine: Checkpointable, save_dir, save_filename: str = "pytorch_model.bin",
                exclude_frozen_parameters: bool = False) -> bool:
-    """Write the consolidated weights of ``engine.module`` to ``save_dir/save_filename``. Collective.
+    """Write the consolidated weights of the engine's model to ``save_dir/save_filename``. Collective.
 
     Returns False without writing (as DeepSpeed does) under ZeRO-3 when
     ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is false; True otherwise.
@@ -37,7 +39,7 @@ def save_16bit(engine, save_dir, save_filename: str = "pytorch_model.bin",
     return True
 
 
-def gathered_state_dict(engine, target: str, exclude_frozen_parameters: bool = False):
+def gathered_state_dict(engine: Checkpointable, target: str, exclude_frozen_parameters: bool = False):
     """The whole model's state dict in its compute dtype (CPU copies) on global rank 0, None on the other
     ranks, or False on every rank when ZeRO-3 may not gather at save (``stage3_gather_16bit_weights_on_
     model_save`` false; logged, naming ``target``). Collective. Used by ``save_16bit_model`` and
@@ -51,16 +53,16 @@ def gathered_state_dict(engine, target: str, exclude_frozen_parameters: bool = F
     if mesh.tp > 1 or mesh.pp > 1 or mesh.ep > 1:
         raise ValueError(f"a consolidated model needs whole layers, but tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}; "
                          "use engine.save_checkpoint and `plait convert` to consolidate")
-    z = engine.config.zero_optimization
-    if z.stage == 3 and not z.stage3_gather_16bit_weights_on_model_save:
+    if not engine.gathers_16bit_on_save:
         log.warning("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false "
                     "(set it true to gather the ZeRO-3 shards at save)", target)
         return False
     state = None
     with engine.optimizer.gathered_parameters():
-        if engine.global_rank == 0:
-            frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-            state = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()
+        if mesh.global_rank == 0:
+            (model,) = engine.model_chunks()   # pp = 1: the one model
+            frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
                      if not (exclude_frozen_parameters and k in frozen)}
     return state
 

@@ -283,6 +283,11 @@ class Engine(Checkpointable):
         """This rank's model chunks: the pipeline's stage modules, else the model."""
         return list(self.pipeline.stage_modules) if self.pipeline is not None else [self.module]
 
+    @property
+    def gathers_16bit_on_save(self) -> bool:
+        z = self.config.zero_optimization
+        return z.stage < 3 or z.stage3_gather_16bit_weights_on_model_save
+
     def trainer_state(self) -> TrainerState:
         """Samples so far, the schedule's and the ``data_loader``'s states, and the resolved config."""
         return trainer_state(self.global_samples, self.lr_scheduler, self.config.to_dict(), self.data_loader)
