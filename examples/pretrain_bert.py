@@ -107,14 +107,15 @@ DEMO = ("Then Yahweh [MASK] to Moses, “Speak to the children of Israel.”",
 def masked_token_scores(model, train: TokenDataset, val: TokenDataset, ids: dict, vocab: int, prob: float,
                         seed: int) -> dict:
     """Top-1 accuracy and loss (nats) of ``model`` (``BertForMaskedLM``) at the ``[MASK]`` positions of the
-    held-out split, masked as in training with a fixed seed, against the unigram baseline: the training
-    split's token frequencies (accuracy: always its most frequent token; loss: its cross-entropy).
+    held-out split (its first 2048 samples), masked as in training with a fixed seed, against the unigram
+    baseline: the training split's token frequencies (accuracy: always its most frequent token; loss: their
+    cross-entropy).
 
     Only ``[MASK]`` positions count: the 10% unchanged tokens can be copied and the 10% random ones are
     noise; a ``[MASK]`` is guessed from its context alone. Returns a dict of floats and ``n`` (positions)."""
     counts = np.bincount(np.asarray(train.tokens[train.start:train.stop], dtype=np.int64), minlength=vocab)
     log_freq = torch.from_numpy(np.log(np.maximum(counts, 1) / counts.sum()))
-    x = torch.from_numpy(np.stack([val.window(i)[:-1] for i in range(len(val))]).astype(np.int64))
+    x = torch.from_numpy(np.stack([val.window(i)[:-1] for i in range(min(len(val), 2048))]).astype(np.int64))
     b = len(x)
     x = torch.cat([torch.full((b, 1), ids["[CLS]"]), x, torch.full((b, 1), ids["[SEP]"])], dim=1)
     masked, labels = mask_tokens(x, ids["[MASK]"], vocab, ids.values(), prob,
