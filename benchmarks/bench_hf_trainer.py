@@ -38,28 +38,22 @@ moments so (``optimizer.params.state_dtype``), and the host-memory guard counts 
 
 Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
 step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
-last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table.
+last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table (the
+harness shared with bench_trl.py: ``_trainer.py``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
-SMOKE = os.environ.get("BENCH_SMOKE") == "1"   # a tiny model on the CPU: checks the script, measures nothing
-SEQ, MICRO = (64, 2) if SMOKE else (2048, 4)
-SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=SEQ)
-if SMOKE:
-    SHAPE.update(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_offload import HOST_BYTES_PER_PARAM, SIZES, mem_available_gib  # noqa: E402
+from bench_offload import HOST_BYTES_PER_PARAM, mem_available_gib  # noqa: E402
+from _offload_arm import SIZES  # noqa: E402
+from _trainer import MICRO, ROOT, SEQ, SHAPE, SMOKE, launch_arm, print_table, step_clock  # noqa: E402
+from _trainer import timed_train, trainer_arguments  # noqa: E402
 
 
 # --largest: bench_offload's Llama sizes and host bytes per parameter under ZeRO-3 + full offload
@@ -187,111 +181,6 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
     built = getattr(getattr(trainer.optimizer, "optimizer", None), "state_dtype", "fp32")
     return {**row, "ratio": ratio if "gpufirst" in arm else 1.0, "micro": micro, "act_ckpt": act_ckpt,
             "state_dtype": built if arm.startswith("plait") else "fp32"}
-
-
-def trainer_arguments(arm: str, micro: int, max_steps: int) -> dict:
-    """The ``TrainingArguments`` every arm shares: AdamW lr 1e-4 (constant after 1 warm-up step: DeepSpeed's
-    WarmupLR refuses 0), weight decay 0.1, clip 1.0, GAS 1, a loss logged every step, no saving, bf16 (fp32 on
-    the CPU in smoke mode), ``BENCH_WORKERS`` data-loader workers (default 2)."""
-    return dict(output_dir=tempfile.mkdtemp(prefix=f"bench_{arm}_"), per_device_train_batch_size=micro,
-                gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.1, max_grad_norm=1.0,
-                max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[],
-                lr_scheduler_type="constant", warmup_steps=1,
-                dataloader_num_workers=int(os.environ.get("BENCH_WORKERS", "2")), use_cpu=SMOKE, bf16=not SMOKE)
-
-
-def step_clock(warmup: int, steps: int):
-    """A ``TrainerCallback`` that records in its ``marks`` the wall time at the ends of steps ``warmup`` and
-    ``warmup + steps`` (each after a CUDA synchronization) and resets the peak-memory counter after the warm-up."""
-    import torch
-    import transformers
-
-    class Clock(transformers.TrainerCallback):
-        def __init__(self):
-            self.marks, self.warmup, self.steps = {}, warmup, steps
-
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step in (warmup, warmup + steps):
-                if not SMOKE:
-                    torch.cuda.synchronize()
-                self.marks[state.global_step] = time.perf_counter()
-            if state.global_step == warmup and not SMOKE:
-                torch.cuda.reset_peak_memory_stats()
-
-    return Clock()
-
-
-def timed_train(arm: str, trainer, clock, tokens_per_step: int, n_params: int) -> dict:
-    """``trainer.train()`` timed by ``clock`` (``step_clock``): the row's common fields (tokens/s over the timed
-    steps, seconds a step, peak GPU and host memory, the last logged loss, versions, host threads)."""
-    import torch
-    import transformers
-    t0 = time.perf_counter()
-    trainer.train()
-    total = time.perf_counter() - t0
-    dt = clock.marks[clock.warmup + clock.steps] - clock.marks[clock.warmup]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"arm": arm, "params": n_params, "tokens_per_s": tokens_per_step * clock.steps / dt,
-            "step_s": dt / clock.steps, "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
-            "host_peak_gib": _host_peak_gib(), "loss": losses[-1] if losses else None, "train_s": total,
-            "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "transformers": transformers.__version__, "host": _host_threads()}
-
-
-def _host_peak_gib() -> float:
-    """This process's peak resident host memory (VmHWM), GiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def _host_threads() -> dict:
-    """What decides the CPU optimizers' speed: cores this process may use, numba's pool and layer, torch's."""
-    import torch
-    info = {"affinity": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-            "omp_env": os.environ.get("OMP_NUM_THREADS")}
-    try:
-        import numba
-        info.update(numba_threads=numba.config.NUMBA_NUM_THREADS, numba_layer=numba.threading_layer())
-    except (ImportError, ValueError):   # ValueError: no parallel kernel ran yet
-        pass
-    return info
-
-
-def launch_arm(script: str, arm: str, args: list[str], log: str | None = None, out: str | None = None) -> dict:
-    """Run ``script --arm ARM ARGS`` in its own process (torchrun, one process) and return the row of its
-    ``RESULT {json}`` line, or ``{"arm", "error", "returncode"}`` holding the child's own error lines (not
-    torchrun's); the row is printed as JSON and appended to the file ``out``. ``log``: a file the child's stdout
-    and stderr are appended to."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script,
-           "--arm", arm, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if log:
-        with open(log, "a") as f:
-            f.write(f"=== {arm}: {' '.join(cmd[1:])}\n{done.stdout}{done.stderr}\n")
-    found = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    causes = [x for x in (done.stderr or "").splitlines() if "Error" in x and "ChildFailedError" not in x]
-    why = "\n".join(causes[-3:]) or (done.stderr or done.stdout)[-1500:]
-    row = json.loads(found[-1][7:]) if found else {"arm": arm, "error": why, "returncode": done.returncode}
-    print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    return row
-
-
-def print_table(rows: list[dict]) -> None:
-    """The markdown table of the rows (a failed arm: the end of its error)."""
-    print("\n| arm | parameters | tokens/s | step s | peak GPU GiB | host peak GiB | last loss |\n"
-          "|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['arm']} | | failed: {r['error'][-160:]!r} | | | | |")
-        else:
-            print(f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
-                  f"{r['peak_gib']:.2f} | {r['host_peak_gib']:.1f} | {r['loss']:.4f} |")
 
 
 def host_bytes_per_param(fw: str, state_dtype: str) -> float:

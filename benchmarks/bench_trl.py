@@ -8,13 +8,13 @@ same run (issue 42's GPU measurement).
 
 Model: bench_hf_trainer's unmodified ``transformers.LlamaForCausalLM`` of TinyLlama's shape (1.1B parameters,
 vocabulary 32000), built from its config; bf16, micro-batch 4, TRL's ``SFTConfig`` defaults otherwise
-(``gradient_checkpointing=True``, its loss, its metrics), with bench_hf_trainer's shared ``TrainingArguments``
+(``gradient_checkpointing=True``, its loss, its metrics), with the shared ``TrainingArguments`` of _trainer.py
 (AdamW lr 1e-4, weight decay 0.1, clip 1.0, a loss logged every step).
 Data: no network. The bundled corpus (``plait.data.bundled``: the World English Bible) as a text dataset of
 documents of 64 lines, tokenized by TRL with the bundled 8192-entry BPE tokenizer and packed by TRL
 (``packing=True, packing_strategy="wrapped"``, ``max_length=2048``); the one shorter remainder row is dropped,
 so every micro-batch is 4 x 2048 tokens with no padding.
-Arms (each in its own process, torchrun, one process; ``bench_hf_trainer.launch_arm``):
+Arms (each in its own process, torchrun, one process; ``_trainer.launch_arm``):
 
 * ``plait-z2``: ``from plait.trl import SFTConfig, SFTTrainer`` with ``deepspeed=`` open-instruct's ZeRO-2
   config (``tests/data/ds_configs/open-instruct__stage2_no_offloading_accelerate.json``, as published: bf16
@@ -23,7 +23,7 @@ Arms (each in its own process, torchrun, one process; ``bench_hf_trainer.launch_
 * ``plait-z3`` / ``ds-z3``: the same config with ``zero_optimization.stage`` 3.
 
 Reported per arm: tokens/s over the timed steps, peak GPU memory, host peak, the last logged loss
-(``bench_hf_trainer.timed_train``); the parent prints a markdown table.
+(``_trainer.timed_train``); the parent prints a markdown table.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from bench_hf_trainer import (MICRO, ROOT, SEQ, SHAPE, launch_arm, print_table, step_clock,  # noqa: E402
-                              timed_train, trainer_arguments)
+from _trainer import (MICRO, ROOT, SEQ, SHAPE, launch_arm, print_table, step_clock,  # noqa: E402
+                      timed_train, trainer_arguments)
 
 ARMS = ("plait-z2", "ds-z2", "plait-z3", "ds-z3")
 CONFIG = os.path.join(ROOT, "tests", "data", "ds_configs", "open-instruct__stage2_no_offloading_accelerate.json")

@@ -17,7 +17,7 @@ from plait.layers import TransformerModel
 from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 from helpers import micro_batch, tiny
-from test_offload import ds_config, whole
+from offload_helpers import ds_config, whole
 
 STEPS, SAVE_AT = 12, 6
 

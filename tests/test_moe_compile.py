@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from plait.layers import TransformerModel
-from test_moe_model import grads_of, moe_tiny
+from moe_helpers import grads_of, moe_tiny
 
 
 def compiled_ep_body(regions):

@@ -14,7 +14,7 @@ import torch
 from plait.config import ConfigError, load_config
 from plait.zero.offload import OffloadOptions
 from plait.zero.offload.placement import resident_params
-from test_offload import ds_config, train
+from offload_helpers import ds_config, train
 
 STEPS = 5
 

@@ -19,7 +19,7 @@ from plait.parallel import ParallelMesh
 from plait.testing import run_distributed
 from plait.zero.precision import NonFiniteError
 from helpers import micro_batch, tiny
-from test_faults import GAS, _good_step, _tp_pp_engine, ds_config
+from faults_helpers import GAS, _good_step, _tp_pp_engine, ds_config
 
 HEAD = "(every rank stops this step, nothing of it applied, and raises this error)"
 

@@ -9,7 +9,7 @@ Checks, printed one line each (exit status 1 on any failure):
   power-of-two caching host allocator would take; asynchronous copies through it round-trip.
 * ``adam_update_`` (the device share's update) equals the numba CPU kernel bit for bit on CUDA.
 * ``device_step_fraction`` left out: the adaptive device share, bit-identical to the all-host step.
-* Every case of ``tests/test_offload.CASES`` (stages 1-3, offload_param, early and deferred host steps,
+* Every case of ``tests/offload_helpers.CASES`` (stages 1-3, offload_param, early and deferred host steps,
   bf16 with bf16 host gradients) on CUDA (TF32 off): after 5 steps every whole weight equals the
   non-offloaded run to 1e-6 relative (bf16 cases: 1e-4, fp32 masters 1e-6; device-step cases 1e-5, see
   tests/test_offload.py), losses to 1e-6; with ``offload_optimizer.ratio`` < 1 each resident group's
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import rel_err
-from test_offload import CASES, STEPS, ds_config, train
+from offload_helpers import CASES, STEPS, ds_config, train
 
 from plait.parallel import init_distributed
 from plait.zero.pinned import host_empty
