@@ -70,7 +70,7 @@ def walk_ms(pb, fwd, bi, bw, reps=5) -> float:
 
 
 def main():
-    from plait.parallel import pipeline_backward as pb
+    from plait.parallel.pipeline import backward as pb
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-886m")
     parser.add_argument("--seq", type=int, default=2048)
