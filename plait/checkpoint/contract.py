@@ -91,12 +91,13 @@ class Checkpointable(Protocol):
         optimizer: the ``ShardedOptimizer`` holding the master weights and optimizer state.
         checkpoint_writer: the trainer's ``WriterSlot``.
         global_steps: optimizer steps so far (the default tag is ``global_step<N>``).
-        gathers_16bit_on_save: whether ``export16`` may gather the whole model at a save.
+        gathers_16bit_on_save: whether ``export16`` may gather the whole model at a save (ZeRO-3 may not).
     """
 
     mesh: ParallelMesh
     optimizer: ShardedOptimizer
     checkpoint_writer: WriterSlot
+    gathers_16bit_on_save: bool
 
     @property
     def global_steps(self) -> int: ...
@@ -112,9 +113,3 @@ class Checkpointable(Protocol):
     def rng_state(self) -> RngState: ...
 
     def load_rng_state(self, state: RngState) -> None: ...
-
-    @property
-    def gathers_16bit_on_save(self) -> bool:
-        """Whether a consolidated 16-bit save may gather the weights (``save_16bit_model``): False under
-        ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` off, as DeepSpeed."""
-        ...

@@ -117,3 +117,9 @@ class ZeroConfig:
         if self.offload_optimizer.enabled and self.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
                              "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")
+
+    @property
+    def gathers_16bit_on_save(self) -> bool:
+        """Whether ``save_16bit_model`` gathers the whole model: not under ZeRO-3 with
+        ``stage3_gather_16bit_weights_on_model_save`` false (DeepSpeed's rule)."""
+        return self.stage < 3 or self.stage3_gather_16bit_weights_on_model_save

@@ -77,6 +77,7 @@ class Engine(Checkpointable):
         self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine.moe)
         self.data_loader = None   # a loader with state_dict/load_state_dict whose position checkpoints keep
         self.checkpoint_writer = WriterSlot()
+        self.gathers_16bit_on_save = config.zero_optimization.gathers_16bit_on_save
         self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
 
     @property
@@ -282,11 +283,6 @@ class Engine(Checkpointable):
     def model_chunks(self) -> list[nn.Module]:
         """This rank's model chunks: the pipeline's stage modules, else the model."""
         return list(self.pipeline.stage_modules) if self.pipeline is not None else [self.module]
-
-    @property
-    def gathers_16bit_on_save(self) -> bool:
-        z = self.config.zero_optimization
-        return z.stage < 3 or z.stage3_gather_16bit_weights_on_model_save
 
     def trainer_state(self) -> TrainerState:
         """Samples so far, the schedule's and the ``data_loader``'s states, and the resolved config."""
