@@ -2,6 +2,7 @@
 2048, micro-batch 4, AdamW lr 1e-4 wd 0.1 betas 0.9/0.95, clip 1.0), the ds_config both plait and
 DeepSpeed read, one-process distributed init, and running each arm in a child process of its own.
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,7 +17,7 @@ import time
 import torch
 
 SEQ, MICRO = 2048, 4
-PEAK_FLOPS = 989e12            # bf16 dense peak of H100/H200 SXM (ANCHORS.md)
+PEAK_FLOPS = 989e12  # bf16 dense peak of H100/H200 SXM (ANCHORS.md)
 LR, WEIGHT_DECAY, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
 
 
@@ -51,6 +52,7 @@ def single_process_env():
 def init_single_process():
     """A one-rank NCCL process group on GPU 0 (FSDP2, DeepSpeed and plait want one)."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         return
     single_process_env()
@@ -59,18 +61,31 @@ def init_single_process():
 
 
 def ds_like_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-            "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS)}},
-            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                                  "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
-                                  "stage3_prefetch_bucket_size": 50_000_000,
-                                  "stage3_param_persistence_threshold": 100_000}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "bf16": {"enabled": True},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS)},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+        },
+    }
 
 
 def engine_step(engine, cfg, device, micro: int = MICRO):
     """A step function for any engine with DeepSpeed's API (plait's or DeepSpeed's), ``micro`` sequences
     per step; ``probe`` (if given) runs between backward and the optimizer step."""
+
     def step(i, probe=None):
         loss = engine(**batch(cfg, device, i, micro=micro))
         engine.backward(loss)
@@ -78,6 +93,7 @@ def engine_step(engine, cfg, device, micro: int = MICRO):
             probe()
         engine.step()
         return loss
+
     return step
 
 
@@ -87,14 +103,22 @@ def _error_line(text: str) -> str:
     return exc[-1] if exc else " | ".join(lines[-3:]) or "no output"
 
 
-def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: str | None = None,
-              launcher: list[str] = ()) -> dict:
+def run_child(
+    script: str,
+    arm: str,
+    args: list[str],
+    timeout: float,
+    log_path: str | None = None,
+    launcher: list[str] = (),
+) -> dict:
     """Run ``python *launcher script --one arm *args`` in its own process group (``launcher``: e.g.
     ``-m torch.distributed.run --nproc-per-node 2``); its ``RESULT {json}`` line, or a row ``{"arm",
     "error"}`` when it fails, prints no result, or runs past ``timeout`` seconds (then the whole group is
     killed: compile workers and torchrun's ranks too)."""
     cmd = [sys.executable, *launcher, script, "--one", arm, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         timed_out = False
@@ -109,12 +133,21 @@ def run_child(script: str, arm: str, args: list[str], timeout: float, log_path: 
     if line is not None:
         return json.loads(line[7:])
     if timed_out:
-        return {"arm": arm, "error": f"timeout after {timeout:.0f} s (last: {_error_line(out)[:200]})"}
+        return {
+            "arm": arm,
+            "error": f"timeout after {timeout:.0f} s (last: {_error_line(out)[:200]})",
+        }
     return {"arm": arm, "error": f"exit {proc.returncode}: {_error_line(out)}"}
 
 
-def run_arms(script: str, arms: list[str], args, child_args: list[str], launcher: list[str] = (),
-             tags: dict | None = None) -> list[dict]:
+def run_arms(
+    script: str,
+    arms: list[str],
+    args,
+    child_args: list[str],
+    launcher: list[str] = (),
+    tags: dict | None = None,
+) -> list[dict]:
     """Run each arm with ``run_child`` (``args``: ``timeout``, ``out``, ``logs``); append each row, with
     ``tags`` filled in where the row lacks them and the wall time, to ``args.out`` as a JSON line and print
     it (without its ``parts``). Returns the rows."""
@@ -145,7 +178,11 @@ def child_or_report(args, run_arm, report) -> bool:
             print("RESULT " + json.dumps(row), flush=True)
         return True
     if args.report:
-        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
+        print(
+            report(
+                [json.loads(line) for path in args.report for line in open(path) if line.strip()]
+            )
+        )
         return True
     return False
 
@@ -163,6 +200,7 @@ def fsdp2_wrap(model) -> None:
     """FSDP2 as the benchmarks run it: ``fully_shard`` on each of ``model.blocks`` and on the root,
     bf16 parameters, fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
@@ -172,6 +210,7 @@ def fsdp2_wrap(model) -> None:
 def torch_step(model, opt, cfg, device, micro: int = MICRO, autocast: bool = False):
     """A plain torch training step (forward, backward, ``probe``, clip 1.0, optimizer step, grads to None);
     ``autocast``: bf16 autocast around the forward (fp32 parameters; FSDP2 casts its own)."""
+
     def step(i, probe=None):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch(cfg, device, i, micro=micro))
@@ -182,6 +221,7 @@ def torch_step(model, opt, cfg, device, micro: int = MICRO, autocast: bool = Fal
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return step
 
 
@@ -190,6 +230,7 @@ def profile_steps(step, first: int, name: str, top: int = 25, steps: int = 2) ->
     busy time (sum of kernel times) per step, the top kernels by total CUDA time and the top host ops by self
     CPU time, grouped by name. The gap between wall and busy time is host overhead and idle GPU."""
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -202,15 +243,22 @@ def profile_steps(step, first: int, name: str, top: int = 25, steps: int = 2) ->
     print(f"\n== {name}: step wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms per step")
     print("| ms/step | calls/step | kernel |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"| {e.self_device_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |", flush=True)
+        print(
+            f"| {e.self_device_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |",
+            flush=True,
+        )
     host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
     print("\n| host ms/step (self) | calls/step | op |\n|---|---|---|")
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
-        print(f"| {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |", flush=True)
+        print(
+            f"| {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count // steps} | {e.key[:110]} |",
+            flush=True,
+        )
 
 
 def gc_pauses():
     """Record the cyclic garbage collector's pauses of 1 ms or more (generation, ms) while registered."""
+
     class Pauses:
         def __init__(self):
             self.ms, self.start = [], 0.0
@@ -220,6 +268,7 @@ def gc_pauses():
                 self.start = time.perf_counter()
             elif (ms := (time.perf_counter() - self.start) * 1e3) >= 1.0:
                 self.ms.append((info["generation"], round(ms, 2)))
+
     pauses = Pauses()
     gc.callbacks.append(pauses.note)
     return pauses
@@ -233,6 +282,7 @@ def timed_steps(step, first: int, count: int, gc_mode: str = "auto") -> dict:
     result), ``step_s`` (wall seconds per step, to the device's end), ``step_ms`` (each step's device time in
     ms, CUDA events in stream order, no sync inside the loop) and ``gc_pauses_ms`` (``gc_pauses``)."""
     import torch.distributed as dist
+
     if gc_mode == "freeze":
         gc.collect()
         gc.freeze()
@@ -249,5 +299,9 @@ def timed_steps(step, first: int, count: int, gc_mode: str = "auto") -> dict:
         dt = (time.perf_counter() - t0) / count
     finally:
         gc.callbacks.remove(pauses.note)
-    return {"loss": loss, "step_s": dt, "step_ms": [round(a.elapsed_time(b), 2) for a, b in zip(marks, marks[1:])],
-            "gc_pauses_ms": pauses.ms}
+    return {
+        "loss": loss,
+        "step_s": dt,
+        "step_ms": [round(a.elapsed_time(b), 2) for a, b in zip(marks, marks[1:])],
+        "gc_pauses_ms": pauses.ms,
+    }

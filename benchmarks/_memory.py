@@ -8,6 +8,7 @@ holds more than before its forward, whichever is larger: buckets and partitions 
 ``resident`` (allocated between steps), and at the end ``activations`` = peak - params - master -
 optimizer_state - grads (activations, workspaces and every other buffer).
 """
+
 from __future__ import annotations
 
 import os
@@ -83,9 +84,13 @@ def measure_parts(step, i: int, parts_fn, peak: int) -> dict:
     after = parts_fn()
     out = {k: after.get(k, 0) for k in ("params", "master", "optimizer_state")}
     held = probe.detail or {}
-    out["grads"] = max((probe.allocated or before) - before, held.get("grads", 0) + held.get("grad_shards", 0))
+    out["grads"] = max(
+        (probe.allocated or before) - before, held.get("grads", 0) + held.get("grad_shards", 0)
+    )
     out["resident"] = torch.cuda.memory_allocated()
-    out["activations"] = peak - sum(out[k] for k in ("params", "master", "optimizer_state", "grads"))
+    out["activations"] = peak - sum(
+        out[k] for k in ("params", "master", "optimizer_state", "grads")
+    )
     out["detail_after_backward"], out["detail_after_step"] = probe.detail, after
     return out
 
@@ -117,14 +122,18 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[tuple[int, 
     """Replays the allocator trace backwards from the live blocks at dump time; returns the peak total
     of live bytes and the ``(size, allocation frames)`` of each block live then."""
     trace = snapshot["device_traces"][device]
-    alloc_frames, last = {}, {}              # free event index -> frames of the allocation it frees
+    alloc_frames, last = {}, {}  # free event index -> frames of the allocation it frees
     for i, ev in enumerate(trace):
         if ev["action"] == "alloc":
             last[ev["addr"]] = ev.get("frames", [])
         elif ev["action"] == "free_completed":
             alloc_frames[i] = last.pop(ev["addr"], [])
-    live = {b["address"]: (b["size"], b["frames"]) for seg in snapshot["segments"]
-            if seg.get("device", 0) == device for b in _blocks(seg)}
+    live = {
+        b["address"]: (b["size"], b["frames"])
+        for seg in snapshot["segments"]
+        if seg.get("device", 0) == device
+        for b in _blocks(seg)
+    }
     total = sum(size for size, _ in live.values())
     best, best_set = total, dict(live)
     for i in range(len(trace) - 1, -1, -1):
@@ -152,17 +161,27 @@ def top_allocations(path: str, n: int = 20) -> str:
     with open(path, "rb") as f:
         snapshot = pickle.load(f)
     peak, blocks = live_at_peak(snapshot)
-    lines = [f"{path}: peak of live allocations {peak / 2**30:.2f} GiB in {len(blocks)} blocks; top {n}:",
-             "| MiB | where (innermost torch frame <- innermost plait/benchmark frame) |", "|---|---|"]
+    lines = [
+        f"{path}: peak of live allocations {peak / 2**30:.2f} GiB in {len(blocks)} blocks; top {n}:",
+        "| MiB | where (innermost torch frame <- innermost plait/benchmark frame) |",
+        "|---|---|",
+    ]
     lines += [f"| {size / 2**20:.1f} | {_where(frames)} |" for size, frames in blocks[:n]]
     sites: dict[str, list[int]] = {}
     for size, frames in blocks:
         site = sites.setdefault(_where(frames), [0, 0])
         site[0] += size
         site[1] += 1
-    lines += ["", f"Live at the peak by allocation site (top {n}):", "| MiB | blocks | where |", "|---|---|---|"]
-    lines += [f"| {total / 2**20:.1f} | {count} | {where} |"
-              for where, (total, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:n]]
+    lines += [
+        "",
+        f"Live at the peak by allocation site (top {n}):",
+        "| MiB | blocks | where |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {total / 2**20:.1f} | {count} | {where} |"
+        for where, (total, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:n]
+    ]
     return "\n".join(lines)
 
 
@@ -180,5 +199,10 @@ def snapshot_step(arm, step, i, folder) -> dict:
     with open(os.path.join(folder, f"{arm}.top20.md"), "w") as f:
         f.write(top + "\n")
     print(top, flush=True)
-    return {"arm": arm, "snapshot": path, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    return {
+        "arm": arm,
+        "snapshot": path,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }

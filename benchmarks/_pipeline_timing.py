@@ -1,6 +1,7 @@
 """How bench_pipeline.py times a pipeline: F/B/BI/BW of the chunks in isolation, ``train_batch`` steps with the
 executor's per-action timeline, one step under torch.profiler, the engine arms (ZeRO + AdamW), and the
 simulator's bubble for the measured stage times."""
+
 from __future__ import annotations
 
 import gc
@@ -25,8 +26,11 @@ def timed_chunks(chunks, make_batch, shape, dtype, device, warmup=3, reps=8):
         for split in (False, True):
             for chunk in chunks:
                 batch = make_batch()
-                x = None if 0 in chunk.layer_indices else torch.randn(shape, device=device, dtype=dtype,
-                                                                      requires_grad=True)
+                x = (
+                    None
+                    if 0 in chunk.layer_indices
+                    else torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+                )
                 sync()
                 t0 = time.perf_counter()
                 out = chunk(hidden=x, **batch)
@@ -59,8 +63,11 @@ def breakdown(timeline, steps) -> dict:
     for kind in ("F", "B", "BI", "BW"):
         acts = [t for t in timeline if t.kind == kind]
         if acts:
-            out[kind] = {"n": len(acts) / steps, "gpu_ms": 1e3 * sum(t.end - t.start for t in acts) / len(acts),
-                         "host_ms": 1e3 * sum(t.host for t in acts) / len(acts)}
+            out[kind] = {
+                "n": len(acts) / steps,
+                "gpu_ms": 1e3 * sum(t.end - t.start for t in acts) / len(acts),
+                "host_ms": 1e3 * sum(t.host for t in acts) / len(acts),
+            }
     return out
 
 
@@ -68,6 +75,7 @@ def profile_step(pipe, chunks, make_batch, m, path):
     """One more ``train_batch`` under torch.profiler; this rank's top host ops (self CPU time) and top
     kernels are appended to ``path``, its Chrome trace written beside it."""
     from torch.profiler import ProfilerActivity, profile
+
     batches = [make_batch() for _ in range(m)]
     sync()
     dist.barrier()
@@ -113,6 +121,7 @@ def run_config(pipe, chunks, make_batch, m, steps):
             busy.append(pipe.executor.busy_seconds)
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
+
     times = timed_steps(pipe.train_batch, make_batch, m, steps, record)
     return sum(times) / len(times), timelines, sum(busy) / len(busy)
 
@@ -122,7 +131,9 @@ def close(pipe) -> None:
     getattr(pipe, "close", lambda: None)()
 
 
-def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None, graphs=False):
+def engine_step_time(
+    cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, costs=None, graphs=False
+):
     """Mean seconds of ``engine.train_batch`` (forward, backward, ZeRO reduction, AdamW step) for a fresh
     engine over new stage chunks: bf16 with float32 master weights, ZeRO ``stage``, after 2 warm-ups.
     ``costs`` (zb-v*): plan for the engine's own measured second step instead of unit costs; ``graphs``: the
@@ -131,19 +142,31 @@ def engine_step_time(cfg, mesh, schedule, v, m, mbs, stage, make_batch, steps, c
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
 
-    gc.collect()   # the previous arm's engine (reference cycles) must free its memory first
+    gc.collect()  # the previous arm's engine (reference cycles) must free its memory first
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     chunks = build_stage_modules(cfg, mesh, v=v, seed=0, device=mesh.device, schedule=schedule)
-    pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=m, virtual_stages=v,
-                            schedule_costs="measure" if costs else None,   # planned in the second warm-up
-                            cuda_graphs=graphs)
-    config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
-              "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v}}
+    pipe = PipelineParallel(
+        chunks,
+        mesh,
+        schedule=schedule,
+        micro_batches=m,
+        virtual_stages=v,
+        schedule_costs="measure" if costs else None,  # planned in the second warm-up
+        cuda_graphs=graphs,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": m,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "pipeline": {"size": mesh.pp, "schedule": schedule, "virtual_stages": v},
+    }
     engine = plait.initialize(pipe, config, mesh=mesh)
     times = timed_steps(engine.train_batch, make_batch, m, steps)
-    close(pipe)   # its NCCL communicators hold device memory
+    close(pipe)  # its NCCL communicators hold device memory
     del engine, pipe, chunks
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -155,6 +178,14 @@ def predicted_bubble(lists, p, v, shape, costs):
     (``plait.parallel.pipeline.simulate.stage_costs``: a rank's chunks differ, e.g. the first stage's BI is empty)."""
     from plait.parallel.pipeline.simulate import simulate
 
-    sim = simulate(lists, p, v, cost_f=costs.get("F", 0.0), cost_b=costs.get("B", 0.0), cost_bi=costs.get("BI", 0.0),
-                   cost_bw=costs.get("BW", 0.0), shape=shape)
+    sim = simulate(
+        lists,
+        p,
+        v,
+        cost_f=costs.get("F", 0.0),
+        cost_b=costs.get("B", 0.0),
+        cost_bi=costs.get("BI", 0.0),
+        cost_bw=costs.get("BW", 0.0),
+        shape=shape,
+    )
     return sim.makespan / max(sim.busy) - 1

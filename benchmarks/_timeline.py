@@ -14,6 +14,7 @@ Kernels whose name holds ``nccl`` are communication; every other kernel is compu
 - gaps: the longest intervals with no compute kernel, with the compute kernels either side and the
   communication kernels running inside them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,11 @@ def load_kernels(path: str) -> list[tuple[float, float, int, str]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    out = [(e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream", -1), e["name"])
-           for e in events if e.get("cat") == "kernel" and "dur" in e]
+    out = [
+        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream", -1), e["name"])
+        for e in events
+        if e.get("cat") == "kernel" and "dur" in e
+    ]
     return sorted(out)
 
 
@@ -70,18 +74,33 @@ def summarise(kernels, gaps: int = 15) -> dict:
     comm = _union((s, e) for s, e, _, n in kernels if "nccl" in n.lower())
     comp = _union((s, e) for s, e, _, n in kernels if "nccl" not in n.lower())
     span = max(e for _, e, _, _ in kernels) - kernels[0][0]
-    out = {"span": span / 1e3, "compute": _length(comp) / 1e3, "comm": _length(comm) / 1e3,
-           "exposed_comm": _minus(comm, comp) / 1e3, "idle": (span - _length(_union(comm + comp))) / 1e3}
-    holes = [(comp[i + 1][0] - comp[i][1], comp[i][1], comp[i + 1][0]) for i in range(len(comp) - 1)]
+    out = {
+        "span": span / 1e3,
+        "compute": _length(comp) / 1e3,
+        "comm": _length(comm) / 1e3,
+        "exposed_comm": _minus(comm, comp) / 1e3,
+        "idle": (span - _length(_union(comm + comp))) / 1e3,
+    }
+    holes = [
+        (comp[i + 1][0] - comp[i][1], comp[i][1], comp[i + 1][0]) for i in range(len(comp) - 1)
+    ]
     compute = [k for k in kernels if "nccl" not in k[3].lower()]
     rows = []
     for length, s, e in sorted(holes, reverse=True)[:gaps]:
         before = max((k for k in compute if k[1] <= s + 1e-3), key=lambda k: k[1], default=None)
         after = min((k for k in compute if k[0] >= e - 1e-3), key=lambda k: k[0], default=None)
-        inside = sorted({k[3][:40] for k in kernels if "nccl" in k[3].lower() and k[0] < e and k[1] > s})
-        rows.append({"ms": length / 1e3, "at_ms": (s - kernels[0][0]) / 1e3,
-                     "before": before[3][:60] if before else "", "after": after[3][:60] if after else "",
-                     "comm_inside": inside})
+        inside = sorted(
+            {k[3][:40] for k in kernels if "nccl" in k[3].lower() and k[0] < e and k[1] > s}
+        )
+        rows.append(
+            {
+                "ms": length / 1e3,
+                "at_ms": (s - kernels[0][0]) / 1e3,
+                "before": before[3][:60] if before else "",
+                "after": after[3][:60] if after else "",
+                "comm_inside": inside,
+            }
+        )
     out["gaps"] = rows
     return out
 
@@ -95,6 +114,7 @@ def profile_timeline(step, first: int, path: str | None, steps: int = 2, gaps: i
 
     import torch
     from torch.profiler import ProfilerActivity, profile
+
     if path is None:
         for i in range(steps):
             step(first + i)
@@ -118,16 +138,23 @@ def profile_timeline(step, first: int, path: str | None, steps: int = 2, gaps: i
 
 
 def format_summary(name: str, s: dict) -> str:
-    lines = [f"== {name}: wall {s.get('wall', 0):.1f} ms, span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, "
-             f"comm {s.get('comm', 0):.1f}, exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
-             "| gap ms | at ms | before | after | communication inside |", "|---|---|---|---|---|"]
-    lines += [f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['before']} | {g['after']} | {', '.join(g['comm_inside'])} |"
-              for g in s.get("gaps", [])]
+    lines = [
+        f"== {name}: wall {s.get('wall', 0):.1f} ms, span {s['span']:.1f} ms, compute {s.get('compute', 0):.1f}, "
+        f"comm {s.get('comm', 0):.1f}, exposed comm {s.get('exposed_comm', 0):.1f}, idle {s.get('idle', 0):.1f}",
+        "| gap ms | at ms | before | after | communication inside |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['before']} | {g['after']} | {', '.join(g['comm_inside'])} |"
+        for g in s.get("gaps", [])
+    ]
     return "\n".join(lines)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("traces", nargs="+")
     p.add_argument("--gaps", type=int, default=15)
     args = p.parse_args()

@@ -13,6 +13,7 @@ checkpointing, validation and metric loggers are off. torchtitan imports ``datas
 ``tensorboard`` at import time and uses neither here: where they are not installed, empty stand-ins
 are put in ``sys.modules`` first.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 def _stand_in(name: str, **attrs):
     def absent(*_a, **_k):
         raise RuntimeError(f"{name} is not installed (bench_compile stand-in)")
+
     module = types.ModuleType(name)
     module.__dict__.update({k: (absent if v is None else v) for k, v in attrs.items()})
     sys.modules[name] = module
@@ -92,25 +94,48 @@ def llama_config(cfg):
     TransformerConfig field names)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    import torchtitan.models.llama3 as tl      # its private layer builder and inits, pinned to 0.3
+    import torchtitan.models.llama3 as tl  # its private layer builder and inits, pinned to 0.3
     from torchtitan.models.llama3 import Llama3Model
 
     h, heads = cfg.hidden_size, cfg.num_heads
-    rope = ComplexRoPE.Config(dim=h // heads, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta,
-                              scaling="none")
-    layers = tl._build_llama3_layers(n_layers=cfg.num_layers, dim=h, n_heads=heads, n_kv_heads=cfg.num_kv_heads,
-                                     hidden_dim=cfg.ffn_hidden_size, rope=rope, fuse_qkv=True, attn_backend="flex")
+    rope = ComplexRoPE.Config(
+        dim=h // heads,
+        max_seq_len=cfg.max_position_embeddings,
+        theta=cfg.rope_theta,
+        scaling="none",
+    )
+    layers = tl._build_llama3_layers(
+        n_layers=cfg.num_layers,
+        dim=h,
+        n_heads=heads,
+        n_kv_heads=cfg.num_kv_heads,
+        hidden_dim=cfg.ffn_hidden_size,
+        rope=rope,
+        fuse_qkv=True,
+        attn_backend="flex",
+    )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         layer.attention_norm.eps = layer.ffn_norm.eps = cfg.norm_eps
     norm = RMSNorm.Config(normalized_shape=h, param_init=tl._NORM_INIT, eps=cfg.norm_eps)
     return Llama3Model.Config(
-        dim=h, vocab_size=cfg.vocab_size, enable_weight_tying=cfg.tie_embeddings, norm=norm, layers=layers,
-        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=h, param_init=tl._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=h, out_features=cfg.vocab_size, param_init=tl._output_linear_init(h)))
+        dim=h,
+        vocab_size=cfg.vocab_size,
+        enable_weight_tying=cfg.tie_embeddings,
+        norm=norm,
+        layers=layers,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=cfg.vocab_size, embedding_dim=h, param_init=tl._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(
+            in_features=h, out_features=cfg.vocab_size, param_init=tl._output_linear_init(h)
+        ),
+    )
 
 
-def trainer_config(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool, compile_on: bool = True):
+def trainer_config(
+    cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool, compile_on: bool = True
+):
     """A ``Trainer.Config`` for ``steps`` steps of the benchmark's training setup (see the module docstring)."""
     import torchtitan.models.llama3 as tl
     from torchtitan.components.checkpoint import CheckpointManager
@@ -120,21 +145,35 @@ def trainer_config(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool, 
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.trainer import Trainer
 
-    spec = replace(tl.model_registry("debugmodel"), flavor="llama-886m", model=llama_config(cfg),
-                   state_dict_adapter=None)
+    spec = replace(
+        tl.model_registry("debugmodel"),
+        flavor="llama-886m",
+        model=llama_config(cfg),
+        state_dict_adapter=None,
+    )
     return Trainer.Config(
-        model_spec=spec, hf_assets_path="", dump_folder=tempfile.mkdtemp(prefix="titan-"),
+        model_spec=spec,
+        hf_assets_path="",
+        dump_folder=tempfile.mkdtemp(prefix="titan-"),
         tokenizer=SyntheticTokenizer.Config(vocab_size=cfg.vocab_size),
         dataloader=SyntheticLoader.Config(vocab_size=cfg.vocab_size),
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)),
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)
+        ),
         optimizer=default_adamw(lr=1e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),
-        training=TrainingConfig(local_batch_size=micro, seq_len=seq, steps=steps, max_norm=1.0,
-                                disable_cuda_graphs=not cuda_graphs),
+        training=TrainingConfig(
+            local_batch_size=micro,
+            seq_len=seq,
+            steps=steps,
+            max_norm=1.0,
+            disable_cuda_graphs=not cuda_graphs,
+        ),
         metrics=MetricsProcessor.Config(log_freq=max(1, steps - 1)),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
-        compile=CompileConfig(enable=compile_on, components=["model", "loss"]))
+        compile=CompileConfig(enable=compile_on, components=["model", "loss"]),
+    )
 
 
 def make_titan(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool):
@@ -144,7 +183,9 @@ def make_titan(cfg, *, micro: int, seq: int, steps: int, cuda_graphs: bool):
 
     from _memory import tensor_parts
 
-    trainer = Trainer(trainer_config(cfg, micro=micro, seq=seq, steps=steps, cuda_graphs=cuda_graphs))
+    trainer = Trainer(
+        trainer_config(cfg, micro=micro, seq=seq, steps=steps, cuda_graphs=cuda_graphs)
+    )
     model, optimizers = trainer.model_parts[0], trainer.optimizers
     n_params = sum(p.numel() for p in model.parameters())
     data = trainer.batch_generator(trainer.dataloader)

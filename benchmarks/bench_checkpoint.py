@@ -8,6 +8,7 @@ then every rank loads them back into the same layout, and, with --reshard, into 
 the same dp size (a different partition). Reported: bytes on disk, seconds, GB/s (1e9 bytes/s),
 after one optimizer step so the moments exist. Prints a markdown table on rank 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,19 @@ def make_engine(stage, mesh, preset_name):
     import plait
     from plait.layers import TransformerModel
     from plait.models import preset
+
     model = TransformerModel(preset(preset_name), mesh, seed=0, device=mesh.device)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000_000,
-                                 "allgather_bucket_size": 50_000_000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000,
+        },
+    }
     return plait.initialize(model, cfg, mesh=mesh), model.config
 
 
@@ -43,7 +52,10 @@ def sync():
 
 def main():
     from plait.parallel import ParallelMesh, init_distributed
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--dir", default="/tmp/plait-ckpt-bench")
     parser.add_argument("--preset", default="llama-886m")
@@ -79,8 +91,10 @@ def main():
         rows.append(("load, resharded", 3 if args.stage != 3 else 1, time.perf_counter() - t0))
     if info.rank == 0:
         where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-        print(f"\n{args.preset}, {info.world_size} ranks (dp), saved at ZeRO-{args.stage}, {size / 1e9:.2f} GB on "
-              f"disk at {args.dir}; {where}; torch {torch.__version__}")
+        print(
+            f"\n{args.preset}, {info.world_size} ranks (dp), saved at ZeRO-{args.stage}, {size / 1e9:.2f} GB on "
+            f"disk at {args.dir}; {where}; torch {torch.__version__}"
+        )
         print("| operation | ZeRO stage | seconds | GB/s |\n|---|---|---|---|")
         for op, stage, sec in rows:
             print(f"| {op} | {stage} | {sec:.2f} | {size / 1e9 / sec:.2f} |")

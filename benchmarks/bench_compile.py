@@ -29,6 +29,7 @@ step's loss (random init: about 10.4 to 10.8; ln 32000 = 10.37), and the peak's 
 instead records the CUDA allocator's history of each chosen arm through its warm-up and one step,
 dumps DIR/ARM.pickle and writes the 20 largest allocations live at the peak to DIR/ARM.top20.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,22 @@ from _common import fsdp2_wrap, single_process_env, torch_step  # noqa: E402
 PLAIT_MODEL_OVERRIDES: dict = json.loads(os.environ.get("PLAIT_MODEL_OVERRIDES", "{}"))
 
 PRESET = "llama-886m"
-ARMS = ("hand-eager", "hand-compile", "fsdp2", "fsdp2-compile", "ds-z2", "ds-z3", "torchtitan", "torchtitan-nocg",
-        "plait-z1", "plait-z2", "plait-z3", "plait-z1-compile", "plait-z2-compile", "plait-z3-compile")
+ARMS = (
+    "hand-eager",
+    "hand-compile",
+    "fsdp2",
+    "fsdp2-compile",
+    "ds-z2",
+    "ds-z3",
+    "torchtitan",
+    "torchtitan-nocg",
+    "plait-z1",
+    "plait-z2",
+    "plait-z3",
+    "plait-z1-compile",
+    "plait-z2-compile",
+    "plait-z3-compile",
+)
 PART_KEYS = ("params", "grads", "master", "optimizer_state", "activations", "resident")
 
 
@@ -70,12 +85,14 @@ def plait_config(stage: int, compile_on: bool) -> dict:
 
 def shape_config():
     from plait.models import preset
+
     return preset(PRESET)
 
 
 def hand_model(cfg, device):
     """``HandLlama`` at ``cfg``'s shape; its parameter count must be plait's."""
     from hand_llama import HandLlama, llama_shape
+
     if cfg.tie_embeddings:
         raise ValueError(f"{PRESET} ties its embeddings; the hand-written model has an untied head")
     with torch.device(device):
@@ -89,6 +106,7 @@ def hand_model(cfg, device):
 def torch_arm(arm, cfg, device):
     """hand-eager, hand-compile, fsdp2, fsdp2-compile."""
     from _memory import tensor_parts
+
     model, n = hand_model(cfg, device)
     fsdp = arm.startswith("fsdp2")
     if arm.endswith("-compile"):
@@ -97,8 +115,10 @@ def torch_arm(arm, cfg, device):
     if fsdp:
         init_single_process()
         fsdp2_wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True)
-    step = torch_step(model, opt, cfg, device, autocast=not fsdp)   # FSDP2 casts params itself
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True
+    )
+    step = torch_step(model, opt, cfg, device, autocast=not fsdp)  # FSDP2 casts params itself
     return step, lambda: tensor_parts(model.parameters(), [opt]), n
 
 
@@ -106,6 +126,7 @@ def ds_arm(arm, cfg, device):
     import deepspeed
 
     from _memory import tensor_parts
+
     model, n = hand_model(cfg, device)
     init_single_process()
     conf = ds_like_config(int(arm[-1]))
@@ -114,11 +135,19 @@ def ds_arm(arm, cfg, device):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    return engine_step(engine, cfg, device), lambda: tensor_parts(engine.module.parameters(), [inner]), n
+    return (
+        engine_step(engine, cfg, device),
+        lambda: tensor_parts(engine.module.parameters(), [inner]),
+        n,
+    )
 
 
 def plait_model_config(cfg, fused: bool):
-    return dataclasses.replace(cfg, **PLAIT_MODEL_OVERRIDES) if fused and PLAIT_MODEL_OVERRIDES else cfg
+    return (
+        dataclasses.replace(cfg, **PLAIT_MODEL_OVERRIDES)
+        if fused and PLAIT_MODEL_OVERRIDES
+        else cfg
+    )
 
 
 def plait_arm(arm, cfg, device, fused: bool):
@@ -127,12 +156,15 @@ def plait_arm(arm, cfg, device, fused: bool):
     from plait.parallel import ParallelMesh
 
     from _memory import plait_parts
+
     pcfg = plait_model_config(cfg, fused)
     print(f"plait model overrides: {PLAIT_MODEL_OVERRIDES if pcfg is not cfg else {}}", flush=True)
     model = TransformerModel(pcfg, None, seed=0, device=device)
     init_single_process()
     stage = int(arm.split("-")[1][1])
-    engine = plait.initialize(model, plait_config(stage, arm.endswith("-compile")), mesh=ParallelMesh())
+    engine = plait.initialize(
+        model, plait_config(stage, arm.endswith("-compile")), mesh=ParallelMesh()
+    )
     return engine_step(engine, pcfg, device), lambda: plait_parts(engine), pcfg.num_parameters()
 
 
@@ -140,10 +172,14 @@ def titan_arm(arm, cfg, total_steps: int):
     try:
         from _titan import make_titan
     except ImportError as e:
-        raise ImportError(f"torchtitan 0.3 is not importable ({e}): install .whl/ (torchtitan 0.3.0, spmd_types, "
-                          "tyro, docstring_parser, typeguard, torchdata, torch_checkpointing) with pip --target") from e
+        raise ImportError(
+            f"torchtitan 0.3 is not importable ({e}): install .whl/ (torchtitan 0.3.0, spmd_types, "
+            "tyro, docstring_parser, typeguard, torchdata, torch_checkpointing) with pip --target"
+        ) from e
     single_process_env()
-    step, parts, n = make_titan(cfg, micro=MICRO, seq=SEQ, steps=total_steps, cuda_graphs=arm == "torchtitan")
+    step, parts, n = make_titan(
+        cfg, micro=MICRO, seq=SEQ, steps=total_steps, cuda_graphs=arm == "torchtitan"
+    )
     expected = cfg.num_parameters()
     assert n == expected, f"torchtitan's model has {n:,} parameters, plait's {PRESET} {expected:,}"
     return step, parts, n
@@ -165,6 +201,7 @@ def make_arm(arm, cfg, device, args, total_steps):
 def run_arm(arm: str, args) -> dict:
     """Warm up, time ``args.steps`` steps, then one more step for the memory parts (or a snapshot)."""
     import _memory
+
     torch.backends.cuda.matmul.allow_tf32 = True
     device, cfg = torch.device("cuda", 0), shape_config()
     warmup = args.warmup if args.warmup is not None else (5 if is_compiled(arm) else 3)
@@ -179,8 +216,10 @@ def run_arm(arm: str, args) -> dict:
             first = time.perf_counter() - t0
     graphs = compiled_graphs()
     if is_compiled(arm) and warmup and not graphs:
-        raise RuntimeError(f"{arm}: no torch.compile graph after {warmup} warm-up steps (for plait: does "
-                           "plait.initialize compile the blocks for the ds_config key 'compile'?)")
+        raise RuntimeError(
+            f"{arm}: no torch.compile graph after {warmup} warm-up steps (for plait: does "
+            "plait.initialize compile the blocks for the ds_config key 'compile'?)"
+        )
     if args.snapshot:
         return _memory.snapshot_step(arm, step, warmup, args.snapshot)
     torch.cuda.synchronize()
@@ -193,18 +232,29 @@ def run_arm(arm: str, args) -> dict:
     peak = torch.cuda.max_memory_allocated()
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, peak)
     tokens = MICRO * SEQ / dt
-    return {"arm": arm, "tokens_per_s": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
-            "peak_gib": peak / 2**30, "step_s": dt, "first_step_s": first if warmup else None,
-            "loss": None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss),
-            "params": n_params, "warmup": warmup, "graphs": graphs,
-            "overrides": PLAIT_MODEL_OVERRIDES if arm.startswith("plait") and args.plait_fused else {},
-            "steps": args.steps, "parts": parts, "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__}
+    return {
+        "arm": arm,
+        "tokens_per_s": tokens,
+        "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
+        "peak_gib": peak / 2**30,
+        "step_s": dt,
+        "first_step_s": first if warmup else None,
+        "loss": None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss),
+        "params": n_params,
+        "warmup": warmup,
+        "graphs": graphs,
+        "overrides": PLAIT_MODEL_OVERRIDES if arm.startswith("plait") and args.plait_fused else {},
+        "steps": args.steps,
+        "parts": parts,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
 
 
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process (dynamo's count; 0 without compilation)."""
     from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -217,49 +267,86 @@ def ratio(row, base) -> str:
 def report(rows) -> str:
     """The markdown tables: throughput and memory, then the parts of each arm's peak."""
     ok = [r for r in rows if "device" in r]
-    head = (f"llama-886m, seq {SEQ}, micro-batch {MICRO}, bf16, AdamW, clip 1.0, no activation checkpointing; "
-            f"{ok[0]['device'] if ok else 'device unknown'}; torch {ok[0]['torch'] if ok else torch.__version__}")
+    head = (
+        f"llama-886m, seq {SEQ}, micro-batch {MICRO}, bf16, AdamW, clip 1.0, no activation checkpointing; "
+        f"{ok[0]['device'] if ok else 'device unknown'}; torch {ok[0]['torch'] if ok else torch.__version__}"
+    )
     by = {r["arm"]: r for r in rows}
-    out = [head, "", "| arm | tokens/s | MFU | peak GiB | step s | x hand-compile | x hand-eager | first step s "
-           "| loss |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        head,
+        "",
+        "| arm | tokens/s | MFU | peak GiB | step s | x hand-compile | x hand-eager | first step s "
+        "| loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | | |")
+            out.append(
+                f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | | |"
+            )
         elif "tokens_per_s" in r:
             first = "" if r.get("first_step_s") is None else f"{r['first_step_s']:.1f}"
             loss = "" if r.get("loss") is None else f"{r['loss']:.3f}"
-            out.append(f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | "
-                       f"{r['step_s']:.3f} | {ratio(r, by.get('hand-compile'))} | {ratio(r, by.get('hand-eager'))} | "
-                       f"{first} | {loss} |")
-    out += ["", "Parts of the peak, GiB (params: weights below fp32; master: fp32 weights; activations: peak minus "
-            "the four before it, buffers included; resident: allocated between steps)", "",
-            "| arm | peak | " + " | ".join(PART_KEYS) + " |", "|---" * (len(PART_KEYS) + 2) + "|"]
+            out.append(
+                f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | "
+                f"{r['step_s']:.3f} | {ratio(r, by.get('hand-compile'))} | {ratio(r, by.get('hand-eager'))} | "
+                f"{first} | {loss} |"
+            )
+    out += [
+        "",
+        "Parts of the peak, GiB (params: weights below fp32; master: fp32 weights; activations: peak minus "
+        "the four before it, buffers included; resident: allocated between steps)",
+        "",
+        "| arm | peak | " + " | ".join(PART_KEYS) + " |",
+        "|---" * (len(PART_KEYS) + 2) + "|",
+    ]
     for r in rows:
         if "parts" in r:
-            out.append(f"| {r['arm']} | {r['peak_gib']:.2f} | "
-                       + " | ".join(f"{r['parts'][k] / 2**30:.2f}" for k in PART_KEYS) + " |")
+            out.append(
+                f"| {r['arm']} | {r['peak_gib']:.2f} | "
+                + " | ".join(f"{r['parts'][k] / 2**30:.2f}" for k in PART_KEYS)
+                + " |"
+            )
     return "\n".join(out)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=240, help="seconds per arm")
     p.add_argument("--out", default="bench_compile.jsonl")
-    p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
-    p.add_argument("--plait-fused", action=argparse.BooleanOptionalAction, default=True,
-                   help="apply PLAIT_MODEL_OVERRIDES to the plait arms' model config")
-    p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
-    p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
-    p.add_argument("--top", metavar="PICKLE", help="print the largest allocations live at a snapshot's peak")
+    p.add_argument(
+        "--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)"
+    )
+    p.add_argument(
+        "--plait-fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply PLAIT_MODEL_OVERRIDES to the plait arms' model config",
+    )
+    p.add_argument(
+        "--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing"
+    )
+    p.add_argument(
+        "--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit"
+    )
+    p.add_argument(
+        "--top", metavar="PICKLE", help="print the largest allocations live at a snapshot's peak"
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 def child_args(args) -> list[str]:
-    out = ["--steps", str(args.steps)] + ([] if args.warmup is None else ["--warmup", str(args.warmup)])
+    out = ["--steps", str(args.steps)] + (
+        [] if args.warmup is None else ["--warmup", str(args.warmup)]
+    )
     out += [] if args.plait_fused else ["--no-plait-fused"]
     return out + ([] if args.snapshot is None else ["--snapshot", args.snapshot])
 
@@ -271,6 +358,7 @@ def main():
         return
     if args.top:
         from _memory import top_allocations
+
         print(top_allocations(args.top))
         return
     if args.report:
@@ -282,7 +370,7 @@ def main():
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
     if os.path.exists(args.out):
-        os.remove(args.out)                   # this script's --out holds one run
+        os.remove(args.out)  # this script's --out holds one run
     print("\n" + report(run_arms(__file__, arms, args, child_args(args))))
 
 

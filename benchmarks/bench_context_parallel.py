@@ -46,6 +46,7 @@ largest ``torch.cuda.max_memory_allocated`` over the ranks, over the timed steps
 efficiency tokens/s/GPU(cp=2, seq 2L) / tokens/s/GPU(plait-cp1, seq L) (with the MFU ratio beside it: the
 attention flops per token double with the sequence, so 1.0 tokens/s/GPU is not the ideal).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,15 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import _error_line, child_or_report, known_arms, run_child  # noqa: E402
 from _cp_arms import cp_size, run_arm  # noqa: E402
 
-ARMS = ("plait-cp1", "plait-ring", "plait-a2a", "torch-cp", "torch-cp-repkv", "plait-ring-tiled", "plait-tiled")
+ARMS = (
+    "plait-cp1",
+    "plait-ring",
+    "plait-a2a",
+    "torch-cp",
+    "torch-cp-repkv",
+    "plait-ring-tiled",
+    "plait-tiled",
+)
 THROUGHPUT_ARMS = "plait-cp1,plait-ring,plait-a2a,torch-cp"
 LONGEST_ARMS = "plait-ring-tiled,plait-tiled"
 
@@ -79,14 +88,31 @@ def rank_error(row: dict, log: str) -> None:
 def run_row(arm: str, seq: int, args, tags: dict) -> dict:
     """One (arm, seq) in its own ``torch.distributed.run`` group; the row, appended to --out and printed."""
     t0 = time.perf_counter()
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp_size(arm))]
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(cp_size(arm)),
+    ]
     name = f"{arm}-{seq}"
     log = os.path.join(args.logs, f"{name}.log") if args.logs else f"{args.out}.{name}.log"
     child = ["--model", args.model, "--seq", str(seq), "--steps", str(args.steps)]
     row = run_child(__file__, arm, child, args.timeout, log_path=log, launcher=launcher)
     rank_error(row, log)
-    row.update({k: v for k, v in {"model": args.model, "nproc": cp_size(arm), "cp": cp_size(arm), "seq": seq,
-                                  **tags}.items() if k not in row})
+    row.update(
+        {
+            k: v
+            for k, v in {
+                "model": args.model,
+                "nproc": cp_size(arm),
+                "cp": cp_size(arm),
+                "seq": seq,
+                **tags,
+            }.items()
+            if k not in row
+        }
+    )
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -101,39 +127,62 @@ def ratio(row, base, key="tokens_per_s_gpu") -> str:
 
 
 def cells(r) -> str:
-    return (f"{r['tokens_per_s_gpu'] / 1e3:.2f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | "
-            f"{r['step_s']:.3f} | {r['loss']:.4f}")
+    return (
+        f"{r['tokens_per_s_gpu'] / 1e3:.2f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | "
+        f"{r['step_s']:.3f} | {r['loss']:.4f}"
+    )
 
 
 def heading(rows, what: str) -> str:
     ok = [r for r in rows if "device" in r]
-    about = (f"{ok[0]['params'] / 1e9:.2f}B parameters; {ok[0]['device']}; torch {ok[0]['torch']}" if ok
-             else "no row ran")
-    return (f"{rows[0].get('model')} ({about}), {what}: one sequence per step (micro-batch 1, dp 1), bf16, "
-            "AdamW, clip 1.0, activation checkpointing per block; plait ZeRO-3, torch FSDP2")
+    about = (
+        f"{ok[0]['params'] / 1e9:.2f}B parameters; {ok[0]['device']}; torch {ok[0]['torch']}"
+        if ok
+        else "no row ran"
+    )
+    return (
+        f"{rows[0].get('model')} ({about}), {what}: one sequence per step (micro-batch 1, dp 1), bf16, "
+        "AdamW, clip 1.0, activation checkpointing per block; plait ZeRO-3, torch FSDP2"
+    )
 
 
 def throughput_table(rows, L) -> list[str]:
     by = {r["arm"]: r for r in rows if "device" in r}
     torch_cp, cp1 = by.get("torch-cp"), by.get("plait-cp1")
-    out = [heading(rows, f"cp=1 at seq {L}, cp=2 at seq {2 * L}"), "",
-           "| arm | GPUs | seq | tokens/s/GPU | MFU | peak GiB | step s | loss | x torch-cp | scaling (tok/s/GPU) "
-           "| scaling (MFU) |", "|---" * 11 + "|"]
+    out = [
+        heading(rows, f"cp=1 at seq {L}, cp=2 at seq {2 * L}"),
+        "",
+        "| arm | GPUs | seq | tokens/s/GPU | MFU | peak GiB | step s | loss | x torch-cp | scaling (tok/s/GPU) "
+        "| scaling (MFU) |",
+        "|---" * 11 + "|",
+    ]
     for r in rows:
         head = f"| {r['arm']} | {r.get('nproc', '')} | {r.get('seq', '')} | "
         if "error" in r:
             out.append(head + f"failed: {r['error'][:300].replace('|', '/')} | | | | | | | |")
             continue
         two = r["cp"] == 2
-        out.append(head + cells(r) + f" | {ratio(r, torch_cp) if two else ''} | {ratio(r, cp1) if two else ''} | "
-                   f"{ratio(r, cp1, 'mfu') if two else ''} |")
-    return out + ["", "x torch-cp: tokens/s/GPU over torch-cp's; scaling: a cp=2 row's tokens/s/GPU (or MFU) at "
-                  f"seq {2 * L} over plait-cp1's at seq {L}.", ""]
+        out.append(
+            head
+            + cells(r)
+            + f" | {ratio(r, torch_cp) if two else ''} | {ratio(r, cp1) if two else ''} | "
+            f"{ratio(r, cp1, 'mfu') if two else ''} |"
+        )
+    return out + [
+        "",
+        "x torch-cp: tokens/s/GPU over torch-cp's; scaling: a cp=2 row's tokens/s/GPU (or MFU) at "
+        f"seq {2 * L} over plait-cp1's at seq {L}.",
+        "",
+    ]
 
 
 def longest_table(rows) -> list[str]:
-    out = [heading(rows, "the longest sequence that trains (loss and MLP in tiles of 4096 tokens)"), "",
-           "| arm | GPUs | seq | tokens/s/GPU | MFU | peak GiB | step s | loss |", "|---" * 8 + "|"]
+    out = [
+        heading(rows, "the longest sequence that trains (loss and MLP in tiles of 4096 tokens)"),
+        "",
+        "| arm | GPUs | seq | tokens/s/GPU | MFU | peak GiB | step s | loss |",
+        "|---" * 8 + "|",
+    ]
     best = {}
     for r in rows:
         head = f"| {r['arm']} | {r.get('nproc', '')} | {r['seq']} | "
@@ -142,7 +191,10 @@ def longest_table(rows) -> list[str]:
             continue
         out.append(head + cells(r) + " |")
         best[r["arm"]] = max(best.get(r["arm"], 0), r["seq"])
-    out += [""] + [f"- {arm} (cp={cp_size(arm)}): longest that trained {seq:,} tokens" for arm, seq in best.items()]
+    out += [""] + [
+        f"- {arm} (cp={cp_size(arm)}): longest that trained {seq:,} tokens"
+        for arm, seq in best.items()
+    ]
     return out + [""]
 
 
@@ -161,18 +213,34 @@ def report(rows) -> str:
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", help=f"default {THROUGHPUT_ARMS} (with --longest: {LONGEST_ARMS}); any of "
-                                  f"{','.join(ARMS)}")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--arms",
+        help=f"default {THROUGHPUT_ARMS} (with --longest: {LONGEST_ARMS}); any of {','.join(ARMS)}",
+    )
     p.add_argument("--model", default="llama-886m", help="a plait Llama preset")
     p.add_argument("--L", type=int, default=32768, help="sequence at cp=1; cp=2 arms train 2 x L")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    p.add_argument("--longest", action="store_true", help="each arm over --seqs until its first failure")
-    p.add_argument("--seqs", default="131072,196608,262144,393216,524288", help="with --longest: whole sequences")
+    p.add_argument(
+        "--longest", action="store_true", help="each arm over --seqs until its first failure"
+    )
+    p.add_argument(
+        "--seqs",
+        default="131072,196608,262144,393216,524288",
+        help="with --longest: whole sequences",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds per (arm, seq)")
     p.add_argument("--out", default="bench_context_parallel.jsonl")
-    p.add_argument("--logs", metavar="DIR", help="each child's output as DIR/ARM-SEQ.log (default: OUT.ARM-SEQ.log)")
-    p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
+    p.add_argument(
+        "--logs",
+        metavar="DIR",
+        help="each child's output as DIR/ARM-SEQ.log (default: OUT.ARM-SEQ.log)",
+    )
+    p.add_argument(
+        "--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit"
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -194,7 +262,10 @@ def main():
                 if "error" in rows[-1]:
                     break
     else:
-        rows = [run_row(arm, args.L * cp_size(arm), args, {"mode": "throughput", "L": args.L}) for arm in arms]
+        rows = [
+            run_row(arm, args.L * cp_size(arm), args, {"mode": "throughput", "L": args.L})
+            for arm in arms
+        ]
     print("\n" + report(rows))
 
 

@@ -23,6 +23,7 @@ per step and Gparams/s from the median. Memory needed: about 18 bytes x numel at
 
     python benchmarks/bench_cpu_optimizers.py --numel 200_000_000 --threads 16 --steps 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,7 +86,9 @@ def timed(step, warmup: int, steps: int) -> list[float]:
 def make_plait(numel: int, threads: int, copy_out: bool, grad_dtype: torch.dtype = torch.float32):
     p, g = torch.randn(numel), torch.randn(numel).to(grad_dtype)
     out = torch.empty(numel, dtype=torch.bfloat16) if copy_out else None
-    opt = CPUAdam(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True, num_threads=threads)
+    opt = CPUAdam(
+        p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True, num_threads=threads
+    )
     return lambda: opt.step(p, g, out)
 
 
@@ -140,7 +143,9 @@ def _adam_traffic(p, g, m, v, out):
 
 
 def bench_traffic(numel: int, threads: int, warmup: int, steps: int) -> list[float]:
-    p, g, m, v = (np.random.default_rng(k).standard_normal(numel, dtype=np.float32) for k in range(4))
+    p, g, m, v = (
+        np.random.default_rng(k).standard_normal(numel, dtype=np.float32) for k in range(4)
+    )
     out = np.empty(numel, np.uint16)
     prev = numba.get_num_threads()
     numba.set_num_threads(threads)
@@ -155,6 +160,7 @@ def bench_plait_with_dma(numel: int, threads: int, warmup: int, steps: int) -> l
     if not torch.cuda.is_available():
         return "no CUDA device"
     import threading
+
     n = 2**28  # 1 GiB of float32 each way
     host_a, host_b = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
     dev_a, dev_b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
@@ -180,23 +186,38 @@ def bench_plait_with_dma(numel: int, threads: int, warmup: int, steps: int) -> l
     finally:
         stop.set()
         t.join()
-    print(f"(DMA pump moved {moved[0] / (time.perf_counter() - t0) / 1e9:.1f} GB/s host<->device meanwhile)")
+    print(
+        f"(DMA pump moved {moved[0] / (time.perf_counter() - t0) / 1e9:.1f} GB/s host<->device meanwhile)"
+    )
     return res
 
 
 def main(argv=None) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=lambda s: int(float(s)), default=200_000_000, help="parameters (accepts 5e6)")
+    ap.add_argument(
+        "--numel",
+        type=lambda s: int(float(s)),
+        default=200_000_000,
+        help="parameters (accepts 5e6)",
+    )
     ap.add_argument("--threads", type=int, default=cores, help="threads for every implementation")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument("--only", default="", help="comma-separated substrings: run only rows whose name has one")
-    ap.add_argument("--probe", action="store_true", help="also the memory-traffic ceiling and the DMA-contention run")
+    ap.add_argument(
+        "--only", default="", help="comma-separated substrings: run only rows whose name has one"
+    )
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="also the memory-traffic ceiling and the DMA-contention run",
+    )
     args = ap.parse_args(argv)
     if args.threads > numba.config.NUMBA_NUM_THREADS:
-        ap.error(f"--threads {args.threads} > NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}; "
-                 "raise NUMBA_NUM_THREADS in the environment")
+        ap.error(
+            f"--threads {args.threads} > NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}; "
+            "raise NUMBA_NUM_THREADS in the environment"
+        )
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
@@ -207,7 +228,10 @@ def main(argv=None) -> None:
     half = max(1, th // 2)
     makers = [
         ("plait CPUAdam (AdamW) + bf16 copy-out, fused", lambda: make_plait(n, th, True)),
-        ("plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads", lambda: make_plait(n, th, True, torch.bfloat16)),
+        (
+            "plait CPUAdam (AdamW) + bf16 copy-out, bf16 grads",
+            lambda: make_plait(n, th, True, torch.bfloat16),
+        ),
         ("plait CPUAdam (AdamW), no copy-out", lambda: make_plait(n, th, False)),
         ("torch AdamW fused=True", lambda: make_torch(n, "fused", False)),
         ("torch AdamW fused=True + bf16 copy_", lambda: make_torch(n, "fused", True)),
@@ -216,31 +240,55 @@ def main(argv=None) -> None:
         (DS_COPY, lambda: make_deepspeed(n, True)),
     ]
     wanted = [x for x in args.only.split(",") if x]
-    steps_of = {name: make() for name, make in makers if not wanted or any(x in name for x in wanted)}
+    steps_of = {
+        name: make() for name, make in makers if not wanted or any(x in name for x in wanted)
+    }
     rows = interleaved(steps_of, w, st)
     if args.probe:
         rows += [
-            (f"ceiling: Adam's loads/stores + 2-byte copy, no math ({th} threads)", bench_traffic(n, th, w, st)),
+            (
+                f"ceiling: Adam's loads/stores + 2-byte copy, no math ({th} threads)",
+                bench_traffic(n, th, w, st),
+            ),
             (f"ceiling: same, {half} threads", bench_traffic(n, half, w, st)),
-            (f"plait CPUAdam + bf16 copy-out, {half} threads", timed(make_plait(n, half, True), w, st)),
-            ("plait CPUAdam + bf16 copy-out, pinned copies running", bench_plait_with_dma(n, th, w, st)),
+            (
+                f"plait CPUAdam + bf16 copy-out, {half} threads",
+                timed(make_plait(n, half, True), w, st),
+            ),
+            (
+                "plait CPUAdam + bf16 copy-out, pinned copies running",
+                bench_plait_with_dma(n, th, w, st),
+            ),
         ]
 
-    print(f"machine: {cpu_model()}; {cores} cores available ({os.cpu_count()} online); {platform.platform()}")
-    print(f"versions: torch {torch.__version__}, numba {numba.__version__} "
-          f"(threading layer {numba.threading_layer()}), python {platform.python_version()}")
+    print(
+        f"machine: {cpu_model()}; {cores} cores available ({os.cpu_count()} online); {platform.platform()}"
+    )
+    print(
+        f"versions: torch {torch.__version__}, numba {numba.__version__} "
+        f"(threading layer {numba.threading_layer()}), python {platform.python_version()}"
+    )
     print(f"numel={args.numel:,}  threads={args.threads}  warmup={args.warmup}  steps={args.steps}")
-    how = ("all loaded from numba's on-disk cache" if report.compiled == 0
-           else f"{report.compiled} kernel signatures compiled, now cached")
-    print(f"numba first-call time: {report.total_s:.2f} s ({how}; adam {report.seconds['adam']:.2f} s, "
-          f"wall {compile_wall:.2f} s; cache: {report.cache_dir})\n")
+    how = (
+        "all loaded from numba's on-disk cache"
+        if report.compiled == 0
+        else f"{report.compiled} kernel signatures compiled, now cached"
+    )
+    print(
+        f"numba first-call time: {report.total_s:.2f} s ({how}; adam {report.seconds['adam']:.2f} s, "
+        f"wall {compile_wall:.2f} s; cache: {report.cache_dir})\n"
+    )
     ds, ds_copy = dict(rows).get(DS), dict(rows).get(DS_COPY)
-    print(f"Rows above the ceiling lines ran interleaved: each of {args.steps} rounds times one step of every "
-          "implementation in turn, so drift in the host's load hits all alike. 'vs DS step' is the median over "
-          "rounds of DeepSpeedCPUAdam's step time / this row's (same round); 'vs DS step + copy' the same "
-          "against DeepSpeedCPUAdam followed by the bf16 copy of the weights that DeepSpeed's ZeRO-Offload "
-          "engine makes after every step (stage_1_and_2.py: bit16_partition_buffer.copy_(fp32_partition)).\n")
-    print("| implementation | median s/step | best s/step | Gparams/s (median) | vs DS step | vs DS step + copy |")
+    print(
+        f"Rows above the ceiling lines ran interleaved: each of {args.steps} rounds times one step of every "
+        "implementation in turn, so drift in the host's load hits all alike. 'vs DS step' is the median over "
+        "rounds of DeepSpeedCPUAdam's step time / this row's (same round); 'vs DS step + copy' the same "
+        "against DeepSpeedCPUAdam followed by the bf16 copy of the weights that DeepSpeed's ZeRO-Offload "
+        "engine makes after every step (stage_1_and_2.py: bit16_partition_buffer.copy_(fp32_partition)).\n"
+    )
+    print(
+        "| implementation | median s/step | best s/step | Gparams/s (median) | vs DS step | vs DS step + copy |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
 
     def paired(ref, res):
@@ -252,8 +300,10 @@ def main(argv=None) -> None:
             print(f"| {name} | {res} | | | | |")
             continue
         med = statistics.median(res)
-        print(f"| {name} | {med:.4f} | {min(res):.4f} | {args.numel / med / 1e9:.3f} | {paired(ds, res)} | "
-              f"{paired(ds_copy, res)} |")
+        print(
+            f"| {name} | {med:.4f} | {min(res):.4f} | {args.numel / med / 1e9:.3f} | {paired(ds, res)} | "
+            f"{paired(ds_copy, res)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Reported per arm: tokens/s, peak GiB (``torch.cuda.max_memory_allocated`` over t
 after the warm-up, the first step's time (compilation), the last loss; ratios against plait-bf16 and against the
 fsdp2 arm of the same recipe. Nothing here is a result until run on the GPU: ``--dry-run`` checks the script only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,17 +38,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, CLIP, LR, WEIGHT_DECAY, ds_like_config, run_arms, single_process_env  # noqa: E402
 
-ARMS = ("plait-bf16", "plait-fp8-tensorwise", "plait-fp8-rowwise",
-        "fsdp2-bf16", "fsdp2-fp8-tensorwise", "fsdp2-fp8-rowwise")
+ARMS = (
+    "plait-bf16",
+    "plait-fp8-tensorwise",
+    "plait-fp8-rowwise",
+    "fsdp2-bf16",
+    "fsdp2-fp8-tensorwise",
+    "fsdp2-fp8-rowwise",
+)
 
 
 def recipe_of(arm: str) -> str | None:
-    """"tensorwise" / "rowwise" for a float8 arm, None for a bf16 one."""
+    """ "tensorwise" / "rowwise" for a float8 arm, None for a bf16 one."""
     return arm.split("fp8-")[1] if "fp8-" in arm else None
 
 
 def shape(args):
     from plait.models import preset
+
     return preset(args.preset)
 
 
@@ -60,6 +68,7 @@ def batch(cfg, device, step: int, args) -> dict:
 def init_group(device) -> None:
     """A one-rank process group: NCCL on the GPU, gloo for --dry-run on the CPU."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         return
     single_process_env()
@@ -72,9 +81,12 @@ def plait_arm(arm: str, cfg, device, args):
     import plait
     from plait.layers import TransformerModel
     from plait.parallel import ParallelMesh
+
     config = ds_like_config(args.stage)
-    config.update(train_micro_batch_size_per_gpu=args.micro,
-                  activation_checkpointing={"number_checkpoints": args.recompute})
+    config.update(
+        train_micro_batch_size_per_gpu=args.micro,
+        activation_checkpointing={"number_checkpoints": args.recompute},
+    )
     if not args.dry_run:
         config["compile"] = {"enabled": True, "backend": "inductor"}
     if recipe_of(arm):
@@ -88,6 +100,7 @@ def plait_arm(arm: str, cfg, device, args):
         engine.backward(loss)
         engine.step()
         return loss
+
     return step
 
 
@@ -97,6 +110,7 @@ def fsdp2_arm(arm: str, cfg, device, args):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hand_llama import HandLlama, llama_shape
+
     with torch.device(device):
         model = HandLlama(**{k: getattr(cfg, k) for k in llama_shape}, init_std=cfg.init_std)
     recipe = recipe_of(arm)
@@ -104,9 +118,11 @@ def fsdp2_arm(arm: str, cfg, device, args):
         import dataclasses
 
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
         fp8 = Float8LinearConfig.from_recipe_name(recipe)
-        fp8 = dataclasses.replace(fp8, emulate=device.type != "cuda",
-                                  enable_fsdp_float8_all_gather=recipe == "tensorwise")
+        fp8 = dataclasses.replace(
+            fp8, emulate=device.type != "cuda", enable_fsdp_float8_all_gather=recipe == "tensorwise"
+        )
         convert_to_float8_training(model, config=fp8, module_filter_fn=lambda m, fqn: fqn != "head")
     for i in range(min(args.recompute, len(model.blocks))):
         model.blocks[i] = checkpoint_wrapper(model.blocks[i])
@@ -118,8 +134,13 @@ def fsdp2_arm(arm: str, cfg, device, args):
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        betas=BETAS,
+        fused=device.type == "cuda",
+    )
 
     def step(i):
         loss = model(**batch(cfg, device, i, args))
@@ -128,6 +149,7 @@ def fsdp2_arm(arm: str, cfg, device, args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return step
 
 
@@ -151,12 +173,22 @@ def run_arm(arm: str, args) -> dict:
         loss = step(i)
     sync()
     dt = (time.perf_counter() - t0) / args.steps
-    return {"arm": arm, "tokens_per_s": args.micro * args.seq / dt, "step_s": dt,
-            "first_step_s": first if args.warmup else None, "loss": float(loss.detach()),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-            "preset": args.preset, "seq": args.seq, "micro": args.micro, "stage": args.stage,
-            "recompute": args.recompute, "dry_run": args.dry_run,
-            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    return {
+        "arm": arm,
+        "tokens_per_s": args.micro * args.seq / dt,
+        "step_s": dt,
+        "first_step_s": first if args.warmup else None,
+        "loss": float(loss.detach()),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "preset": args.preset,
+        "seq": args.seq,
+        "micro": args.micro,
+        "stage": args.stage,
+        "recompute": args.recompute,
+        "dry_run": args.dry_run,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
 
 
 def report(rows) -> str:
@@ -167,38 +199,58 @@ def report(rows) -> str:
         return "no successful arm\n" + "\n".join(f"{r['arm']}: {r.get('error')}" for r in rows)
     r0 = ok[0]
     recompute = "all" if r0["recompute"] >= 10**6 else r0["recompute"]
-    mode = "dry run: CPU, eager, emulated float8 -- not a measurement" if r0["dry_run"] else "compiled"
-    head = (f"{r0['preset']}, seq {r0['seq']}, micro-batch {r0['micro']}, plait ZeRO stage {r0['stage']}, blocks "
-            f"recomputed: {recompute}, {mode}; {r0['device']}; torch {r0['torch']}")
-    out = [head, "", "| arm | tokens/s | peak GiB | step s | first step s | loss | x plait-bf16 | x fsdp2 peer |",
-           "|---|---|---|---|---|---|---|---|"]
+    mode = (
+        "dry run: CPU, eager, emulated float8 -- not a measurement" if r0["dry_run"] else "compiled"
+    )
+    head = (
+        f"{r0['preset']}, seq {r0['seq']}, micro-batch {r0['micro']}, plait ZeRO stage {r0['stage']}, blocks "
+        f"recomputed: {recompute}, {mode}; {r0['device']}; torch {r0['torch']}"
+    )
+    out = [
+        head,
+        "",
+        "| arm | tokens/s | peak GiB | step s | first step s | loss | x plait-bf16 | x fsdp2 peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | |")
             continue
-        peer = by.get(r["arm"].replace("plait-", "fsdp2-")) if r["arm"].startswith("plait-") else None
-        ratio = lambda base: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""   # noqa: E731
+        peer = (
+            by.get(r["arm"].replace("plait-", "fsdp2-")) if r["arm"].startswith("plait-") else None
+        )
+        ratio = lambda base: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""  # noqa: E731
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         first = "" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
-        out.append(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {peak} | {r['step_s']:.3f} | {first} | {r['loss']:.3f} "
-                   f"| {ratio(by.get('plait-bf16'))} | {ratio(peer)} |")
+        out.append(
+            f"| {r['arm']} | {r['tokens_per_s']:.0f} | {peak} | {r['step_s']:.3f} | {first} | {r['loss']:.3f} "
+            f"| {ratio(by.get('plait-bf16'))} | {ratio(peer)} |"
+        )
     return "\n".join(out)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--preset", default="llama-5.9b")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--stage", type=int, default=2, help="plait's ZeRO stage")
-    p.add_argument("--recompute", type=int, default=10**6, help="blocks recomputed in backward (default: all)")
+    p.add_argument(
+        "--recompute", type=int, default=10**6, help="blocks recomputed in backward (default: all)"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900, help="seconds per arm")
     p.add_argument("--out", default="bench_float8.jsonl")
-    p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, llama-tiny, seq 64, 2 steps, no compile")
+    p.add_argument(
+        "--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="CPU, llama-tiny, seq 64, 2 steps, no compile"
+    )
     p.add_argument("--report", nargs="+", metavar="JSONL")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -213,7 +265,11 @@ def main():
         print("RESULT " + json.dumps(run_arm(args.one, args)), flush=True)
         return
     if args.report:
-        print(report([json.loads(line) for path in args.report for line in open(path) if line.strip()]))
+        print(
+            report(
+                [json.loads(line) for path in args.report for line in open(path) if line.strip()]
+            )
+        )
         return
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
@@ -221,8 +277,22 @@ def main():
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
     if os.path.exists(args.out):
         os.remove(args.out)
-    child = ["--preset", args.preset, "--seq", str(args.seq), "--micro", str(args.micro), "--stage", str(args.stage),
-             "--recompute", str(args.recompute), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    child = [
+        "--preset",
+        args.preset,
+        "--seq",
+        str(args.seq),
+        "--micro",
+        str(args.micro),
+        "--stage",
+        str(args.stage),
+        "--recompute",
+        str(args.recompute),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     child += ["--dry-run"] if args.dry_run else []
     print("\n" + report(run_arms(__file__, arms, args, child)))
 

@@ -41,6 +41,7 @@ step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_
 last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table (the
 harness shared with bench_trl.py: ``_trainer.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,17 @@ if SMOKE:
 def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
     """The arm's ds_config; ``state_dtype`` other than fp32 (plait arms of ``--largest`` only) is written as
     plait's ``optimizer.params.state_dtype``."""
-    if "gpufirst" in arm:   # the weights on the GPU, a ratio of the optimizer states on the host
+    if "gpufirst" in arm:  # the weights on the GPU, a ratio of the optimizer states on the host
         config = ds_config("z3-offload", state_dtype=state_dtype)
         del config["zero_optimization"]["offload_param"]
         config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
         return config
     if "z3-offload" in arm:
-        with open(os.path.join(ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json")) as f:
+        with open(
+            os.path.join(
+                ROOT, "tests", "data", "ds_configs", "transformers__ds_config_zero3_bf16.json"
+            )
+        ) as f:
             config = json.load(f)
         # transformers' DeepSpeed integration fills "auto" under "bf16" only, not the legacy "bfloat16" spelling
         config["bf16"] = config.pop("bfloat16")
@@ -81,21 +86,37 @@ def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
     if arm.endswith("z2-offload"):
         with open(os.path.join(ROOT, "examples", "configs", "zero2_offload_hf.json")) as f:
             return json.load(f)
-    return {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto"}},
-            "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
-                                  "stage3_prefetch_bucket_size": "auto",
-                                  "stage3_param_persistence_threshold": "auto"}}
+    return {
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
 
 
 def llama_shape(size: str) -> dict:
     """The LlamaConfig fields of bench_offload's size ``size``."""
     h, n, heads, kv, ffn = SIZES[size]
     shape = dict(SHAPE)
-    shape.update(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
-                 intermediate_size=ffn)
+    shape.update(
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+    )
     return shape
 
 
@@ -107,6 +128,7 @@ def write_checkpoint(folder: str, size: str) -> None:
     import transformers
     from safetensors.torch import save_file
     from plait.zero import meta_parameters
+
     config = transformers.LlamaConfig(**llama_shape(size), torch_dtype="bfloat16")
     with meta_parameters():
         names = [(n, p.shape) for n, p in transformers.LlamaForCausalLM(config).named_parameters()]
@@ -123,7 +145,11 @@ def write_checkpoint(folder: str, size: str) -> None:
         weight_map.update(dict.fromkeys(shard, name))
 
     for n, shape in names:
-        t = torch.ones(shape) if "norm" in n else torch.randn(shape, generator=gen, device=dev).mul_(0.02)
+        t = (
+            torch.ones(shape)
+            if "norm" in n
+            else torch.randn(shape, generator=gen, device=dev).mul_(0.02)
+        )
         if shard and shard_bytes + t.numel() * 2 > 2 * 2**30:
             flush()
             shard, shard_bytes = {}, 0
@@ -132,14 +158,23 @@ def write_checkpoint(folder: str, size: str) -> None:
     flush()
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    if dev == "cuda":   # the arm's process gets the GPU: this one keeps only its CUDA context
+    if dev == "cuda":  # the arm's process gets the GPU: this one keeps only its CUDA context
         torch.cuda.empty_cache()
 
 
-def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ratio: float = 1.0,
-            act_ckpt: bool = False, micro: int | None = None, state_dtype: str = "fp32") -> dict:
+def run_arm(
+    arm: str,
+    steps: int,
+    warmup: int,
+    checkpoint: str | None = None,
+    ratio: float = 1.0,
+    act_ckpt: bool = False,
+    micro: int | None = None,
+    state_dtype: str = "fp32",
+) -> dict:
     import torch
     import transformers
+
     if arm.startswith("plait"):
         from plait.hf import Trainer, TrainingArguments
     else:
@@ -147,9 +182,12 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     shape, sized = dict(SHAPE), "z3-offload-" in arm or "gpufirst" in arm
-    micro = micro or (1 if sized else MICRO)   # --largest: micro-batch 1 at a named size unless --micro
+    micro = micro or (
+        1 if sized else MICRO
+    )  # --largest: micro-batch 1 at a named size unless --micro
     if sized and arm.startswith("plait"):
         from plait.hf import from_pretrained
+
         model = from_pretrained(transformers.LlamaForCausalLM, checkpoint)
     elif not sized:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
@@ -159,7 +197,9 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
             return micro * (steps + warmup) * 4
 
         def __getitem__(self, i):
-            ids = torch.randint(0, SHAPE["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(
+                0, SHAPE["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(i)
+            )
             return {"input_ids": ids, "labels": ids.clone()}
 
     clock = step_clock(warmup, steps)
@@ -167,26 +207,40 @@ def run_arm(arm: str, steps: int, warmup: int, checkpoint: str | None = None, ra
     if arm.startswith(("plait", "ds")):
         extra["deepspeed"] = ds_config(arm, ratio, state_dtype)
     if arm == "fsdp2":
-        extra.update(fsdp="full_shard auto_wrap",
-                     fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                  "reshard_after_forward": True})
-    args = TrainingArguments(**trainer_arguments(arm, micro, steps + warmup), gradient_checkpointing=act_ckpt,
-                             **extra)
-    if sized and arm.startswith("ds"):   # after TrainingArguments: loaded under zero.Init
+        extra.update(
+            fsdp="full_shard auto_wrap",
+            fsdp_config={
+                "version": 2,
+                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "reshard_after_forward": True,
+            },
+        )
+    args = TrainingArguments(
+        **trainer_arguments(arm, micro, steps + warmup), gradient_checkpointing=act_ckpt, **extra
+    )
+    if sized and arm.startswith("ds"):  # after TrainingArguments: loaded under zero.Init
         model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # ds_numel: under zero.Init
+    n_params = sum(
+        getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+    )  # ds_numel: under zero.Init
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
     row = timed_train(arm, trainer, clock, micro * SEQ, n_params)
     # the moments' storage as the engine built it (plait's inner optimizer), not as asked
     built = getattr(getattr(trainer.optimizer, "optimizer", None), "state_dtype", "fp32")
-    return {**row, "ratio": ratio if "gpufirst" in arm else 1.0, "micro": micro, "act_ckpt": act_ckpt,
-            "state_dtype": built if arm.startswith("plait") else "fp32"}
+    return {
+        **row,
+        "ratio": ratio if "gpufirst" in arm else 1.0,
+        "micro": micro,
+        "act_ckpt": act_ckpt,
+        "state_dtype": built if arm.startswith("plait") else "fp32",
+    }
 
 
 def host_bytes_per_param(fw: str, state_dtype: str) -> float:
     """Host bytes per host-side parameter under ZeRO-3 + offload: bench_offload's fp32-moment figure with the
     two moments (8 bytes) stored in ``state_dtype`` instead (``plait.fit.plan.moment_bytes``)."""
     from plait.fit.plan import moment_bytes
+
     return HOST_BYTES[fw] - 8 + moment_bytes(2**20, state_dtype) / 2**20
 
 
@@ -197,30 +251,57 @@ def main() -> None:
     cli.add_argument("--warmup", type=int, default=3)
     cli.add_argument("--out", default=None)
     cli.add_argument("--log", default=None, help="append each arm's full output to this file")
-    cli.add_argument("--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b")
-    cli.add_argument("--ratio", type=float, default=None,
-                     help="--largest with plait's GPU-first placement: share of optimizer states on the host")
+    cli.add_argument(
+        "--largest", default=None, help="sizes to try in order with ZeRO-3 + offload, e.g. 3b,5b,7b"
+    )
+    cli.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="--largest with plait's GPU-first placement: share of optimizer states on the host",
+    )
     cli.add_argument("--frameworks", default="plait,ds", help="--largest: the frameworks, in order")
-    cli.add_argument("--act-ckpt", action="store_true", help="the Trainer's gradient_checkpointing in every arm")
-    cli.add_argument("--micro", type=int, default=None, help="micro-batch (default: 4; --largest: 1)")
-    cli.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
-                     help="--largest: Adam's moments in plait's arms (optimizer.params.state_dtype; default fp32)")
-    cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
+    cli.add_argument(
+        "--act-ckpt", action="store_true", help="the Trainer's gradient_checkpointing in every arm"
+    )
+    cli.add_argument(
+        "--micro", type=int, default=None, help="micro-batch (default: 4; --largest: 1)"
+    )
+    cli.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="--largest: Adam's moments in plait's arms (optimizer.params.state_dtype; default fp32)",
+    )
+    cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # the child process
     cli.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opt = cli.parse_args()
     if opt.arm:
-        result = run_arm(opt.arm, opt.steps, opt.warmup, opt.checkpoint, opt.ratio or 1.0, opt.act_ckpt, opt.micro,
-                         opt.state_dtype)
+        result = run_arm(
+            opt.arm,
+            opt.steps,
+            opt.warmup,
+            opt.checkpoint,
+            opt.ratio or 1.0,
+            opt.act_ckpt,
+            opt.micro,
+            opt.state_dtype,
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return
     if opt.state_dtype != "fp32" and not (opt.largest and opt.frameworks == "plait"):
-        cli.error(f"--state-dtype {opt.state_dtype} is plait's optimizer.params.state_dtype, which DeepSpeed's "
-                  "config has no key for: use it with --largest SIZES --frameworks plait")
+        cli.error(
+            f"--state-dtype {opt.state_dtype} is plait's optimizer.params.state_dtype, which DeepSpeed's "
+            "config has no key for: use it with --largest SIZES --frameworks plait"
+        )
     rows = []
     arms = opt.arms.split(",")
     if opt.largest:
-        kinds = [f"{fw}-z3-gpufirst" for fw in opt.frameworks.split(",")] if opt.ratio is not None else \
-            [f"{fw}-z3-offload" for fw in opt.frameworks.split(",")]
+        kinds = (
+            [f"{fw}-z3-gpufirst" for fw in opt.frameworks.split(",")]
+            if opt.ratio is not None
+            else [f"{fw}-z3-offload" for fw in opt.frameworks.split(",")]
+        )
         arms = [f"{kind}-{size}" for kind in kinds for size in opt.largest.split(",")]
     failed = set()
     for arm in arms:
@@ -234,13 +315,25 @@ def main() -> None:
             need = params * host_bytes_per_param(fw, opt.state_dtype) * on_host / 2**30
             have = mem_available_gib()
             if need > 0.9 * have:
-                row = {"arm": arm, "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available"}
+                row = {
+                    "arm": arm,
+                    "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available",
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 failed.add(fw)
                 continue
-        args = ["--steps", str(opt.steps), "--warmup", str(opt.warmup), "--state-dtype", opt.state_dtype]
-        args += (["--ratio", str(opt.ratio)] if opt.ratio is not None else []) + (["--act-ckpt"] if opt.act_ckpt else [])
+        args = [
+            "--steps",
+            str(opt.steps),
+            "--warmup",
+            str(opt.warmup),
+            "--state-dtype",
+            opt.state_dtype,
+        ]
+        args += (["--ratio", str(opt.ratio)] if opt.ratio is not None else []) + (
+            ["--act-ckpt"] if opt.act_ckpt else []
+        )
         args += ["--micro", str(opt.micro)] if opt.micro else []
         if opt.largest:
             size = arm.rsplit("-", 1)[1]

@@ -13,6 +13,7 @@ each with the check (``check``) and with it replaced by a no-op (``no check``). 
 time and the ratio of each ``check`` arm's speed to its ``no check`` arm's; and the check alone (median
 microseconds per micro-batch, device and host tensors).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,20 @@ def make_engine():
     from plait.layers import TransformerModel
     from plait.models import preset
     from plait.parallel import ParallelMesh
+
     cfg = preset("llama-886m")
     model = TransformerModel(cfg, None, seed=0, device="cuda")
-    conf = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}}
+    conf = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
+    }
     return cfg, plait.initialize(model, conf, mesh=ParallelMesh())
 
 
@@ -48,9 +58,10 @@ def batch(cfg, step, device):
 def time_arm(arm, engine, cfg, steps, start):
     import plait.engine.guard as guard_mod
     from plait.engine.batch import screen_micro_batch
+
     calls = []
 
-    def counted(b, v):   # proves the arm's screen is the one the engine calls
+    def counted(b, v):  # proves the arm's screen is the one the engine calls
         calls.append(1)
         return (dict(b), None) if arm.endswith("no check") else screen_micro_batch(b, v)
 
@@ -74,6 +85,7 @@ def time_arm(arm, engine, cfg, steps, start):
 
 def check_alone(cfg, reps=200):
     from plait.engine.batch import BatchLimits, check_micro_batch
+
     out, limits = {}, BatchLimits(cfg.vocab_size, cfg.max_position_embeddings)
     for device in ("cuda", "cpu"):
         b = batch(cfg, 0, device)
@@ -91,7 +103,9 @@ def check_alone(cfg, reps=200):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=96, help="steps per arm; the arms take turns step by step")
+    ap.add_argument(
+        "--rounds", type=int, default=96, help="steps per arm; the arms take turns step by step"
+    )
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "input_checks.jsonl"))
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -101,7 +115,7 @@ def main():
     torch.distributed.init_process_group("nccl")
     cfg, engine = make_engine()
     arms = ("device, no check", "device, check", "host, no check", "host, check")
-    for arm in arms:                                   # warm-up: allocator, cuBLAS handles, every path
+    for arm in arms:  # warm-up: allocator, cuBLAS handles, every path
         time_arm(arm, engine, cfg, 3, 0)
     # one step per arm in turn (order rotated each round), so drift of the machine hits every arm alike;
     # each step is timed to its end (a sync after it), the median step time per arm is compared
@@ -111,20 +125,28 @@ def main():
             arm = arms[(r + k) % len(arms)]
             seconds[arm].append(MICRO * SEQ / time_arm(arm, engine, cfg, 1, 100 + r))
     alone = check_alone(cfg)
-    print(f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
-          f"{args.rounds} steps per arm, the arms taking turns step by step")
-    print("| arm | median step ms | tokens/s | vs the same path without the check | p10-p90 step ms |")
+    print(
+        f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
+        f"{args.rounds} steps per arm, the arms taking turns step by step"
+    )
+    print(
+        "| arm | median step ms | tokens/s | vs the same path without the check | p10-p90 step ms |"
+    )
     print("|---|---|---|---|---|")
     with open(args.out, "w") as f:
         for arm in arms:
             med = statistics.median(seconds[arm])
             base = statistics.median(seconds[arm.split(",")[0] + ", no check"])
             dec = statistics.quantiles(seconds[arm], n=10)
-            print(f"| {arm} | {med * 1e3:.2f} | {MICRO * SEQ / med:,.0f} | {base / med:.4f} | "
-                  f"{dec[0] * 1e3:.1f}-{dec[-1] * 1e3:.1f} |")
+            print(
+                f"| {arm} | {med * 1e3:.2f} | {MICRO * SEQ / med:,.0f} | {base / med:.4f} | "
+                f"{dec[0] * 1e3:.1f}-{dec[-1] * 1e3:.1f} |"
+            )
             f.write(json.dumps({"arm": arm, "step_seconds": seconds[arm], "median": med}) + "\n")
         f.write(json.dumps({"check_alone_us": alone}) + "\n")
-    print(f"check alone, per micro-batch: {alone['cuda']:.0f} us on GPU tensors, {alone['cpu']:.0f} us on host tensors")
+    print(
+        f"check alone, per micro-batch: {alone['cuda']:.0f} us on GPU tensors, {alone['cpu']:.0f} us on host tensors"
+    )
 
 
 if __name__ == "__main__":

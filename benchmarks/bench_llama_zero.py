@@ -10,6 +10,7 @@ wrapper. Reported: tokens/s, MFU = tokens/s x (6N + 6 x layers x hidden x seq) /
 peak of H100/H200 SXM, as ANCHORS.md), peak GiB (torch.cuda.max_memory_allocated), mean of the timed
 steps after --warmup steps. Prints a markdown table and writes JSON lines to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,23 @@ import torch
 
 ARMS = ("plain", "fsdp2", "plait-z2", "plait-z3", "ds-z2", "ds-z3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MICRO, PEAK_FLOPS, SEQ, batch, ds_like_config, engine_step, init_single_process,  # noqa: E402
-                     write_jsonl)
+from _common import (
+    MICRO,
+    PEAK_FLOPS,
+    SEQ,
+    batch,
+    ds_like_config,
+    engine_step,
+    init_single_process,  # noqa: E402
+    write_jsonl,
+)
 from _common import model_flops_per_token  # noqa: E402
 
 
 def build_model(device):
     from plait.layers import TransformerModel
     from plait.models import preset
+
     cfg = preset("llama-886m")
     model = TransformerModel(cfg, None, seed=0, device=device)
     return cfg, model
@@ -41,16 +51,22 @@ def make_step(arm, device):
     cfg, model = build_model(device)
     n_params = cfg.num_parameters()
     if arm in ("plain", "fsdp2"):
-        autocast = arm == "plain"         # plain: fp32 params under autocast; FSDP2 casts params itself
+        autocast = arm == "plain"  # plain: fp32 params under autocast; FSDP2 casts params itself
         if arm == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
             init_single_process()
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for layer in model.layers.values():
                 fully_shard(layer, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
-                                **({"fused": True} if autocast else {"foreach": True}))
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=1e-4,
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            **({"fused": True} if autocast else {"foreach": True}),
+        )
 
         def step(i):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -60,15 +76,18 @@ def make_step(arm, device):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+
         return cfg, n_params, step
     if arm.startswith("plait"):
         import plait
         from plait.parallel import ParallelMesh
+
         init_single_process()
         engine = plait.initialize(model, ds_like_config(int(arm[-1])), mesh=ParallelMesh())
         return cfg, n_params, engine_step(engine, cfg, device)
     if arm.startswith("ds"):
         import deepspeed
+
         init_single_process()
         conf = ds_like_config(int(arm[-1]))
         conf["zero_allow_untested_optimizer"] = True
@@ -93,13 +112,21 @@ def run_arm(arm: str, warmup: int, steps: int) -> dict:
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     tokens = MICRO * SEQ / dt
-    return {"arm": arm, "tokens_per_s": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "step_s": dt, "loss": float(loss),
-            "params": n_params}
+    return {
+        "arm": arm,
+        "tokens_per_s": tokens,
+        "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "step_s": dt,
+        "loss": float(loss),
+        "params": n_params,
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -111,8 +138,20 @@ def main():
         return
     rows = []
     for arm in args.arms.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--one", arm, "--warmup", str(args.warmup),
-                               "--steps", str(args.steps)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                arm,
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+            ],
+            capture_output=True,
+            text=True,
+        )
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -122,14 +161,18 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     write_jsonl(args.out, rows)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    print(f"\nllama-886m, seq {SEQ}, micro-batch {MICRO}, bf16, AdamW, clip 1.0; {name}; torch {torch.__version__}")
+    print(
+        f"\nllama-886m, seq {SEQ}, micro-batch {MICRO}, bf16, AdamW, clip 1.0; {name}; torch {torch.__version__}"
+    )
     print("| arm | tokens/s | MFU | peak GiB | step s |\n|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['arm']} | failed: {r['error'][:120]} | | | |")
         else:
-            print(f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
-                  f"{r['step_s']:.3f} |")
+            print(
+                f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+                f"{r['step_s']:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ first failure. Arms:
 
 Reported per row: tokens/s, MFU (6N + 6 x layers x hidden x seq per token, against 989 TFLOP/s), peak GiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def run_one(arm: str, args) -> dict:
     from plait.layers import TransformerModel
     from plait.models import preset
     from plait.parallel import ParallelMesh
+
     init_single_process()
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", 0)
@@ -51,6 +53,7 @@ def run_one(arm: str, args) -> dict:
         engine.backward(loss)
         engine.step()
         return loss
+
     step(0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -61,14 +64,25 @@ def run_one(arm: str, args) -> dict:
     dt = (time.perf_counter() - t0) / args.steps
     n = cfg.num_parameters()
     tokens = args.seq / dt
-    return {"arm": arm, "model": args.model, "seq": args.seq, "tokens_per_s": tokens, "step_s": dt,
-            "mfu": tokens * model_flops_per_token(cfg, n, args.seq) / PEAK_FLOPS, "loss": float(loss.detach()),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "params": n,
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    return {
+        "arm": arm,
+        "model": args.model,
+        "seq": args.seq,
+        "tokens_per_s": tokens,
+        "step_s": dt,
+        "mfu": tokens * model_flops_per_token(cfg, n, args.seq) / PEAK_FLOPS,
+        "loss": float(loss.detach()),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "params": n,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="llama-886m")
     p.add_argument("--arms", default="plain,tiled")
     p.add_argument("--seqs", default="16384,32768,65536,131072,262144")
@@ -86,22 +100,30 @@ def main():
         for arm in args.arms.split(","):
             for seq in (int(s) for s in args.seqs.split(",")):
                 child = ["--model", args.model, "--steps", str(args.steps), "--seq", str(seq)]
-                log = f"{args.out}.{arm}-{seq}.log"   # the child's whole output (e.g. an out-of-memory trace)
-                row = {"seq": seq, "model": args.model, **run_child(__file__, arm, child, args.timeout, log_path=log)}
+                log = f"{args.out}.{arm}-{seq}.log"  # the child's whole output (e.g. an out-of-memory trace)
+                row = {
+                    "seq": seq,
+                    "model": args.model,
+                    **run_child(__file__, arm, child, args.timeout, log_path=log),
+                }
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 print(json.dumps(row), flush=True)
                 if "error" in row:
                     break
-    print(f"\n{args.model}, micro-batch 1, bf16, ZeRO-1, AdamW, activation checkpointing per block, one GPU\n")
+    print(
+        f"\n{args.model}, micro-batch 1, bf16, ZeRO-1, AdamW, activation checkpointing per block, one GPU\n"
+    )
     print("| arm | seq | tokens/s | MFU | peak GiB |\n|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['arm']} | {r['seq']} | failed: {r['error'][:80]} | | |")
         else:
-            print(f"| {r['arm']} | {r['seq']} | {r['tokens_per_s'] / 1e3:.2f}k | {r['mfu']:.1%} "
-                  f"| {r['peak_gib']:.2f} |")
+            print(
+                f"| {r['arm']} | {r['seq']} | {r['tokens_per_s'] / 1e3:.2f}k | {r['mfu']:.1%} "
+                f"| {r['peak_gib']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

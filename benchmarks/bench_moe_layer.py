@@ -16,6 +16,7 @@ Reported: tokens/s, MFU on active parameters (6 x (top_k x 3 x hidden x ffn + hi
 for the MoE arms, 6 x 3 x hidden x top_k x ffn for dense, against 989e12), peak GiB, and moe-loop's output
 against moe-grouped's on the same input (relative l2; both bf16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,27 @@ def build(arm: str, args, device):
     from plait.layers.init import init_parameters
     from plait.layers.mlp import MLP
     from plait.layers.moe import MoE
+
     if arm == "dense":
-        layer = MLP(args.hidden, args.top_k * args.ffn, "swiglu", bias=False, device=device, dtype=torch.bfloat16)
+        layer = MLP(
+            args.hidden,
+            args.top_k * args.ffn,
+            "swiglu",
+            bias=False,
+            device=device,
+            dtype=torch.bfloat16,
+        )
         active = 3 * args.hidden * args.top_k * args.ffn
     else:
-        layer = MoE(args.hidden, args.ffn, args.experts, args.top_k, grouped_gemm=arm == "moe-grouped",
-                    device=device, dtype=torch.bfloat16)
+        layer = MoE(
+            args.hidden,
+            args.ffn,
+            args.experts,
+            args.top_k,
+            grouped_gemm=arm == "moe-grouped",
+            device=device,
+            dtype=torch.bfloat16,
+        )
         active = args.top_k * 3 * args.hidden * args.ffn + args.hidden * args.experts
     init_parameters(layer, seed=0)
     return layer, active
@@ -61,14 +77,23 @@ def measure(arm: str, args, device, x, up) -> tuple[dict, torch.Tensor]:
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
     tokens = x.shape[0] * x.shape[1] / dt
-    row = {"arm": arm, "tokens_per_s": tokens, "mfu": tokens * 6 * active / PEAK_FLOPS, "step_ms": dt * 1e3,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "active_params": active,
-           "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    row = {
+        "arm": arm,
+        "tokens_per_s": tokens,
+        "mfu": tokens * 6 * active / PEAK_FLOPS,
+        "step_ms": dt * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "active_params": active,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+    }
     return row, y.detach().float()
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--experts", type=int, default=8)
@@ -90,12 +115,18 @@ def main():
     with open(args.out, "a") as f:
         for row in rows:
             f.write(json.dumps({**row, **vars(args), "loop_vs_grouped": diff}) + "\n")
-    print(f"\nMoE layer {args.experts} experts top-{args.top_k}, hidden {args.hidden}, expert ffn {args.ffn}, "
-          f"{args.tokens} tokens, bf16, forward + backward; {rows[0]['device']}, torch {rows[0]['torch']}\n")
-    print("| arm | tokens/s | MFU (active) | step ms | peak GiB | x moe-loop |\n|---|---|---|---|---|---|")
+    print(
+        f"\nMoE layer {args.experts} experts top-{args.top_k}, hidden {args.hidden}, expert ffn {args.ffn}, "
+        f"{args.tokens} tokens, bf16, forward + backward; {rows[0]['device']}, torch {rows[0]['torch']}\n"
+    )
+    print(
+        "| arm | tokens/s | MFU (active) | step ms | peak GiB | x moe-loop |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['mfu']:.1%} | {r['step_ms']:.2f} "
-              f"| {r['peak_gib']:.2f} | {r['tokens_per_s'] / rows[1]['tokens_per_s']:.2f} |")
+        print(
+            f"| {r['arm']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['mfu']:.1%} | {r['step_ms']:.2f} "
+            f"| {r['peak_gib']:.2f} | {r['tokens_per_s'] / rows[1]['tokens_per_s']:.2f} |"
+        )
     print(f"\nmoe-loop output against moe-grouped's (relative l2): {diff:.1e}")
 
 

@@ -30,6 +30,7 @@ the parent prints markdown tables and writes JSON lines to --out. Model code is 
 ``TransformerModel`` (tp=1) for both frameworks, so the arms differ only in the training wrapper. Each
 arm initializes a 1-rank process group (NCCL on GPU, gloo with --device cpu).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,30 +58,61 @@ def mem_available_gib() -> float:
 
 
 def spawn(args, framework, size, stage, micro, offload_param, steps) -> dict:
-    cmd = [sys.executable, __file__, "--one", framework, "--size", size, "--stage", str(stage), "--micro",
-           str(micro), "--warmup", str(args.warmup), "--steps", str(steps), "--device", args.device,
-           "--clip", str(args.clip)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        framework,
+        "--size",
+        size,
+        "--stage",
+        str(stage),
+        "--micro",
+        str(micro),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(steps),
+        "--device",
+        args.device,
+        "--clip",
+        str(args.clip),
+    ]
     if args.profile:
         cmd.append("--profile")
     if offload_param:
         cmd.append("--offload-param")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, check=False
+        )
     except subprocess.TimeoutExpired:
-        return {"framework": framework, "size": size, "error": f"timed out after {args.timeout:.0f} s", "oom": False}
+        return {
+            "framework": framework,
+            "size": size,
+            "error": f"timed out after {args.timeout:.0f} s",
+            "oom": False,
+        }
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is not None:
         return json.loads(line[7:])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     oom = "out of memory" in (proc.stderr + proc.stdout).lower() or proc.returncode in (-9, 137)
-    return {"framework": framework, "size": size, "error": " | ".join(tail)[-300:], "oom": oom,
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "framework": framework,
+        "size": size,
+        "error": " | ".join(tail)[-300:],
+        "oom": oom,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def part_a(args, rows):
-    print(f"\n(a) llama-886m, ZeRO-2 + offload_optimizer, seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip}",
-          flush=True)
+    print(
+        f"\n(a) llama-886m, ZeRO-2 + offload_optimizer, seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip}",
+        flush=True,
+    )
     out = []
     for fw in args.arms.split(","):
         r = spawn(args, fw, "886m", 2, 4, False, args.steps)
@@ -92,7 +124,10 @@ def part_a(args, rows):
 
 
 def part_b(args, rows):
-    print("\n(b) largest model, ZeRO-3 + offload_param + offload_optimizer, seq 2048, micro-batch 1", flush=True)
+    print(
+        "\n(b) largest model, ZeRO-3 + offload_param + offload_optimizer, seq 2048, micro-batch 1",
+        flush=True,
+    )
     sizes = args.sizes.split(",") if args.device == "cuda" else ["tiny"]
     best = {}
     for fw in args.arms.split(","):
@@ -100,8 +135,13 @@ def part_b(args, rows):
             n = model_config(size, args.device).num_parameters()
             need, have = HOST_BYTES_PER_PARAM[fw] * n / 2**30, mem_available_gib()
             if args.device == "cuda" and need > 0.9 * have:
-                r = {"framework": fw, "size": size, "params": n,
-                     "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available", "oom": True}
+                r = {
+                    "framework": fw,
+                    "size": size,
+                    "params": n,
+                    "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available",
+                    "oom": True,
+                }
             else:
                 r = spawn(args, fw, size, 3, 1, True, args.search_steps)
             r["part"] = "b"
@@ -114,18 +154,30 @@ def part_b(args, rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--part", default="ab", help="a, b or ab")
     parser.add_argument("--arms", default="plait,ds", help="frameworks: plait,ds")
-    parser.add_argument("--sizes", default=",".join(SIZES), help=f"part (b) sizes, ascending ({','.join(SIZES)})")
+    parser.add_argument(
+        "--sizes", default=",".join(SIZES), help=f"part (b) sizes, ascending ({','.join(SIZES)})"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps of part (a)")
-    parser.add_argument("--search-steps", type=int, default=2, help="timed steps per size in part (b)")
+    parser.add_argument(
+        "--search-steps", type=int, default=2, help="timed steps per size in part (b)"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per arm process")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu")
+    )
     parser.add_argument("--out", default="bench_offload.jsonl")
-    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of both arms (0: off)")
-    parser.add_argument("--profile", action="store_true", help="phase-by-phase timing of 3 extra steps")
+    parser.add_argument(
+        "--clip", type=float, default=1.0, help="gradient_clipping of both arms (0: off)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="phase-by-phase timing of 3 extra steps"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--size", default="886m", help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=2, help=argparse.SUPPRESS)
@@ -133,8 +185,18 @@ def main():
     parser.add_argument("--offload-param", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        r = run_arm(args.one, args.size, args.stage, args.micro, args.offload_param, args.warmup, args.steps,
-                    args.device, args.clip, args.profile)
+        r = run_arm(
+            args.one,
+            args.size,
+            args.stage,
+            args.micro,
+            args.offload_param,
+            args.warmup,
+            args.steps,
+            args.device,
+            args.clip,
+            args.profile,
+        )
         print("RESULT " + json.dumps(r), flush=True)
         return
     rows = []
@@ -145,33 +207,52 @@ def main():
             f.write(json.dumps(r) + "\n")
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU smoke test (tiny model)"
     threads = os.environ.get("PLAIT_OFFLOAD_THREADS", f"all ({os.cpu_count()})")
-    print(f"\n{name}; torch {torch.__version__}; {os.cpu_count()} cores; plait offload threads: {threads}")
+    print(
+        f"\n{name}; torch {torch.__version__}; {os.cpu_count()} cores; plait offload threads: {threads}"
+    )
     if a:
-        print(f"\n(a) llama-886m ZeRO-2 + offload_optimizer (seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip})\n")
-        print("| framework | tokens/s | step s | peak GPU GiB | host RSS GiB |\n|---|---|---|---|---|")
+        print(
+            f"\n(a) llama-886m ZeRO-2 + offload_optimizer (seq 2048, micro-batch 4, bf16, AdamW, clip {args.clip})\n"
+        )
+        print(
+            "| framework | tokens/s | step s | peak GPU GiB | host RSS GiB |\n|---|---|---|---|---|"
+        )
         for r in a:
             if "error" in r:
                 print(f"| {r['framework']} | failed: {r['error'][:120]} | | | |")
             else:
-                print(f"| {r['framework']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib']:.2f} | "
-                      f"{r['host_rss_gib']:.1f} |")
+                print(
+                    f"| {r['framework']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib']:.2f} | "
+                    f"{r['host_rss_gib']:.1f} |"
+                )
         ok = {r["framework"]: r for r in a if "error" not in r}
         if "plait" in ok and "ds" in ok:
-            print(f"\nplait / DeepSpeed tokens/s: {ok['plait']['tokens_per_s'] / ok['ds']['tokens_per_s']:.2f}x; "
-                  f"peak memory {ok['plait']['peak_gib']:.2f} vs {ok['ds']['peak_gib']:.2f} GiB")
+            print(
+                f"\nplait / DeepSpeed tokens/s: {ok['plait']['tokens_per_s'] / ok['ds']['tokens_per_s']:.2f}x; "
+                f"peak memory {ok['plait']['peak_gib']:.2f} vs {ok['ds']['peak_gib']:.2f} GiB"
+            )
     if "b" in args.part:
-        print("\n(b) ZeRO-3 + offload_param + offload_optimizer, largest model that trains (seq 2048, micro-batch 1)\n")
-        print("| framework | size | parameters | tokens/s | step s | peak GPU GiB | host RSS GiB | next size |\n"
-              "|---|---|---|---|---|---|---|---|")
+        print(
+            "\n(b) ZeRO-3 + offload_param + offload_optimizer, largest model that trains (seq 2048, micro-batch 1)\n"
+        )
+        print(
+            "| framework | size | parameters | tokens/s | step s | peak GPU GiB | host RSS GiB | next size |\n"
+            "|---|---|---|---|---|---|---|---|"
+        )
         for fw in args.arms.split(","):
             r = best.get(fw)
-            stop = next((x for x in rows if x.get("part") == "b" and x["framework"] == fw and "error" in x), None)
+            stop = next(
+                (x for x in rows if x.get("part") == "b" and x["framework"] == fw and "error" in x),
+                None,
+            )
             why = stop["error"][:80] if stop else "(all sizes trained)"
             if r is None:
                 print(f"| {fw} | none | | | | | | {why} |")
             else:
-                print(f"| {fw} | {r['size']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | "
-                      f"{r['peak_gib']:.2f} | {r['host_rss_gib']:.1f} | {why} |")
+                print(
+                    f"| {fw} | {r['size']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | "
+                    f"{r['peak_gib']:.2f} | {r['host_rss_gib']:.1f} | {why} |"
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ step trained), then rank 1 fails and rank 0 measures from the start of its next 
 the first step: bounded by ``comm.startup_timeout_s``), against ``none`` (rank 1 trains step 2 too: how long a
 clean step and a clean exit take on the same machine). Prints one table row per case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ import sys
 import textwrap
 import time
 
-RANK_SCRIPT = textwrap.dedent('''
+RANK_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
     import plait
@@ -62,11 +63,16 @@ RANK_SCRIPT = textwrap.dedent('''
         print("rank 0 trained step 2: the failed peer went unnoticed", flush=True)
     elif rank == 0:
         print(f"WAITED {time.monotonic() - start:.2f} {time.time():.3f} (no error: the baseline)", flush=True)
-''')
+""")
 
-CASES = {"none": "trains step 2 too (no fault)", "exit": "sys.exit(1) after step 1", "raise": "uncaught exception after step 1",
-         "kill": "SIGKILL after step 1", "freeze": "SIGSTOP after step 1",
-         "freeze-before": "SIGSTOP before step 1"}
+CASES = {
+    "none": "trains step 2 too (no fault)",
+    "exit": "sys.exit(1) after step 1",
+    "raise": "uncaught exception after step 1",
+    "kill": "SIGKILL after step 1",
+    "freeze": "SIGSTOP after step 1",
+    "freeze-before": "SIGSTOP before step 1",
+}
 
 
 def free_port() -> int:
@@ -78,32 +84,60 @@ def free_port() -> int:
 def run_case(mode: str, script: str, timeout_s: float, startup_s: float) -> tuple[str, float]:
     """Start both ranks; return rank 0's WAITED line and the time.time() at which rank 0's process ended."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": root}
+    base = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": root,
+    }
     argv = [sys.executable, script, mode, str(timeout_s), str(startup_s)]
-    procs = [subprocess.Popen(argv, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     out0 = procs[0].communicate(timeout=4 * max(timeout_s, startup_s) + 120)[0]
     ended = time.time()
     procs[1].kill()
     procs[1].communicate()
     line = next((ln for ln in out0.splitlines() if ln.startswith("WAITED")), None)
     if line is None:
-        raise SystemExit(f"{mode}: rank 0 printed no wait (rc {procs[0].returncode}):\n{out0[-3000:]}")
+        raise SystemExit(
+            f"{mode}: rank 0 printed no wait (rc {procs[0].returncode}):\n{out0[-3000:]}"
+        )
     return line, ended
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--timeout-s", type=float, default=20.0, help="comm.timeout_s (default config: 180)")
-    ap.add_argument("--startup-timeout-s", type=float, default=10.0, help="comm.startup_timeout_s (default: 600)")
+    ap.add_argument(
+        "--timeout-s", type=float, default=20.0, help="comm.timeout_s (default config: 180)"
+    )
+    ap.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=10.0,
+        help="comm.startup_timeout_s (default: 600)",
+    )
     args = ap.parse_args()
     script = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"plait_rank_faults_{os.getpid()}.py")
     with open(script, "w") as f:
         f.write(RANK_SCRIPT)
-    print(f"2 gloo ranks on CPU ({os.cpu_count()} cores), comm.timeout_s={args.timeout_s:g}, "
-          f"comm.startup_timeout_s={args.startup_timeout_s:g}")
-    print("| rank 1 | rank 0 waited in its step (s) | then rank 0's process ended after (s) | rank 0's error |")
+    print(
+        f"2 gloo ranks on CPU ({os.cpu_count()} cores), comm.timeout_s={args.timeout_s:g}, "
+        f"comm.startup_timeout_s={args.startup_timeout_s:g}"
+    )
+    print(
+        "| rank 1 | rank 0 waited in its step (s) | then rank 0's process ended after (s) | rank 0's error |"
+    )
     print("|---|---|---|---|")
     for mode, what in CASES.items():
         line, ended = run_case(mode, script, args.timeout_s, args.startup_timeout_s)

@@ -19,6 +19,7 @@ Reported: one row per arm (``--out``: the validation losses by step, the last lo
 of the run, peak GPU memory, the final validation loss's difference from the fp32 arm in percent), every
 arm's full output (``--log``), and the markdown table (printed; ``--table`` also writes it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,52 @@ def arm_config(state_dtype: str, folder: str) -> str:
 
 def pretrain_command(opt: argparse.Namespace, config: str, out_dir: str) -> list[str]:
     """The torchrun command line of one arm."""
-    model = ["--model", "llama-tiny", "--precision", "fp32"] if opt.dry_run else ["--model", opt.model]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-            os.path.join(ROOT, "examples", "pretrain_gpt.py"), *model, "--config", config, "--tp", "1", "--pp", "1",
-            "--zero-stage", str(opt.zero_stage), "--seq-len", str(opt.seq), "--micro-batch", str(opt.micro),
-            "--global-batch", str(opt.global_batch), "--steps", str(opt.steps), "--lr", str(opt.lr),
-            "--log-every", str(opt.log_every), "--eval-every", str(opt.eval_every),
-            "--eval-batches", str(opt.eval_batches), "--save-every", str(opt.steps), "--keep-last", "1",
-            "--no-export", "--resume", "never", "--out-dir", out_dir]
+    model = (
+        ["--model", "llama-tiny", "--precision", "fp32"] if opt.dry_run else ["--model", opt.model]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        os.path.join(ROOT, "examples", "pretrain_gpt.py"),
+        *model,
+        "--config",
+        config,
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero-stage",
+        str(opt.zero_stage),
+        "--seq-len",
+        str(opt.seq),
+        "--micro-batch",
+        str(opt.micro),
+        "--global-batch",
+        str(opt.global_batch),
+        "--steps",
+        str(opt.steps),
+        "--lr",
+        str(opt.lr),
+        "--log-every",
+        str(opt.log_every),
+        "--eval-every",
+        str(opt.eval_every),
+        "--eval-batches",
+        str(opt.eval_batches),
+        "--save-every",
+        str(opt.steps),
+        "--keep-last",
+        "1",
+        "--no-export",
+        "--resume",
+        "never",
+        "--out-dir",
+        out_dir,
+    ]
 
 
 def run_arm(opt: argparse.Namespace, state_dtype: str, folder: str) -> dict:
@@ -72,14 +111,29 @@ def run_arm(opt: argparse.Namespace, state_dtype: str, folder: str) -> dict:
     train = [r for r in records if r.get("type") == "train"]
     summary = next((r for r in records if r.get("type") == "summary"), None)
     if done.returncode != 0 or summary is None:
-        causes = [x for x in done.stderr.splitlines() if "Error" in x and "ChildFailedError" not in x]
-        return {"arm": state_dtype, "error": "\n".join(causes[-3:]) or done.stderr[-1500:],
-                "returncode": done.returncode, "val_loss": val}
-    return {"arm": state_dtype, "state_dtype": state_dtype, "model": "llama-tiny" if opt.dry_run else opt.model,
-            "steps": summary["step"], "seq": opt.seq, "global_batch": opt.global_batch, "lr": opt.lr,
-            "val_loss": val, "train_loss_last": train[-1]["loss"] if train else None,
-            "tokens_per_s": summary.get("tokens_per_s"), "peak_gib": summary["peak_mem_gib"],
-            "train_s": summary["train_seconds"]}
+        causes = [
+            x for x in done.stderr.splitlines() if "Error" in x and "ChildFailedError" not in x
+        ]
+        return {
+            "arm": state_dtype,
+            "error": "\n".join(causes[-3:]) or done.stderr[-1500:],
+            "returncode": done.returncode,
+            "val_loss": val,
+        }
+    return {
+        "arm": state_dtype,
+        "state_dtype": state_dtype,
+        "model": "llama-tiny" if opt.dry_run else opt.model,
+        "steps": summary["step"],
+        "seq": opt.seq,
+        "global_batch": opt.global_batch,
+        "lr": opt.lr,
+        "val_loss": val,
+        "train_loss_last": train[-1]["loss"] if train else None,
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "peak_gib": summary["peak_mem_gib"],
+        "train_s": summary["train_seconds"],
+    }
 
 
 def table(rows: list[dict]) -> str:
@@ -88,11 +142,20 @@ def table(rows: list[dict]) -> str:
     steps = sorted({s for r in good for s in map(int, r["val_loss"])})
     head = "| step | " + " | ".join(f"val loss {r['arm']}" for r in good) + " |"
     lines = [head, "|---|" + "---|" * len(good)]
-    lines += [f"| {s} | " + " | ".join(f"{r['val_loss'].get(s, r['val_loss'].get(str(s), float('nan'))):.4f}"
-                                       for r in good) + " |" for s in steps]
+    lines += [
+        f"| {s} | "
+        + " | ".join(
+            f"{r['val_loss'].get(s, r['val_loss'].get(str(s), float('nan'))):.4f}" for r in good
+        )
+        + " |"
+        for s in steps
+    ]
     base = next((r for r in good if r["arm"] == "fp32"), None)
-    lines += ["", "| arm | final val loss | vs fp32 | last train loss | tokens/s | peak GPU GiB |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| arm | final val loss | vs fp32 | last train loss | tokens/s | peak GPU GiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['arm']} | failed: {r['error'][-160:]!r} | | | | |")
@@ -100,14 +163,18 @@ def table(rows: list[dict]) -> str:
         final = r["val_loss"][max(r["val_loss"], key=int)]
         ref = base["val_loss"][max(base["val_loss"], key=int)] if base else None
         diff = f"{100 * (final - ref) / ref:+.2f}%" if ref else "-"
-        lines.append(f"| {r['arm']} | {final:.4f} | {diff} | {r['train_loss_last']:.4f} | "
-                     f"{r['tokens_per_s'] or 0:,.0f} | {r['peak_gib']:.2f} |")
+        lines.append(
+            f"| {r['arm']} | {final:.4f} | {diff} | {r['train_loss_last']:.4f} | "
+            f"{r['tokens_per_s'] or 0:,.0f} | {r['peak_gib']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     cli = argparse.ArgumentParser()
-    cli.add_argument("--arms", default=",".join(ARMS), help="state dtypes, in order (fp32 first: the reference)")
+    cli.add_argument(
+        "--arms", default=",".join(ARMS), help="state dtypes, in order (fp32 first: the reference)"
+    )
     cli.add_argument("--model", default="llama-886m")
     cli.add_argument("--steps", type=int, default=500)
     cli.add_argument("--seq", type=int, default=2048)
@@ -118,15 +185,27 @@ def main() -> None:
     cli.add_argument("--log-every", type=int, default=10)
     cli.add_argument("--eval-every", type=int, default=50)
     cli.add_argument("--eval-batches", type=int, default=4)
-    cli.add_argument("--arm-timeout", type=float, default=None, help="seconds before an arm is stopped")
+    cli.add_argument(
+        "--arm-timeout", type=float, default=None, help="seconds before an arm is stopped"
+    )
     cli.add_argument("--out", default=None, help="append each arm's row (JSON) to this file")
     cli.add_argument("--log", default=None, help="append each arm's full output to this file")
     cli.add_argument("--table", default=None, help="also write the markdown table to this file")
-    cli.add_argument("--dry-run", action="store_true",
-                     help="llama-tiny in fp32 on the CPU, 12 steps of 128 tokens, validation every 4: checks the script")
+    cli.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="llama-tiny in fp32 on the CPU, 12 steps of 128 tokens, validation every 4: checks the script",
+    )
     opt = cli.parse_args()
     if opt.dry_run:
-        opt.steps, opt.seq, opt.micro, opt.global_batch, opt.eval_every, opt.log_every = 12, 128, 2, 2, 4, 4
+        opt.steps, opt.seq, opt.micro, opt.global_batch, opt.eval_every, opt.log_every = (
+            12,
+            128,
+            2,
+            2,
+            4,
+            4,
+        )
         opt.eval_batches = 2
     for arm in opt.arms.split(","):
         if arm not in ARMS:

@@ -8,6 +8,7 @@ synchronization) before the optimizer step. One GPU has one rank, where the engi
 not the wire), against ``as shipped``. llama-886m, ZeRO-2, bf16, seq 2048, micro-batch 4 (``bench_input_checks``),
 the arms taking turns step by step; reported: median step ms per arm and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def main():
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     import plait.engine.guard as guard_mod
+
     shipped = guard_mod.agreed_error
     cfg, engine = make_engine()
     arms = {"as shipped": shipped, "agree": forced}
@@ -52,10 +54,12 @@ def main():
             engine.backward(engine(**b))
             engine.step()
             torch.cuda.synchronize()
-            if r >= 3:   # warm-up rounds dropped
+            if r >= 3:  # warm-up rounds dropped
                 seconds[arm].append(time.perf_counter() - t0)
-    print(f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
-          f"{args.rounds} steps per arm, taking turns")
+    print(
+        f"device: {torch.cuda.get_device_name(0)}; llama-886m ZeRO-2 bf16, seq {SEQ}, micro-batch {MICRO}, "
+        f"{args.rounds} steps per arm, taking turns"
+    )
     base = statistics.median(seconds["as shipped"])
     for arm, s in seconds.items():
         med = statistics.median(s)

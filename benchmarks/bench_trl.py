@@ -25,6 +25,7 @@ Arms (each in its own process, torchrun, one process; ``_trainer.launch_arm``):
 Reported per arm: tokens/s over the timed steps, peak GPU memory, host peak, the last logged loss
 (``_trainer.timed_train``); the parent prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,22 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _trainer import (MICRO, ROOT, SEQ, SHAPE, launch_arm, print_table, step_clock,  # noqa: E402
-                      timed_train, trainer_arguments)
+from _trainer import (
+    MICRO,
+    ROOT,
+    SEQ,
+    SHAPE,
+    launch_arm,
+    print_table,
+    step_clock,  # noqa: E402
+    timed_train,
+    trainer_arguments,
+)
 
 ARMS = ("plait-z2", "ds-z2", "plait-z3", "ds-z3")
-CONFIG = os.path.join(ROOT, "tests", "data", "ds_configs", "open-instruct__stage2_no_offloading_accelerate.json")
+CONFIG = os.path.join(
+    ROOT, "tests", "data", "ds_configs", "open-instruct__stage2_no_offloading_accelerate.json"
+)
 LINES_PER_DOCUMENT = 64
 
 
@@ -55,8 +67,14 @@ def sft_arguments(arm: str, steps: int, warmup: int) -> dict:
     """The ``SFTConfig`` keyword arguments of ``arm``: the same for plait and DeepSpeed at one stage."""
     if arm not in ARMS:
         raise SystemExit(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    return {**trainer_arguments(arm, MICRO, warmup + steps), "deepspeed": arm_ds_config(arm),
-            "max_length": SEQ, "packing": True, "packing_strategy": "wrapped", "dataset_text_field": "text"}
+    return {
+        **trainer_arguments(arm, MICRO, warmup + steps),
+        "deepspeed": arm_ds_config(arm),
+        "max_length": SEQ,
+        "packing": True,
+        "packing_strategy": "wrapped",
+        "dataset_text_field": "text",
+    }
 
 
 def bundled_tokenizer():
@@ -64,8 +82,13 @@ def bundled_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     from plait.data.bundled import bundled_tokenizer_path
-    return PreTrainedTokenizerFast(tokenizer_file=str(bundled_tokenizer_path()), pad_token="[PAD]",
-                                   eos_token="<|endoftext|>", unk_token="[UNK]")
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(bundled_tokenizer_path()),
+        pad_token="[PAD]",
+        eos_token="<|endoftext|>",
+        unk_token="[UNK]",
+    )
 
 
 def corpus_dataset(tokens: int):
@@ -75,10 +98,11 @@ def corpus_dataset(tokens: int):
     from datasets import Dataset
 
     from plait.data.bundled import load_bundled_text
+
     lines = load_bundled_text().splitlines()
     docs, size = [], 0
     for i in range(0, len(lines), LINES_PER_DOCUMENT):
-        docs.append("\n".join(lines[i:i + LINES_PER_DOCUMENT]))
+        docs.append("\n".join(lines[i : i + LINES_PER_DOCUMENT]))
         size += len(docs[-1])
         if size > 8 * tokens:
             break
@@ -88,31 +112,51 @@ def corpus_dataset(tokens: int):
 def run_arm(arm: str, steps: int, warmup: int) -> dict:
     import torch
     import transformers
+
     if arm.startswith("plait"):
         from plait.trl import SFTConfig, SFTTrainer
     else:
         from trl import SFTConfig, SFTTrainer
     import trl
+
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     tokenizer = bundled_tokenizer()
     args = SFTConfig(**sft_arguments(arm, steps, warmup))
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **{**SHAPE, "vocab_size": max(SHAPE["vocab_size"], len(tokenizer))}))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **{**SHAPE, "vocab_size": max(SHAPE["vocab_size"], len(tokenizer))}
+        )
+    )
     n_params = sum(p.numel() for p in model.parameters())
     clock = step_clock(warmup, steps)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=corpus_dataset(MICRO * SEQ * (warmup + steps)),
-                         processing_class=tokenizer, callbacks=[clock])
-    packed = trainer.train_dataset.filter(lambda row: len(row["input_ids"]) == SEQ)   # the remainder row out
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=corpus_dataset(MICRO * SEQ * (warmup + steps)),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    packed = trainer.train_dataset.filter(
+        lambda row: len(row["input_ids"]) == SEQ
+    )  # the remainder row out
     if len(packed) < MICRO * (warmup + steps):
-        raise RuntimeError(f"{len(packed)} packed rows of {SEQ} tokens, {MICRO * (warmup + steps)} needed")
+        raise RuntimeError(
+            f"{len(packed)} packed rows of {SEQ} tokens, {MICRO * (warmup + steps)} needed"
+        )
     trainer.train_dataset = packed
     row = timed_train(arm, trainer, clock, MICRO * SEQ, n_params)
-    row.update(micro=MICRO, seq=SEQ, zero_stage=arm_ds_config(arm)["zero_optimization"]["stage"],
-               ds_config=os.path.basename(CONFIG), trl=trl.__version__,
-               gradient_checkpointing=args.gradient_checkpointing)
+    row.update(
+        micro=MICRO,
+        seq=SEQ,
+        zero_stage=arm_ds_config(arm)["zero_optimization"]["stage"],
+        ds_config=os.path.basename(CONFIG),
+        trl=trl.__version__,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
     if arm.startswith("ds"):
         import deepspeed
+
         row["deepspeed"] = deepspeed.__version__
     return row
 
@@ -124,8 +168,10 @@ def main() -> None:
     cli.add_argument("--warmup", type=int, default=3)
     cli.add_argument("--out", default=None, help="append each arm's row (JSON) to this file")
     cli.add_argument("--log", default=None, help="append each arm's full output to this file")
-    cli.add_argument("--show-args", action="store_true", help="print each arm's SFTConfig arguments and stop")
-    cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)   # the child process
+    cli.add_argument(
+        "--show-args", action="store_true", help="print each arm's SFTConfig arguments and stop"
+    )
+    cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # the child process
     opt = cli.parse_args()
     if opt.arm:
         print("RESULT " + json.dumps(run_arm(opt.arm, opt.steps, opt.warmup)), flush=True)
@@ -137,8 +183,18 @@ def main() -> None:
             kwargs.pop("output_dir")
             print(arm, json.dumps(kwargs, sort_keys=True))
         return
-    print_table([launch_arm(__file__, arm, ["--steps", str(opt.steps), "--warmup", str(opt.warmup)], opt.log, opt.out)
-                 for arm in arms])
+    print_table(
+        [
+            launch_arm(
+                __file__,
+                arm,
+                ["--steps", str(opt.steps), "--warmup", str(opt.warmup)],
+                opt.log,
+                opt.out,
+            )
+            for arm in arms
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ and the Python/engine overhead per node is what a stage waits on):
 
     python benchmarks/bench_zb_split.py --threads 1 --reps 40 --hidden 64 --ffn 176 --seq 16 --blocks 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ def build(args):
     from plait.models import preset
     from plait.layers.model import TransformerModel
 
-    cfg = preset("llama-tiny", hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_heads=args.heads,
-                 num_kv_heads=args.kv_heads, num_layers=args.blocks, max_position_embeddings=max(256, args.seq))
+    cfg = preset(
+        "llama-tiny",
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        num_layers=args.blocks,
+        max_position_embeddings=max(256, args.seq),
+    )
     last = args.blocks + 1
     layers = range(1, last + 1) if args.head else range(1, last)
     return TransformerModel(cfg, layers=layers, seed=0), cfg
@@ -77,7 +85,9 @@ def run_once(model, args, gen, split: bool):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=1376)
@@ -87,7 +97,9 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--head", action="store_true", help="include the LM head (last stage, scalar loss)")
+    ap.add_argument(
+        "--head", action="store_true", help="include the LM head (last stage, scalar loss)"
+    )
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -114,14 +126,18 @@ def main():
     times["BI+BW"] = [i + w for i, w in zip(times["BI"], times["BW"])]
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
-    print(f"chunk: {args.blocks} llama blocks{' + head' if args.head else ''}, hidden {args.hidden}, "
-          f"ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, seq {args.seq}, batch {args.batch}, float32, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    print(
+        f"chunk: {args.blocks} llama blocks{' + head' if args.head else ''}, hidden {args.hidden}, "
+        f"ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, seq {args.seq}, batch {args.batch}, float32, "
+        f"{torch.get_num_threads()} threads, median of {args.reps}"
+    )
     print(f"{'':8s} {'median ms':>10s} {'min ms':>10s}")
     for k in ("B", "BI", "BW", "BI+BW"):
         print(f"{k:8s} {med[k] * 1e3:10.2f} {low[k] * 1e3:10.2f}")
-    print(f"ratio (BI+BW)/B: median {med['BI+BW'] / med['B']:.3f}, min {low['BI+BW'] / low['B']:.3f}; "
-          f"path: {sorted(paths)}")
+    print(
+        f"ratio (BI+BW)/B: median {med['BI+BW'] / med['B']:.3f}, min {low['BI+BW'] / low['B']:.3f}; "
+        f"path: {sorted(paths)}"
+    )
     print(f"max relative gradient difference: {worst:.2e}")
 
 

@@ -28,6 +28,7 @@ collection of the start-up's objects cannot land inside the few timed steps of o
 ``--profile DIR`` then profiles two more steps (``_timeline.py``: compute, communication, exposed
 communication, idle gaps; rank 0's trace in DIR).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,35 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import BETAS, LR, PEAK_FLOPS, SEQ, WEIGHT_DECAY, ds_like_config  # noqa: E402
-from _common import child_or_report, engine_step, fsdp2_wrap, known_arms, model_flops_per_token, run_arms  # noqa: E402
+from _common import (
+    child_or_report,
+    engine_step,
+    fsdp2_wrap,
+    known_arms,
+    model_flops_per_token,
+    run_arms,
+)  # noqa: E402
 from _common import timed_steps, torch_step  # noqa: E402
 
-ARMS = ("fsdp2", "fsdp2-compile", "ds-z3", "ds-z2", "plait-z3", "plait-z2", "plait-z3-compile", "plait-z2-compile",
-        "plait-z3-keep", "plait-z3-bf16reduce")
+ARMS = (
+    "fsdp2",
+    "fsdp2-compile",
+    "ds-z3",
+    "ds-z2",
+    "plait-z3",
+    "plait-z2",
+    "plait-z3-compile",
+    "plait-z2-compile",
+    "plait-z3-keep",
+    "plait-z3-bf16reduce",
+)
 PART_KEYS = ("params", "grads", "master", "optimizer_state", "activations", "resident")
 
 
 def init_distributed() -> torch.device:
     """NCCL over the ranks torchrun started; this rank's GPU."""
     import torch.distributed as dist
+
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -61,12 +80,16 @@ def init_distributed() -> torch.device:
 def torch_model(cfg, device, ac: bool, compiled: bool):
     """``HandLlama`` at ``cfg``'s shape (same parameter count as plait's), blocks wrapped for AC and compiled."""
     from hand_llama import HandLlama, llama_shape
+
     with torch.device(device):
         model = HandLlama(**{k: getattr(cfg, k) for k in llama_shape}, init_std=cfg.init_std)
     n = sum(p.numel() for p in model.parameters())
-    assert n == cfg.num_parameters(), f"hand-written model has {n:,} parameters, plait's {cfg.num_parameters():,}"
+    assert n == cfg.num_parameters(), (
+        f"hand-written model has {n:,} parameters, plait's {cfg.num_parameters():,}"
+    )
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
     if compiled:
@@ -77,10 +100,17 @@ def torch_model(cfg, device, ac: bool, compiled: bool):
 
 def fsdp2_arm(arm, cfg, device, args):
     from _memory import tensor_parts
+
     model, n = torch_model(cfg, device, args.ac, arm.endswith("-compile"))
     fsdp2_wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True)
-    return torch_step(model, opt, cfg, device, args.micro), lambda: tensor_parts(model.parameters(), [opt]), n
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, fused=True
+    )
+    return (
+        torch_step(model, opt, cfg, device, args.micro),
+        lambda: tensor_parts(model.parameters(), [opt]),
+        n,
+    )
 
 
 def run_config(arm, args, num_layers: int) -> dict:
@@ -88,7 +118,7 @@ def run_config(arm, args, num_layers: int) -> dict:
     conf = ds_like_config(int(arm.split("-")[1][1]))
     conf["train_micro_batch_size_per_gpu"] = args.micro
     if args.ac:
-        conf["activation_checkpointing"] = {"number_checkpoints": num_layers}   # every block
+        conf["activation_checkpointing"] = {"number_checkpoints": num_layers}  # every block
     if arm.endswith("-compile"):
         conf["compile"] = {"enabled": True, "backend": "inductor", "kwargs": {}}
     if arm.endswith("-keep"):
@@ -102,9 +132,10 @@ def ds_arm(arm, cfg, device, args):
     import deepspeed
 
     from _memory import tensor_parts
+
     model, n = torch_model(cfg, device, args.ac, False)
     conf = run_config(arm, args, cfg.num_layers)
-    conf.pop("activation_checkpointing", None)       # the blocks are wrapped already
+    conf.pop("activation_checkpointing", None)  # the blocks are wrapped already
     conf["zero_allow_untested_optimizer"] = True
     del conf["optimizer"]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS)
@@ -120,9 +151,14 @@ def plait_arm(arm, cfg, device, args):
     from plait.parallel import ParallelMesh
 
     from _memory import plait_parts
+
     model = TransformerModel(cfg, None, seed=0, device=device)
     engine = plait.initialize(model, run_config(arm, args, cfg.num_layers), mesh=ParallelMesh())
-    return engine_step(engine, cfg, device, args.micro), lambda: plait_parts(engine), cfg.num_parameters()
+    return (
+        engine_step(engine, cfg, device, args.micro),
+        lambda: plait_parts(engine),
+        cfg.num_parameters(),
+    )
 
 
 def make_arm(arm, cfg, device, args):
@@ -138,6 +174,7 @@ def make_arm(arm, cfg, device, args):
 def model_config(args):
     """The preset ``--model``, with ``--layers`` blocks when given (to find the largest model that fits)."""
     from plait.models import preset
+
     return preset(args.model, num_layers=args.layers) if args.layers else preset(args.model)
 
 
@@ -146,6 +183,7 @@ def run_arm(arm: str, args) -> dict | None:
     import torch.distributed as dist
 
     import _memory
+
     torch.backends.cuda.matmul.allow_tf32 = True
     device, cfg = init_distributed(), model_config(args)
     warmup = args.warmup if args.warmup is not None else (5 if "compile" in arm else 3)
@@ -159,7 +197,11 @@ def run_arm(arm: str, args) -> dict | None:
     first = time.perf_counter() - t0
     if args.snapshot:
         folder = os.path.join(args.snapshot, f"rank{dist.get_rank()}")
-        return {**_memory.snapshot_step(arm, step, warmup, folder), "model": model_name(args), "ac": args.ac}
+        return {
+            **_memory.snapshot_step(arm, step, warmup, folder),
+            "model": model_name(args),
+            "ac": args.ac,
+        }
     torch.cuda.reset_peak_memory_stats()
     timed = timed_steps(step, warmup, args.steps, args.gc)
     loss, dt = timed["loss"], timed["step_s"]
@@ -167,15 +209,32 @@ def run_arm(arm: str, args) -> dict | None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     parts = _memory.measure_parts(step, warmup + args.steps, parts_fn, int(peak.item()))
     tokens = args.micro * SEQ / dt
-    row = {"arm": arm, "model": model_name(args), "micro": args.micro, "ac": args.ac, "world": dist.get_world_size(),
-            "tokens_per_s_gpu": tokens, "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
-            "peak_gib": peak.item() / 2**30, "step_s": dt, "warmup_s": first, "loss": float(loss.detach()),
-            "step_ms": timed["step_ms"], "gc_pauses_ms": timed["gc_pauses_ms"], "gc": args.gc,
-            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
-            "params": n_params, "steps": args.steps, "warmup": warmup, "parts": parts,
-            "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    row = {
+        "arm": arm,
+        "model": model_name(args),
+        "micro": args.micro,
+        "ac": args.ac,
+        "world": dist.get_world_size(),
+        "tokens_per_s_gpu": tokens,
+        "mfu": tokens * model_flops_per_token(cfg, n_params) / PEAK_FLOPS,
+        "peak_gib": peak.item() / 2**30,
+        "step_s": dt,
+        "warmup_s": first,
+        "loss": float(loss.detach()),
+        "step_ms": timed["step_ms"],
+        "gc_pauses_ms": timed["gc_pauses_ms"],
+        "gc": args.gc,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+        "params": n_params,
+        "steps": args.steps,
+        "warmup": warmup,
+        "parts": parts,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+    }
     if args.profile:
         from _timeline import format_summary, profile_timeline
+
         tag = f"{arm}{'-ac' if args.ac else ''}"
         trace = os.path.join(args.profile, f"{tag}.trace.json.gz") if dist.get_rank() == 0 else None
         row["timeline"] = profile_timeline(step, warmup + args.steps + 1, trace)
@@ -204,52 +263,90 @@ def report(rows) -> str:
         if key not in keys:
             keys.append(key)
     for key in keys:
-        group = [r for r in rows if (r.get("model"), r.get("micro"), r.get("ac"), r.get("world")) == key]
+        group = [
+            r for r in rows if (r.get("model"), r.get("micro"), r.get("ac"), r.get("world")) == key
+        ]
         ok = [r for r in group if "device" in r]
         by = {r["arm"]: r for r in ok}
         params = f" ({ok[0]['params'] / 1e9:.2f}B parameters)" if ok else ""
         ac = "on" if key[2] else "off"
-        out += [f"{key[0]}{params}, seq {SEQ}, micro-batch {key[1]} per GPU, activation checkpointing {ac}, "
-                f"dp={key[3]}, bf16, AdamW, clip 1.0; {ok[0]['device'] if ok else '?'} x {key[3]}; "
-                f"torch {ok[0]['torch'] if ok else '?'}", "",
-                "| arm | tokens/s/GPU | MFU | peak GiB | step s | x fsdp2 | x fsdp2-compile | x ds-z3 |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"{key[0]}{params}, seq {SEQ}, micro-batch {key[1]} per GPU, activation checkpointing {ac}, "
+            f"dp={key[3]}, bf16, AdamW, clip 1.0; {ok[0]['device'] if ok else '?'} x {key[3]}; "
+            f"torch {ok[0]['torch'] if ok else '?'}",
+            "",
+            "| arm | tokens/s/GPU | MFU | peak GiB | step s | x fsdp2 | x fsdp2-compile | x ds-z3 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in group:
             if "error" in r:
-                out.append(f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | |")
+                out.append(
+                    f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | |"
+                )
                 continue
-            out.append(f"| {r['arm']} | {r['tokens_per_s_gpu'] / 1e3:.2f}k | {100 * r['mfu']:.1f}% | "
-                       f"{r['peak_gib']:.2f} | {r['step_s']:.3f} | {ratio(r, by.get('fsdp2'))} | "
-                       f"{ratio(r, by.get('fsdp2-compile'))} | {ratio(r, by.get('ds-z3'))} |")
-        out += ["", "Parts of rank 0's peak, GiB (activations: the peak minus the four before it, buffers "
-                "included; resident: allocated between steps)", "",
-                "| arm | peak | " + " | ".join(PART_KEYS) + " |", "|---" * (len(PART_KEYS) + 2) + "|"]
+            out.append(
+                f"| {r['arm']} | {r['tokens_per_s_gpu'] / 1e3:.2f}k | {100 * r['mfu']:.1f}% | "
+                f"{r['peak_gib']:.2f} | {r['step_s']:.3f} | {ratio(r, by.get('fsdp2'))} | "
+                f"{ratio(r, by.get('fsdp2-compile'))} | {ratio(r, by.get('ds-z3'))} |"
+            )
+        out += [
+            "",
+            "Parts of rank 0's peak, GiB (activations: the peak minus the four before it, buffers "
+            "included; resident: allocated between steps)",
+            "",
+            "| arm | peak | " + " | ".join(PART_KEYS) + " |",
+            "|---" * (len(PART_KEYS) + 2) + "|",
+        ]
         for r in ok:
-            out.append(f"| {r['arm']} | {r['peak_gib']:.2f} | "
-                       + " | ".join(f"{r['parts'][k] / 2**30:.2f}" for k in PART_KEYS) + " |")
+            out.append(
+                f"| {r['arm']} | {r['peak_gib']:.2f} | "
+                + " | ".join(f"{r['parts'][k] / 2**30:.2f}" for k in PART_KEYS)
+                + " |"
+            )
         out.append("")
     return "\n".join(out)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arms", default="fsdp2,ds-z3,plait-z3,plait-z2")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) per arm")
-    p.add_argument("--model", default="llama-886m", help="a plait preset, e.g. llama-886m or llama-5.9b")
+    p.add_argument(
+        "--model", default="llama-886m", help="a plait preset, e.g. llama-886m or llama-5.9b"
+    )
     p.add_argument("--layers", type=int, default=None, help="blocks instead of the preset's number")
     p.add_argument("--micro", type=int, default=4, help="sequences of 2048 tokens per GPU per step")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
-    p.add_argument("--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="default: 5 for compiled arms, 3 otherwise"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=400, help="seconds per arm")
     p.add_argument("--out", default="bench_zero.jsonl")
-    p.add_argument("--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)")
-    p.add_argument("--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing")
-    p.add_argument("--profile", metavar="DIR", help="after timing, profile two steps: rank 0's trace in DIR, "
-                   "its summary (benchmarks/_timeline.py) in the row")
-    p.add_argument("--gc", choices=("auto", "freeze"), default="auto", help="freeze: gc.collect() and gc.freeze() "
-                   "after the warm-up (Python's cyclic collector then scans only newer objects)")
-    p.add_argument("--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit")
+    p.add_argument(
+        "--logs", metavar="DIR", help="each arm's output as DIR/ARM.log (default: OUT.ARM.log)"
+    )
+    p.add_argument(
+        "--snapshot", metavar="DIR", help="record one step's allocations per arm instead of timing"
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, profile two steps: rank 0's trace in DIR, "
+        "its summary (benchmarks/_timeline.py) in the row",
+    )
+    p.add_argument(
+        "--gc",
+        choices=("auto", "freeze"),
+        default="auto",
+        help="freeze: gc.collect() and gc.freeze() "
+        "after the warm-up (Python's cyclic collector then scans only newer objects)",
+    )
+    p.add_argument(
+        "--report", nargs="+", metavar="JSONL", help="print the tables of earlier runs and exit"
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -273,7 +370,12 @@ def main():
     tags = {"model": model_name(args), "micro": args.micro, "ac": args.ac, "world": args.nproc}
     rows = run_arms(__file__, arms, args, child_args(args), launcher, tags)
     if args.snapshot:
-        print("\n".join(f"{r['arm']}: peak {r.get('peak_gib', 0):.2f} GiB, {r.get('snapshot', r)}" for r in rows))
+        print(
+            "\n".join(
+                f"{r['arm']}: peak {r.get('peak_gib', 0):.2f} GiB, {r.get('snapshot', r)}"
+                for r in rows
+            )
+        )
         return
     print("\n" + report(rows))
 

@@ -9,6 +9,7 @@ without reading the context; only the ``[MASK]`` loss shows how much of the cont
 Result (benchmarks/results/pretrain_bert_cpu.md): after the CPU defaults, [MASK] 6.49, unchanged 1.59,
 random 6.78 nats.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,7 @@ from transformers import BertForMaskedLM
 
 from plait.data import TokenDataset, bundled_token_file, mask_tokens
 
-CLS, SEP, MASK, VOCAB, SPECIAL = 2, 3, 4, 8192, range(6)   # the bundled tokenizer's ids
+CLS, SEP, MASK, VOCAB, SPECIAL = 2, 3, 4, 8192, range(6)  # the bundled tokenizer's ids
 
 
 def main(hf_dir: str, seq_len: int = 64) -> None:
@@ -27,13 +28,24 @@ def main(hf_dir: str, seq_len: int = 64) -> None:
     val = TokenDataset(bundled_token_file(), seq_len - 2, "val", 0.02)
     x = torch.stack([val[i][0] for i in range(len(val))])
     x = torch.cat([torch.full((len(x), 1), CLS), x, torch.full((len(x), 1), SEP)], 1)
-    masked, labels = mask_tokens(x, MASK, VOCAB, SPECIAL, 0.15, generator=torch.Generator().manual_seed(0))
+    masked, labels = mask_tokens(
+        x, MASK, VOCAB, SPECIAL, 0.15, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
-        logp = torch.cat([model(input_ids=masked[i:i + 64]).logits.log_softmax(-1) for i in range(0, len(x), 64)])
+        logp = torch.cat(
+            [
+                model(input_ids=masked[i : i + 64]).logits.log_softmax(-1)
+                for i in range(0, len(x), 64)
+            ]
+        )
     scored = labels != -100
     nll = -logp[scored].gather(-1, labels[scored][:, None])[:, 0]
     seen, target = masked[scored], labels[scored]
-    kinds = {"[MASK]": seen == MASK, "unchanged": seen == target, "random": (seen != MASK) & (seen != target)}
+    kinds = {
+        "[MASK]": seen == MASK,
+        "unchanged": seen == target,
+        "random": (seen != MASK) & (seen != target),
+    }
     print(f"all scored: {nll.mean():.3f} nats over {int(scored.sum())} tokens")
     for name, where in kinds.items():
         print(f"{name:10s} {nll[where].mean():.3f} nats ({where.float().mean():.1%})")

@@ -8,6 +8,7 @@ states are kilobytes), ``plait.initialize`` with ZeRO-2, two steps. ``cold``: an
 kernels compile, as on a freshly started machine); ``warm``: the same cache again (they load).
 ``plait.fit.host.CPU_OPTIMIZER_RUNTIME_BYTES`` cites the cold difference.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,17 @@ print("RESULT " + json.dumps({"before": before, "after": hwm()}))
 
 
 def run(mode: str, cache: str) -> dict:
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([sys.executable, "-c", ARM, mode], capture_output=True, text=True, env=env, check=True)
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": cache,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ARM, mode], capture_output=True, text=True, env=env, check=True
+    )
+    return json.loads(
+        next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:]
+    )
 
 
 def main() -> None:
@@ -48,9 +57,13 @@ def main() -> None:
         base = run("none", cache)
         cold = run("offload", cache)
         warm = run("offload", cache)
-    out = {"none": base, "offload_cold": cold, "offload_warm": warm,
-           "runtime_cold": cold["after"]["VmHWM"] - base["after"]["VmHWM"],
-           "runtime_warm": warm["after"]["VmHWM"] - base["after"]["VmHWM"]}
+    out = {
+        "none": base,
+        "offload_cold": cold,
+        "offload_warm": warm,
+        "runtime_cold": cold["after"]["VmHWM"] - base["after"]["VmHWM"],
+        "runtime_warm": warm["after"]["VmHWM"] - base["after"]["VmHWM"],
+    }
     print("RESULT " + json.dumps(out))
 
 

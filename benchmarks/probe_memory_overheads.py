@@ -9,6 +9,7 @@ An unmodified ``transformers.LlamaForCausalLM`` of TinyLlama's shape (1.1B), bf1
 ``RESULT {json}`` line: ``context`` (device bytes in use minus reserved, after the steps), ``max_alloc``,
 ``max_res`` and their ratio (``plait.fit.plan.CUDA_CONTEXT_BYTES``, ``ALLOCATOR_SLACK_BYTES``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,16 @@ def main() -> None:
     cli.add_argument("--seq", type=int, default=2048)
     opt = cli.parse_args()
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                   num_hidden_layers=opt.layers, num_attention_heads=32, num_key_value_heads=4,
-                                   max_position_embeddings=opt.seq)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=opt.layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=opt.seq,
+    )
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
     model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
@@ -42,8 +50,13 @@ def main() -> None:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     used = total - free
-    out = {"micro": opt.micro, "used_before": total - free0, "context": used - torch.cuda.memory_reserved(),
-           "max_alloc": torch.cuda.max_memory_allocated(), "max_res": torch.cuda.max_memory_reserved()}
+    out = {
+        "micro": opt.micro,
+        "used_before": total - free0,
+        "context": used - torch.cuda.memory_reserved(),
+        "max_alloc": torch.cuda.max_memory_allocated(),
+        "max_res": torch.cuda.max_memory_reserved(),
+    }
     out["ratio"] = out["max_res"] / out["max_alloc"]
     print("RESULT " + json.dumps(out))
 

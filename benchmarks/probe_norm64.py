@@ -8,6 +8,7 @@ one-read Triton kernel (``plait.kernels.gpu_norm``, what ``clip.sum_squares64`` 
 difference of each result from an exact reference (float64 copy) and the extra memory. Then checks the
 Triton kernel against the exact reference on odd sizes and float32/bf16/fp16 inputs (fresh random data).
 """
+
 import statistics
 import sys
 
@@ -37,10 +38,13 @@ def main():
     exact = float(torch.dot(g.double(), g.double()))
     arms = {
         "float32 pow(2).sum()": lambda: g.pow(2).sum(),
-        "chunked float64 dot (8M at a time)": lambda: sum(torch.dot(c, c) for c in
-                                                          (w.double() for w in g.split(1 << 23))),
+        "chunked float64 dot (8M at a time)": lambda: sum(
+            torch.dot(c, c) for c in (w.double() for w in g.split(1 << 23))
+        ),
         "plait gpu_sum_squares64 (Triton)": lambda: gpu_sum_squares64(g),
-        "vector_norm(dtype=float64) ** 2": lambda: torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2,
+        "vector_norm(dtype=float64) ** 2": lambda: (
+            torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2
+        ),
     }
     print(f"device: {torch.cuda.get_device_name(0)}; {n / 1e6:.0f}M float32 elements")
     for name, fn in arms.items():
@@ -49,7 +53,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fn()
-        extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(f"{name:40s} {ms:7.3f} ms   rel diff {rel:.1e}   extra memory {extra:.0f} MiB")
     worst = 0.0
     for size in (1, 4095, 4096, 4097, 1_000_003, 33_554_433):
@@ -57,7 +61,9 @@ def main():
             x = (torch.randn(size, device="cuda") * 3).to(dtype)
             want = float(torch.dot(x.double(), x.double()))
             worst = max(worst, abs(float(gpu_sum_squares64(x)) - want) / want)
-    print(f"Triton kernel vs exact float64, sizes 1..33.5M, fp32/bf16/fp16: worst rel diff {worst:.1e}")
+    print(
+        f"Triton kernel vs exact float64, sizes 1..33.5M, fp32/bf16/fp16: worst rel diff {worst:.1e}"
+    )
     assert worst < 1e-13, worst
 
 

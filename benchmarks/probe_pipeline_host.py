@@ -8,6 +8,7 @@ warm-ups. Peer: transformers' ``LlamaModel`` with the same 8 layers on ``inputs_
 forward and backward, the same way. Then torch.profiler's top host ops (self CPU time) of plait's F + B
 and of BI + BW, and the share of BI spent walking the graph (``pipeline_backward._analyse``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,20 +33,37 @@ def timed(fn, reps=10, warmup=3):
 def plait_stage(args, device):
     from plait.models import preset
     from plait.layers.model import TransformerModel
+
     cfg = preset(args.preset, max_position_embeddings=max(2048, args.seq))
     half = cfg.num_layers // 2
-    model = TransformerModel(cfg, layers=range(half + 1, cfg.num_layers + 2), seed=0).to(device, torch.bfloat16)
+    model = TransformerModel(cfg, layers=range(half + 1, cfg.num_layers + 2), seed=0).to(
+        device, torch.bfloat16
+    )
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
-    x = torch.randn(args.batch, args.seq, cfg.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(
+        args.batch,
+        args.seq,
+        cfg.hidden_size,
+        device=device,
+        dtype=torch.bfloat16,
+        requires_grad=True,
+    )
     return cfg, model, {"labels": ids}, x
 
 
 def hf_stage(cfg, args, device):
     from transformers import LlamaConfig, LlamaModel
-    hf = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                     num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                     num_hidden_layers=cfg.num_layers // 2, vocab_size=cfg.vocab_size,
-                     max_position_embeddings=max(2048, args.seq), attn_implementation="sdpa")
+
+    hf = LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        num_hidden_layers=cfg.num_layers // 2,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=max(2048, args.seq),
+        attn_implementation="sdpa",
+    )
     return LlamaModel(hf).to(device, torch.bfloat16)
 
 
@@ -58,6 +76,7 @@ def walk_ms(pb, fwd, bi, bw, reps=5) -> float:
         out = analyse(*a)
         walk.append(time.perf_counter() - t0)
         return out
+
     pb._analyse = timed_analyse
     try:
         for _ in range(reps):
@@ -71,7 +90,10 @@ def walk_ms(pb, fwd, bi, bw, reps=5) -> float:
 
 def main():
     from plait.parallel.pipeline import backward as pb
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="llama-886m")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
@@ -100,15 +122,22 @@ def main():
     walk = walk_ms(pb, fwd, bi, bw)
     hf = hf_stage(cfg, args, device)
     emb = x.detach().clone().requires_grad_(True)
-    rows["HF F (8 layers, no head)"] = timed(lambda: state.__setitem__("hf", hf(inputs_embeds=emb).last_hidden_state))
-    rows["HF F+B"] = timed(lambda: hf(inputs_embeds=emb).last_hidden_state.float().pow(2).mean().backward())
-    print(f"{args.preset} last stage ({cfg.num_layers // 2} blocks + head), seq {args.seq}, batch {args.batch}, "
-          f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    rows["HF F (8 layers, no head)"] = timed(
+        lambda: state.__setitem__("hf", hf(inputs_embeds=emb).last_hidden_state)
+    )
+    rows["HF F+B"] = timed(
+        lambda: hf(inputs_embeds=emb).last_hidden_state.float().pow(2).mean().backward()
+    )
+    print(
+        f"{args.preset} last stage ({cfg.num_layers // 2} blocks + head), seq {args.seq}, batch {args.batch}, "
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    )
     print("| action | host ms (issue) | device ms (to finish) |\n|---|---|---|")
     for k, (h, d) in rows.items():
         print(f"| {k} | {h:.2f} | {d:.2f} |")
     print(f"graph walk in BI: {walk:.2f} ms")
     from torch.profiler import ProfilerActivity, profile
+
     for name, fn in (("F+B", lambda: (fwd(), bwd())), ("F+BI+BW", lambda: (fwd(), bi(), bw()))):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -116,7 +145,7 @@ def main():
             torch.cuda.synchronize()
         host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
         print(f"\n{name}: | host ms (self) | calls | op |\n|---|---|---|")
-        for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:args.top]:
+        for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[: args.top]:
             print(f"| {e.self_cpu_time_total / 1e3:.2f} | {e.count} | {e.key[:100]} |")
 
 

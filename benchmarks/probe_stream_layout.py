@@ -10,6 +10,7 @@ Runs the same AdamW + bf16 copy-out update over --numel float32 elements in four
 
     python benchmarks/probe_stream_layout.py --numel 200e6 --threads 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,12 +100,15 @@ def main():
     for k in (4096, 65536, 1 << 20):
         shapes[f"window-{k}"] = lambda k=k: window(*a, *hp, k, th)
         shapes[f"blocks-{k}"] = lambda k=k: blocks(*a, *hp, k, th)
-    print(f"numel={n:,} threads={th}\n| loop shape | median s | best s | Gparams/s (median) |\n|---|---:|---:|---:|")
+    print(
+        f"numel={n:,} threads={th}\n| loop shape | median s | best s | Gparams/s (median) |\n|---|---:|---:|---:|"
+    )
     for name, fn in shapes.items():
         med, best = timed(fn, args.steps)
         print(f"| {name} | {med:.4f} | {best:.4f} | {n / med / 1e9:.3f} |", flush=True)
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         q = torch.nn.Parameter(torch.randn(n))
         q.grad = torch.randn(n)
         opt = DeepSpeedCPUAdam([q], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, adamw_mode=True)

@@ -6,6 +6,7 @@ Draws the training loss (one point per progress line) and the validation loss ag
 optimizer step. A resumed run appends to the same file; for a step logged twice the later record
 wins. Several files draw several runs on one plot (labelled by their directory).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,19 @@ def read_curves(path: Path) -> dict[str, dict[int, float]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("metrics", type=Path, help="metrics.jsonl written by a training script")
     parser.add_argument("out", type=Path, help="PNG to write")
-    parser.add_argument("more", type=Path, nargs="*", help="more metrics files to draw on the same axes")
+    parser.add_argument(
+        "more", type=Path, nargs="*", help="more metrics files to draw on the same axes"
+    )
     parser.add_argument("--title", default="plait: loss")
     args = parser.parse_args(argv)
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -48,8 +54,13 @@ def main(argv=None) -> None:
         for kind, style in (("train", "-"), ("val", "o-")):
             points = sorted(curves[kind].items())
             if points:
-                ax.plot([s for s, _ in points], [v for _, v in points], style, markersize=3,
-                        label=f"{label}{'training' if kind == 'train' else 'validation'} loss")
+                ax.plot(
+                    [s for s, _ in points],
+                    [v for _, v in points],
+                    style,
+                    markersize=3,
+                    label=f"{label}{'training' if kind == 'train' else 'validation'} loss",
+                )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(args.title)

@@ -27,6 +27,7 @@ where the context gives the word away). LAMB (pretrain_bert_lamb.json) moves eac
 norm per step: at lr 1e-2 and BERT's 0.02 init that is ~2e-4 per weight, as Adam does at 2e-4. It is made
 for batches of thousands. Dropout (BERT's 0.1) slows a short run further.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,18 +56,32 @@ SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "<|endoftext|>")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     m = parser.add_argument_group("model and data")
     m.add_argument("--model", default="bert-tiny", help="preset: bert-tiny, bert-base")
     m.add_argument("--hidden", type=int)
     m.add_argument("--layers", type=int)
     m.add_argument("--heads", type=int)
-    m.add_argument("--seq-len", type=int, default=64, help="tokens per sample including [CLS] and [SEP]")
+    m.add_argument(
+        "--seq-len", type=int, default=64, help="tokens per sample including [CLS] and [SEP]"
+    )
     m.add_argument("--mask-prob", type=float, default=0.15)
-    m.add_argument("--dropout", type=float, default=0.0,
-                   help="hidden and attention dropout (BERT's 0.1 slows a run of minutes; for long runs use 0.1)")
-    m.add_argument("--data", nargs="+", help="text files or one pre-tokenized .npy/.bin (default: bundled corpus)")
-    m.add_argument("--tokenizer", help="tokenizer.json with [CLS], [SEP], [MASK] (default: the bundled one)")
+    m.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="hidden and attention dropout (BERT's 0.1 slows a run of minutes; for long runs use 0.1)",
+    )
+    m.add_argument(
+        "--data",
+        nargs="+",
+        help="text files or one pre-tokenized .npy/.bin (default: bundled corpus)",
+    )
+    m.add_argument(
+        "--tokenizer", help="tokenizer.json with [CLS], [SEP], [MASK] (default: the bundled one)"
+    )
     m.add_argument("--val-fraction", type=float, default=0.02)
     m.add_argument("--no-export", action="store_true")
     layout.add_parallel_args(parser, "pretrain_bert.json")
@@ -80,32 +95,49 @@ class MLMBatch:
     The mask seed is (seed, epoch, position, dp rank) of the loader right after the fetch: the same on
     the tp/pp ranks of one replica, different between replicas, identical after a resume."""
 
-    def __init__(self, batches, ids: dict, vocab: int, prob: float, seed: int, dp_rank: int, device):
+    def __init__(
+        self, batches, ids: dict, vocab: int, prob: float, seed: int, dp_rank: int, device
+    ):
         self.batches, self.ids, self.vocab, self.prob = batches, ids, vocab, prob
         self.seed, self.dp_rank, self.device = seed, dp_rank, device
 
     def __call__(self, batch: dict) -> dict:
         x = batch["input_ids"]
         b = x.shape[0]
-        x = torch.cat([torch.full((b, 1), self.ids["[CLS]"]), x, torch.full((b, 1), self.ids["[SEP]"])], dim=1)
+        x = torch.cat(
+            [torch.full((b, 1), self.ids["[CLS]"]), x, torch.full((b, 1), self.ids["[SEP]"])], dim=1
+        )
         s = self.batches.state_dict()
-        seed = int(np.random.SeedSequence([self.seed, s["epoch"], s["position"], self.dp_rank]).generate_state(1)[0])
-        masked, labels = mask_tokens(x, self.ids["[MASK]"], self.vocab, self.ids.values(), self.prob,
-                                     generator=torch.Generator().manual_seed(seed))
+        seed = int(
+            np.random.SeedSequence(
+                [self.seed, s["epoch"], s["position"], self.dp_rank]
+            ).generate_state(1)[0]
+        )
+        masked, labels = mask_tokens(
+            x,
+            self.ids["[MASK]"],
+            self.vocab,
+            self.ids.values(),
+            self.prob,
+            generator=torch.Generator().manual_seed(seed),
+        )
         out = {"input_ids": masked, "labels": labels, "token_type_ids": torch.zeros_like(masked)}
         return {k: v.to(self.device, non_blocking=True) for k, v in out.items()}
 
 
 # Written for the demo in the corpus's style (the World English Bible), not taken from it: the masked word
 # follows from the words around it.
-DEMO = ("Then Yahweh [MASK] to Moses, “Speak to the children of Israel.”",
-        "The children of [MASK] went out of the land of Egypt.",
-        "The cat sat [MASK] the mat.",
-        "He went up [MASK] Jerusalem with his sons and his daughters.")
+DEMO = (
+    "Then Yahweh [MASK] to Moses, “Speak to the children of Israel.”",
+    "The children of [MASK] went out of the land of Egypt.",
+    "The cat sat [MASK] the mat.",
+    "He went up [MASK] Jerusalem with his sons and his daughters.",
+)
 
 
-def masked_token_scores(model, train: TokenDataset, val: TokenDataset, ids: dict, vocab: int, prob: float,
-                        seed: int) -> dict:
+def masked_token_scores(
+    model, train: TokenDataset, val: TokenDataset, ids: dict, vocab: int, prob: float, seed: int
+) -> dict:
     """Top-1 accuracy and loss (nats) of ``model`` (``BertForMaskedLM``) at the ``[MASK]`` positions of the
     held-out split (its first 2048 samples), masked as in training with a fixed seed, against the unigram
     baseline: the training split's token frequencies (accuracy: always its most frequent token; loss: their
@@ -113,43 +145,65 @@ def masked_token_scores(model, train: TokenDataset, val: TokenDataset, ids: dict
 
     Only ``[MASK]`` positions count: the 10% unchanged tokens can be copied and the 10% random ones are
     noise; a ``[MASK]`` is guessed from its context alone. Returns a dict of floats and ``n`` (positions)."""
-    counts = np.bincount(np.asarray(train.tokens[train.start:train.stop], dtype=np.int64), minlength=vocab)
+    counts = np.bincount(
+        np.asarray(train.tokens[train.start : train.stop], dtype=np.int64), minlength=vocab
+    )
     log_freq = torch.from_numpy(np.log(np.maximum(counts, 1) / counts.sum()))
-    x = torch.from_numpy(np.stack([val.window(i)[:-1] for i in range(min(len(val), 2048))]).astype(np.int64))
+    x = torch.from_numpy(
+        np.stack([val.window(i)[:-1] for i in range(min(len(val), 2048))]).astype(np.int64)
+    )
     b = len(x)
     x = torch.cat([torch.full((b, 1), ids["[CLS]"]), x, torch.full((b, 1), ids["[SEP]"])], dim=1)
-    masked, labels = mask_tokens(x, ids["[MASK]"], vocab, ids.values(), prob,
-                                 generator=torch.Generator().manual_seed(seed))
+    masked, labels = mask_tokens(
+        x, ids["[MASK]"], vocab, ids.values(), prob, generator=torch.Generator().manual_seed(seed)
+    )
     hits, nll, n = 0, 0.0, 0
     with torch.no_grad():
         for i in range(0, b, 64):
-            where = masked[i:i + 64] == ids["[MASK]"]
-            logits = model(input_ids=masked[i:i + 64]).logits[where][:, :vocab].float()
-            target = labels[i:i + 64][where]
+            where = masked[i : i + 64] == ids["[MASK]"]
+            logits = model(input_ids=masked[i : i + 64]).logits[where][:, :vocab].float()
+            target = labels[i : i + 64][where]
             hits += int((logits.argmax(-1) == target).sum())
             nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
             n += len(target)
     target = labels[masked == ids["[MASK]"]]
-    return {"n": n, "accuracy": hits / n, "loss": nll / n, "top_token": int(log_freq.argmax()),
-            "unigram_accuracy": float((target == log_freq.argmax()).float().mean()),
-            "unigram_loss": float(-log_freq[target].mean())}
+    return {
+        "n": n,
+        "accuracy": hits / n,
+        "loss": nll / n,
+        "top_token": int(log_freq.argmax()),
+        "unigram_accuracy": float((target == log_freq.argmax()).float().mean()),
+        "unigram_loss": float(-log_freq[target].mean()),
+    }
 
 
 def fill_mask_demo(model, tok, ids: dict) -> None:
     """Print the top-3 words and their probabilities for each ``DEMO`` sentence's ``[MASK]``."""
     for sentence in DEMO:
         before, after = sentence.split(" [MASK]")
-        seq = [ids["[CLS]"], *tok.encode(before).ids, ids["[MASK]"], *tok.encode(after).ids, ids["[SEP]"]]
+        seq = [
+            ids["[CLS]"],
+            *tok.encode(before).ids,
+            ids["[MASK]"],
+            *tok.encode(after).ids,
+            ids["[SEP]"],
+        ]
         with torch.no_grad():
-            probs = model(input_ids=torch.tensor([seq])).logits[0, seq.index(ids["[MASK]"])].softmax(-1)
+            probs = (
+                model(input_ids=torch.tensor([seq])).logits[0, seq.index(ids["[MASK]"])].softmax(-1)
+            )
         top = probs.topk(3)
-        guesses = ", ".join(f"{tok.decode([t])!r} {p:.1%}" for p, t in zip(top.values.tolist(), top.indices.tolist()))
+        guesses = ", ".join(
+            f"{tok.decode([t])!r} {p:.1%}"
+            for p, t in zip(top.values.tolist(), top.indices.tolist())
+        )
         print(f"  {sentence}  ->  {guesses}")
 
 
 def export_and_evaluate(ckpt_dir: Path, out_dir: Path, tok, ids: dict, data: tuple, args) -> None:
     """Rank 0: export to Hugging Face ``BertForMaskedLM``, score the held-out ``[MASK]`` tokens, fill masks."""
     from plait.checkpoint.convert import to_hf
+
     hf_dir = out_dir / "hf"
     to_hf(str(ckpt_dir), str(hf_dir), overwrite=True, tokenizer_from=str(bundled_data_dir()))
     print(f"exported to {hf_dir}")
@@ -162,9 +216,13 @@ def export_and_evaluate(ckpt_dir: Path, out_dir: Path, tok, ids: dict, data: tup
     vocab = tok.get_vocab_size(with_added_tokens=True)
     s = masked_token_scores(model, *data, ids, vocab, args.mask_prob, args.seed)
     top = tok.decode([s["top_token"]])
-    print(f"held-out [MASK] tokens ({s['n']:,}): loss {s['loss']:.2f} nats (unigram baseline {s['unigram_loss']:.2f})")
-    print(f"masked-token accuracy {s['accuracy']:.1%} (unigram baseline {s['unigram_accuracy']:.1%}: "
-          f"always {top!r})")
+    print(
+        f"held-out [MASK] tokens ({s['n']:,}): loss {s['loss']:.2f} nats (unigram baseline {s['unigram_loss']:.2f})"
+    )
+    print(
+        f"masked-token accuracy {s['accuracy']:.1%} (unigram baseline {s['unigram_accuracy']:.1%}: "
+        f"always {top!r})"
+    )
     print("fill-mask, top-3 guesses with probabilities:")
     fill_mask_demo(model, tok, ids)
 
@@ -174,26 +232,37 @@ def main(argv=None) -> None:
     out_dir = Path(args.out_dir)
     ckpt_dir = out_dir / "checkpoints"
     from tokenizers import Tokenizer
+
     tokenizer_path = Path(args.tokenizer) if args.tokenizer else bundled_tokenizer_path()
     tok = Tokenizer.from_file(str(tokenizer_path))
     ids = {t: tok.token_to_id(t) for t in SPECIAL if tok.token_to_id(t) is not None}
     missing = [t for t in ("[CLS]", "[SEP]", "[MASK]") if t not in ids]
     if missing:
-        raise SystemExit(f"tokenizer {tokenizer_path} has no {missing}; BERT pretraining needs [CLS], [SEP], [MASK]")
+        raise SystemExit(
+            f"tokenizer {tokenizer_path} has no {missing}; BERT pretraining needs [CLS], [SEP], [MASK]"
+        )
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    flags = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
-             "hidden_dropout": args.dropout, "attention_dropout": args.dropout}
+    flags = {
+        "hidden_size": args.hidden,
+        "num_layers": args.layers,
+        "num_heads": args.heads,
+        "hidden_dropout": args.dropout,
+        "attention_dropout": args.dropout,
+    }
     arch = preset(args.model, vocab_size=vocab, **{k: v for k, v in flags.items() if v is not None})
     if arch.arch != "bert":
-        raise SystemExit(f"--model {args.model} is not a BERT preset; use examples/pretrain_gpt.py for decoders")
+        raise SystemExit(
+            f"--model {args.model} is not a BERT preset; use examples/pretrain_gpt.py for decoders"
+        )
     if arch.max_position_embeddings < args.seq_len:
         arch = arch.replace(max_position_embeddings=args.seq_len)
     info, mesh, cfg, _ = layout.setup(args, arch.hidden_size)
     # score only the masked positions (~1/6 of the head's work); a CUDA-graph capture needs fixed shapes
     arch = arch.replace(head_labeled_only=not cfg.pipeline.cuda_graphs)
     rank0 = info.rank == 0
-    progress = common.Progress(out_dir / "metrics.jsonl", rank0, mesh.world_size, mesh.device, 0.0, None,
-                               unit="samples")
+    progress = common.Progress(
+        out_dir / "metrics.jsonl", rank0, mesh.world_size, mesh.device, 0.0, None, unit="samples"
+    )
     tokens, _ = common.token_file(args, out_dir, rank0)
     engine = train_loop.build_engine(args, mesh, cfg, arch)
 
@@ -203,19 +272,35 @@ def main(argv=None) -> None:
 
     def loader(dataset, micro_batch=micro, **kw):
         batches = DistributedBatches(dataset, micro_batch, mesh.dp_rank, mesh.dp, **kw)
-        return common.EpochLoop(batches, MLMBatch(batches, ids, vocab, args.mask_prob, args.seed, mesh.dp_rank,
-                                                  mesh.device))
+        return common.EpochLoop(
+            batches,
+            MLMBatch(batches, ids, vocab, args.mask_prob, args.seed, mesh.dp_rank, mesh.device),
+        )
 
     loop = loader(train, seed=args.seed)
     engine.data_loader = loop
-    progress.say(f"plait pretrain_bert: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters, MLM at "
-                 f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x cp={mesh.cp} x dp={mesh.dp} "
-                 f"on {mesh.device.type}, "
-                 f"{layout.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
-                 f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples")
-    summary = train_loop.run(args, engine, loop, lambda: loader(val, common.validation_micro_batch(len(val), micro, mesh.dp),
-                                                                        shuffle=False, drop_last=True), progress,
-                             ckpt_dir, cfg.train_batch_size, rank0)
+    progress.say(
+        f"plait pretrain_bert: {args.model} {arch.num_parameters() / 1e6:.2f}M parameters, MLM at "
+        f"sequence {args.seq_len}, tp={mesh.tp} x pp={mesh.pp} x cp={mesh.cp} x dp={mesh.dp} "
+        f"on {mesh.device.type}, "
+        f"{layout.zero_desc(cfg)}, {cfg.optimizer.type}, {cfg.precision}; global batch "
+        f"{cfg.train_batch_size} samples; {len(train):,} train / {len(val):,} val samples"
+    )
+    summary = train_loop.run(
+        args,
+        engine,
+        loop,
+        lambda: loader(
+            val,
+            common.validation_micro_batch(len(val), micro, mesh.dp),
+            shuffle=False,
+            drop_last=True,
+        ),
+        progress,
+        ckpt_dir,
+        cfg.train_batch_size,
+        rank0,
+    )
     progress.close()
     dist.barrier()
     if rank0 and summary["step"] >= args.steps and not args.no_export:

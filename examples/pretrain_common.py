@@ -4,6 +4,7 @@ parallel layout and the ds_config: ``pretrain_layout``).
 
 Nothing here keeps module-level state; every helper takes what it needs as arguments.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,6 +44,7 @@ def token_file(args, out_dir: Path, is_rank0: bool) -> tuple[Path, int]:
         bundled_tokenizer_path,
         read_token_meta,
     )
+
     tok_path = Path(args.tokenizer) if args.tokenizer else bundled_tokenizer_path()
     vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size(with_added_tokens=True)
     if not args.data:
@@ -54,8 +56,12 @@ def token_file(args, out_dir: Path, is_rank0: bool) -> tuple[Path, int]:
     if len(data) == 1 and data[0].suffix in (".npy", ".bin"):
         meta = read_token_meta(data[0]) if data[0].suffix == ".bin" else None
         return data[0], int(meta["vocab_size"]) if meta and meta.get("vocab_size") else vocab
-    key = hashlib.sha256(json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in data]
-                                    + [str(tok_path)]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps(
+            [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in data]
+            + [str(tok_path)]
+        ).encode()
+    ).hexdigest()[:12]
     out = out_dir / "data" / f"tokens-{key}.bin"
 
     def build():
@@ -107,8 +113,10 @@ def validation_micro_batch(num_samples: int, micro: int, dp: int) -> int:
         ValueError: the validation split holds fewer samples than there are dp ranks.
     """
     if num_samples < dp:
-        raise ValueError(f"the validation split has {num_samples} samples, fewer than the {dp} data-parallel "
-                         "ranks; raise --val-fraction or shorten --seq-len")
+        raise ValueError(
+            f"the validation split has {num_samples} samples, fewer than the {dp} data-parallel "
+            "ranks; raise --val-fraction or shorten --seq-len"
+        )
     return min(micro, num_samples // dp)
 
 
@@ -147,9 +155,23 @@ def flops_per_token(num_params: int, num_layers: int, hidden: int, seq: int) -> 
 class Progress:
     """Progress lines on rank 0 and JSONL records (appended, so a resumed run continues the file)."""
 
-    def __init__(self, path: Path, enabled: bool, world: int, device: torch.device, flops_token: float,
-                 peak: float | None, unit: str = "tokens"):
-        self.enabled, self.world, self.device, self.flops_token, self.peak = enabled, world, device, flops_token, peak
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool,
+        world: int,
+        device: torch.device,
+        flops_token: float,
+        peak: float | None,
+        unit: str = "tokens",
+    ):
+        self.enabled, self.world, self.device, self.flops_token, self.peak = (
+            enabled,
+            world,
+            device,
+            flops_token,
+            peak,
+        )
         self.unit = unit
         self.file = None
         if enabled:
@@ -185,17 +207,30 @@ class Progress:
         lr = engine.get_lr()[0]
         elapsed = now - self.t_begin
         eta = elapsed / max(step - self.step_begin, 1) * max(total - step, 0)
-        rec = {"type": "train", "step": step, "loss": loss, "lr": lr, f"{self.unit}_per_s": rate,
-               "grad_norm": engine.grad_norm, "loss_scale": engine.loss_scale, "peak_mem_gib": mem,
-               "skipped_steps": engine.skipped_steps, "elapsed_s": elapsed, "eta_s": eta, "time": time.time()}
-        line = (f"step {step:>6}/{total} | loss {loss:7.4f} | lr {lr:.2e} | {rate:>10,.0f} {self.unit}/s | "
-                f"mem {mem:.2f} {mem_unit} | grad norm {engine.grad_norm or 0.0:.3f} | "
-                f"loss scale {engine.loss_scale:g} | skipped {engine.skipped_steps} | "
-                f"{fmt_time(elapsed)} elapsed, ETA {fmt_time(eta)}")
+        rec = {
+            "type": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            f"{self.unit}_per_s": rate,
+            "grad_norm": engine.grad_norm,
+            "loss_scale": engine.loss_scale,
+            "peak_mem_gib": mem,
+            "skipped_steps": engine.skipped_steps,
+            "elapsed_s": elapsed,
+            "eta_s": eta,
+            "time": time.time(),
+        }
+        line = (
+            f"step {step:>6}/{total} | loss {loss:7.4f} | lr {lr:.2e} | {rate:>10,.0f} {self.unit}/s | "
+            f"mem {mem:.2f} {mem_unit} | grad norm {engine.grad_norm or 0.0:.3f} | "
+            f"loss scale {engine.loss_scale:g} | skipped {engine.skipped_steps} | "
+            f"{fmt_time(elapsed)} elapsed, ETA {fmt_time(eta)}"
+        )
         if self.peak and self.unit == "tokens":
             rec["mfu"] = rate * self.flops_token / (self.world * self.peak)
             line += f" | MFU {100 * rec['mfu']:.1f}%"
-        moe = engine.moe_stats()   # collective: every rank's Progress calls it
+        moe = engine.moe_stats()  # collective: every rank's Progress calls it
         if moe is not None:
             rec.update(moe)
             line += f" | moe aux {moe['aux_loss']:.4f} | imbalance {moe['load_imbalance']:.2f}"
@@ -216,6 +251,7 @@ class Progress:
 def resume_tag(args, ckpt_dir: Path) -> str | None:
     """The checkpoint tag to resume from (decided on rank 0, broadcast), or None to start fresh."""
     from plait.checkpoint.dirs import read_latest
+
     if args.resume == "never":
         return None
     latest = read_latest(str(ckpt_dir)) if ckpt_dir.is_dir() else None
@@ -227,8 +263,10 @@ def resume_tag(args, ckpt_dir: Path) -> str | None:
         return latest
     if args.resume == "latest":
         if latest is None:
-            raise SystemExit(f"--resume: no checkpoint in {ckpt_dir} ({ckpt_dir / 'latest'} is missing); "
-                             f"train without --resume first, or point --out-dir at the run")
+            raise SystemExit(
+                f"--resume: no checkpoint in {ckpt_dir} ({ckpt_dir / 'latest'} is missing); "
+                f"train without --resume first, or point --out-dir at the run"
+            )
         return latest
     return args.resume
 
@@ -236,6 +274,7 @@ def resume_tag(args, ckpt_dir: Path) -> str | None:
 def save(engine, ckpt_dir: Path, step: int, client: dict, keep_last: int, is_rank0: bool) -> float:
     """Save ``step{step}`` (collective), prune old ones on rank 0; returns the seconds it took."""
     from plait.checkpoint.dirs import prune
+
     t0 = time.perf_counter()
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=client)
     if is_rank0 and keep_last:
@@ -245,8 +284,11 @@ def save(engine, ckpt_dir: Path, step: int, client: dict, keep_last: int, is_ran
 
 def maybe_crash(args, step: int) -> None:
     """Test hook: SIGKILL global rank 1 at ``--crash-at-step`` on the first attempt of a torchrun job."""
-    if args.crash_at_step == step and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 \
-            and dist.get_rank() == 1:
+    if (
+        args.crash_at_step == step
+        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        and dist.get_rank() == 1
+    ):
         print(f"[rank 1] killing myself with SIGKILL at step {step} (test hook)", flush=True)
         os.kill(os.getpid(), 9)
 

@@ -3,6 +3,7 @@ precision, ...), the config file they override, and the process group, mesh and 
 
 Nothing here keeps module-level state; every helper takes what it needs as arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,39 +23,85 @@ EXAMPLES = Path(__file__).resolve().parent
 def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> None:
     """Layout, ds_config and loop flags shared by the example scripts."""
     g = parser.add_argument_group("layout and ds_config (command-line values override the JSON)")
-    g.add_argument("--config", "--deepspeed_config", "--deepspeed-config", dest="config",
-                   default=str(EXAMPLES / "configs" / default_config),
-                   help="DeepSpeed-style JSON (default: %(default)s)")
-    g.add_argument("--tp", type=int, help="tensor-parallel size (default: config, else 2 when the world "
-                                          "size is even)")
-    g.add_argument("--pp", type=int, help="pipeline-parallel size (default: config, else 2 when the world "
-                                          "size is a multiple of 4)")
-    g.add_argument("--cp", type=int, help="context-parallel size: each sequence split over this many ranks "
-                                          "(default: the config's context_parallel.size, else 1)")
-    g.add_argument("--cp-method", choices=["ring", "all_to_all"], help="context-parallel attention (default ring)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture of experts' experts split "
-                                                     "over this many dp ranks (default 1)")
+    g.add_argument(
+        "--config",
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="config",
+        default=str(EXAMPLES / "configs" / default_config),
+        help="DeepSpeed-style JSON (default: %(default)s)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel size (default: config, else 2 when the world size is even)",
+    )
+    g.add_argument(
+        "--pp",
+        type=int,
+        help="pipeline-parallel size (default: config, else 2 when the world "
+        "size is a multiple of 4)",
+    )
+    g.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel size: each sequence split over this many ranks "
+        "(default: the config's context_parallel.size, else 1)",
+    )
+    g.add_argument(
+        "--cp-method",
+        choices=["ring", "all_to_all"],
+        help="context-parallel attention (default ring)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: a mixture of experts' experts split "
+        "over this many dp ranks (default 1)",
+    )
     g.add_argument("--schedule", choices=list(SCHEDULES), help="pipeline schedule")
-    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved; zb-v: 2)")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay each pipeline action as a CUDA graph (pipeline.cuda_graphs; pp > 1, tp 1, ZeRO <= 2)")
+    g.add_argument(
+        "--virtual-stages", type=int, help="model chunks per pipeline rank (interleaved; zb-v: 2)"
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay each pipeline action as a CUDA graph (pipeline.cuda_graphs; pp > 1, tp 1, ZeRO <= 2)",
+    )
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
-    g.add_argument("--offload", choices=["none", "optimizer", "param", "all"],
-                   help="ZeRO-Offload of optimizer states and/or parameters to the CPU")
+    g.add_argument(
+        "--offload",
+        choices=["none", "optimizer", "param", "all"],
+        help="ZeRO-Offload of optimizer states and/or parameters to the CPU",
+    )
     g.add_argument("--micro-batch", type=int, help="samples per rank per micro-step")
     g.add_argument("--global-batch", type=int, help="samples per optimizer step over all dp ranks")
-    g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (pipeline micro-batches)")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="auto: bf16 on GPUs that have it, fp32 on CPU")
+    g.add_argument(
+        "--grad-accum", type=int, help="gradient accumulation steps (pipeline micro-batches)"
+    )
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: bf16 on GPUs that have it, fp32 on CPU",
+    )
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--warmup", type=int, help="warmup steps (default: 10%% of --steps)")
     g.add_argument("--clip", type=float, help="gradient clipping (max global norm)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
-    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile each transformer block (auto: the config's compile section, else on for "
-                        "CUDA and off on CPU)")
+    g.add_argument(
+        "--recompute", action="store_true", help="recompute each block's activations in backward"
+    )
+    g.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile each transformer block (auto: the config's compile section, else on for "
+        "CUDA and off on CPU)",
+    )
 
     r = parser.add_argument_group("run")
     r.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
@@ -63,19 +110,41 @@ def add_parallel_args(parser: argparse.ArgumentParser, default_config: str) -> N
     r.add_argument("--eval-batches", type=int, default=4, help="eval_batch calls per validation")
     r.add_argument("--save-every", type=int, default=100)
     r.add_argument("--keep-last", type=int, default=2, help="checkpoints kept on disk")
-    r.add_argument("--out-dir", default="runs/" + Path(sys.argv[0]).stem,
-                   help="checkpoints/, metrics.jsonl and the exports go here (default: %(default)s)")
-    r.add_argument("--resume", nargs="?", const="latest", default="auto",
-                   help="auto (default): continue from <out-dir>/checkpoints/latest when it exists "
-                        "(what torchrun --max-restarts needs); --resume alone: require it; never: start over; "
-                        "or a checkpoint tag")
-    r.add_argument("--stop-at-step", type=int, help="stop (after saving) at this step, as if interrupted")
-    r.add_argument("--timeout", type=float, help="collective timeout in seconds for the whole run (default: the "
-                                                 "config's comm timeouts, 600 s until the first step, then 180 s)")
-    r.add_argument("--gc-interval", type=int, help="full Python garbage collection every N optimizer steps, "
-                   "automatic collection off (default: the config's garbage_collection, else 50; 0: Python's own)")
-    r.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: H100/H200 bf16)")
-    r.add_argument("--crash-at-step", type=int, help=argparse.SUPPRESS)   # tests: SIGKILL global rank 1
+    r.add_argument(
+        "--out-dir",
+        default="runs/" + Path(sys.argv[0]).stem,
+        help="checkpoints/, metrics.jsonl and the exports go here (default: %(default)s)",
+    )
+    r.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default="auto",
+        help="auto (default): continue from <out-dir>/checkpoints/latest when it exists "
+        "(what torchrun --max-restarts needs); --resume alone: require it; never: start over; "
+        "or a checkpoint tag",
+    )
+    r.add_argument(
+        "--stop-at-step", type=int, help="stop (after saving) at this step, as if interrupted"
+    )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        help="collective timeout in seconds for the whole run (default: the "
+        "config's comm timeouts, 600 s until the first step, then 180 s)",
+    )
+    r.add_argument(
+        "--gc-interval",
+        type=int,
+        help="full Python garbage collection every N optimizer steps, "
+        "automatic collection off (default: the config's garbage_collection, else 50; 0: Python's own)",
+    )
+    r.add_argument(
+        "--peak-tflops", type=float, help="per-device peak for MFU (default: H100/H200 bf16)"
+    )
+    r.add_argument(
+        "--crash-at-step", type=int, help=argparse.SUPPRESS
+    )  # tests: SIGKILL global rank 1
 
 
 def choose_layout(args, raw: dict, world: int) -> tuple[int, int, int]:
@@ -92,8 +161,10 @@ def choose_layout(args, raw: dict, world: int) -> tuple[int, int, int]:
     elif pp is None:
         pp = 2 if rest % (2 * tp) == 0 else 1
     if world % (tp * pp * cp):
-        raise SystemExit(f"world size {world} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}; launch a "
-                         f"multiple of {tp * pp * cp} processes (torchrun --nproc-per-node) or change --tp/--pp/--cp")
+        raise SystemExit(
+            f"world size {world} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}; launch a "
+            f"multiple of {tp * pp * cp} processes (torchrun --nproc-per-node) or change --tp/--pp/--cp"
+        )
     return tp, pp, cp
 
 
@@ -103,7 +174,9 @@ def apply_zero_flags(cfg: dict, args) -> None:
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage
     if args.offload is not None:
-        zero["offload_optimizer"] = {"device": "cpu" if args.offload in ("optimizer", "all") else "none"}
+        zero["offload_optimizer"] = {
+            "device": "cpu" if args.offload in ("optimizer", "all") else "none"
+        }
         zero["offload_param"] = {"device": "cpu" if args.offload in ("param", "all") else "none"}
 
 
@@ -128,15 +201,18 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
     if pipe.get("schedule") == "interleaved" and pipe.get("virtual_stages", 1) < 2:
         pipe["virtual_stages"] = 2
     if pipe.get("schedule") == "zb-v":
-        pipe["virtual_stages"] = 2   # the V placement: two chunks per rank
+        pipe["virtual_stages"] = 2  # the V placement: two chunks per rank
     triple = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    given = {"train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.micro_batch,
-             "gradient_accumulation_steps": args.grad_accum}
+    given = {
+        "train_batch_size": args.global_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+    }
     for key, value in given.items():
         if value is not None:
             cfg[key] = value
     if all(k in cfg for k in triple) and given["gradient_accumulation_steps"] is None:
-        cfg.pop("gradient_accumulation_steps")       # keep the global batch, derive accumulation
+        cfg.pop("gradient_accumulation_steps")  # keep the global batch, derive accumulation
     elif all(k in cfg for k in triple) and given["train_batch_size"] is None:
         cfg.pop("train_batch_size")
     apply_zero_flags(cfg, args)
@@ -148,11 +224,13 @@ def build_ds_config(args, raw: dict, tp: int, pp: int, cp: int = 1) -> dict:
         if "warmup_max_lr" in sched:
             sched["warmup_max_lr"] = args.lr
     cfg.setdefault("seed", args.seed)
-    cfg["steps_per_print"] = 0   # the script prints its own line every --log-every steps: not a second one
+    cfg["steps_per_print"] = (
+        0  # the script prints its own line every --log-every steps: not a second one
+    )
     gc_interval = getattr(args, "gc_interval", None)
     if gc_interval is not None:
         cfg["garbage_collection"] = {"interval": gc_interval}
-    cfg.setdefault("garbage_collection", {"interval": 50})   # torchtitan's gc_freq
+    cfg.setdefault("garbage_collection", {"interval": 50})  # torchtitan's gc_freq
     return cfg
 
 
@@ -173,16 +251,28 @@ def setup(args, model_hidden: int):
     mesh = ParallelMesh(tp=tp, pp=pp, cp=cp, ep=args.ep)
     ds = build_ds_config(args, raw, tp, pp, cp)
     if args.compile != "auto" or "compile" not in ds:
-        ds["compile"] = {"enabled": args.compile == "on" or args.compile == "auto" and mesh.device.type == "cuda"}
+        ds["compile"] = {
+            "enabled": args.compile == "on" or args.compile == "auto" and mesh.device.type == "cuda"
+        }
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    cfg = load_config(ds, dp_size=mesh.dp, model_hidden_size=model_hidden, lr=args.lr,
-                      mixed_precision=precision_for(args, mesh.device), warmup_num_steps=warmup,
-                      total_num_steps=args.steps)
+    cfg = load_config(
+        ds,
+        dp_size=mesh.dp,
+        model_hidden_size=model_hidden,
+        lr=args.lr,
+        mixed_precision=precision_for(args, mesh.device),
+        warmup_num_steps=warmup,
+        total_num_steps=args.steps,
+    )
     return info, mesh, cfg, ds
 
 
 def zero_desc(cfg) -> str:
-    """"ZeRO-3 + offload optimizer, param" style summary of the config's ZeRO section."""
+    """ "ZeRO-3 + offload optimizer, param" style summary of the config's ZeRO section."""
     z = cfg.zero_optimization
-    off = [name for name, o in (("optimizer", z.offload_optimizer), ("param", z.offload_param)) if o.enabled]
+    off = [
+        name
+        for name, o in (("optimizer", z.offload_optimizer), ("param", z.offload_param))
+        if o.enabled
+    ]
     return f"ZeRO-{z.stage}" + (f" + offload {', '.join(off)}" if off else "")

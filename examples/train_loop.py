@@ -5,6 +5,7 @@ progress lines, validation and checkpoints, and summarise the run.
     engine.data_loader = loop                             # its position is saved in checkpoints
     summary = run(args, engine, loop, val_loader, progress, ckpt_dir, items_per_step, rank0)
 """
+
 from __future__ import annotations
 
 import time
@@ -34,24 +35,51 @@ def build_engine(args, mesh, cfg, arch, chunk_factory=None):
         weights = layer_parameter_counts(arch) if cfg.pipeline.partition == "parameters" else None
         parts = partition_layers(n, mesh.pp, v, cfg.pipeline.partition, weights)
         shape = placement(cfg.pipeline.schedule)
-        chunks = [chunk_factory(layers) for layers in stage_layers(parts, mesh.pp, mesh.pp_rank, shape)]
+        chunks = [
+            chunk_factory(layers) for layers in stage_layers(parts, mesh.pp, mesh.pp_rank, shape)
+        ]
     elif pipelined:
-        chunks = build_stage_modules(arch, mesh, v=v, method=cfg.pipeline.partition, sequence_parallel=sp,
-                                     seed=args.seed, recompute=recompute, cp_method=cfg.context_parallel.method,
-                                     device=mesh.device, schedule=cfg.pipeline.schedule)
+        chunks = build_stage_modules(
+            arch,
+            mesh,
+            v=v,
+            method=cfg.pipeline.partition,
+            sequence_parallel=sp,
+            seed=args.seed,
+            recompute=recompute,
+            cp_method=cfg.context_parallel.method,
+            device=mesh.device,
+            schedule=cfg.pipeline.schedule,
+        )
     elif chunk_factory is not None:
         model = chunk_factory(None)
     else:
-        model = TransformerModel(arch, mesh, sequence_parallel=sp, seed=args.seed, recompute=recompute,
-                                 cp_method=cfg.context_parallel.method, device=mesh.device)
+        model = TransformerModel(
+            arch,
+            mesh,
+            sequence_parallel=sp,
+            seed=args.seed,
+            recompute=recompute,
+            cp_method=cfg.context_parallel.method,
+            device=mesh.device,
+        )
     if pipelined:
         costs = "measure" if cfg.pipeline.schedule_costs == "measure" else None
-        model = PipelineParallel(chunks, mesh, cfg.pipeline.schedule, cfg.gradient_accumulation_steps, v,
-                                 schedule_costs=costs, cuda_graphs=cfg.pipeline.cuda_graphs)
+        model = PipelineParallel(
+            chunks,
+            mesh,
+            cfg.pipeline.schedule,
+            cfg.gradient_accumulation_steps,
+            v,
+            schedule_costs=costs,
+            cuda_graphs=cfg.pipeline.cuda_graphs,
+        )
     return plait.initialize(model, cfg, mesh=mesh)
 
 
-def run(args, engine, loop, val_loader, progress, ckpt_dir: Path, items_per_step: int, rank0: bool) -> dict:
+def run(
+    args, engine, loop, val_loader, progress, ckpt_dir: Path, items_per_step: int, rank0: bool
+) -> dict:
     """Resume when a checkpoint says so, then train to ``args.steps`` (or ``--stop-at-step``).
 
     Returns the run summary (also written to the metrics file and printed on rank 0)."""
@@ -61,8 +89,10 @@ def run(args, engine, loop, val_loader, progress, ckpt_dir: Path, items_per_step
         path, client = engine.load_checkpoint(str(ckpt_dir), tag)
         step = int(client.get("step", engine.global_steps))
         state = loop.state_dict()
-        progress.say(f"resumed from {path} at step {step} (data epoch {state['epoch']}, "
-                     f"position {state['position']} of {state['num_samples']} samples)")
+        progress.say(
+            f"resumed from {path} at step {step} (data epoch {state['epoch']}, "
+            f"position {state['position']} of {state['num_samples']} samples)"
+        )
     val_start = client.get("val_start")
     if val_start is None:
         val_start = common.validate(engine, val_loader, args.eval_batches)
@@ -96,16 +126,28 @@ def run(args, engine, loop, val_loader, progress, ckpt_dir: Path, items_per_step
     t_train = time.perf_counter() - t_train
     mesh = engine.mesh
     unit = progress.unit
-    summary = {"type": "summary", "step": step, "steps_this_run": trained, "val_loss_start": val_start,
-               "val_loss_end": val_loss, "train_seconds": t_train, "checkpoint_seconds": save_secs,
-               f"{unit}_per_s": trained * items_per_step / t_train if trained else None,
-               "peak_mem_gib": common.peak_memory_gib(mesh.device)[0], "layout": [mesh.tp, mesh.pp, mesh.dp]}
+    summary = {
+        "type": "summary",
+        "step": step,
+        "steps_this_run": trained,
+        "val_loss_start": val_start,
+        "val_loss_end": val_loss,
+        "train_seconds": t_train,
+        "checkpoint_seconds": save_secs,
+        f"{unit}_per_s": trained * items_per_step / t_train if trained else None,
+        "peak_mem_gib": common.peak_memory_gib(mesh.device)[0],
+        "layout": [mesh.tp, mesh.pp, mesh.dp],
+    }
     progress.record(summary)
     rate = f", {summary[f'{unit}_per_s']:,.1f} {unit}/s" if trained else ""
-    progress.say(f"\nrun summary: step {step}/{args.steps} ({trained} this launch in {common.fmt_time(t_train)}"
-                 f"{rate}); validation loss {val_start:.4f} -> {val_loss:.4f}; peak memory "
-                 f"{summary['peak_mem_gib']:.2f} GiB on rank 0; checkpoints in {ckpt_dir}")
+    progress.say(
+        f"\nrun summary: step {step}/{args.steps} ({trained} this launch in {common.fmt_time(t_train)}"
+        f"{rate}); validation loss {val_start:.4f} -> {val_loss:.4f}; peak memory "
+        f"{summary['peak_mem_gib']:.2f} GiB on rank 0; checkpoints in {ckpt_dir}"
+    )
     if step >= args.steps and trained == 0:
-        progress.say(f"(the run in {ckpt_dir.parent} had already reached step {step}: raise --steps to train "
-                     f"further, or pass --resume never / another --out-dir to start over)")
+        progress.say(
+            f"(the run in {ckpt_dir.parent} had already reached step {step}: raise --steps to train "
+            f"further, or pass --resume never / another --out-dir to start over)"
+        )
     return summary

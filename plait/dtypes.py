@@ -2,16 +2,24 @@
 
 Imports only torch, so configuration, checkpoint and ZeRO code can all use it without import cycles.
 """
+
 from __future__ import annotations
 
 import torch
 
 #: Accepted dtype names (lower case) -> torch dtype.
 DTYPE_NAMES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 

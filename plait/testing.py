@@ -9,6 +9,7 @@ A rank that raises has its formatted traceback re-raised in the caller as
 ``DistributedTestError``; a run that outlives ``timeout_s`` is killed whole and reported
 with the ranks that had not finished. Every child is reaped before returning.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -38,8 +39,13 @@ def _worker(rank, world_size, store_path, results, fn, args, threads):
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
         # Plain pickle copies tensor data into bytes; the queue's own pickler would pass shared-memory
         # file descriptors that die with this process before the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -82,8 +88,13 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> dict[int, tup
                 rank, status, value = results.get()
                 outcomes[rank] = (status, value)
             for r in dead:
-                outcomes.setdefault(r, ("error", f"process exited with code {procs[r].exitcode} "
-                                                  "without reporting a result"))
+                outcomes.setdefault(
+                    r,
+                    (
+                        "error",
+                        f"process exited with code {procs[r].exitcode} without reporting a result",
+                    ),
+                )
         if time.monotonic() > deadline:
             break
     return outcomes
@@ -113,9 +124,14 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, thread
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="plait-dist-") as tmp:
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, os.path.join(tmp, "store"), results, fn, args, threads))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, os.path.join(tmp, "store"), results, fn, args, threads),
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         try:

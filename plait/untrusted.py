@@ -12,6 +12,7 @@ name such as ``../x`` or a symlink leading out, a FIFO, or an endless or huge fi
 Each raises ``error``, the exception class its caller passes (default :class:`UntrustedFileError`; the
 checkpoint package passes its ``CheckpointError``); a missing file stays ``FileNotFoundError``.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ SMALL_FILE_CAP = 64 << 20
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 class UntrustedFileError(ValueError):
@@ -38,27 +44,40 @@ def _confinement(folder: str) -> str:
     snapshot ``<repo>/snapshots/<rev>`` the repository cache folder ``<repo>`` (its files link to blobs)."""
     base = os.path.realpath(folder)
     parent = os.path.dirname(base)
-    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(os.path.dirname(parent), "blobs")):
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(
+        os.path.join(os.path.dirname(parent), "blobs")
+    ):
         return os.path.dirname(parent)
     return base
 
 
-def inside(folder: str | os.PathLike, name: str, what: str = "file", *, error=UntrustedFileError) -> str:
+def inside(
+    folder: str | os.PathLike, name: str, what: str = "file", *, error=UntrustedFileError
+) -> str:
     """``folder/name`` when ``name`` is a relative name that, symlinks resolved, stays inside ``folder``.
 
     Raises:
         error: ``name`` is absolute, holds ``..``, or resolves outside ``folder`` (names both paths).
     """
     folder = os.fspath(folder)
-    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name) \
-            or ".." in name.replace("\\", "/").split("/"):
-        raise error(f"{what} {name!r} is not a plain relative name inside {folder}; refusing to open it "
-                    f"(a file from elsewhere may only name files in its own folder)")
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\0" in name
+        or os.path.isabs(name)
+        or ".." in name.replace("\\", "/").split("/")
+    ):
+        raise error(
+            f"{what} {name!r} is not a plain relative name inside {folder}; refusing to open it "
+            f"(a file from elsewhere may only name files in its own folder)"
+        )
     path = os.path.join(folder, name)
     root, resolved = _confinement(folder), os.path.realpath(path)
     if os.path.commonpath([root, resolved]) != root:
-        raise error(f"{what} {path} resolves to {resolved}, outside {root}; refusing to open it (a file from "
-                    f"elsewhere may only name files in its own folder)")
+        raise error(
+            f"{what} {path} resolves to {resolved}, outside {root}; refusing to open it (a file from "
+            f"elsewhere may only name files in its own folder)"
+        )
     return path
 
 
@@ -80,7 +99,9 @@ def _regular(mode: int, size: int, path: str, what: str, error) -> int:
     return size
 
 
-def read_small(path: str, what: str = "file", cap: int = SMALL_FILE_CAP, *, error=UntrustedFileError) -> bytes:
+def read_small(
+    path: str, what: str = "file", cap: int = SMALL_FILE_CAP, *, error=UntrustedFileError
+) -> bytes:
     """The bytes of the regular file ``path``, of at most ``cap`` bytes (checked before it is opened; at most
     ``cap + 1`` bytes are read, never blocking on a FIFO swapped in meanwhile).
 
@@ -90,9 +111,11 @@ def read_small(path: str, what: str = "file", cap: int = SMALL_FILE_CAP, *, erro
     """
     size = file_size(path, what, error=error)
     if size > cap:
-        raise error(f"{what} {path} has {size} bytes, more than the {cap} ({cap / 2**20:g} MiB) plait reads of a "
-                    f"JSON or text file from elsewhere; refusing to read it (restore the file, or point to another "
-                    f"folder)")
+        raise error(
+            f"{what} {path} has {size} bytes, more than the {cap} ({cap / 2**20:g} MiB) plait reads of a "
+            f"JSON or text file from elsewhere; refusing to read it (restore the file, or point to another "
+            f"folder)"
+        )
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     try:
         info = os.fstat(fd)
@@ -125,8 +148,10 @@ def _parse(path: str, what: str, parse, error):
     try:
         return parse(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{what} {path} is damaged: not UTF-8 JSON text ({e}); restore it or point to another "
-                    "checkpoint") from None
+        raise error(
+            f"{what} {path} is damaged: not UTF-8 JSON text ({e}); restore it or point to another "
+            "checkpoint"
+        ) from None
 
 
 def hf_weight_files(folder: str | os.PathLike, *, error=UntrustedFileError) -> dict[str, str]:
@@ -143,12 +168,15 @@ def hf_weight_files(folder: str | os.PathLike, *, error=UntrustedFileError) -> d
         path = inside(folder, HF_WEIGHTS, "Hugging Face weights", error=error)
         file_size(path, "Hugging Face weights", error=error)
         from safetensors import safe_open
+
         with safe_open(path, framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), path)   # noqa: SIM118 - safe_open is no dict
+            return dict.fromkeys(handle.keys(), path)  # noqa: SIM118 - safe_open is no dict
     if not os.path.lexists(os.path.join(folder, HF_INDEX)):
-        raise FileNotFoundError(f"{folder} holds no .safetensors weights (neither {HF_WEIGHTS} nor {HF_INDEX}); "
-                                "pickled pytorch_model.bin files are not read: re-save the model with "
-                                "save_pretrained(..., safe_serialization=True)")
+        raise FileNotFoundError(
+            f"{folder} holds no .safetensors weights (neither {HF_WEIGHTS} nor {HF_INDEX}); "
+            "pickled pytorch_model.bin files are not read: re-save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
     index = inside(folder, HF_INDEX, "Hugging Face weight index", error=error)
     parsed = read_json(index, "Hugging Face weight index", error=error)
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None

@@ -1,4 +1,5 @@
 """What the checkpoint storage tests share (test_checkpoint_format.py, test_checkpoint_safety.py)."""
+
 import torch
 
 

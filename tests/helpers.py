@@ -4,6 +4,7 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path`` 
 modules and the processes they spawn; ``tests/gpu/*.py`` insert it themselves), like
 ``reference_models``. Plain functions only: no state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,15 +44,25 @@ def tiny(arch: str = "llama", **overrides) -> TransformerConfig:
 def make_config(arch: str, **overrides) -> TransformerConfig:
     """The 3-block parity model of ``<arch>-tiny``: vocabulary 1001 (padded on the last tp rank), hidden
     64, 4 heads (Llama: 8 heads on 4 kv heads, MLP 160), 64 positions, no dropout; then ``overrides``."""
-    base = dict(vocab_size=1001, num_layers=3, hidden_size=64, num_heads=4, max_position_embeddings=64,
-                hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        vocab_size=1001,
+        num_layers=3,
+        hidden_size=64,
+        num_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     if arch == "llama":
-        base.update(num_heads=8, num_kv_heads=4, ffn_hidden_size=160)   # GQA: 2 query heads per kv head
+        base.update(
+            num_heads=8, num_kv_heads=4, ffn_hidden_size=160
+        )  # GQA: 2 query heads per kv head
     return preset(f"{arch}-tiny", **{**base, **overrides})
 
 
-def micro_batch(step: int, j: int, dp_rank: int, *, vocab_size: int = 257, micro: int = 2,
-                seq: int = 16) -> dict:
+def micro_batch(
+    step: int, j: int, dp_rank: int, *, vocab_size: int = 257, micro: int = 2, seq: int = 16
+) -> dict:
     """Micro-batch ``j`` of optimizer step ``step`` on data-parallel rank ``dp_rank``: ``input_ids`` and
     next-token ``labels``, both ``[micro, seq]`` int64 in ``[0, vocab_size)``, seeded by the three
     indices (the same on every call)."""

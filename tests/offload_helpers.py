@@ -1,6 +1,7 @@
 """What the offload tests share (test_offload.py, test_offload_zero_optimizer.py, test_offload_placement.py,
 test_lowbit_engine.py, gpu/run_offload_gpu.py): the ds_config of a ZeRO-Offload run, an engine run and its
 bit-exact reference (``reference``), the parity cases ``CASES``, and a host optimizer slowed down."""
+
 import functools
 import math
 import time
@@ -16,19 +17,52 @@ from helpers import micro_batch, tiny
 STEPS, MICRO, SEQ = 5, 2, 16
 
 
-def ds_config(stage, offload=False, param=False, clip=0.5, gas=2, fp16=False, bf16=False, device_step=0.0, ratio=1.0):
+def ds_config(
+    stage,
+    offload=False,
+    param=False,
+    clip=0.5,
+    gas=2,
+    fp16=False,
+    bf16=False,
+    device_step=0.0,
+    ratio=1.0,
+):
     """Early host steps (during backward) need clipping, fp16 and the non-finite guard off: with ``clip``
     0 the guard is turned off too (a step already applied during backward cannot be skipped)."""
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                        "warmup_num_steps": 3, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000,
-                                 "stage3_param_persistence_threshold": 100, "overlap_comm": stage == 3},
-           "nonfinite_guard": {"enabled": clip > 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 3e-3,
+                "warmup_num_steps": 3,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "allgather_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 100,
+            "overlap_comm": stage == 3,
+        },
+        "nonfinite_guard": {"enabled": clip > 0},
+    }
     if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
-                                                         "device_step_fraction": device_step, "ratio": ratio}
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu",
+            "pin_memory": True,
+            "device_step_fraction": device_step,
+            "ratio": ratio,
+        }
     if param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if fp16:
@@ -68,7 +102,9 @@ def slow_host_steps(seconds):
 # in the last bits of each update (torch's lerp and its fused multiply-adds depend on the CPU's vector
 # ISA); training amplifies such differences chaotically (3 steps at lr 1e-2: 1.6e-6 on the whole weight),
 # so that comparison is made per step, where it is bounded (tests/test_kernels.py).
-HOST_ADAMW = functools.partial(HostOptimizer, kind="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+HOST_ADAMW = functools.partial(
+    HostOptimizer, kind="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)
+)
 
 
 def reference(cfg, steps, **kwargs):
@@ -82,7 +118,11 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None, device="cpu", 
     mesh = ParallelMesh()
     model = TransformerModel(tiny(), mesh, seed=5).to(device)
     # a user's optimizer factory gets the config's weight-decay grouping only when handed the groups
-    groups = [g for g in weight_decay_groups(model, 0.1) if g["params"]] if optimizer is not None else None
+    groups = (
+        [g for g in weight_decay_groups(model, 0.1) if g["params"]]
+        if optimizer is not None
+        else None
+    )
     engine = plait.initialize(model, cfg, mesh=mesh, optimizer=optimizer, model_parameters=groups)
     if load:
         engine.load_checkpoint(load)
@@ -90,7 +130,9 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None, device="cpu", 
     for step in range(start, start + steps):
         total = 0.0
         for j in range(gas):
-            loss = engine(**{k: v.to(device) for k, v in micro_batch(step, j, mesh.dp_rank).items()})
+            loss = engine(
+                **{k: v.to(device) for k, v in micro_batch(step, j, mesh.dp_rank).items()}
+            )
             bad = poison is not None and poison(step, mesh.dp_rank)
             engine.backward(loss * math.inf if bad else loss)
             engine.step()
@@ -102,13 +144,29 @@ def train(cfg, steps, start=0, load=None, save=None, poison=None, device="cpu", 
     host = engine.optimizer.stepper if isinstance(engine.optimizer.stepper, HostStepper) else None
     stepper = host.share if host is not None else None
     opt = engine.optimizer
-    out = {"dp": mesh.dp, "grad_dtype": opt.grad_shards[-1].dtype,   # the last group: on the host unless every state is resident
-           "placed": [(g.key.resident, m.numel(), m.device.type, st["exp_avg"].device.type) for g, m, st in
-                      zip(opt.groups, opt.masters, (opt.optimizer.state.get(m, {"exp_avg": m}) for m in opt.masters))],
-           "device_stepped": len(stepper.ids) if stepper is not None else 0,
-           "split_history": list(stepper.history) if stepper is not None else [],
-           "weights": whole(engine), "masters": masters, "losses": losses, "steps": engine.global_steps,
-           "skipped": engine.skipped_steps, "norm": engine.grad_norm, "lr": engine.get_lr()[0]}
+    out = {
+        "dp": mesh.dp,
+        "grad_dtype": opt.grad_shards[
+            -1
+        ].dtype,  # the last group: on the host unless every state is resident
+        "placed": [
+            (g.key.resident, m.numel(), m.device.type, st["exp_avg"].device.type)
+            for g, m, st in zip(
+                opt.groups,
+                opt.masters,
+                (opt.optimizer.state.get(m, {"exp_avg": m}) for m in opt.masters),
+            )
+        ],
+        "device_stepped": len(stepper.ids) if stepper is not None else 0,
+        "split_history": list(stepper.history) if stepper is not None else [],
+        "weights": whole(engine),
+        "masters": masters,
+        "losses": losses,
+        "steps": engine.global_steps,
+        "skipped": engine.skipped_steps,
+        "norm": engine.grad_norm,
+        "lr": engine.get_lr()[0],
+    }
     if host is not None:
         out["overlap"] = dict(host.ready.stats)
     engine.optimizer.close()
@@ -121,29 +179,57 @@ CASES = {  # name: (reference config, offloaded config)
     "stage3": (ds_config(3), ds_config(3, offload=True)),
     "stage3+param": (ds_config(3), ds_config(3, offload=True, param=True)),
     "stage3 param only": (ds_config(3), ds_config(3, param=True)),
-    "stage2 early (no clip, GAS 1)": (ds_config(2, clip=0.0, gas=1), ds_config(2, offload=True, clip=0.0, gas=1)),
-    "stage3+param early": (ds_config(3, clip=0.0, gas=1), ds_config(3, offload=True, param=True, clip=0.0, gas=1)),
+    "stage2 early (no clip, GAS 1)": (
+        ds_config(2, clip=0.0, gas=1),
+        ds_config(2, offload=True, clip=0.0, gas=1),
+    ),
+    "stage3+param early": (
+        ds_config(3, clip=0.0, gas=1),
+        ds_config(3, offload=True, param=True, clip=0.0, gas=1),
+    ),
     # bf16 at GAS 1: bf16 gradient shards on the host, read as is by the kernels and the norm
-    "bf16 stage2 (bf16 host grads)": (ds_config(2, gas=1, bf16=True), ds_config(2, offload=True, gas=1, bf16=True)),
-    "bf16 stage3+param (bf16 host grads)": (ds_config(3, gas=1, bf16=True),
-                                            ds_config(3, offload=True, param=True, gas=1, bf16=True)),
+    "bf16 stage2 (bf16 host grads)": (
+        ds_config(2, gas=1, bf16=True),
+        ds_config(2, offload=True, gas=1, bf16=True),
+    ),
+    "bf16 stage3+param (bf16 host grads)": (
+        ds_config(3, gas=1, bf16=True),
+        ds_config(3, offload=True, param=True, gas=1, bf16=True),
+    ),
     # device-assisted host step (plait.zero.offload.device_share): the first half of the partition in forward
     # order is updated by the device from the host states, the rest by the CPU kernels
-    "stage2 device step 0.5": (ds_config(2, gas=1), ds_config(2, offload=True, gas=1, device_step=0.5)),
-    "stage1 device step 0.3, no clip": (ds_config(1, gas=1, clip=0.0),
-                                        ds_config(1, offload=True, gas=1, clip=0.0, device_step=0.3)),
-    "stage3 device step 0.6": (ds_config(3, gas=1), ds_config(3, offload=True, gas=1, device_step=0.6)),
-    "bf16 stage2 device step 0.5": (ds_config(2, gas=1, bf16=True),
-                                    ds_config(2, offload=True, gas=1, bf16=True, device_step=0.5)),
+    "stage2 device step 0.5": (
+        ds_config(2, gas=1),
+        ds_config(2, offload=True, gas=1, device_step=0.5),
+    ),
+    "stage1 device step 0.3, no clip": (
+        ds_config(1, gas=1, clip=0.0),
+        ds_config(1, offload=True, gas=1, clip=0.0, device_step=0.3),
+    ),
+    "stage3 device step 0.6": (
+        ds_config(3, gas=1),
+        ds_config(3, offload=True, gas=1, device_step=0.6),
+    ),
+    "bf16 stage2 device step 0.5": (
+        ds_config(2, gas=1, bf16=True),
+        ds_config(2, offload=True, gas=1, bf16=True, device_step=0.5),
+    ),
     # no clipping: with a device share the deferred mode still runs (both shares at step())
-    "bf16 stage2 device step 0.3, no clip": (ds_config(2, gas=1, bf16=True, clip=0.0),
-                                             ds_config(2, offload=True, gas=1, bf16=True, clip=0.0, device_step=0.3)),
+    "bf16 stage2 device step 0.3, no clip": (
+        ds_config(2, gas=1, bf16=True, clip=0.0),
+        ds_config(2, offload=True, gas=1, bf16=True, clip=0.0, device_step=0.3),
+    ),
     # GPU-first placement (plait.zero.offload.placement): the states of the first 1 - ratio of the partition in
     # forward order live on the device and are stepped there; the rest on the host (with a device share too)
     "stage2 ratio 0.5": (ds_config(2, gas=1), ds_config(2, offload=True, gas=1, ratio=0.5)),
-    "stage3 ratio 0.3, device step 0.5": (ds_config(3, gas=1), ds_config(3, offload=True, gas=1, ratio=0.3,
-                                                                         device_step=0.5)),
-    "bf16 stage2 ratio 0": (ds_config(2, gas=1, bf16=True), ds_config(2, offload=True, gas=1, bf16=True, ratio=0.0)),
+    "stage3 ratio 0.3, device step 0.5": (
+        ds_config(3, gas=1),
+        ds_config(3, offload=True, gas=1, ratio=0.3, device_step=0.5),
+    ),
+    "bf16 stage2 ratio 0": (
+        ds_config(2, gas=1, bf16=True),
+        ds_config(2, offload=True, gas=1, bf16=True, ratio=0.0),
+    ),
     # GAS 2: a resident group accumulates its gradient in its device shard (no device share of the host part)
     "stage1 ratio 0.5, GAS 2": (ds_config(1), ds_config(1, offload=True, ratio=0.5)),
     "stage3 ratio 0.4, GAS 2": (ds_config(3), ds_config(3, offload=True, ratio=0.4)),

@@ -2,6 +2,7 @@
 the Hugging Face implementations' semantics, using no plait layer. Weights come in as a dict of
 whole logical tensors keyed by plait's parameter names; the forward returns the mean loss over
 labels != -100."""
+
 import math
 
 import torch
@@ -19,7 +20,7 @@ def _rms(x, w, eps):
 
 
 def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _gelu_erf(x):
@@ -31,7 +32,7 @@ def _rope(x, pos, theta):
     d = x.shape[-1]
     half = d // 2
     freq = theta ** (-torch.arange(half, dtype=x.dtype) * 2.0 / d)
-    ang = pos[:, None, :, None].to(x.dtype) * freq                       # [b, 1, s, d/2]
+    ang = pos[:, None, :, None].to(x.dtype) * freq  # [b, 1, s, d/2]
     c, s = torch.cos(ang), torch.sin(ang)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
@@ -45,7 +46,7 @@ def _attention(x, W, p, cfg, mask_add, pos):
         y = x @ W[f"{p}.attn.{name}.weight"].T
         if cfg.bias:
             y = y + W[f"{p}.attn.{name}.bias"]
-        return y.view(b, s, heads, hd).transpose(1, 2)                    # [b, heads, s, hd]
+        return y.view(b, s, heads, hd).transpose(1, 2)  # [b, heads, s, hd]
 
     q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
     if cfg.rope_theta is not None:
@@ -91,8 +92,12 @@ def reference_loss(cfg, W, input_ids, labels, attention_mask=None, token_type_id
     if cfg.causal:
         mask_add = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)
     else:
-        keep = torch.ones(b, s, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        mask_add = torch.zeros(b, 1, 1, s, dtype=x.dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+        keep = (
+            torch.ones(b, s, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        mask_add = torch.zeros(b, 1, 1, s, dtype=x.dtype).masked_fill(
+            ~keep[:, None, None, :], float("-inf")
+        )
     for i in range(1, L + 1):
         p = f"layers.{i}"
         if cfg.post_norm:
@@ -109,5 +114,9 @@ def reference_loss(cfg, W, input_ids, labels, attention_mask=None, token_type_id
     logits = x @ out_w.T
     if cfg.arch == "bert":
         logits = logits + W[f"{head}.bias"]
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=-100,
-                           label_smoothing=cfg.label_smoothing)
+    return F.cross_entropy(
+        logits.reshape(-1, cfg.vocab_size),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=cfg.label_smoothing,
+    )

@@ -1,5 +1,6 @@
 """plait.checkpoint storage layer: multi-rank save, resharding reads, the box arithmetic of flat ranges and tp
 shards. Validation and crash safety in one process: tests/test_checkpoint_safety.py."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,14 @@ from plait.parallel.sharding import TPShard
 from plait.testing import run_distributed
 from checkpoint_helpers import full
 
-SHAPES = {"w0": (10, 6), "w1": (5, 9), "bf": (8, 4), "rep": (3, 3), "flat": (6, 7),
-          optimizer_key("exp_avg", "w0"): (10, 6)}
+SHAPES = {
+    "w0": (10, 6),
+    "w1": (5, 9),
+    "bf": (8, 4),
+    "rep": (3, 3),
+    "flat": (6, 7),
+    optimizer_key("exp_avg", "w0"): (10, 6),
+}
 
 
 def _dtype(name):
@@ -51,22 +58,29 @@ def _items_4(rank: int, world: int) -> list[ShardItem]:
     bf = full("bf", (8, 4), torch.bfloat16)
     if world == 4:  # 2x2 grid of [4, 2] boxes
         rows, cols = (rank // 2) * 4, (rank % 2) * 2
-        items.append(ShardItem("bf", bf[rows:rows + 4, cols:cols + 2], (8, 4), (rows, cols)))
+        items.append(ShardItem("bf", bf[rows : rows + 4, cols : cols + 2], (8, 4), (rows, cols)))
     else:  # 2 ways along dim 1
-        items.append(ShardItem("bf", bf[:, rank * 2:rank * 2 + 2], (8, 4), (0, rank * 2)))
+        items.append(ShardItem("bf", bf[:, rank * 2 : rank * 2 + 2], (8, 4), (0, rank * 2)))
     if rank == 0:
         items.append(ShardItem.whole("rep", full("rep", (3, 3))))
     flat = full("flat", (6, 7)).reshape(-1)
     bounds = [0, 11, 22, 33, 42] if world == 4 else [0, 23, 42]
-    items += ShardItem.from_flat("flat", flat[bounds[rank]:bounds[rank + 1]], (6, 7), bounds[rank])
+    items += ShardItem.from_flat(
+        "flat", flat[bounds[rank] : bounds[rank + 1]], (6, 7), bounds[rank]
+    )
     return items
 
 
 def _save_world(root: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     rng = tensor_to_json(torch.tensor([rank, 7], dtype=torch.int64))
-    save(root, "step5", _items_4(rank, world), {"step": 5, "client_state": {"epoch": 1}},
-         rank_meta={"rng": rng})
+    save(
+        root,
+        "step5",
+        _items_4(rank, world),
+        {"step": 5, "client_state": {"epoch": 1}},
+        rank_meta={"rng": rng},
+    )
     # every rank reads back its shard at a *different* layout (tp=3 along dim 1 of w0)
     r = CheckpointReader(root)
     spec = TPShard((10, 6), dim=1, rank=rank % 3, world=3)
@@ -77,7 +91,9 @@ def _save_world(root: str):
 def _check_any_layout(root: str):
     r = CheckpointReader(root)
     assert r.meta == {"step": 5, "client_state": {"epoch": 1}}
-    assert [tensor_from_json(m["rng"]).tolist()[0] for m in r.rank_meta()] == list(range(len(r.rank_meta())))
+    assert [tensor_from_json(m["rng"]).tolist()[0] for m in r.rank_meta()] == list(
+        range(len(r.rank_meta()))
+    )
     for name, shape in SHAPES.items():
         want = full(name, shape, _dtype(name))
         assert r.shape(name) == shape and r.dtype(name) == _dtype(name)
@@ -87,7 +103,9 @@ def _check_any_layout(root: str):
             assert torch.equal(r.read(name, (0, lo), (shape[0], hi - lo)), want[:, lo:hi]), name
         assert torch.equal(r.read(name, (1, 2), (shape[0] - 2, 1)), want[1:-1, 2:3])
         n = want.numel()
-        assert torch.equal(r.read_flat(name, n // 4 + 1, n - 2), want.reshape(-1)[n // 4 + 1:n - 2])
+        assert torch.equal(
+            r.read_flat(name, n // 4 + 1, n - 2), want.reshape(-1)[n // 4 + 1 : n - 2]
+        )
     assert len(r.index["tensors"]["rep"]["slices"]) == 1  # replicated: written once
     assert torch.equal(r.read("w0", dtype=torch.float64), full("w0", (10, 6)).double())
     for rank in range(3):  # vocabulary-style padded load at tp=3: [5, 12/3=4] with zero padding
@@ -101,8 +119,10 @@ def test_multi_rank_save_reads_back_in_any_layout(tmp_path, world):
     results = run_distributed(_save_world, world, str(tmp_path))
     assert all(ok for ok, _ in results)
     files = results[0][1]
-    assert files == sorted(["index.json", "meta.json", "rank_meta.json"]
-                           + [f"rank{r:05d}.safetensors" for r in range(world)])
+    assert files == sorted(
+        ["index.json", "meta.json", "rank_meta.json"]
+        + [f"rank{r:05d}.safetensors" for r in range(world)]
+    )
     assert read_latest(str(tmp_path)) == "step5"
     assert [e for e in os.listdir(tmp_path) if e.startswith(".")] == []
     _check_any_layout(str(tmp_path))
@@ -111,7 +131,7 @@ def test_multi_rank_save_reads_back_in_any_layout(tmp_path, world):
 def _save_errors(root: str):
     rank = dist.get_rank()
     out = []
-    good = [ShardItem("t", full("t", (4, 6))[:, rank * 3:rank * 3 + 3], (4, 6), (0, rank * 3))]
+    good = [ShardItem("t", full("t", (4, 6))[:, rank * 3 : rank * 3 + 3], (4, 6), (0, rank * 3))]
     save(root, "ok", good, {"step": 1})
     # both ranks pass a replicated tensor -> every rank fails, naming it
     try:
@@ -120,7 +140,9 @@ def _save_errors(root: str):
         out.append(str(e))
     # only rank 1's rank_meta is not JSON -> every rank fails, naming rank 1 and the key path
     try:
-        save(root, "bad", good, {"step": 2}, rank_meta={"rng": torch.ones(2)} if rank == 1 else None)
+        save(
+            root, "bad", good, {"step": 2}, rank_meta={"rng": torch.ones(2)} if rank == 1 else None
+        )
     except CheckpointError as e:
         out.append(str(e))
     # async: rank 1 sees its error at once, rank 0 at wait()
@@ -139,7 +161,11 @@ def test_multi_rank_errors_raise_on_every_rank_and_keep_previous(tmp_path):
     for errors, (latest, tags), after in run_distributed(_save_errors, 2, str(tmp_path)):
         assert len(errors) == 3
         assert "'rep'" in errors[0] and "overlaps" in errors[0]
-        assert "rank 1" in errors[1] and "rank_meta['rng']" in errors[1] and "torch.Tensor" in errors[1]
+        assert (
+            "rank 1" in errors[1]
+            and "rank_meta['rng']" in errors[1]
+            and "torch.Tensor" in errors[1]
+        )
         assert "key 1" in errors[2] and "meta['x']" in errors[2]
         assert latest == "ok" and tags == ["ok"] and after == "async_ok"
     assert torch.equal(CheckpointReader(str(tmp_path)).read("t"), full("t", (4, 6)))
@@ -147,6 +173,7 @@ def test_multi_rank_errors_raise_on_every_rank_and_keep_previous(tmp_path):
 
 
 # ----------------------------------------------------------------------------- boxes and tp
+
 
 def test_flat_range_boxes_cover_exactly_the_range():
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,6 @@
 """A checkpoint that cannot be trusted is refused, naming why: damaged ``latest`` or JSON (the file), an index
 whose own checksum does not match, a model that computes differently (the field, both values)."""
+
 import pytest
 import torch
 
@@ -15,7 +16,10 @@ from faults_helpers import ds_config
 @pytest.mark.parametrize("damage", ["latest", "meta"])
 def test_damaged_json_and_latest_raise_a_checkpoint_error_naming_the_file(tmp_path, damage):
     from plait.checkpoint.errors import read_json, read_text
-    engine = plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh())
+
+    engine = plait.initialize(
+        TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh()
+    )
     engine.save_checkpoint(tmp_path)
     path = tmp_path / "latest" if damage == "latest" else tmp_path / "global_step0" / "meta.json"
     path.write_bytes(b"\xff\xfe not text")
@@ -26,28 +30,38 @@ def test_damaged_json_and_latest_raise_a_checkpoint_error_naming_the_file(tmp_pa
         engine.load_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("change", [{"num_heads": 8, "num_kv_heads": 4}, {"rope_theta": 5e5}, {"norm_eps": 1e-1}])
+@pytest.mark.parametrize(
+    "change", [{"num_heads": 8, "num_kv_heads": 4}, {"rope_theta": 5e5}, {"norm_eps": 1e-1}]
+)
 def test_a_checkpoint_refuses_a_model_that_computes_differently(tmp_path, change):
     mesh = ParallelMesh()
     saved = plait.initialize(TransformerModel(tiny(), mesh, seed=5), ds_config(2), mesh=mesh)
     saved.save_checkpoint(tmp_path)
-    other = plait.initialize(TransformerModel(tiny().replace(**change), mesh, seed=5), ds_config(2), mesh=mesh)
+    other = plait.initialize(
+        TransformerModel(tiny().replace(**change), mesh, seed=5), ds_config(2), mesh=mesh
+    )
     key, value = next(iter(change.items()))
-    with pytest.raises(CheckpointError, match=f"{key}: checkpoint {getattr(tiny(), key)!r}, model {value!r}"):
+    with pytest.raises(
+        CheckpointError, match=f"{key}: checkpoint {getattr(tiny(), key)!r}, model {value!r}"
+    ):
         other.load_checkpoint(tmp_path)
-    other.load_checkpoint(tmp_path, allow_config_change=True)   # on purpose: loads, same weights
+    other.load_checkpoint(tmp_path, allow_config_change=True)  # on purpose: loads, same weights
     with saved.optimizer.gathered_parameters(), other.optimizer.gathered_parameters():
         for (n, a), (_, b) in zip(saved.module.named_parameters(), other.module.named_parameters()):
             assert torch.equal(a, b), n
 
 
 def test_the_index_carries_its_own_checksum(tmp_path):
-    engine = plait.initialize(TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh())
+    engine = plait.initialize(
+        TransformerModel(tiny(), ParallelMesh(), seed=5), ds_config(2), mesh=ParallelMesh()
+    )
     engine.save_checkpoint(tmp_path)
     index = tmp_path / "global_step0" / "index.json"
     text = index.read_text()
     assert '"index_checksum": "sha256:' in text
-    index.write_text(text.replace('"writers": 1', '"writers": 2'))     # a valid edit the old checks pass
+    index.write_text(
+        text.replace('"writers": 1', '"writers": 2')
+    )  # a valid edit the old checks pass
     with pytest.raises(CheckpointError, match="its own checksum .* does not match its contents"):
         engine.load_checkpoint(tmp_path)
 
@@ -57,6 +71,8 @@ def test_a_gpt2_checkpoint_refuses_another_activation(tmp_path):
     mesh = ParallelMesh()
     cfg = {**ds_config(2), "gradient_clipping": 0.0}
     plait.initialize(TransformerModel(gpt2, mesh, seed=5), cfg, mesh=mesh).save_checkpoint(tmp_path)
-    other = plait.initialize(TransformerModel(gpt2.replace(activation="gelu"), mesh, seed=5), cfg, mesh=mesh)
+    other = plait.initialize(
+        TransformerModel(gpt2.replace(activation="gelu"), mesh, seed=5), cfg, mesh=mesh
+    )
     with pytest.raises(CheckpointError, match="activation: checkpoint 'gelu_tanh', model 'gelu'"):
         other.load_checkpoint(tmp_path)

@@ -1,6 +1,7 @@
 """plait.checkpoint storage layer in one process: metadata, validation (corruption, another model's index, what
 a read touches), keep_last, asynchronous saves, crash safety. Multi-rank saves, resharding reads and the box
 arithmetic are tests/test_checkpoint_format.py's."""
+
 from __future__ import annotations
 
 import json
@@ -35,20 +36,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _simple_items():
     a, b = full("a", (6, 4)), full("b", (5,), torch.bfloat16)
-    return [ShardItem("a", a[:2], (6, 4), (0, 0)), ShardItem("a", a[2:], (6, 4), (2, 0)),
-            ShardItem.whole("b", b), ShardItem.whole("s", torch.tensor(3.0))]
+    return [
+        ShardItem("a", a[:2], (6, 4), (0, 0)),
+        ShardItem("a", a[2:], (6, 4), (2, 0)),
+        ShardItem.whole("b", b),
+        ShardItem.whole("s", torch.tensor(3.0)),
+    ]
 
 
 def test_meta_round_trip_and_non_json_rejected_with_key_path(tmp_path):
     root = str(tmp_path)
-    meta = {"step": 10, "lr": 1e-3, "mesh": {"tp": 2, "dp": 2}, "nan": float("nan"),
-            "rng": tensor_to_json(torch.get_rng_state()), "client_state": {"hist": [1, 2.5, None, "x"]}}
+    meta = {
+        "step": 10,
+        "lr": 1e-3,
+        "mesh": {"tp": 2, "dp": 2},
+        "nan": float("nan"),
+        "rng": tensor_to_json(torch.get_rng_state()),
+        "client_state": {"hist": [1, 2.5, None, "x"]},
+    }
     save(root, "s", _simple_items(), meta)
     got = CheckpointReader(root).meta
     assert got["mesh"] == meta["mesh"] and got["client_state"] == meta["client_state"]
     assert torch.equal(tensor_from_json(got["rng"]), torch.get_rng_state())
     bad = {"step": 11, "client_state": {"sampler": [0, {"pos": object()}]}}
-    with pytest.raises(CheckpointError, match=r"meta\['client_state'\]\['sampler'\]\[1\]\['pos'\]: builtins.object"):
+    with pytest.raises(
+        CheckpointError, match=r"meta\['client_state'\]\['sampler'\]\[1\]\['pos'\]: builtins.object"
+    ):
         save(root, "s2", _simple_items(), bad)
     with pytest.raises(CheckpointError, match=r"tag"):
         save(root, "../x", _simple_items(), {})
@@ -58,10 +71,22 @@ def test_meta_round_trip_and_non_json_rejected_with_key_path(tmp_path):
 def _corrupt_root(tmp_path):
     root = str(tmp_path / "ck")
     a = full("a", (8, 4))
-    save(root, "t", [ShardItem("a", a[:4], (8, 4), (0, 0)), ShardItem("a", a[4:], (8, 4), (4, 0)),
-                     ShardItem.whole("b", full("b", (300,)))], {}, max_file_bytes=200)
+    save(
+        root,
+        "t",
+        [
+            ShardItem("a", a[:4], (8, 4), (0, 0)),
+            ShardItem("a", a[4:], (8, 4), (4, 0)),
+            ShardItem.whole("b", full("b", (300,))),
+        ],
+        {},
+        max_file_bytes=200,
+    )
     files = sorted(f for f in os.listdir(os.path.join(root, "t")) if f.endswith(".safetensors"))
-    assert files == ["rank00000-000.safetensors", "rank00000-001.safetensors"]  # max_file_bytes split
+    assert files == [
+        "rank00000-000.safetensors",
+        "rank00000-001.safetensors",
+    ]  # max_file_bytes split
     return root, os.path.join(root, "t"), files
 
 
@@ -76,7 +101,10 @@ def test_corruption_is_detected_naming_the_file(tmp_path):
         CheckpointReader(root)
     with open(victim, "wb") as f:  # truncated
         f.write(data[:-8])
-    with pytest.raises(CheckpointError, match=f"{files[1]} has {len(data) - 8} bytes, the index records {len(data)}"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"{files[1]} has {len(data) - 8} bytes, the index records {len(data)}",
+    ):
         CheckpointReader(root)
     os.remove(victim)
     with pytest.raises(CheckpointError, match=f"{files[1]} is missing"):
@@ -92,7 +120,12 @@ def test_corruption_is_detected_naming_the_file(tmp_path):
 def test_index_from_another_model_and_model_checks(tmp_path):
     root, path, _ = _corrupt_root(tmp_path)
     other = str(tmp_path / "other")
-    save(other, "t", [ShardItem.whole("a", full("a", (8, 5))), ShardItem.whole("b", full("b", (300,)))], {})
+    save(
+        other,
+        "t",
+        [ShardItem.whole("a", full("a", (8, 5))), ShardItem.whole("b", full("b", (300,)))],
+        {},
+    )
     idx = Path(other, "t", "index.json").read_bytes()
     with open(os.path.join(path, "index.json"), "wb") as f:
         f.write(idx)
@@ -109,13 +142,23 @@ def test_index_from_another_model_and_model_checks(tmp_path):
     with pytest.raises(CheckpointError, match="model fingerprint"):
         CheckpointReader(other)
     root2 = str(tmp_path / "fresh")
-    save(root2, "t", [ShardItem.whole("a", full("a", (8, 4))), ShardItem.whole("b", torch.ones(3)),
-                      ShardItem.whole(optimizer_key("exp_avg", "a"), torch.ones(8, 4))], {})
+    save(
+        root2,
+        "t",
+        [
+            ShardItem.whole("a", full("a", (8, 4))),
+            ShardItem.whole("b", torch.ones(3)),
+            ShardItem.whole(optimizer_key("exp_avg", "a"), torch.ones(8, 4)),
+        ],
+        {},
+    )
     r = CheckpointReader(root2, model=model_fingerprint({"a": (8, 4), "b": (3,)}))
     assert r.fingerprint == model_fingerprint({"a": [8, 4], "b": [3], "optimizer.master.a": [1]})
     with pytest.raises(CheckpointError, match="another model"):
         CheckpointReader(root2, model=model_fingerprint({"a": (8, 5), "b": (3,)}))
-    with pytest.raises(CheckpointError, match=r"tensor 'a' has shape \[8, 4\], the model expects \[4, 8\]"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'a' has shape \[8, 4\], the model expects \[4, 8\]"
+    ):
         r.check_model({"a": (4, 8), "b": (3,)}, strict=False)
     with pytest.raises(CheckpointError, match=r"missing \['c'\], unexpected \['b'\]"):
         r.check_model({"a": (8, 4), "c": (1,)})
@@ -150,7 +193,10 @@ def test_keep_last_prunes_and_never_the_latest(tmp_path):
     writer.save("step1", _simple_items(), {"step": 1})  # re-saving an old tag makes it the newest
     assert sorted(list_tags(root)) == ["step1", "step3"] and read_latest(root) == "step1"
     writer.save("step1", _simple_items(), {"step": 11})  # replace the tag latest names
-    assert CheckpointReader(root).meta == {"step": 11} and sorted(list_tags(root)) == ["step1", "step3"]
+    assert CheckpointReader(root).meta == {"step": 11} and sorted(list_tags(root)) == [
+        "step1",
+        "step3",
+    ]
     assert not [e for e in os.listdir(root) if e.startswith(".")]
 
 
@@ -160,7 +206,10 @@ def test_async_save_is_identical_and_serialised(tmp_path):
     save(sync_root, "x", items, {"step": 1})
     writer = CheckpointWriter(async_root)
     src = full("a", (6, 4))
-    live = [ShardItem("a", src[:2], (6, 4), (0, 0)), ShardItem("a", src[2:], (6, 4), (2, 0))] + items[2:]
+    live = [
+        ShardItem("a", src[:2], (6, 4), (0, 0)),
+        ShardItem("a", src[2:], (6, 4), (2, 0)),
+    ] + items[2:]
     first = writer.save("x", live, {"step": 1}, async_=True)
     src.zero_()  # the host copy was taken before save returned
     second = writer.save("y", items, {"step": 2}, async_=True)  # waits for the first
@@ -171,7 +220,7 @@ def test_async_save_is_identical_and_serialised(tmp_path):
     i_sync = json.loads(Path(sync_root, "x", "index.json").read_text())
     i_async = json.loads(Path(async_root, "x", "index.json").read_text())
     for doc in (i_sync, i_async):
-        doc.pop("saved_at"), doc.pop("index_checksum")   # the checksum covers saved_at
+        doc.pop("saved_at"), doc.pop("index_checksum")  # the checksum covers saved_at
     assert i_sync == i_async and read_latest(async_root) == "y"
     assert torch.equal(CheckpointReader(async_root, "x").read("a"), full("a", (6, 4)))
 
@@ -187,14 +236,18 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("phase,tag", [("file", "new"), ("index", "new"), ("rename", "old"),
-                                       ("latest", "new")])
+@pytest.mark.parametrize(
+    "phase,tag", [("file", "new"), ("index", "new"), ("rename", "old"), ("latest", "new")]
+)
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, phase, tag):
     root = str(tmp_path / "ck")
     save(root, "old", _simple_items(), {"step": "old"})
     marker = str(tmp_path / "paused")
-    env = dict(os.environ, PLAIT_CHECKPOINT_TEST_PAUSE=f"{phase}:{marker}",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PLAIT_CHECKPOINT_TEST_PAUSE=f"{phase}:{marker}",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     child = subprocess.Popen([sys.executable, "-c", _CHILD, root, tag], env=env)
     try:
         deadline = time.monotonic() + 60
@@ -212,4 +265,6 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, phase, tag):
     assert torch.equal(r.read("a"), full("a", (6, 4)))
     save(root, "next", _simple_items(), {"step": "next"})  # the next save clears the leftovers
     assert not [e for e in os.listdir(root) if e.startswith(".")]
-    assert sorted(list_tags(root)) == (["next", "old"] if phase != "latest" else ["new", "next", "old"])
+    assert sorted(list_tags(root)) == (
+        ["next", "old"] if phase != "latest" else ["new", "next", "old"]
+    )

@@ -1,4 +1,5 @@
 """Each tensor-parallel collective's forward and backward against its definition, on 2 gloo ranks."""
+
 import torch
 import torch.distributed as dist
 
@@ -9,11 +10,13 @@ from plait.testing import run_distributed
 def collectives_body():
     r, w = dist.get_rank(), dist.get_world_size()
     g = dist.new_group(list(range(w)))
-    full = torch.arange(2 * 4 * 6, dtype=torch.float64).view(2, 4, 6)  # [b, s, h], same on every rank
-    mine = full * (r + 1)                                              # differs per rank
+    full = torch.arange(2 * 4 * 6, dtype=torch.float64).view(
+        2, 4, 6
+    )  # [b, s, h], same on every rank
+    mine = full * (r + 1)  # differs per rank
     total = sum(full * (k + 1) for k in range(w))
     base = torch.linspace(-1, 1, full.numel(), dtype=torch.float64).view_as(full)
-    ups = [base * (k + 2) for k in range(w)]                           # rank k's upstream gradient
+    ups = [base * (k + 2) for k in range(w)]  # rank k's upstream gradient
     up, up_total = ups[r], sum(ups)
     checks = {}
 
@@ -29,7 +32,8 @@ def collectives_body():
     checks["reduce"] = torch.allclose(y, total) and torch.equal(gx, up)
     y, gx = run(C.scatter_to_tp, full, up.chunk(w, -1)[r])
     checks["scatter"] = torch.equal(y, full.chunk(w, -1)[r]) and torch.equal(
-        gx, torch.cat([ups[k].chunk(w, -1)[k] for k in range(w)], -1))
+        gx, torch.cat([ups[k].chunk(w, -1)[k] for k in range(w)], -1)
+    )
     y, gx = run(C.gather_from_tp, full.chunk(w, -1)[r], up)
     checks["gather"] = torch.equal(y, full) and torch.equal(gx, up.chunk(w, -1)[r])
     y, gx = run(C.scatter_to_sp, full, up.chunk(w, 1)[r])
@@ -38,7 +42,9 @@ def collectives_body():
     y, gx = run(C.gather_from_sp, full.chunk(w, 1)[r], up)
     checks["gather_sp"] = torch.equal(y, full) and torch.allclose(gx, up_total.chunk(w, 1)[r])
     y, gx = run(C.reduce_scatter_to_sp, mine, up.chunk(w, 1)[r])
-    checks["reduce_scatter_sp"] = torch.allclose(y, total.chunk(w, 1)[r]) and torch.allclose(gx, expect)
+    checks["reduce_scatter_sp"] = torch.allclose(y, total.chunk(w, 1)[r]) and torch.allclose(
+        gx, expect
+    )
     return checks
 
 
@@ -50,6 +56,13 @@ def test_collective_pairs_forward_and_backward():
 
 def test_group_none_is_identity():
     x = torch.randn(2, 4, 3, requires_grad=True)
-    for fn in (C.copy_to_tp, C.reduce_from_tp, C.scatter_to_tp, C.gather_from_tp, C.scatter_to_sp,
-               C.gather_from_sp, C.reduce_scatter_to_sp):
+    for fn in (
+        C.copy_to_tp,
+        C.reduce_from_tp,
+        C.scatter_to_tp,
+        C.gather_from_tp,
+        C.scatter_to_sp,
+        C.gather_from_sp,
+        C.reduce_scatter_to_sp,
+    ):
         assert fn(x, None) is x

@@ -9,6 +9,7 @@ gradient into a step of about lr, so its weights differ by whatever the CPU's ve
 those ulps.) A 1% larger learning rate moves the weights far more: the test shows that variant failing
 the bound. The tensor-parallel checks use aot_eager (the same ATen kernels) and AdamW.
 """
+
 import logging
 import os
 
@@ -39,11 +40,18 @@ SGD = {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}
 
 
 def ds_config(stage, compile_section=None, lr=None, tp=1, sp=False, optimizer=ADAMW):
-    optimizer = {"type": optimizer["type"], "params": {**optimizer["params"], **({"lr": lr} if lr else {})}}
-    raw = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
-           "optimizer": optimizer,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
-           "tensor_parallel": {"size": tp, "sequence_parallel": sp}}
+    optimizer = {
+        "type": optimizer["type"],
+        "params": {**optimizer["params"], **({"lr": lr} if lr else {})},
+    }
+    raw = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.5,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+        "tensor_parallel": {"size": tp, "sequence_parallel": sp},
+    }
     if compile_section is not None:
         raw["compile"] = compile_section
     return raw
@@ -52,14 +60,21 @@ def ds_config(stage, compile_section=None, lr=None, tp=1, sp=False, optimizer=AD
 def train(stage, compile_section=None, lr=None, tp=1, sp=False, optimizer=ADAMW, **model_overrides):
     """Whole float32 weights after STEPS steps, and the engine."""
     mesh = ParallelMesh(tp=tp)
-    model = TransformerModel(tiny(**model_overrides), mesh if tp > 1 else None, seed=5, sequence_parallel=sp)
-    engine = plait.initialize(model, ds_config(stage, compile_section, lr, tp, sp, optimizer), mesh=mesh)
+    model = TransformerModel(
+        tiny(**model_overrides), mesh if tp > 1 else None, seed=5, sequence_parallel=sp
+    )
+    engine = plait.initialize(
+        model, ds_config(stage, compile_section, lr, tp, sp, optimizer), mesh=mesh
+    )
     for step in range(STEPS):
         loss = engine(**helpers.micro_batch(step, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ))
         engine.backward(loss)
         engine.step()
     with engine.gathered_parameters():
-        whole = [gather_full(p.detach(), shard_of(p), mesh.tp_group).float().flatten() for p in model.parameters()]
+        whole = [
+            gather_full(p.detach(), shard_of(p), mesh.tp_group).float().flatten()
+            for p in model.parameters()
+        ]
     return torch.cat(whole), engine
 
 
@@ -81,24 +96,38 @@ def _compiled_parity(backend):
     return out
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("inductor", marks=pytest.mark.xfail(
-        os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", strict=False,
-        reason="torch 2.13's inductor CPU code gives non-finite attention weight gradients for this block under "
-               "ATEN_CPU_CAPABILITY=avx2 (eager is finite; the nonfinite guard then skips those steps)")),
-    "aot_eager"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(
+            "inductor",
+            marks=pytest.mark.xfail(
+                os.environ.get("ATEN_CPU_CAPABILITY") == "avx2",
+                strict=False,
+                reason="torch 2.13's inductor CPU code gives non-finite attention weight gradients for this block under "
+                "ATEN_CPU_CAPABILITY=avx2 (eager is finite; the nonfinite guard then skips those steps)",
+            ),
+        ),
+        "aot_eager",
+    ],
+)
 def test_compiled_engine_matches_eager_at_zero_stages_0_and_3(backend):
     result = _single_process(_compiled_parity, backend)
     for stage in (0, 3):
         err, compiled = result[stage]
         assert compiled and err < 1e-6, (stage, err)
-    assert result["lr+1%"] > 1e-6          # the bound tells a 1% learning-rate change apart
+    assert result["lr+1%"] > 1e-6  # the bound tells a 1% learning-rate change apart
 
 
 def _tp_parity(sp, fused_loss):
     eager, _ = train(1, tp=2, sp=sp, fused_loss_chunk_tokens=fused_loss)
-    compiled, engine = train(1, {"enabled": True, "backend": "aot_eager"}, tp=2, sp=sp,
-                             fused_loss_chunk_tokens=fused_loss)
+    compiled, engine = train(
+        1,
+        {"enabled": True, "backend": "aot_eager"},
+        tp=2,
+        sp=sp,
+        fused_loss_chunk_tokens=fused_loss,
+    )
     return rel(compiled, eager), engine.is_compiled
 
 
@@ -121,13 +150,16 @@ def test_a_block_traces_as_one_graph(recompute):
 
 
 def _tp_breaks(sp, fused_loss):
-    model = TransformerModel(tiny(fused_loss_chunk_tokens=fused_loss), ParallelMesh(tp=2), seed=5,
-                             sequence_parallel=sp)
+    model = TransformerModel(
+        tiny(fused_loss_chunk_tokens=fused_loss), ParallelMesh(tp=2), seed=5, sequence_parallel=sp
+    )
     block, *_, head = compile_targets(model)
     x = torch.randn(MICRO, SEQ // (2 if sp else 1), 64, requires_grad=True)
     labels = helpers.micro_batch(0, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ)["labels"]
-    breaks = [torch._dynamo.explain(block.forward)(x, {}).graph_break_count,
-              torch._dynamo.explain(head.forward)(x, {"labels": labels}).graph_break_count]
+    breaks = [
+        torch._dynamo.explain(block.forward)(x, {}).graph_break_count,
+        torch._dynamo.explain(head.forward)(x, {"labels": labels}).graph_break_count,
+    ]
     return breaks, dist.get_world_size()
 
 
@@ -140,7 +172,10 @@ def test_regions_are_the_blocks_and_names_do_not_change():
     model = TransformerModel(tiny(), None, seed=5)
     names = [n for n, _ in model.named_parameters()]
     done = compile_regions(model, backend="eager")
-    assert done == [m for m in model.modules() if isinstance(m, (TransformerBlock, LMHead))] and len(done) == 3
+    assert (
+        done == [m for m in model.modules() if isinstance(m, (TransformerBlock, LMHead))]
+        and len(done) == 3
+    )
     assert compile_regions(model, backend="eager") == [] and is_compiled(model)
     assert [n for n, _ in model.named_parameters()] == names
     assert not any("_orig_mod" in key for key in model.state_dict())
@@ -148,25 +183,48 @@ def test_regions_are_the_blocks_and_names_do_not_change():
 
 def test_hugging_face_regions_are_its_decoder_layers():
     from transformers import LlamaConfig, LlamaForCausalLM
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2))
+
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     assert [type(m).__name__ for m in compile_targets(hf)] == ["LlamaDecoderLayer"] * 2
     assert compile_targets(torch.nn.Linear(2, 2))[0].__class__ is torch.nn.Linear
 
 
-@pytest.mark.parametrize("section, on", [
-    ({"enabled": True}, True), ({"enabled": False}, False), ({"disable": False, "backend": "inductor"}, True),
-    ({"disable": True}, False), ({"deepcompile": True, "free_activation": True}, True),
-    ({"deepcompile": False}, False), ({}, False)])
+@pytest.mark.parametrize(
+    "section, on",
+    [
+        ({"enabled": True}, True),
+        ({"enabled": False}, False),
+        ({"disable": False, "backend": "inductor"}, True),
+        ({"disable": True}, False),
+        ({"deepcompile": True, "free_activation": True}, True),
+        ({"deepcompile": False}, False),
+        ({}, False),
+    ],
+)
 def test_the_compile_section_reads_deepspeeds_spellings(section, on, caplog):
     cfg = load_config({"train_batch_size": 8, "compile": section}, dp_size=1)
     assert cfg.compile.on is on
     assert caplog.text == ""
 
 
-@pytest.mark.parametrize("section, match", [
-    ({"enabled": True, "disable": True}, "contradict"), ({"kwargs": {"backend": "eager"}}, "compile.backend"),
-    ({"kwargs": "fast"}, "compile.kwargs"), ({"enabled": "yes"}, "compile.enabled")])
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"enabled": True, "disable": True}, "contradict"),
+        ({"kwargs": {"backend": "eager"}}, "compile.backend"),
+        ({"kwargs": "fast"}, "compile.kwargs"),
+        ({"enabled": "yes"}, "compile.enabled"),
+    ],
+)
 def test_bad_compile_sections_are_refused(section, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"train_batch_size": 8, "compile": section}, dp_size=1)
@@ -176,11 +234,13 @@ def test_engine_compile_is_deepspeeds_api(caplog):
     model = TransformerModel(tiny(), None, seed=5)
     engine = plait.initialize(model, ds_config(2, {"deepcompile": True}), mesh=ParallelMesh())
     assert engine.is_compiled and "instead of DeepCompile" in caplog.text
-    engine.compile(backend="eager")                                   # a second call: no-op
+    engine.compile(backend="eager")  # a second call: no-op
     with pytest.raises(ValueError, match="compiled autograd"):
         engine.compile(compiled_autograd_enabled=True)
     with caplog.at_level(logging.INFO):
-        plain = plait.initialize(TransformerModel(tiny(), None, seed=5), ds_config(2), mesh=ParallelMesh())
+        plain = plait.initialize(
+            TransformerModel(tiny(), None, seed=5), ds_config(2), mesh=ParallelMesh()
+        )
         assert not plain.is_compiled
         plain.compile(backend="eager", compile_kwargs={"dynamic": False})
     assert plain.is_compiled
@@ -191,9 +251,12 @@ def test_rope_tables_are_computed_once_per_forward(monkeypatch):
     recomputed in every rotary kernel, forward and backward); the result equals per-block tables."""
     import plait.layers.attention as attention
     import plait.layers.model as model_module
+
     calls = []
     for module in (attention, model_module):
-        monkeypatch.setattr(module, "rope_cos_sin", lambda *a, _f=module.rope_cos_sin: calls.append(1) or _f(*a))
+        monkeypatch.setattr(
+            module, "rope_cos_sin", lambda *a, _f=module.rope_cos_sin: calls.append(1) or _f(*a)
+        )
     model = TransformerModel(tiny(), None, seed=5)
     batch = helpers.micro_batch(0, 0, 0, vocab_size=VOCAB, micro=MICRO, seq=SEQ)
     once = model(**batch)
@@ -207,6 +270,7 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_weights():
     """The compiled forward is a method bound to its block: ``copy.deepcopy`` (EMA or reference copies)
     rebinds it to the copy, which then computes with the copy's weights."""
     import copy
+
     model = TransformerModel(tiny(), None, seed=5)
     compile_regions(model, backend="eager")
     twin = copy.deepcopy(model)
@@ -216,15 +280,18 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_weights():
     x = torch.randn(MICRO, SEQ, 64)
     block, twin_block = model.layers["1"], twin.layers["1"]
     assert twin_block.forward.__self__ is twin_block and is_compiled(twin)
-    assert torch.equal(twin_block(x, {}), x)            # zero weights: the residual stream passes unchanged
+    assert torch.equal(twin_block(x, {}), x)  # zero weights: the residual stream passes unchanged
     assert not torch.equal(block(x, {}), x)
 
 
 def _zero_bubble_refused():
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
+
     mesh = ParallelMesh(tp=1, pp=2)
-    pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="zb-h1", micro_batches=2)
+    pipe = PipelineParallel(
+        build_stage_modules(tiny(), mesh, seed=5), mesh, schedule="zb-h1", micro_batches=2
+    )
     cfg = ds_config(1, {"enabled": True, "backend": "eager"})
     cfg.update(gradient_accumulation_steps=2, pipeline={"size": 2, "schedule": "zb-h1"})
     try:
@@ -242,8 +309,10 @@ def test_compile_with_a_zero_bubble_schedule_is_refused():
 
 
 def test_compiling_again_with_another_backend_says_so(caplog):
-    engine = plait.initialize(TransformerModel(tiny(), None, seed=5), ds_config(2, {"enabled": True,
-                                                                                    "backend": "eager"}),
-                              mesh=ParallelMesh())
+    engine = plait.initialize(
+        TransformerModel(tiny(), None, seed=5),
+        ds_config(2, {"enabled": True, "backend": "eager"}),
+        mesh=ParallelMesh(),
+    )
     engine.compile(backend="aot_eager")
     assert "compiled with backend 'eager' already" in caplog.text

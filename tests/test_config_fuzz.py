@@ -11,6 +11,7 @@ where the same holds: it trains, or is refused naming the key. Nothing else is r
 
 Reproduce one case: ``mutate(i, bases)`` is a pure function of the index; the test id is the index.
 """
+
 import copy
 import json
 import logging
@@ -30,11 +31,22 @@ from plait.layers import TransformerModel
 CORPUS = Path(__file__).parent / "data" / "ds_configs"
 SEED = 41
 MUTATIONS = 600
-TRAIN_SAMPLE = frozenset(random.Random(SEED).sample(range(MUTATIONS), 170))   # about 45 of them load
+TRAIN_SAMPLE = frozenset(random.Random(SEED).sample(range(MUTATIONS), 170))  # about 45 of them load
 #: the Hugging Face Trainer's side, as in test_real_ds_configs: it fills every "auto"
-FACTS = dict(micro_batch_size=2, gradient_accumulation_steps=1, mixed_precision="bf16", lr=1e-3,
-             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gradient_clipping=1.0, warmup_min_lr=0.0,
-             warmup_num_steps=2, total_num_steps=6, model_hidden_size=32)
+FACTS = dict(
+    micro_batch_size=2,
+    gradient_accumulation_steps=1,
+    mixed_precision="bf16",
+    lr=1e-3,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    gradient_clipping=1.0,
+    warmup_min_lr=0.0,
+    warmup_num_steps=2,
+    total_num_steps=6,
+    model_hidden_size=32,
+)
 VALUES = (0, -1, 1e30, math.nan, "auto", "garbage", [1, 2], None, {"garbage": 1})
 GARBAGE = {"garbage": {"deeper": [1, None, {"x": "auto"}], "enabled": "maybe"}}
 KINDS = ("delete", "value", "value", "value", "typo", "swap", "bool_text", "nest")
@@ -75,7 +87,11 @@ def _key_paths(node, prefix=()):
 
 def _typo(key, rng):
     i = rng.randrange(len(key))
-    options = {key[:i] + key[i + 1:], key[:i] + key[i] + key[i:], key[:i] + key[i + 1:i + 2] + key[i] + key[i + 2:]}
+    options = {
+        key[:i] + key[i + 1 :],
+        key[:i] + key[i] + key[i:],
+        key[:i] + key[i + 1 : i + 2] + key[i] + key[i + 2 :],
+    }
     return rng.choice(sorted(options - {key, ""}) or [key + "x"])
 
 
@@ -92,12 +108,12 @@ def _swapped(value):
 
 
 class Case(NamedTuple):
-    name: str       # the base config's file
-    config: dict    # mutated
-    path: tuple     # the mutated key (after a typo: the misspelt one)
+    name: str  # the base config's file
+    config: dict  # mutated
+    path: tuple  # the mutated key (after a typo: the misspelt one)
     kind: str
     written: object
-    original: str   # the key's name before a typo
+    original: str  # the key's name before a typo
 
     def __str__(self):
         return f"{self.name}: {self.kind} {'.'.join(self.path)} -> {self.written!r}"
@@ -125,8 +141,11 @@ def mutate(index, bases) -> Case:
         written = old["garbage_key"] = GARBAGE
         path = path + ("garbage_key",)
     else:
-        written = {"value": old, **GARBAGE} if kind == "nest" else (
-            rng.choice(VALUES) if kind == "value" else _swapped(old))
+        written = (
+            {"value": old, **GARBAGE}
+            if kind == "nest"
+            else (rng.choice(VALUES) if kind == "value" else _swapped(old))
+        )
         parent[key] = written
     return Case(name, config, path, kind, written, original)
 
@@ -141,17 +160,21 @@ def _get(config, path):
 def _names_the_key(message, case):
     names = {".".join(case.path), case.path[-1]}
     if case.kind == "delete" and len(case.path) > 1:
-        names.add(case.path[-2])            # a section that now lacks the key
+        names.add(case.path[-2])  # a section that now lacks the key
     if case.kind == "typo":
-        names.add(case.original)            # "did you mean '<the right name>'?"
+        names.add(case.original)  # "did you mean '<the right name>'?"
     return any(n in message for n in names)
 
 
 def _train_one_step(config, model):
-    engine = plait.initialize(copy.deepcopy(model), config, **FACTS,
-                              optimizer=None if isinstance(config.get("optimizer"), dict) else torch.optim.AdamW)
+    engine = plait.initialize(
+        copy.deepcopy(model),
+        config,
+        **FACTS,
+        optimizer=None if isinstance(config.get("optimizer"), dict) else torch.optim.AdamW,
+    )
     losses = []
-    for j in range(engine.gradient_accumulation_steps()):   # one optimizer step
+    for j in range(engine.gradient_accumulation_steps()):  # one optimizer step
         loss = engine(**micro_batch(0, j, 0, micro=2, seq=8))
         engine.backward(loss)
         engine.step()
@@ -162,11 +185,13 @@ def _train_one_step(config, model):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("index", range(MUTATIONS))
 def test_a_mutated_real_config_trains_or_is_refused_naming_the_key(index, bases, model, caplog):
-    caplog.set_level(logging.ERROR, logger="plait")   # not the accepted-key notices of every case
+    caplog.set_level(logging.ERROR, logger="plait")  # not the accepted-key notices of every case
     case = mutate(index, bases)
     try:
         cfg = load_config(case.config, dp_size=1, **FACTS)
-        if index in TRAIN_SAMPLE and not cfg.compile.on:   # compiled: test_real_ds_configs (inductor: seconds)
+        if (
+            index in TRAIN_SAMPLE and not cfg.compile.on
+        ):  # compiled: test_real_ds_configs (inductor: seconds)
             engine, losses = _train_one_step(case.config, model)
             assert engine.global_steps == 1 and all(map(math.isfinite, losses)), case
     except ConfigError as err:

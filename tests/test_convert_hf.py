@@ -15,6 +15,7 @@ shards.
 Tolerance: outputs (logits, last hidden states) to 1e-4 in the norm-relative error
 ``||plait - hf|| / ||hf||`` in float32; weights written back by ``to_hf`` must be bit-identical.
 """
+
 import contextlib
 import importlib.util
 import io
@@ -58,7 +59,9 @@ def assert_bit_identical(exported_dir, original: dict, skip=()):
     want = {k: v for k, v in original.items() if k not in skip}
     assert set(got) == set(want), f"names differ: {sorted(set(got) ^ set(want))}"
     for k, v in want.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{k} differs after the round trip"
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), (
+            f"{k} differs after the round trip"
+        )
 
 
 def package_dir(module: str, install: str) -> str:
@@ -129,9 +132,13 @@ def smollm2_hf(smollm2_import):
 def smollm2(smollm2_import):
     """(hf dir, plait root, batch, HF logits [3, 16, 49152])."""
     smollm2_hf, root, printed = smollm2_import
-    assert printed.splitlines() == [f"wrote {root}/hf: 272 tensors from LlamaForCausalLM "
-                                    f"(SmolLM2-135M-Instruct.Q4_1.gguf, dequantized)"]   # nothing missing or extra
-    batch = {"input_ids": torch.randint(0, 49152, (3, 16), generator=torch.Generator().manual_seed(0))}
+    assert printed.splitlines() == [
+        f"wrote {root}/hf: 272 tensors from LlamaForCausalLM "
+        f"(SmolLM2-135M-Instruct.Q4_1.gguf, dequantized)"
+    ]  # nothing missing or extra
+    batch = {
+        "input_ids": torch.randint(0, 49152, (3, 16), generator=torch.Generator().manual_seed(0))
+    }
     with torch.no_grad():
         logits = hf_model("LlamaForCausalLM", smollm2_hf)(**batch).logits
     return smollm2_hf, root, batch, logits
@@ -139,10 +146,16 @@ def smollm2(smollm2_import):
 
 def test_smollm2_config(smollm2):
     cfg = config_from_meta(CheckpointReader(smollm2[1]).meta)
-    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert cfg.tie_embeddings and cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
     with pytest.raises(ValueError, match=r"num_heads \(9\) is not divisible .* tp=2"):
-        check_tensor_parallel(cfg, 2)                     # why the tensor-parallel test uses tp=3
+        check_tensor_parallel(cfg, 2)  # why the tensor-parallel test uses tp=3
 
 
 def test_smollm2_tp3_logits_match_and_export_round_trips(smollm2, tmp_path):
@@ -151,8 +164,12 @@ def test_smollm2_tp3_logits_match_and_export_round_trips(smollm2, tmp_path):
     err = rel_err(logits, ref)
     print(f"SmolLM2 tp=3 logits rel err {err:.2e}")
     assert err <= RTOL
-    report = to_hf(str(tmp_path / "tp3"), str(tmp_path / "hf"))       # from the checkpoint plait saved at tp=3
-    assert report.architecture == "LlamaForCausalLM" and report.missing == [] and report.dropped == []
+    report = to_hf(
+        str(tmp_path / "tp3"), str(tmp_path / "hf")
+    )  # from the checkpoint plait saved at tp=3
+    assert (
+        report.architecture == "LlamaForCausalLM" and report.missing == [] and report.dropped == []
+    )
     assert_bit_identical(tmp_path / "hf", st_tensors(hf_dir))
     with torch.no_grad():
         again = hf_model("AutoModelForCausalLM", tmp_path / "hf")(**batch).logits
@@ -161,7 +178,7 @@ def test_smollm2_tp3_logits_match_and_export_round_trips(smollm2, tmp_path):
 
 def test_smollm2_pp2_logits_match(smollm2):
     _, root, batch, ref = smollm2
-    err = rel_err(plait_pipeline(root, batch, cut=16), ref)       # stage 2 holds the tied head copy
+    err = rel_err(plait_pipeline(root, batch, cut=16), ref)  # stage 2 holds the tied head copy
     print(f"SmolLM2 pp=2 logits rel err {err:.2e}")
     assert err <= RTOL
 
@@ -180,7 +197,11 @@ def minilm(tmp_path_factory):
     mask[2, -11:] = 0
     types = torch.zeros(3, 16, dtype=torch.long)
     types[0, 8:] = 1
-    batch = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "token_type_ids": types}
+    batch = {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "token_type_ids": types,
+    }
     with torch.no_grad():
         hidden = hf_model("AutoModel", hf_dir)(**batch).last_hidden_state
     return hf_dir, root, report, batch, hidden
@@ -188,7 +209,9 @@ def minilm(tmp_path_factory):
 
 def test_minilm_import_reports_missing_head_and_keeps_pooler(minilm):
     _, root, report, _, _ = minilm
-    head = [f"layers.7.{n}" for n in ("bias", "dense.bias", "dense.weight", "norm.bias", "norm.weight")]
+    head = [
+        f"layers.7.{n}" for n in ("bias", "dense.bias", "dense.weight", "norm.bias", "norm.weight")
+    ]
     assert report.architecture == "BertModel" and report.missing == head
     assert report.extra == ["pooler.dense.bias", "pooler.dense.weight"]
     assert report.ignored == ["embeddings.position_ids"]
@@ -197,13 +220,15 @@ def test_minilm_import_reports_missing_head_and_keeps_pooler(minilm):
     model, fresh = TransformerModel(cfg, seed=3), TransformerModel(cfg, seed=3)
     result = load_model_weights(model, str(root), strict=False)
     assert sorted(result.missing) == head and result.unexpected == []
-    for name in head:                                    # the head keeps plait's initialization
+    for name in head:  # the head keeps plait's initialization
         assert torch.equal(model.get_parameter(name), fresh.get_parameter(name))
 
 
 def test_minilm_tp2_hidden_states_match_and_export_round_trips(minilm, tmp_path):
     hf_dir, root, _, batch, ref = minilm
-    hidden = run_distributed(_tp_body, 2, str(root), 2, batch, str(tmp_path / "tp2"), 7)[0]   # layers 0..6
+    hidden = run_distributed(_tp_body, 2, str(root), 2, batch, str(tmp_path / "tp2"), 7)[
+        0
+    ]  # layers 0..6
     err = rel_err(hidden, ref)
     print(f"MiniLM tp=2 last hidden rel err {err:.2e}")
     assert err <= RTOL
@@ -230,7 +255,9 @@ def test_minilm_pp2_hidden_states_match(minilm):
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1001))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1001)
+    )
     out = tmp_path_factory.mktemp("gpt2_hf")
     model.save_pretrained(out)
     return out
@@ -239,11 +266,15 @@ def gpt2_dir(tmp_path_factory):
 def test_gpt2_tp2_logits_match_and_round_trip_is_bit_identical(gpt2_dir, tmp_path):
     report = from_hf(str(gpt2_dir), str(tmp_path / "plait"))
     assert report.missing == [] and report.extra == []
-    batch = {"input_ids": torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(2))}
-    batch["input_ids"][0, 0] = 1000                      # the last real row, next to the padding
+    batch = {
+        "input_ids": torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(2))
+    }
+    batch["input_ids"][0, 0] = 1000  # the last real row, next to the padding
     with torch.no_grad():
         ref = hf_model("GPT2LMHeadModel", gpt2_dir)(**batch).logits
-    logits = run_distributed(_tp_body, 2, str(tmp_path / "plait"), 2, batch, str(tmp_path / "tp2"), None)[0]
+    logits = run_distributed(
+        _tp_body, 2, str(tmp_path / "plait"), 2, batch, str(tmp_path / "tp2"), None
+    )[0]
     assert logits.shape == ref.shape and rel_err(logits, ref) <= RTOL
     to_hf(str(tmp_path / "plait"), str(tmp_path / "hf"))
     assert_bit_identical(tmp_path / "hf", st_tensors(gpt2_dir))
@@ -257,15 +288,23 @@ def test_gpt2_tp2_logits_match_and_round_trip_is_bit_identical(gpt2_dir, tmp_pat
 
 def test_bert_mlm_logits_match_and_round_trip(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     transformers.BertForMaskedLM(cfg).save_pretrained(tmp_path / "hf")
     report = from_hf(str(tmp_path / "hf"), str(tmp_path / "plait"))
     assert report.architecture == "BertForMaskedLM" and report.missing == [] and report.extra == []
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, -4:] = 0
-    batch = {"input_ids": torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(3)),
-             "attention_mask": mask}
+    batch = {
+        "input_ids": torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(3)),
+        "attention_mask": mask,
+    }
     with torch.no_grad():
         ref = hf_model("BertForMaskedLM", tmp_path / "hf")(**batch).logits
     logits, _ = plait_forward(tmp_path / "plait", batch)
@@ -279,14 +318,28 @@ def test_bert_mlm_logits_match_and_round_trip(tmp_path):
 
 def test_untied_gqa_llama_from_hub_shards(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1001, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-                                   rope_theta=500000.0, rms_norm_eps=1e-6)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
     report = from_hf(str(tmp_path / "hf"), str(tmp_path / "plait"))
-    assert report.missing == [] and report.config.rope_theta == 500000.0 and not report.config.tie_embeddings
-    batch = {"input_ids": torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(4))}
+    assert (
+        report.missing == []
+        and report.config.rope_theta == 500000.0
+        and not report.config.tie_embeddings
+    )
+    batch = {
+        "input_ids": torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(4))
+    }
     with torch.no_grad():
         ref = hf_model("LlamaForCausalLM", tmp_path / "hf")(**batch).logits
     assert rel_err(plait_forward(tmp_path / "plait", batch)[0], ref) <= RTOL
@@ -299,8 +352,15 @@ def test_unsupported_architectures_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
     with pytest.raises(ValueError, match=r"'t5' is not supported.*'llama', 'gpt2', 'bert'"):
         from_hf(str(tmp_path), str(tmp_path / "out"))
-    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
-             "intermediate_size": 128, "vocab_size": 100, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }
     with pytest.raises(ValueError, match="rope scaling"):
         config_from_hf(llama)
     with pytest.raises(ValueError, match="activation_function 'relu'"):
@@ -312,7 +372,11 @@ def test_cli_convert(gpt2_dir, tmp_path, capsys):
     assert main(["convert", "from-hf", str(gpt2_dir), root, "--tag", "imported"]) == 0
     assert main(["convert", "inspect", root]) == 0
     text = capsys.readouterr().out
-    assert "layers.1.attn.q_proj.weight" in text and "[64, 64]" in text and "rank00000.safetensors" in text
+    assert (
+        "layers.1.attn.q_proj.weight" in text
+        and "[64, 64]" in text
+        and "rank00000.safetensors" in text
+    )
     assert main(["convert", "to-hf", root, out, "--dtype", "bf16"]) == 0
     assert all(t.dtype == torch.bfloat16 for t in st_tensors(out).values())
     assert main(["convert", "to-hf", root, out]) == 2
@@ -322,6 +386,8 @@ def test_cli_convert(gpt2_dir, tmp_path, capsys):
     reader = CheckpointReader(root)
     with safe_open(path, "pt") as f:
         assert sorted(f.keys()) == reader.names() and f.metadata()["plait_tag"] == "imported"
-        assert torch.equal(f.get_tensor("layers.2.mlp.up_proj.weight"),
-                           reader.read("layers.2.mlp.up_proj.weight").half())
+        assert torch.equal(
+            f.get_tensor("layers.2.mlp.up_proj.weight"),
+            reader.read("layers.2.mlp.up_proj.weight").half(),
+        )
     assert consolidate(root, path) == path

@@ -106,11 +106,16 @@ def test_token_file_matches_direct_encoding(tmp_path, text, tok):
     assert len(docs) == 30
     expect = _direct(tok, docs)
     assert tokens.dtype == np.uint16 and tokens.tolist() == expect
-    assert tok.decode(tokens.tolist(), skip_special_tokens=False) == "".join(d + "<|endoftext|>" for d in docs)
+    assert tok.decode(tokens.tolist(), skip_special_tokens=False) == "".join(
+        d + "<|endoftext|>" for d in docs
+    )
     meta = read_token_meta(out)
     assert meta["num_tokens"] == len(expect) == out.stat().st_size // 2
     assert meta["num_documents"] == 30 and meta["vocab_size"] == 8192 and meta["eos_id"] == EOS
-    assert meta["tokenizer_sha256"] == hashlib.sha256(bundled_tokenizer_path().read_bytes()).hexdigest()
+    assert (
+        meta["tokenizer_sha256"]
+        == hashlib.sha256(bundled_tokenizer_path().read_bytes()).hexdigest()
+    )
     assert meta["sources"][0]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
     assert json.loads((tmp_path / "slice.bin.json").read_text()) == meta
 
@@ -169,7 +174,9 @@ def test_train_val_split_is_disjoint_and_covering(arange_tokens):
     train_seen = {t for i in range(len(train)) for t in train.window(i).tolist()}
     val_seen = {t for i in range(len(val)) for t in val.window(i).tolist()}
     assert train_seen.isdisjoint(val_seen)
-    assert train_inputs == list(range(896)) and val_inputs == list(range(900, 996))  # tiles, tails < 16
+    assert train_inputs == list(range(896)) and val_inputs == list(
+        range(900, 996)
+    )  # tiles, tails < 16
     xb, yb = train.get_batch([3, 0])
     assert xb.shape == (2, 16) and torch.equal(xb[0], x) and torch.equal(yb[1], train[0][1])
     assert pickle.loads(pickle.dumps(train))[5][0].tolist() == list(range(80, 96))
@@ -180,7 +187,9 @@ def test_train_val_split_is_disjoint_and_covering(arange_tokens):
 
 
 def _sample_ids(batch, seq_len=4):
-    return (batch["input_ids"][:, 0] // seq_len).tolist()  # arange tokens: sample i starts at i*seq_len
+    return (
+        batch["input_ids"][:, 0] // seq_len
+    ).tolist()  # arange tokens: sample i starts at i*seq_len
 
 
 @pytest.fixture()
@@ -202,7 +211,9 @@ def _run(ds, b, dp, seed=3, steps=None, state=None, drop_last=True):
             assert all(bt is None for bt in batches)
             break
         for bt in batches:
-            assert bt["input_ids"].shape[1] == 4 and torch.equal(bt["labels"][:, :-1], bt["input_ids"][:, 1:])
+            assert bt["input_ids"].shape[1] == 4 and torch.equal(
+                bt["labels"][:, :-1], bt["input_ids"][:, 1:]
+            )
             order += _sample_ids(bt)
         n += 1
     states = [ld.state_dict() for ld in loaders]
@@ -259,12 +270,20 @@ def test_drop_last_false_gives_every_rank_the_same_number_of_steps(ds):
     per_rank = [[bt["input_ids"].shape[0] for bt in ld] for ld in loaders]
     assert [len(s) for s in per_rank] == [5, 5, 5] and len(loaders[0]) == 5  # ceil(249 / 60)
     assert [s[-1] for s in per_rank] == [9, 0, 0]  # 249 - 4 * 60 = 9 left for the last step
-    seen = [i for ld in [DistributedBatches(ds, 20, r, 3, seed=0, drop_last=False) for r in range(3)] for bt in ld for i in _sample_ids(bt)]
+    seen = [
+        i
+        for ld in [DistributedBatches(ds, 20, r, 3, seed=0, drop_last=False) for r in range(3)]
+        for bt in ld
+        for i in _sample_ids(bt)
+    ]
     assert sorted(seen) == list(range(249))
 
 
 def test_sampler_errors_name_the_numbers(ds):
-    with pytest.raises(ValueError, match="249 samples cannot fill one step of micro_batch_size 50 x dp_size 8 = 400"):
+    with pytest.raises(
+        ValueError,
+        match="249 samples cannot fill one step of micro_batch_size 50 x dp_size 8 = 400",
+    ):
         DistributedBatches(ds, 50, 0, 8)
     with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):
         DistributedBatches(ds, 4, 2, 2)
@@ -281,7 +300,9 @@ def test_mask_tokens_follows_bert_80_10_10():
     ids = torch.randint(6, vocab, (64, 512), generator=g)
     ids[:, 0], ids[:, -40:] = 2, 0  # [CLS] and padding
     before = ids.clone()
-    masked, labels = mask_tokens(ids, mask_id, vocab, specials, prob=0.15, generator=torch.Generator().manual_seed(1))
+    masked, labels = mask_tokens(
+        ids, mask_id, vocab, specials, prob=0.15, generator=torch.Generator().manual_seed(1)
+    )
     assert torch.equal(ids, before) and masked.dtype == labels.dtype == torch.int64
     sel = labels != -100
     eligible = ids >= 6
@@ -297,8 +318,14 @@ def test_mask_tokens_follows_bert_80_10_10():
     to_mask = int((masked[sel] == mask_id).sum())
     unchanged = int((masked[sel] == ids[sel]).sum())
     to_random = k - to_mask - unchanged
-    assert within(to_mask, k, 0.8) and within(unchanged, k, 0.1 + 0.1 / (vocab - 6)) and within(to_random, k, 0.1 * (1 - 1 / (vocab - 6)))
-    assert int(masked[sel & (masked != mask_id)].min()) >= 6  # random replacements are never special
+    assert (
+        within(to_mask, k, 0.8)
+        and within(unchanged, k, 0.1 + 0.1 / (vocab - 6))
+        and within(to_random, k, 0.1 * (1 - 1 / (vocab - 6)))
+    )
+    assert (
+        int(masked[sel & (masked != mask_id)].min()) >= 6
+    )  # random replacements are never special
     again = mask_tokens(ids, mask_id, vocab, specials, generator=torch.Generator().manual_seed(1))
     assert torch.equal(again[0], masked) and torch.equal(again[1], labels)
     with pytest.raises(ValueError, match=r"span \[0, 9000\]"):
@@ -317,7 +344,10 @@ def test_bundled_token_file_builds_once_into_the_cache(tmp_path, text, tok):
     out = bundled_token_file(tmp_path / "cache", data_dir=data)
     assert load_tokens(out).tolist() == _direct(tok, _docs_blank_line(piece))
     mtime = out.stat().st_mtime_ns
-    assert bundled_token_file(tmp_path / "cache", data_dir=data) == out and out.stat().st_mtime_ns == mtime
+    assert (
+        bundled_token_file(tmp_path / "cache", data_dir=data) == out
+        and out.stat().st_mtime_ns == mtime
+    )
     with pytest.raises(FileNotFoundError, match="pass data_dir="):
         bundled_token_file(tmp_path / "cache", data_dir=tmp_path / "nowhere")
 
@@ -327,4 +357,6 @@ def test_batches_from_a_plain_map_style_dataset():
     got = list(DistributedBatches(data, 3, 2, 3, seed=5, drop_last=False))  # rank 2 of 3
     perm = epoch_permutation(10, 5, 0).tolist()
     assert [bt["input_ids"][:, 0].tolist() for bt in got] == [perm[6:9], []]
-    assert got[1]["input_ids"].shape == (0, 3) and torch.equal(got[0]["labels"], got[0]["input_ids"] + 1)
+    assert got[1]["input_ids"].shape == (0, 3) and torch.equal(
+        got[0]["labels"], got[0]["input_ids"] + 1
+    )

@@ -8,6 +8,7 @@ three orders larger: decaying only matrices where DeepSpeed decays every paramet
 ~1e-4 per step at lr 1e-2 and weight decay 0.1; a schedule left on the user's optimizer keeps the lr
 constant; an edit dropped at exit is a whole-row difference.
 """
+
 import argparse
 
 import pytest
@@ -25,6 +26,7 @@ def no_group_left_behind():
     """deepspeed.initialize starts a one-process group as DeepSpeed does; later tests expect none."""
     yield
     import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -36,9 +38,14 @@ def torch_reference(steps, gas=1, decay_all=True, schedule=None):
     if decay_all:
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     else:
-        opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=1e-2, weight_decay=0.1)
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2]},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=1e-2,
+            weight_decay=0.1,
+        )
     sched = schedule(opt) if schedule else None
     for step in range(steps):
         for micro in range(gas):
@@ -59,30 +66,45 @@ def train(engine, steps, gas=1):
 
 def max_diff(engine, ref):
     with engine.gathered_parameters():
-        return max((p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters())
+        return max(
+            (p.detach() - ref[n]).abs().max().item() for n, p in engine.module.named_parameters()
+        )
 
 
 def test_initialize_returns_deepspeeds_four_tuple_and_engine_members():
     model = bert()
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(),
-        training_data=[batch(i, n=1)["input_ids"][0] for i in range(6)])
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(),
+        training_data=[batch(i, n=1)["input_ids"][0] for i in range(6)],
+    )
     assert optimizer is engine.optimizer and scheduler is engine.lr_scheduler is None
-    assert engine.device == torch.device("cpu") and engine.local_rank == 0 and engine.global_rank == 0
-    assert engine.zero_optimization_stage() == 2 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert (
+        engine.device == torch.device("cpu") and engine.local_rank == 0 and engine.global_rank == 0
+    )
+    assert (
+        engine.zero_optimization_stage() == 2
+        and not engine.fp16_enabled()
+        and not engine.bfloat16_enabled()
+    )
     assert sum(p.numel() for p in engine.parameters()) == sum(p.numel() for p in model.parameters())
     sizes = [len(b) for b in loader]
-    assert sizes == [2, 2, 2]                           # micro-batches of train_micro_batch_size_per_gpu
+    assert sizes == [2, 2, 2]  # micro-batches of train_micro_batch_size_per_gpu
     assert engine.train() is engine and engine.module.training
 
 
 def test_model_parameters_decay_every_parameter_as_deepspeed():
     """DeepSpeed hands model.parameters() to AdamW as one group: biases and norm weights decay too."""
     model = bert()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config()
+    )
     train(engine, 3)
     assert max_diff(engine, torch_reference(3)) <= TOL
-    assert max_diff(engine, torch_reference(3, decay_all=False)) > 100 * TOL   # the old grouping is visibly different
+    assert (
+        max_diff(engine, torch_reference(3, decay_all=False)) > 100 * TOL
+    )  # the old grouping is visibly different
 
 
 def test_model_parameters_none_means_every_parameter():
@@ -95,10 +117,12 @@ def test_optimizer_and_schedule_instances_are_used():
     """An AdamW instance and a LambdaLR bound to it (get_linear_schedule_with_warmup's kind) keep working."""
     model = bert()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    lam = (lambda step: min(1.0, (step + 1) / 3))
+    lam = lambda step: min(1.0, (step + 1) / 3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     cfg = {k: v for k, v in ds_config().items() if k != "optimizer"}
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=cfg
+    )
     assert scheduler is sched and sched.optimizer is optimizer.optimizer
     train(engine, 3)
     assert engine.get_lr() == pytest.approx([1e-2 * lam(3)])
@@ -152,18 +176,28 @@ def test_fp16_skipped_step_counts_in_global_steps():
 
 
 def test_save_16bit_model_loads_into_a_fresh_model(tmp_path):
-    engine, *_ = deepspeed.initialize(model=bert(), config=ds_config(stage=3, bf16={"enabled": True},
-                                                                     zero_optimization={
-                                                                         "stage": 3,
-                                                                         "stage3_gather_16bit_weights_on_model_save": True}))
+    engine, *_ = deepspeed.initialize(
+        model=bert(),
+        config=ds_config(
+            stage=3,
+            bf16={"enabled": True},
+            zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        ),
+    )
     train(engine, 2)
     assert engine.save_16bit_model(tmp_path, "model.safetensors")
     assert engine.save_16bit_model(tmp_path)
     from safetensors.torch import load_file
-    for state in (load_file(tmp_path / "model.safetensors"), torch.load(tmp_path / "pytorch_model.bin")):
+
+    for state in (
+        load_file(tmp_path / "model.safetensors"),
+        torch.load(tmp_path / "pytorch_model.bin"),
+    ):
         fresh = bert().to(torch.bfloat16)
         missing, unexpected = fresh.load_state_dict(state, strict=False)
-        assert not unexpected and all("decoder." in m for m in missing)   # tied head tensors are stored once
+        assert not unexpected and all(
+            "decoder." in m for m in missing
+        )  # tied head tensors are stored once
         with engine.gathered_parameters():
             for n, p in engine.module.named_parameters():
                 assert torch.equal(dict(fresh.named_parameters())[n], p.detach()), n
@@ -187,7 +221,7 @@ def test_keeping_an_edit_leaves_the_other_fp32_master_weights_bit_for_bit():
         emb.data[3].fill_(0.5)
     after = [m.detach() for m in engine.optimizer.masters]
     changed = sum(int((a != b).sum()) for a, b in zip(after, before))
-    assert changed == emb.shape[1]                       # the edited row, nothing else
+    assert changed == emb.shape[1]  # the edited row, nothing else
     with engine.gathered_parameters():
         assert torch.equal(emb.detach()[3].float(), torch.full((emb.shape[1],), 0.5))
 

@@ -2,6 +2,7 @@
 loop against DDP and its resume, parameters whose ``.data`` is replaced, and a DeepSpeed script under torchrun
 with only its import changed. Each test states its tolerance; the single-process API is
 tests/test_deepspeed_api.py's."""
+
 import math
 
 import pytest
@@ -14,21 +15,22 @@ from deepspeed_api_helpers import batch, bert, ds_config
 
 def _edit_body(stage):
     import torch.distributed as dist
+
     cfg = ds_config(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 100})
     engine, *_ = deepspeed.initialize(model=bert(), config=cfg)
     emb = engine.module.bert.embeddings.word_embeddings.weight
     with deepspeed.zero.GatheredParameters([emb], modifier_rank=0):
         if dist.get_rank() == 0:
-            emb.data[5].fill_(0.25)                # only rank 0 edits; rank 1's value must follow
+            emb.data[5].fill_(0.25)  # only rank 0 edits; rank 1's value must follow
     with engine.gathered_parameters():
         after_exit = emb.detach()[5].clone()
-    engine.optimizer.param_groups[0]["lr"] = 0.0   # a step at lr 0 with decay 0 must keep the edit
+    engine.optimizer.param_groups[0]["lr"] = 0.0  # a step at lr 0 with decay 0 must keep the edit
     engine.optimizer.param_groups[0]["weight_decay"] = 0.0
     engine.backward(engine(**batch(0, dist.get_rank())).loss)
     engine.step()
     with engine.gathered_parameters():
         after_step = emb.detach()[5].clone()
-    with deepspeed.zero.GatheredParameters([emb]):   # no modifier_rank: an edit is not kept
+    with deepspeed.zero.GatheredParameters([emb]):  # no modifier_rank: an edit is not kept
         emb.data[6].fill_(9.0)
     with engine.gathered_parameters():
         unkept = emb.detach()[6].clone()
@@ -40,7 +42,7 @@ def test_gathered_parameters_modifier_rank_edits_persist(stage):
     for after_exit, after_step, unkept in run_distributed(_edit_body, 2, stage):
         assert torch.equal(after_exit, torch.full_like(after_exit, 0.25))
         assert torch.equal(after_step, torch.full_like(after_step, 0.25))
-        if stage == 3:                            # stage 2 keeps whole parameters: the edit stays until the next step
+        if stage == 3:  # stage 2 keeps whole parameters: the edit stays until the next step
             assert not math.isclose(unkept[0].item(), 9.0)
 
 
@@ -49,6 +51,7 @@ def _engine_loop_body(stage, root):
     2 more; a second engine loads the checkpoint and repeats those 2. Beside it, DDP + torch AdamW."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
     rank = dist.get_rank()
 
     def loop(engine, steps):
@@ -57,14 +60,18 @@ def _engine_loop_body(stage, root):
             engine.step()
 
     model = bert()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(stage)
+    )
     loop(engine, range(3))
     engine.save_checkpoint(root, client_state={"epoch": 7})
     loop(engine, range(3, 5))
     with engine.gathered_parameters():
         uninterrupted = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     fresh = bert()
-    resumed, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage))
+    resumed, *_ = deepspeed.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=ds_config(stage)
+    )
     _, client_state = resumed.load_checkpoint(root)
     loop(resumed, range(3, 5))
     with resumed.gathered_parameters():
@@ -86,9 +93,12 @@ def test_a_deepspeed_engine_loop_on_two_ranks_matches_ddp_and_resumes(stage, tmp
     that ~1e-7 relative difference at most to lr x 1e-3 = 1e-5 over five steps. Resuming is exact: the
     checkpoint holds the fp32 master weights and Adam's moments."""
     for client_state, uninterrupted, after_resume, reference in run_distributed(
-            _engine_loop_body, 2, stage, str(tmp_path)):
+        _engine_loop_body, 2, stage, str(tmp_path)
+    ):
         assert client_state == {"epoch": 7}
-        assert max((after_resume[n] - uninterrupted[n]).abs().max().item() for n in reference) == 0.0
+        assert (
+            max((after_resume[n] - uninterrupted[n]).abs().max().item() for n in reference) == 0.0
+        )
         assert max((uninterrupted[n] - reference[n]).abs().max().item() for n in reference) <= 1e-5
 
 
@@ -96,6 +106,7 @@ def _replaced_data_body(replace):
     """ZeRO-2 at dp 2; after step 1 every parameter's ``.data`` is replaced by a copy (what accelerate's
     ``prepare_model`` -> ``model.to(device)`` did inside the Trainer's ``evaluate``), then 2 more steps."""
     import torch.distributed as dist
+
     engine, *_ = deepspeed.initialize(model=bert(), config=ds_config(2))
     for step in range(3):
         if step == 1 and replace:
@@ -123,18 +134,36 @@ def test_a_deepspeed_script_runs_under_torchrun_with_only_its_import_changed(sta
     import os
     import subprocess
     import sys
+
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(ds_config(stage)))
     script = os.path.join(os.path.dirname(__file__), "data", "deepspeed_engine_script.py")
     for extra in ([], ["--resume"]):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               script, "--deepspeed", "--deepspeed_config", str(config), "--out", str(tmp_path),
-                               *extra], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                script,
+                "--deepspeed",
+                "--deepspeed_config",
+                str(config),
+                "--out",
+                str(tmp_path),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     full = json.loads((tmp_path / "result.json").read_text())
     resumed = json.loads((tmp_path / "result-resumed.json").read_text())
     assert full["dp"] == 2 and full["global_steps"] == resumed["global_steps"] == 5
     assert resumed["client_state"] == {"epoch": 1, "seen": 3}
     assert resumed["losses"] == full["losses"][3:] and resumed["checksum"] == full["checksum"]
-    assert len(set(full["losses"])) == 5                      # the steps saw different batches
+    assert len(set(full["losses"])) == 5  # the steps saw different batches

@@ -2,6 +2,7 @@
 DeepSpeed-style config, against a single-process torch.optim.AdamW reference on the same global
 batch. Tolerance: every whole weight after 5 optimizer steps to 1e-6 relative (norm-relative,
 ||w - w_ref|| / ||w_ref||), float32."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,17 +22,37 @@ STEPS, MICRO, GAS, SEQ = 5, 2, 2, 16
 
 def tiny(**overrides):
     """This file's Llama: ``helpers.tiny`` with vocabulary 1001, hidden 64 and an MLP of 96."""
-    return helpers.tiny(**{"vocab_size": 1001, "hidden_size": 64, "ffn_hidden_size": 96, **overrides})
+    return helpers.tiny(
+        **{"vocab_size": 1001, "hidden_size": 64, "ffn_hidden_size": 96, **overrides}
+    )
 
 
 def ds_config(stage, tp):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                         "warmup_num_steps": 3, "warmup_type": "linear"}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
-                                  "stage3_param_persistence_threshold": 100},
-            "tensor_parallel": {"size": tp}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 3e-3,
+                "warmup_num_steps": 3,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "allgather_bucket_size": 5000,
+            "stage3_param_persistence_threshold": 100,
+        },
+        "tensor_parallel": {"size": tp},
+    }
 
 
 def micro_batch(step, gas, dp_rank):
@@ -79,7 +100,9 @@ def engine_body(tp, device="cpu"):
             batches = iter([micro_batch(step, gas, mesh.dp_rank) for gas in range(GAS)])
             losses.append(engine.train_batch(batches).item())
         with engine.optimizer.gathered_parameters():
-            whole = {n: t.float().cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()}
+            whole = {
+                n: t.float().cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()
+            }
         results[stage] = (whole, losses, engine.global_steps, engine.get_lr()[0])
     return results if dist.get_rank() == 0 else None
 
@@ -97,7 +120,9 @@ def check_engine_results(results, ref_weights, ref_losses, tp, dp):
 def test_engine_zero_stages_match_single_process_adamw(tp, world):
     dp = world // tp
     ref_weights, ref_losses = reference(dp)
-    check_engine_results(run_distributed(engine_body, world, tp)[0], ref_weights, ref_losses, tp, dp)
+    check_engine_results(
+        run_distributed(engine_body, world, tp)[0], ref_weights, ref_losses, tp, dp
+    )
 
 
 def pipeline_body(arch, schedule, cp=1, method="ring", stages=None, ep=1):
@@ -106,6 +131,7 @@ def pipeline_body(arch, schedule, cp=1, method="ring", stages=None, ep=1):
     embeddings."""
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
+
     results = {}
     for stage in stages or STAGES_FOR[schedule]:
         mesh = ParallelMesh(tp=1, pp=2, cp=cp, ep=ep)
@@ -116,12 +142,19 @@ def pipeline_body(arch, schedule, cp=1, method="ring", stages=None, ep=1):
         cfg["pipeline"] = {"size": 2, "schedule": schedule, "virtual_stages": v}
         cfg["context_parallel"] = {"size": cp, "method": method}
         engine = plait.initialize(pipe, cfg, mesh=mesh)
-        losses = [engine.train_batch(iter([micro_batch(s, g, mesh.dp_rank) for g in range(GAS)])).item()
-                  for s in range(STEPS)]
+        losses = [
+            engine.train_batch(iter([micro_batch(s, g, mesh.dp_rank) for g in range(GAS)])).item()
+            for s in range(STEPS)
+        ]
         whole = {}
         with engine.optimizer.gathered_parameters():
             for chunk in chunks:
-                whole.update({n: t.float() for n, t in gather_logical_state(chunk, ep_group=mesh.ep_group).items()})
+                whole.update(
+                    {
+                        n: t.float()
+                        for n, t in gather_logical_state(chunk, ep_group=mesh.ep_group).items()
+                    }
+                )
         results[stage] = (whole, losses)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
@@ -139,7 +172,9 @@ def tiny_arch(arch):
 STAGES_FOR = {"1f1b": (1, 2, 3), "interleaved": (1, 3), "zb-h1": (1, 2, 3)}
 
 
-@pytest.mark.parametrize("arch,schedule", [("llama-tied", "1f1b"), ("llama", "zb-h1"), ("llama-tied", "interleaved")])
+@pytest.mark.parametrize(
+    "arch,schedule", [("llama-tied", "1f1b"), ("llama", "zb-h1"), ("llama-tied", "interleaved")]
+)
 def test_engine_with_pipeline_and_zero_matches_single_process(arch, schedule):
     ref_weights, ref_losses = reference(2, tiny_arch(arch))
     per_rank = run_distributed(pipeline_body, 4, arch, schedule)[0]
@@ -162,7 +197,9 @@ def check_pipeline_results(per_rank, stages, ref_weights, ref_losses, what, tol=
 def test_misspelt_key_fails_with_suggestion():
     model = TransformerModel(tiny(), None)
     with pytest.raises(ConfigError, match="did you mean 'gradient_accumulation_steps'"):
-        plait.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_acumulation_steps": 2})
+        plait.initialize(
+            model, {"train_micro_batch_size_per_gpu": 1, "gradient_acumulation_steps": 2}
+        )
 
 
 def lamb_body(tp, fused):
@@ -173,20 +210,26 @@ def lamb_body(tp, fused):
         mesh = ParallelMesh(tp=tp)
         model = TransformerModel(tiny(fused_projections=fused), mesh, seed=5)
         cfg = ds_config(stage, tp)
-        cfg.update(optimizer={"type": "LAMB", "params": {"lr": 1e-2, "weight_decay": 0.01}}, scheduler=None,
-                   gradient_clipping=0.0)
+        cfg.update(
+            optimizer={"type": "LAMB", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            scheduler=None,
+            gradient_clipping=0.0,
+        )
         cfg = {k: v for k, v in cfg.items() if v is not None}
         engine = plait.initialize(model, cfg, mesh=mesh)
         for step in range(3):
             engine.train_batch(iter([micro_batch(step, gas, mesh.dp_rank) for gas in range(GAS)]))
         with engine.optimizer.gathered_parameters():
-            out[stage] = {n: t.float() for n, t in gather_logical_state(model, mesh.tp_group).items()}
+            out[stage] = {
+                n: t.float() for n, t in gather_logical_state(model, mesh.tp_group).items()
+            }
     return out if dist.get_rank() == 0 else None
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_lamb_under_zero_and_tp_matches_per_tensor_lamb(fused):
     from plait.optim.lamb import Lamb
+
     # Unfused: torch-style LAMB takes one trust ratio per logical tensor (q, k, v each), as the engine does
     model = TransformerModel(tiny(fused_projections=False), None, seed=5)
     opt = Lamb(weight_decay_groups(model, 0.01), lr=1e-2, eps=1e-8)
@@ -207,9 +250,12 @@ def grad_norm_body():
     """tp=2 x pp=2 x dp=2: the engine's global gradient norm (before clipping) of one step."""
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
+
     mesh = ParallelMesh(tp=2, pp=2)
     arch = tiny().replace(tie_embeddings=True)
-    pipe = PipelineParallel(build_stage_modules(arch, mesh, seed=5), mesh, "1f1b", micro_batches=GAS)
+    pipe = PipelineParallel(
+        build_stage_modules(arch, mesh, seed=5), mesh, "1f1b", micro_batches=GAS
+    )
     cfg = ds_config(1, 2)
     cfg["pipeline"] = {"size": 2, "schedule": "1f1b"}
     engine = plait.initialize(pipe, cfg, mesh=mesh)
@@ -231,24 +277,38 @@ def test_global_grad_norm_under_tp_pp_dp_equals_single_process():
 
 def test_activation_checkpointing_config_recomputes_blocks_and_accepts_megatrons_variants(caplog):
     model = TransformerModel(tiny(), None, seed=5)
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    engine = plait.initialize(model, {**base, "activation_checkpointing": {"number_checkpoints": 1}})
+    base = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine = plait.initialize(
+        model, {**base, "activation_checkpointing": {"number_checkpoints": 1}}
+    )
     assert [model.layers[str(i)].recompute for i in (1, 2)] == ["full", None]
     loss = engine(**micro_batch(0, 0, 0))
     engine.backward(loss)
     engine.step()
     assert engine.global_steps == 1
     # Megatron's CPU / partitioned checkpoints only move the saved activations: accepted, with a notice
-    plait.initialize(TransformerModel(tiny(), None), {**base, "activation_checkpointing": {"cpu_checkpointing": True}})
+    plait.initialize(
+        TransformerModel(tiny(), None),
+        {**base, "activation_checkpointing": {"cpu_checkpointing": True}},
+    )
     assert "activation_checkpointing.cpu_checkpointing is accepted" in caplog.text
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from plait.checkpoint import list_tags
-    engine = plait.initialize(TransformerModel(tiny(), None, seed=5),
-                              {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+
+    engine = plait.initialize(
+        TransformerModel(tiny(), None, seed=5),
+        {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        },
+    )
     for step in range(3):
         engine.train_batch(iter([micro_batch(step, 0, 0)]))
         engine.save_checkpoint(tmp_path, keep_last=2)
@@ -260,36 +320,53 @@ def bf16_pipeline_body():
     in bf16 too (the first NCCL run of the pretraining script found this)."""
     from plait.layers.stages import build_stage_modules
     from plait.parallel.pipeline.parallel import PipelineParallel
+
     mesh = ParallelMesh(pp=2)
-    pipe = PipelineParallel(build_stage_modules(tiny(), mesh, seed=5), mesh, "1f1b", micro_batches=GAS)
+    pipe = PipelineParallel(
+        build_stage_modules(tiny(), mesh, seed=5), mesh, "1f1b", micro_batches=GAS
+    )
     cfg = ds_config(1, 1)
     cfg.update(pipeline={"size": 2}, bf16={"enabled": True})
     engine = plait.initialize(pipe, cfg, mesh=mesh)
-    losses = [engine.train_batch(iter([micro_batch(s, g, 0) for g in range(GAS)])).item() for s in range(3)]
+    losses = [
+        engine.train_batch(iter([micro_batch(s, g, 0) for g in range(GAS)])).item()
+        for s in range(3)
+    ]
     return losses, engine.eval_batch(iter([micro_batch(9, g, 0) for g in range(GAS)])).item()
 
 
 def test_bf16_pipeline_through_the_engine_tracks_fp32():
     _, ref_losses = reference(1)
     losses, eval_loss = run_distributed(bf16_pipeline_body, 2)[0]
-    assert losses == pytest.approx(ref_losses[:3], rel=2e-2)       # bf16 weights: ~1% of the fp32 curve
+    assert losses == pytest.approx(ref_losses[:3], rel=2e-2)  # bf16 weights: ~1% of the fp32 curve
     assert eval_loss == eval_loss and eval_loss < losses[0]
 
 
 def test_user_optimizer_class_and_scheduler_factory():
     """Any torch optimizer (class) and any torch scheduler (as a factory over ZeRO's optimizer); a
     scheduler *instance* bound to another optimizer is refused."""
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    base = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     import functools
-    engine = plait.initialize(TransformerModel(tiny(), None, seed=5), base,
-                              optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                              lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+
+    engine = plait.initialize(
+        TransformerModel(tiny(), None, seed=5),
+        base,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+    )
     for step in range(2):
         engine.train_batch(iter([micro_batch(step, 0, 0)]))
     assert isinstance(engine.optimizer.optimizer, torch.optim.SGD)
     assert engine.get_lr() == pytest.approx([0.025, 0.025])
     other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(TypeError, match="pass lr_scheduler as a factory"):
-        plait.initialize(TransformerModel(tiny(), None), base, optimizer=torch.optim.SGD,
-                         lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+        plait.initialize(
+            TransformerModel(tiny(), None),
+            base,
+            optimizer=torch.optim.SGD,
+            lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1),
+        )

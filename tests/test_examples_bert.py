@@ -1,4 +1,5 @@
 """pretrain_bert.py, launched as users launch it, on a tiny BERT."""
+
 from __future__ import annotations
 
 import random
@@ -7,8 +8,28 @@ import re
 from example_launch import metrics, torchrun
 
 # Single-token words of the bundled tokenizer (with a leading space).
-WORDS = ["king", "land", "house", "water", "fire", "gold", "silver", "bread", "wine", "sheep", "city", "gate",
-         "river", "stone", "tree", "camel", "horse", "field", "sword", "tent"]
+WORDS = [
+    "king",
+    "land",
+    "house",
+    "water",
+    "fire",
+    "gold",
+    "silver",
+    "bread",
+    "wine",
+    "sheep",
+    "city",
+    "gate",
+    "river",
+    "stone",
+    "tree",
+    "camel",
+    "horse",
+    "field",
+    "sword",
+    "tent",
+]
 
 
 def word_runs(path, cycles: int = 30, run: int = 100) -> None:
@@ -32,19 +53,49 @@ def test_pretrain_bert_mlm_reads_the_context(tmp_path):
     data = tmp_path / "words.txt"
     word_runs(data)
     out = tmp_path / "bert"
-    log = torchrun("pretrain_bert.py", 2, "--hidden", "64", "--layers", "2", "--seq-len", "64", "--steps", "150",
-                   "--micro-batch", "8", "--global-batch", "16", "--log-every", "50", "--eval-every", "150",
-                   "--eval-batches", "1", "--warmup", "6", "--data", str(data), "--val-fraction", "0.1",
-                   "--out-dir", str(out))
+    log = torchrun(
+        "pretrain_bert.py",
+        2,
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--seq-len",
+        "64",
+        "--steps",
+        "150",
+        "--micro-batch",
+        "8",
+        "--global-batch",
+        "16",
+        "--log-every",
+        "50",
+        "--eval-every",
+        "150",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "6",
+        "--data",
+        str(data),
+        "--val-fraction",
+        "0.1",
+        "--out-dir",
+        str(out),
+    )
     assert "tp=2 x pp=1 x cp=1 x dp=1" in log and "AdamW" in log and "samples/s" in log
     _, val, summaries = metrics(out)
     assert val[150] < val[0] - 3.0, f"MLM validation loss {val[0]:.3f} -> {val[150]:.3f}"
     assert summaries[-1]["samples_per_s"] > 0
-    found = re.search(r"masked-token accuracy ([\d.]+)% \(unigram baseline ([\d.]+)%: always '(.+?)'\)", log)
+    found = re.search(
+        r"masked-token accuracy ([\d.]+)% \(unigram baseline ([\d.]+)%: always '(.+?)'\)", log
+    )
     assert found, log[-3000:]
     accuracy, baseline = float(found.group(1)) / 100, float(found.group(2)) / 100
     assert found.group(3).strip() in WORDS and 0.02 < baseline < 0.1, found.group(0)
     assert accuracy >= 0.5 and accuracy >= baseline + 0.4, found.group(0)
-    assert re.search(r"held-out \[MASK\] tokens \([\d,]+\): loss [\d.]+ nats \(unigram baseline [\d.]+\)", log)
+    assert re.search(
+        r"held-out \[MASK\] tokens \([\d,]+\): loss [\d.]+ nats \(unigram baseline [\d.]+\)", log
+    )
     demo = [line for line in log.splitlines() if "[MASK]" in line and "->" in line]
     assert len(demo) == 4 and all(len(re.findall(r"\d+\.\d%", line)) == 3 for line in demo), demo

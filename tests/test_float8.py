@@ -12,6 +12,7 @@ Parity contract: plait's float8 layers against torchao's own ``Float8Linear`` ho
 
 The fp8 section, the conversion of whole models and the engine: tests/test_float8_training.py.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from plait.testing import run_distributed
 from helpers import rel_err
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-SUM_ORDER = 1e-6   # float32 summation order of the tp partial sums (module docstring)
+SUM_ORDER = 1e-6  # float32 summation order of the tp partial sums (module docstring)
 
 
 def reference(weight: torch.Tensor, bias: torch.Tensor, config) -> Float8Linear:
@@ -60,12 +61,21 @@ def test_tp1_layers_equal_torchaos_float8_linear(recipe):
         ref = reference(layer.weight.data, layer.bias.data, cfg)
         cls = Float8ColumnParallelLinear if layer is col else Float8RowParallelLinear
         f8 = cls(layer, cfg)
-        assert f8.weight is layer.weight and f8.bias is layer.bias   # the very parameters, not copies
+        assert (
+            f8.weight is layer.weight and f8.bias is layer.bias
+        )  # the very parameters, not copies
         x, grad = torch.randn(2, 8, 64, generator=g), torch.randn(2, 8, out, generator=g)
         y, dx, yr, dxr = run_both(f8, ref, x, grad)
-        for a, b in ((y, yr), (dx, dxr), (f8.weight.grad, ref.weight.grad), (f8.bias.grad, ref.bias.grad)):
+        for a, b in (
+            (y, yr),
+            (dx, dxr),
+            (f8.weight.grad, ref.weight.grad),
+            (f8.bias.grad, ref.bias.grad),
+        ):
             assert torch.equal(a, b)
-        assert rel_err(y, torch.nn.functional.linear(x, layer.weight, layer.bias)) > 1e-3   # float8 did round
+        assert (
+            rel_err(y, torch.nn.functional.linear(x, layer.weight, layer.bias)) > 1e-3
+        )  # float8 did round
 
 
 def _tp2_errors() -> dict:
@@ -75,7 +85,9 @@ def _tp2_errors() -> dict:
     cfg = torchao_config("tensorwise", emulate=True)
     g = torch.Generator().manual_seed(0)
     w1, b1, w2, b2 = (torch.randn(s, generator=g) for s in ((64, 32), (64,), (32, 64), (32,)))
-    x1, x2, gy1, gy2 = (torch.randn(s, generator=g) for s in ((2, 8, 32), (2, 8, 64), (2, 8, 64), (2, 8, 32)))
+    x1, x2, gy1, gy2 = (
+        torch.randn(s, generator=g) for s in ((2, 8, 32), (2, 8, 64), (2, 8, 64), (2, 8, 32))
+    )
     out = {}
     for sp in (False, True):
         seq = (lambda t: t.chunk(2, 1)[rank]) if sp else (lambda t: t)
@@ -87,28 +99,40 @@ def _tp2_errors() -> dict:
             f8, ref = Float8ColumnParallelLinear(col, cfg, **kw), reference(w1, b1, cfg)
             y, dx, yr, dxr = run_both(f8, ref, seq(x1), gy1.chunk(2, -1)[rank], x1, gy1)
             out["column", sp, broken] = dict(
-                y=rel_err(y, yr.chunk(2, -1)[rank]), dx=rel_err(dx, seq(dxr)),
+                y=rel_err(y, yr.chunk(2, -1)[rank]),
+                dx=rel_err(dx, seq(dxr)),
                 dw=rel_err(f8.weight.grad, ref.weight.grad.chunk(2)[rank]),
-                db=rel_err(f8.bias.grad, ref.bias.grad.chunk(2)[rank]))
+                db=rel_err(f8.bias.grad, ref.bias.grad.chunk(2)[rank]),
+            )
             row = RowParallelLinear(64, 32, True, group=group, sequence_parallel=sp)
             row.weight.data.copy_(w2.chunk(2, 1)[rank])
             row.bias.data.copy_(b2)
             f8, ref = Float8RowParallelLinear(row, cfg, **kw), reference(w2, b2, cfg)
             y, dx, yr, dxr = run_both(f8, ref, x2.chunk(2, -1)[rank], seq(gy2), x2, gy2)
             out["row", sp, broken] = dict(
-                y=rel_err(y, seq(yr)), dx=rel_err(dx, dxr.chunk(2, -1)[rank]),
-                dw=rel_err(f8.weight.grad, ref.weight.grad.chunk(2, 1)[rank]), db=rel_err(f8.bias.grad, ref.bias.grad))
+                y=rel_err(y, seq(yr)),
+                dx=rel_err(dx, dxr.chunk(2, -1)[rank]),
+                dw=rel_err(f8.weight.grad, ref.weight.grad.chunk(2, 1)[rank]),
+                db=rel_err(f8.bias.grad, ref.bias.grad),
+            )
     return out
 
 
 @pytest.fixture(scope="module")
 def tp2_errors():
     per_rank = run_distributed(_tp2_errors, 2)
-    return {key: {q: max(r[key][q] for r in per_rank) for q in per_rank[0][key]} for key in per_rank[0]}
+    return {
+        key: {q: max(r[key][q] for r in per_rank) for q in per_rank[0][key]} for key in per_rank[0]
+    }
 
 
 #: the quantities that sum partial results over tp (the others have no tp sum: equal bit for bit)
-SUMMED = {("column", False): {"dx"}, ("column", True): {"dx"}, ("row", False): {"y"}, ("row", True): {"y", "db"}}
+SUMMED = {
+    ("column", False): {"dx"},
+    ("column", True): {"dx"},
+    ("row", False): {"y"},
+    ("row", True): {"y", "db"},
+}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sequence-parallel"])

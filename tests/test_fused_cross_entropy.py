@@ -15,6 +15,7 @@ whole-vocabulary reference (``F.cross_entropy``), the float32-vs-float64 toleran
 test_tp_parity.py. The broken variants show a wrong gradient term or mask misses TOL by orders of
 magnitude, so the parity can fail.
 """
+
 import itertools
 
 import pytest
@@ -24,8 +25,17 @@ import torch.nn.functional as F
 from helpers import micro_batch, rel_err, tiny
 
 import plait.layers.fused_cross_entropy as fce
-from plait.layers import TransformerConfig, TransformerModel, fused_linear_cross_entropy, padded_vocab_size
-from plait.layers.cross_entropy import block_statistics, logits_gradient_, vocab_parallel_cross_entropy
+from plait.layers import (
+    TransformerConfig,
+    TransformerModel,
+    fused_linear_cross_entropy,
+    padded_vocab_size,
+)
+from plait.layers.cross_entropy import (
+    block_statistics,
+    logits_gradient_,
+    vocab_parallel_cross_entropy,
+)
 from plait.layers.linear import enter_tp_region
 from plait.layers.stages import build_stage_modules
 from plait.parallel import ParallelMesh
@@ -80,8 +90,13 @@ def reference(inputs, tp, rank, sp, smoothing, use_bias, weighted):
     hidden, weight, bias, target, token_weight = inputs
     leaf, w, b = (t.double().requires_grad_() for t in (hidden, weight, bias))
     logits = F.linear(leaf, w[:V], b[:V] if use_bias else None)
-    losses = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=IGNORE,
-                             label_smoothing=smoothing, reduction="none").reshape(target.shape)
+    losses = F.cross_entropy(
+        logits.reshape(-1, V),
+        target.reshape(-1),
+        ignore_index=IGNORE,
+        label_smoothing=smoothing,
+        reduction="none",
+    ).reshape(target.shape)
     reduce_losses(losses, target, token_weight.double() if weighted else None).backward()
     grads = [leaf.grad.chunk(tp, 1)[rank] if sp else leaf.grad, w.grad.chunk(tp, 0)[rank]]
     return [losses.detach()] + grads + ([b.grad.chunk(tp, 0)[rank]] if use_bias else [])
@@ -100,7 +115,9 @@ def parity_body(tp: int, sps):
         for name, a, p, r in zip(NAMES, fused, plain, ref):
             err, err_ref = rel_err(a, p), max(rel_err(a, r), rel_err(p, r))
             assert err <= TOL, f"{name} of {case} at tp={tp}: fused vs unfused {err:.2e}"
-            assert err_ref <= REF_TOL, f"{name} of {case} at tp={tp}: vs float64 reference {err_ref:.2e}"
+            assert err_ref <= REF_TOL, (
+                f"{name} of {case} at tp={tp}: vs float64 reference {err_ref:.2e}"
+            )
             worst, worst_ref = max(worst, err), max(worst_ref, err_ref)
         losses.append(fused[0])
     return losses, worst, worst_ref
@@ -129,16 +146,21 @@ def _without_padded_mask_in_gradient(softmax, idx, in_block, valid, smoothing, v
 
 
 def _without_padded_mask_in_loss(logits, target, vocab_size, *rest):
-    return block_statistics(logits, target, 10 ** 9, *rest)
+    return block_statistics(logits, target, 10**9, *rest)
 
 
-@pytest.mark.parametrize("name, fn", [("logits_gradient_", _without_eps_term),
-                                      ("logits_gradient_", _without_padded_mask_in_gradient),
-                                      ("block_statistics", _without_padded_mask_in_loss)])
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("logits_gradient_", _without_eps_term),
+        ("logits_gradient_", _without_padded_mask_in_gradient),
+        ("block_statistics", _without_padded_mask_in_loss),
+    ],
+)
 def test_broken_variant_fails_the_tolerance(monkeypatch, name, fn):
     """The correct fused head passes TOL; one missing term or mask misses it by > 100x."""
     inputs = make_inputs(1)
-    case = (False, 0.1, True, False)          # no sp, label smoothing 0.1, bias, mean loss
+    case = (False, 0.1, True, False)  # no sp, label smoothing 0.1, bias, mean loss
     plain = run_head(False, inputs, 1, 0, None, *case)
     good = run_head(True, inputs, 1, 0, None, *case)
     assert max(rel_err(a, p) for a, p in zip(good, plain)) <= TOL
@@ -151,12 +173,17 @@ def compare_models(cfg: TransformerConfig, mesh=None, sp=False, layers=None, hid
     """Worst relative difference (loss, stage-input grad, every parameter grad) of ``cfg`` with the
     fused loss (chunk 5) against the unfused one, same seed and batch."""
     batch = micro_batch(0, 0, 0, vocab_size=cfg.vocab_size, seq=8)
-    batch["labels"] = batch["labels"].clone()          # a view of input_ids
+    batch["labels"] = batch["labels"].clone()  # a view of input_ids
     batch["labels"][0, :3] = IGNORE
     results = []
     for chunk in (5, 0):
-        model = TransformerModel(cfg.replace(fused_loss_chunk_tokens=chunk), mesh, sequence_parallel=sp,
-                                 layers=layers, seed=3)
+        model = TransformerModel(
+            cfg.replace(fused_loss_chunk_tokens=chunk),
+            mesh,
+            sequence_parallel=sp,
+            layers=layers,
+            seed=3,
+        )
         x = None if hidden is None else hidden.clone().requires_grad_()
         loss = model(**batch) if x is None else model(hidden=x, labels=batch["labels"])
         loss.backward()
@@ -168,9 +195,10 @@ def compare_models(cfg: TransformerConfig, mesh=None, sp=False, layers=None, hid
     return max(errs)
 
 
-@pytest.mark.parametrize("arch, overrides", [("gpt2", {}), ("llama", dict(tie_embeddings=False,
-                                                                          label_smoothing=0.1)),
-                                             ("bert", {})])
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("gpt2", {}), ("llama", dict(tie_embeddings=False, label_smoothing=0.1)), ("bert", {})],
+)
 def test_model_switch_same_loss_and_grads(arch, overrides):
     """GPT-2 (tied), Llama (untied, label smoothing), BERT (dense transform, head bias), one process."""
     assert compare_models(tiny(arch, **overrides)) <= TOL
@@ -178,7 +206,10 @@ def test_model_switch_same_loss_and_grads(arch, overrides):
 
 def _model_tp_body():
     mesh = ParallelMesh(tp=2)
-    return [compare_models(tiny(arch, label_smoothing=0.1), mesh, sp=True) for arch in ("gpt2", "llama", "bert")]
+    return [
+        compare_models(tiny(arch, label_smoothing=0.1), mesh, sp=True)
+        for arch in ("gpt2", "llama", "bert")
+    ]
 
 
 def test_model_switch_tp2_sequence_parallel():
@@ -215,12 +246,17 @@ def _pipeline_body():
         batches = [micro_batch(0, j, 0, vocab_size=cfg.vocab_size, seq=8) for j in range(4)]
         runs = []
         for chunk in (5, 0):
-            chunks = build_stage_modules(cfg.replace(fused_loss_chunk_tokens=chunk), mesh, sequence_parallel=True,
-                                         seed=3)
+            chunks = build_stage_modules(
+                cfg.replace(fused_loss_chunk_tokens=chunk), mesh, sequence_parallel=True, seed=3
+            )
             pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=4)
-            runs.append((pipe.train_batch(iter(batches)), {n: p.grad for n, p in pipe.named_parameters()}))
+            runs.append(
+                (pipe.train_batch(iter(batches)), {n: p.grad for n, p in pipe.named_parameters()})
+            )
         (loss_f, g_f), (loss_p, g_p) = runs
-        worst = max(worst, rel_err(loss_f, loss_p), *(rel_err(g_f[n], g_p[n], floor=1e-3) for n in g_p))
+        worst = max(
+            worst, rel_err(loss_f, loss_p), *(rel_err(g_f[n], g_p[n], floor=1e-3) for n in g_p)
+        )
     return worst
 
 
@@ -249,9 +285,13 @@ def test_no_token_by_vocab_tensor_saved_for_backward():
     w = torch.randn(padded_vocab_size(vocab, 1, 128), h, generator=g, requires_grad=True)
     t = torch.randint(0, vocab, (n,), generator=g)
     logits_bytes = n * vocab * 4
-    fused = largest_saved_bytes(lambda: fused_linear_cross_entropy(x, w, None, t, vocab_size=vocab, chunk_tokens=64))
-    plain = largest_saved_bytes(lambda: vocab_parallel_cross_entropy(F.linear(x, w), t, vocab_size=vocab))
-    assert plain >= logits_bytes                 # the check can see a [tokens, V] float32 tensor
+    fused = largest_saved_bytes(
+        lambda: fused_linear_cross_entropy(x, w, None, t, vocab_size=vocab, chunk_tokens=64)
+    )
+    plain = largest_saved_bytes(
+        lambda: vocab_parallel_cross_entropy(F.linear(x, w), t, vocab_size=vocab)
+    )
+    assert plain >= logits_bytes  # the check can see a [tokens, V] float32 tensor
     assert fused * 16 <= logits_bytes, f"fused saves {fused} bytes, logits are {logits_bytes}"
 
 
@@ -260,8 +300,10 @@ def test_bfloat16_and_no_grad():
     rounding; without grad the fused path returns the same float32 losses and builds no graph."""
     hidden, weight, bias, target, _ = make_inputs(1)
     kw = dict(vocab_size=V, label_smoothing=0.1)
-    xs, ws = [hidden.bfloat16().requires_grad_() for _ in range(2)], [weight.bfloat16().requires_grad_()
-                                                                       for _ in range(2)]
+    xs, ws = (
+        [hidden.bfloat16().requires_grad_() for _ in range(2)],
+        [weight.bfloat16().requires_grad_() for _ in range(2)],
+    )
     fused = fused_linear_cross_entropy(xs[0], ws[0], None, target, chunk_tokens=CHUNK, **kw)
     plain = vocab_parallel_cross_entropy(F.linear(xs[1], ws[1]), target, **kw)
     assert fused.dtype == torch.float32 and rel_err(fused, plain) < 1e-2
@@ -275,11 +317,16 @@ def test_bfloat16_and_no_grad():
     assert loss.grad_fn is None and rel_err(loss, ref) <= TOL
 
 
-@pytest.mark.parametrize("kw, match", [(dict(label_smoothing=1.0), "label_smoothing"),
-                                       (dict(chunk_tokens=0), "chunk_tokens must be a positive int"),
-                                       (dict(target=torch.zeros(3, 5, dtype=torch.long)), r"target \(3, 5\)"),
-                                       (dict(weight=torch.zeros(304, 8)), "h = 16"),
-                                       (dict(bias=torch.zeros(300)), r"must be \[304\]")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(label_smoothing=1.0), "label_smoothing"),
+        (dict(chunk_tokens=0), "chunk_tokens must be a positive int"),
+        (dict(target=torch.zeros(3, 5, dtype=torch.long)), r"target \(3, 5\)"),
+        (dict(weight=torch.zeros(304, 8)), "h = 16"),
+        (dict(bias=torch.zeros(300)), r"must be \[304\]"),
+    ],
+)
 def test_errors_name_the_numbers(kw, match):
     hidden, weight, bias, target, _ = make_inputs(1)
     args = dict(hidden=hidden, weight=weight, bias=bias, target=target)
@@ -302,8 +349,14 @@ def test_summed_reduction_equals_the_sum_of_the_per_token_losses():
     out = []
     for reduction in ("none", "sum"):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        loss = fused_linear_cross_entropy(*leaves, target, vocab_size=V, label_smoothing=0.1, chunk_tokens=CHUNK,
-                                          reduction=reduction)
+        loss = fused_linear_cross_entropy(
+            *leaves,
+            target,
+            vocab_size=V,
+            label_smoothing=0.1,
+            chunk_tokens=CHUNK,
+            reduction=reduction,
+        )
         total = loss.sum() if reduction == "none" else loss
         assert total.dim() == 0
         (total * 0.37).backward()
@@ -328,10 +381,11 @@ def test_summed_weight_gradient_is_scaled_before_the_cast(dtype):
     grads = []
     for dt in (torch.float32, dtype):
         w = weight.to(dt).detach().clone().requires_grad_()
-        loss = fused_linear_cross_entropy(hidden.to(dt), w, None, target, vocab_size=v, chunk_tokens=1000,
-                                          reduction="sum")
+        loss = fused_linear_cross_entropy(
+            hidden.to(dt), w, None, target, vocab_size=v, chunk_tokens=1000, reduction="sum"
+        )
         (loss / n).backward()
         grads.append(w.grad.float())
     ref, low = grads
     assert torch.isfinite(low).all()
-    assert rel_err(low, ref) <= 2 * (2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7)
+    assert rel_err(low, ref) <= 2 * (2.0**-10 if dtype == torch.float16 else 2.0**-7)

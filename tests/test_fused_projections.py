@@ -10,6 +10,7 @@ partial sums, and BLAS may block a wider GEMM differently. Each such difference 
 every logical gradient, floor 1e-3 for k_proj.bias, whose exact gradient is zero). Taking the fused
 weight's rows in another order (k before q) breaks it by orders of magnitude (tested).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,8 +30,12 @@ RTOL = 1e-6
 
 
 def loss_and_grads(arch: str, mesh, sequence_parallel: bool, fused: bool, batch: dict):
-    model = TransformerModel(make_config(arch, fused_projections=fused), mesh, sequence_parallel=sequence_parallel,
-                             seed=11)
+    model = TransformerModel(
+        make_config(arch, fused_projections=fused),
+        mesh,
+        sequence_parallel=sequence_parallel,
+        seed=11,
+    )
     loss = model(**batch)
     loss.backward()
     return model, loss.item(), gather_logical_state(model, mesh.tp_group, grads=True)
@@ -44,22 +49,31 @@ def parity_body(tp: int, sequence_parallel: bool):
         fused, f_loss, f_grads = loss_and_grads(arch, mesh, sequence_parallel, True, batch)
         plain, p_loss, p_grads = loss_and_grads(arch, mesh, sequence_parallel, False, batch)
         names = dict(fused.named_parameters())
-        assert "layers.1.attn.qkv_proj.weight" in names and "layers.1.attn.q_proj.weight" not in names
+        assert (
+            "layers.1.attn.qkv_proj.weight" in names and "layers.1.attn.q_proj.weight" not in names
+        )
         assert ("layers.1.mlp.gate_up_proj.weight" in names) == (arch == "llama")
-        f_w, p_w = gather_logical_state(fused, mesh.tp_group), gather_logical_state(plain, mesh.tp_group)
+        f_w, p_w = (
+            gather_logical_state(fused, mesh.tp_group),
+            gather_logical_state(plain, mesh.tp_group),
+        )
         assert f_w.keys() == p_w.keys() == f_grads.keys() == p_grads.keys()
-        assert all(torch.equal(f_w[k], p_w[k]) for k in f_w), "logical weights differ at initialization"
+        assert all(torch.equal(f_w[k], p_w[k]) for k in f_w), (
+            "logical weights differ at initialization"
+        )
         errs = {k: rel_err(f_grads[k], p_grads[k], floor=1e-3) for k in p_grads}
         errs["loss"] = abs(f_loss - p_loss) / abs(p_loss)
         name = max(errs, key=errs.get)
-        assert errs[name] <= RTOL, f"{arch} tp={tp} sp={sequence_parallel}: {name} off by {errs[name]:.2e}"
+        assert errs[name] <= RTOL, (
+            f"{arch} tp={tp} sp={sequence_parallel}: {name} off by {errs[name]:.2e}"
+        )
         worst[arch] = errs[name]
     return worst if dist.get_rank() == 0 else None
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_fused_projections_match_the_unfused_layers(tp):
-    for sp in ([False] if tp == 1 else [True, False]):
+    for sp in [False] if tp == 1 else [True, False]:
         worst = run_distributed(parity_body, tp, tp, sp)[0]
         assert max(worst.values()) <= RTOL
 
@@ -72,7 +86,9 @@ def test_fused_rows_in_another_order_fail_the_bound():
     model = TransformerModel(make_config("llama", fused_projections=True), ParallelMesh(), seed=11)
     with torch.no_grad():
         for i in range(1, 4):
-            w = model.layers[str(i)].attn.qkv_proj.weight       # rows: q [0, 64), k [64, 96), v [96, 128)
+            w = model.layers[
+                str(i)
+            ].attn.qkv_proj.weight  # rows: q [0, 64), k [64, 96), v [96, 128)
             w[:96] = torch.cat([w[64:96], w[:64]])
     model(**batch).backward()
     grads = gather_logical_state(model, grads=True)
@@ -83,12 +99,22 @@ def test_fused_rows_in_another_order_fail_the_bound():
 def test_fused_parameter_names_its_logical_tensors():
     layer = ColumnParallelLinear(16, (8, 4, 4), True, parts=("q_proj", "k_proj", "v_proj"))
     spec = shard_of(layer.weight)
-    assert isinstance(spec, FusedShard) and spec.local_shape == (16, 16) and tuple(layer.weight.shape) == (16, 16)
+    assert (
+        isinstance(spec, FusedShard)
+        and spec.local_shape == (16, 16)
+        and tuple(layer.weight.shape) == (16, 16)
+    )
     parts = logical_parts("layers.3.attn.qkv_proj.weight", layer.weight)
     assert [(p.name, p.row, p.spec.logical_shape) for p in parts] == [
-        ("layers.3.attn.q_proj.weight", 0, (8, 16)), ("layers.3.attn.k_proj.weight", 8, (4, 16)),
-        ("layers.3.attn.v_proj.weight", 12, (4, 16))]
-    assert [p.name for p in logical_parts("qkv_proj.bias", layer.bias)] == ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        ("layers.3.attn.q_proj.weight", 0, (8, 16)),
+        ("layers.3.attn.k_proj.weight", 8, (4, 16)),
+        ("layers.3.attn.v_proj.weight", 12, (4, 16)),
+    ]
+    assert [p.name for p in logical_parts("qkv_proj.bias", layer.bias)] == [
+        "q_proj.bias",
+        "k_proj.bias",
+        "v_proj.bias",
+    ]
     q, k, v = layer.split(layer.local_forward(torch.randn(2, 3, 16)))
     assert q.shape == (2, 3, 8) and k.shape == v.shape == (2, 3, 4)
 
@@ -104,9 +130,14 @@ def test_fused_layer_refuses_mismatched_parts_and_names_the_part_that_does_not_d
 
 
 def _indivisible_body():
-    with pytest.raises(ValueError, match=r"out_features of k_proj \(3\) is not divisible by the tensor-parallel "
-                                         r"size tp=2"):
-        ColumnParallelLinear(16, (8, 3, 3), parts=("q_proj", "k_proj", "v_proj"), group=ParallelMesh(tp=2).tp_group)
+    with pytest.raises(
+        ValueError,
+        match=r"out_features of k_proj \(3\) is not divisible by the tensor-parallel "
+        r"size tp=2",
+    ):
+        ColumnParallelLinear(
+            16, (8, 3, 3), parts=("q_proj", "k_proj", "v_proj"), group=ParallelMesh(tp=2).tp_group
+        )
 
 
 def interop_body(root: str, save_fused: bool):

@@ -2,6 +2,7 @@
 collection after every N-th optimizer step. Counted with ``gc.callbacks`` (full = generation 2) and checked
 by what it is for: a reference cycle made in a step lives until the scheduled collection frees it. Every test
 restores the collector's state (it is process-wide)."""
+
 import gc
 import weakref
 
@@ -24,8 +25,12 @@ def restore_collector():
 
 
 def engine_with(**extra):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **extra,
+    }
     return plait.initialize(TransformerModel(tiny(vocab_size=97), None, seed=3), cfg)
 
 
@@ -39,7 +44,9 @@ def steps_with_a_cycle(engine, steps, poisoned=()):
     the nonfinite guard skips them); return, per step, the full collections that ran during it and whether
     that step's cycle is still alive after it."""
     full, log = [], []
-    note = lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None  # noqa: E731
+    note = lambda phase, info: (
+        full.append(1) if phase == "start" and info["generation"] == 2 else None
+    )  # noqa: E731
     gc.callbacks.append(note)
     try:
         for step in range(steps):
@@ -58,7 +65,13 @@ def test_a_full_collection_runs_after_every_nth_step_only():
     gc.enable()
     engine = engine_with(garbage_collection={"interval": 2})
     assert not gc.isenabled()
-    assert steps_with_a_cycle(engine, 5) == [(0, True), (1, False), (0, True), (1, False), (0, True)]
+    assert steps_with_a_cycle(engine, 5) == [
+        (0, True),
+        (1, False),
+        (0, True),
+        (1, False),
+        (0, True),
+    ]
 
 
 def test_skipped_steps_count_once_as_every_rank_counts_them():
@@ -80,5 +93,7 @@ def test_interval_zero_leaves_the_collector_alone():
 
 
 def test_a_negative_interval_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"garbage_collection.interval must be >= 0 optimizer steps.*-1"):
+    with pytest.raises(
+        ConfigError, match=r"garbage_collection.interval must be >= 0 optimizer steps.*-1"
+    ):
         engine_with(garbage_collection={"interval": -1})

@@ -1,4 +1,5 @@
 """The multi-process harness itself: results, a failing rank's traceback, timeouts, no leaks."""
+
 import multiprocessing as mp
 import time
 
@@ -32,7 +33,11 @@ def test_failing_rank_traceback_is_reported():
     with pytest.raises(DistributedTestError) as err:
         run_distributed(failing_body, 2)
     msg = str(err.value)
-    assert "--- rank 1 ---" in msg and "rank one exploded with value 42" in msg and "failing_body" in msg
+    assert (
+        "--- rank 1 ---" in msg
+        and "rank one exploded with value 42" in msg
+        and "failing_body" in msg
+    )
 
 
 def test_timeout_kills_and_reports_and_leaks_nothing():

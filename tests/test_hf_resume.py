@@ -1,6 +1,7 @@
 """Unmodified Hugging Face models through the engine: a checkpoint taken mid-run resumes exactly (ZeRO-2 and
 ZeRO-3, 1 and 2 ranks, CPU/gloo, float32). Under ZeRO-3 a parameter's data is released between uses; the
 checkpoint must still know its shape (it once failed with "flat range [0, n) is outside [0, 0]")."""
+
 import tempfile
 
 import pytest
@@ -17,12 +18,27 @@ STEPS, SAVE_AT = 5, 3
 def hf_model(kind):
     torch.manual_seed(0)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64))
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )
+        )
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def batch(step, rank):
@@ -32,9 +48,12 @@ def batch(step, rank):
 
 
 def run(kind, stage, steps, start=0, load=None, save=None):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
+    }
     mesh = ParallelMesh()
     engine = plait.initialize(hf_model(kind), ds, mesh=mesh)
     if load:
@@ -63,7 +82,9 @@ def _body(kind, stage, root):
 @pytest.mark.parametrize("kind,stage", [("llama", 3), ("bert", 3), ("llama", 2)])
 def test_hf_model_resumes_exactly(kind, stage, world):
     with tempfile.TemporaryDirectory() as root:
-        (want_losses, want), (got_losses, got) = run_distributed(_body, world, kind, stage, root, timeout_s=300)[0]
+        (want_losses, want), (got_losses, got) = run_distributed(
+            _body, world, kind, stage, root, timeout_s=300
+        )[0]
     assert got_losses == want_losses[SAVE_AT:]
     assert got.keys() == want.keys()
     for name, w in want.items():
@@ -75,10 +96,14 @@ def test_an_optimizer_instance_is_rebuilt_over_the_shards_with_its_settings():
     ``decoupled_weight_decay`` in AdamW's defaults but its constructor refuses it back (a TypeError once)."""
     model = hf_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05, betas=(0.8, 0.9))
-    engine = plait.initialize(model, {"train_micro_batch_size_per_gpu": 2}, mesh=ParallelMesh(), optimizer=opt)
+    engine = plait.initialize(
+        model, {"train_micro_batch_size_per_gpu": 2}, mesh=ParallelMesh(), optimizer=opt
+    )
     inner = engine.optimizer.optimizer
     assert type(inner) is torch.optim.AdamW
-    assert {(g["lr"], g["weight_decay"], g["betas"]) for g in inner.param_groups} == {(2e-3, 0.05, (0.8, 0.9))}
+    assert {(g["lr"], g["weight_decay"], g["betas"]) for g in inner.param_groups} == {
+        (2e-3, 0.05, (0.8, 0.9))
+    }
     loss = engine(**batch(0, 0)).loss
     engine.backward(loss)
     engine.step()

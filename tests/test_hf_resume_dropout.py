@@ -8,20 +8,33 @@ are skipped without being collated). Tolerance: 0 (same kernels, same order: the
 restoring the RNG before the iterator is made, or collating the skipped micro-batches, moves every mask and
 the losses differ from the third decimal on.
 """
+
 import pytest
 import torch
 import transformers
 
 from plait.hf import Trainer, TrainingArguments
 
-CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}
+CONFIG = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    "zero_optimization": {"stage": 2},
+}
 
 
 def tiny_bert():
     torch.manual_seed(0)
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=16, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.3,
+            attention_probs_dropout_prob=0.3,
+        )
+    )
 
 
 class Masking:
@@ -37,19 +50,36 @@ class Masking:
 
 def run(out, resume=None, max_steps=6):
     data = [{"input_ids": [(7 * i + j) % 64 for j in range(8)]} for i in range(48)]
-    args = TrainingArguments(output_dir=str(out), deepspeed=CONFIG, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=max_steps, report_to=[],
-                             use_cpu=True, save_steps=3, logging_steps=1, seed=11, remove_unused_columns=False)
+    args = TrainingArguments(
+        output_dir=str(out),
+        deepspeed=CONFIG,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_steps=max_steps,
+        report_to=[],
+        use_cpu=True,
+        save_steps=3,
+        logging_steps=1,
+        seed=11,
+        remove_unused_columns=False,
+    )
     trainer = Trainer(model=tiny_bert(), args=args, train_dataset=data, data_collator=Masking())
     trainer.train(resume_from_checkpoint=resume)
-    return {h["step"]: (h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h}
+    return {
+        h["step"]: (h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h
+    }
 
 
 def test_a_resumed_run_with_dropout_repeats_the_uninterrupted_steps_bitwise(tmp_path):
     full = run(tmp_path / "full")
     logged = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
-    assert {s: logged[s] for s in (1, 2, 3)} == {s: full[s] for s in (1, 2, 3)}   # the checkpoint's history
+    assert {s: logged[s] for s in (1, 2, 3)} == {
+        s: full[s] for s in (1, 2, 3)
+    }  # the checkpoint's history
     resumed = {s: logged[s] for s in logged if s > 3}
     assert sorted(resumed) == [4, 5, 6]
     assert {s: full[s] for s in (4, 5, 6)} == resumed
-    assert len({full[s][0] for s in full}) == len(full)   # every step's loss differs: a shift would show
+    assert len({full[s][0] for s in full}) == len(
+        full
+    )  # every step's loss differs: a shift would show

@@ -24,6 +24,7 @@ transformers 4.56 with accelerate below 1.10.1 cannot build ``HfArgumentParser(T
 (its annotation names accelerate's ``ParallelismConfig``): scripts of this shape need accelerate >= 1.10.1
 there, on plain transformers as on plait.
 """
+
 import json
 import os
 import subprocess
@@ -35,21 +36,57 @@ import pytest
 from plait.data import bundled_tokenizer_path
 
 DATA = Path(__file__).parent / "data"
-CONFIGS = {"zero2": DATA / "ds_configs" / "transformers__ds_config_zero2.json",
-           "zero3": DATA / "ds_configs" / "transformers__ds_config_zero3_bf16.json"}
+CONFIGS = {
+    "zero2": DATA / "ds_configs" / "transformers__ds_config_zero2.json",
+    "zero3": DATA / "ds_configs" / "transformers__ds_config_zero3_bf16.json",
+}
 TOLERANCE = 1e-6
 
 
-def launch(out: Path, script: str, framework: str, procs: int, config: str, *extra: str) -> dict[int, float]:
+def launch(
+    out: Path, script: str, framework: str, procs: int, config: str, *extra: str
+) -> dict[int, float]:
     """Run ``script`` under torchrun; the logged loss of each step (``trainer_state.json``, as ``save_state``
     writes it). The plain runs take the config through ``ds_reference`` (``--deepspeed`` only names the file)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(DATA), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
-           str(DATA / script), "--framework", framework, "--deepspeed", str(CONFIGS[config]),
-           "--output_dir", str(out), "--tokenizer_file", str(bundled_tokenizer_path()), "--do_train", "--do_eval",
-           "--max_steps", "10", "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_steps", "5",
-           "--seed", "7", "--use_cpu", "--report_to", "none", *extra]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(DATA), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(procs),
+        str(DATA / script),
+        "--framework",
+        framework,
+        "--deepspeed",
+        str(CONFIGS[config]),
+        "--output_dir",
+        str(out),
+        "--tokenizer_file",
+        str(bundled_tokenizer_path()),
+        "--do_train",
+        "--do_eval",
+        "--max_steps",
+        "10",
+        "--per_device_train_batch_size",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "5",
+        "--seed",
+        "7",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -64,9 +101,12 @@ def run(tmp_path_factory):
     def get(script, framework, procs, config, *extra):
         key = (script, framework, procs, config, *extra)
         if key not in done:
-            out = tmp_path_factory.mktemp("_".join([script.split("_")[0], framework, str(procs), config]))
+            out = tmp_path_factory.mktemp(
+                "_".join([script.split("_")[0], framework, str(procs), config])
+            )
             done[key] = (launch(out, script, framework, procs, config, *extra), out)
         return done[key]
+
     return get
 
 
@@ -84,7 +124,9 @@ def test_a_script_on_plait_matches_it_on_plain_transformers(run, script, config,
     reference, _ = run(script, "ds_reference", procs, "zero2")
     assert sorted(plait_losses) == list(range(1, 11))
     assert max_diff(plait_losses, reference) <= TOLERANCE
-    assert len({round(v, 4) for v in reference.values()}) >= 8   # the steps differ: a shifted step would show
+    assert (
+        len({round(v, 4) for v in reference.values()}) >= 8
+    )  # the steps differ: a shifted step would show
 
 
 @pytest.mark.parametrize("procs, config", [(1, "zero2"), (2, "zero3")])
@@ -92,7 +134,9 @@ def test_a_script_on_plait_matches_it_on_plain_transformers(run, script, config,
 def test_a_resumed_script_repeats_the_uninterrupted_steps(run, script, procs, config):
     """Dropout on (and MLM masking): the RNG states in ``checkpoint-5`` put the masks where they were."""
     full, out = run(script, "plait", procs, config)
-    resumed, _ = run(script, "plait", procs, config, "--resume_from_checkpoint", str(out / "checkpoint-5"))
+    resumed, _ = run(
+        script, "plait", procs, config, "--resume_from_checkpoint", str(out / "checkpoint-5")
+    )
     assert {s: resumed[s] for s in range(6, 11)} == {s: full[s] for s in range(6, 11)}
 
 

@@ -1,6 +1,7 @@
 """``plait.hf.with_plait_engine``: a user's own ``transformers.Trainer`` subclass on plait's engine, its overrides
 still called (``training_step`` and ``compute_loss`` once per micro-batch, ``log`` at each logged step), plait's
 loop and engine below them."""
+
 import pytest
 import transformers
 
@@ -21,7 +22,7 @@ class Counting(transformers.Trainer):
 
     def compute_loss(self, model, inputs, *a, **kw):
         self.calls["compute_loss"] += 1
-        assert isinstance(model, Engine)          # plait's loop hands the engine down
+        assert isinstance(model, Engine)  # plait's loop hands the engine down
         return super().compute_loss(model, inputs, *a, **kw)
 
     def log(self, logs, *a, **kw):
@@ -38,13 +39,33 @@ def test_a_users_trainer_subclass_runs_its_overrides_on_plaits_engine(tmp_path):
     args_class = plait.hf.with_plait_arguments(CountingArgs)
     assert trainer_class.__mro__[1:4] == (Counting, plait.hf.Trainer, transformers.Trainer)
     assert plait.hf.with_plait_engine(trainer_class) is trainer_class
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2))
-    args = args_class(output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}}, use_cpu=True,
-                      report_to=[], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-                      logging_steps=1, save_strategy="no", learning_rate=1e-2)
-    assert isinstance(args, CountingArgs) and args.plait == {"zero_optimization": {"stage": 2}} and args.deepspeed is None
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    args = args_class(
+        output_dir=str(tmp_path),
+        deepspeed={"zero_optimization": {"stage": 2}},
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+    )
+    assert (
+        isinstance(args, CountingArgs)
+        and args.plait == {"zero_optimization": {"stage": 2}}
+        and args.deepspeed is None
+    )
     data = [{"input_ids": [i % 64, 2, 3, 4], "labels": [i % 64, 2, 3, 4]} for i in range(16)]
     trainer = trainer_class(model=model, args=args, train_dataset=data)
     trainer.train()

@@ -2,6 +2,7 @@
 the parent's writes after the fork stay in place (no copy-on-write). Asserted through what the child can
 read: a marked buffer is absent from its address space (reading it kills the child with SIGSEGV), an
 unmarked one is readable. A small buffer is never marked (its pages may be shared with other allocations)."""
+
 import faulthandler
 import multiprocessing as mp
 import os
@@ -13,11 +14,13 @@ import torch
 
 from plait.kernels.host_memory import MIN_BYTES, keep_from_children
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's"
+)
 
 
 def _read_middle(t):
-    faulthandler.disable()   # the expected SIGSEGV needs no traceback
+    faulthandler.disable()  # the expected SIGSEGV needs no traceback
     os._exit(0 if float(t[t.numel() // 2]) == 3.0 else 1)
 
 
@@ -31,7 +34,9 @@ def _child_exit(t) -> int:
 def test_a_marked_buffer_is_not_in_a_forked_child():
     t = keep_from_children(torch.full((MIN_BYTES // 4,), 3.0))
     assert _child_exit(t) == -signal.SIGSEGV
-    assert float(t[t.numel() // 2]) == 3.0 and float(t.sum()) == 3.0 * t.numel()   # the parent's own is intact
+    assert (
+        float(t[t.numel() // 2]) == 3.0 and float(t.sum()) == 3.0 * t.numel()
+    )  # the parent's own is intact
 
 
 def test_unmarked_and_small_buffers_are_inherited():

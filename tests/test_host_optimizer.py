@@ -2,6 +2,7 @@
 float32 rounding (rtol 1e-6: the numba kernel and torch order the element arithmetic differently; the per-step
 agreement of the kernels themselves is tests/test_kernels.py's), a torch-shaped state, and a state dict that
 round-trips between the two."""
+
 import torch
 
 from plait.zero.offload import HostOptimizer
@@ -19,7 +20,9 @@ def test_host_optimizer_state_is_torch_shaped_and_round_trips():
         ref.step()
     assert torch.allclose(m, ref_p, rtol=1e-6, atol=1e-7)
     assert sorted(opt.state[m]) == sorted(ref.state[ref_p]) and float(opt.state[m]["step"]) == 3
-    fresh = HostOptimizer([torch.nn.Parameter(m.detach().clone())], kind="adamw", lr=1e-2, weight_decay=0.1)
+    fresh = HostOptimizer(
+        [torch.nn.Parameter(m.detach().clone())], kind="adamw", lr=1e-2, weight_decay=0.1
+    )
     fresh.load_state_dict(ref.state_dict())
     p2 = fresh.param_groups[0]["params"][0]
     g = torch.randn(100)

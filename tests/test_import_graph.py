@@ -1,6 +1,7 @@
 """plait's packages import each other one way (issue 45): no cycle between the top-level packages and modules
 of ``plait`` (a lazy import inside a function counts: it is an arrow all the same), and no module-level
 ``__getattr__`` re-export shims. Read from the source with ``ast``: nothing is imported."""
+
 import ast
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
                 comp.append(stack.pop())
             if len(comp) > 1:
                 out.append(sorted(comp))
+
     for v in sorted(edges):
         if v not in index:
             visit(v)
@@ -62,21 +64,30 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_cycle_between_plaits_packages():
     edges = import_graph()
-    assert "models" not in edges["layers"]          # the shared layers never ask a family how to wire
+    assert "models" not in edges["layers"]  # the shared layers never ask a family how to wire
     assert cycles(edges) == []
 
 
 def test_only_the_edges_import_the_engine():
-    edges = import_graph()   # the core packages never reach up into plait.engine; "__init__" is plait.initialize
+    edges = (
+        import_graph()
+    )  # the core packages never reach up into plait.engine; "__init__" is plait.initialize
     assert sorted(p for p, to in edges.items() if "engine" in to) == ["__init__", "trl"]
 
 
 def test_the_check_finds_a_cycle():
-    assert cycles({"layers": {"parallel", "models"}, "models": {"layers"}, "parallel": set()}) == [["layers", "models"]]
+    assert cycles({"layers": {"parallel", "models"}, "models": {"layers"}, "parallel": set()}) == [
+        ["layers", "models"]
+    ]
 
 
 def test_no_module_level_getattr_shims():
-    shims = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-             if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
-                    for n in ast.parse(p.read_text(encoding="utf-8")).body)]
+    shims = [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if any(
+            isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+            for n in ast.parse(p.read_text(encoding="utf-8")).body
+        )
+    ]
     assert shims == []

@@ -3,6 +3,7 @@
 Tolerance: "relative" below is max|ours - ref| / max|ref| per tensor, required <= 1e-6 after 10
 steps (float32 rounding differs only by operation order, e.g. torch's FMA in lerp/add).
 """
+
 import itertools
 
 import numba
@@ -24,7 +25,7 @@ N = SEGMENTS[-1]
 def data(seed: int, steps: int = STEPS):
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(N, generator=gen)
-    p[SEGMENTS[4]:SEGMENTS[5]] = 0.0  # an all-zero tensor
+    p[SEGMENTS[4] : SEGMENTS[5]] = 0.0  # an all-zero tensor
     grads = [torch.randn(N, generator=gen) * (0.5 + k) for k in range(steps)]
     return p, grads
 
@@ -81,7 +82,15 @@ def test_adam_matches_torch(adamw, wd):
 def test_adam_without_bias_correction(adamw, wd):
     p0, grads = data(2)
     p = p0.clone()
-    opt = CPUAdam(N, lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd, adamw_mode=adamw, bias_correction=False)
+    opt = CPUAdam(
+        N,
+        lr=1e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=wd,
+        adamw_mode=adamw,
+        bias_correction=False,
+    )
     for g in grads:
         opt.step(p, g)
     rp, rm, rv = ref_adam_nobc(p0, grads, 1e-3, 0.8, 0.95, 1e-6, wd, adamw)
@@ -157,7 +166,7 @@ def test_grad_coef_multiplies_the_gradient(k):
         a.step(pa, g)
         b.step(pb, g * 1024.0, grad_coef=1 / 1024.0)  # power of two: exact
         c.step(pc, g * 3.7, grad_coef=1 / 3.7)  # rounding only
-        d.step(pd, g, grad_coef=0.37)           # what ZeroOptimizer does without offload: g.mul_(coef)
+        d.step(pd, g, grad_coef=0.37)  # what ZeroOptimizer does without offload: g.mul_(coef)
         e.step(pe, g.mul(0.37))
     assert torch.equal(pa, pb)
     assert rel_err(pc, pa, norm="max") <= RTOL
@@ -174,7 +183,11 @@ def test_bf16_gradients_equal_their_float32_widening(k):
     for out_dtype in (None, torch.bfloat16, torch.float16):
         a, b = make_all()[k], make_all()[k]
         pa, pb = p0.clone(), p0.clone()
-        oa, ob = ((torch.empty(N, dtype=out_dtype), torch.empty(N, dtype=out_dtype)) if out_dtype else (None, None))
+        oa, ob = (
+            (torch.empty(N, dtype=out_dtype), torch.empty(N, dtype=out_dtype))
+            if out_dtype
+            else (None, None)
+        )
         for g in grads:
             a.step(pa, g.float(), oa)
             b.step(pb, g, ob)
@@ -182,7 +195,9 @@ def test_bf16_gradients_equal_their_float32_widening(k):
         if out_dtype is not None:
             assert torch.equal(oa.view(torch.int16), ob.view(torch.int16))
         for name in a._state_names:
-            assert torch.equal(getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32))
+            assert torch.equal(
+                getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32)
+            )
 
 
 def test_sum_of_squares_float32_and_bf16():
@@ -211,7 +226,10 @@ def test_state_dict_round_trip_resumes_exactly(k):
         full.step(pf, g)
     for g in grads[:3]:
         first.step(pr, g)
-    sd = {key: (val.clone() if isinstance(val, torch.Tensor) else val) for key, val in first.state_dict().items()}
+    sd = {
+        key: (val.clone() if isinstance(val, torch.Tensor) else val)
+        for key, val in first.state_dict().items()
+    }
     assert all(isinstance(v, (int, float, bool)) for v in sd["hparams"].values())
     resumed = make_all()[k]
     resumed.lr = 123.0  # overwritten by the saved hyperparameters
@@ -243,7 +261,9 @@ def test_lr_override_and_errors():
     with pytest.raises(TypeError, match="float64"):
         fresh.step(p0.double(), grads[0])
     with pytest.raises(ValueError, match="state 'exp_avg' has 5 elements"):
-        CPUAdam(N).load_state_dict({"step": 1, "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)})
+        CPUAdam(N).load_state_dict(
+            {"step": 1, "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
+        )
 
 
 # ---- low-precision copy-out, bit for bit --------------------------------------------------------------
@@ -254,31 +274,77 @@ def f32(*patterns: int) -> torch.Tensor:
 BF16_EDGES = f32(
     0x3F808000,  # 1 + 2^-8: tie, even -> 1.0
     0x3F818000,  # tie, odd -> up
-    0x3F808001, 0x3F807FFF,  # just above / below a tie
-    0x7F7FFFFF, 0xFF7FFFFF,  # +-max float: round up to +-inf
+    0x3F808001,
+    0x3F807FFF,  # just above / below a tie
+    0x7F7FFFFF,
+    0xFF7FFFFF,  # +-max float: round up to +-inf
     0x7F7F7FFF,  # largest that stays finite
-    0x7F800000, 0xFF800000,  # +-inf
-    0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF,  # quiet / signalling / payload NaNs
-    0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x807FFFFF, 0x00800000,  # subnormals, ties, min normal
-    0x80000000, 0x00000000,  # -0.0, +0.0
+    0x7F800000,
+    0xFF800000,  # +-inf
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800001,
+    0xFF812345,
+    0x7FFFFFFF,  # quiet / signalling / payload NaNs
+    0x00000001,
+    0x00008000,
+    0x00018000,
+    0x007FFFFF,
+    0x807FFFFF,
+    0x00800000,  # subnormals, ties, min normal
+    0x80000000,
+    0x00000000,  # -0.0, +0.0
 )
 FP16_EDGES = f32(
-    0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FFFFF, 0x47800000,  # 65504, just below 65520, 65520 (-> inf), ...
-    0xC77FF000, 0x7F7FFFFF,
-    0x33800000, 0x33000000, 0x33000001, 0x33400000, 0x32FFFFFF,  # 2^-24, 2^-25 (tie -> 0), just above, 1.5*2^-25
-    0x38800000, 0x387FFFFF, 0x387FC000, 0x387FE000,  # 2^-14 (min normal), just below, subnormal ties
-    0x34400000, 0x34C00000,  # 3*2^-24 / 2: tie between 1 and 2 (-> 2) ; 3*2^-23/2 : tie between 3 and 4 (->4)
-    0x3F801000, 0x3F803000, 0x3F800FFF,  # 1 + 2^-11 tie (even), 1 + 3*2^-11 (odd -> up), below tie
-    0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FA00000, 0x7FFFFFFF,
-    0x00000001, 0x807FFFFF, 0x80000000, 0x00000000,
+    0x477FE000,
+    0x477FEFFF,
+    0x477FF000,
+    0x477FFFFF,
+    0x47800000,  # 65504, just below 65520, 65520 (-> inf), ...
+    0xC77FF000,
+    0x7F7FFFFF,
+    0x33800000,
+    0x33000000,
+    0x33000001,
+    0x33400000,
+    0x32FFFFFF,  # 2^-24, 2^-25 (tie -> 0), just above, 1.5*2^-25
+    0x38800000,
+    0x387FFFFF,
+    0x387FC000,
+    0x387FE000,  # 2^-14 (min normal), just below, subnormal ties
+    0x34400000,
+    0x34C00000,  # 3*2^-24 / 2: tie between 1 and 2 (-> 2) ; 3*2^-23/2 : tie between 3 and 4 (->4)
+    0x3F801000,
+    0x3F803000,
+    0x3F800FFF,  # 1 + 2^-11 tie (even), 1 + 3*2^-11 (odd -> up), below tie
+    0x7F800000,
+    0xFF800000,
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800001,
+    0xFF812345,
+    0x7FA00000,
+    0x7FFFFFFF,
+    0x00000001,
+    0x807FFFFF,
+    0x80000000,
+    0x00000000,
 )
 
 
 def lowp_cases(edges: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator().manual_seed(10)
-    any_bits = torch.randint(-2**31, 2**31, (200_000,), generator=gen, dtype=torch.int64).to(torch.int32)
-    return torch.cat([edges, any_bits.view(torch.float32), torch.randn(50_000, generator=gen) * 1e3,
-                      torch.randn(50_000, generator=gen) * 1e-6])
+    any_bits = torch.randint(-(2**31), 2**31, (200_000,), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
+    return torch.cat(
+        [
+            edges,
+            any_bits.view(torch.float32),
+            torch.randn(50_000, generator=gen) * 1e3,
+            torch.randn(50_000, generator=gen) * 1e-6,
+        ]
+    )
 
 
 @pytest.mark.parametrize("dtype,edges", [(torch.bfloat16, BF16_EDGES), (torch.float16, FP16_EDGES)])
@@ -296,8 +362,11 @@ def test_copy_out_equals_torch_bit_for_bit(dtype, edges):
     # Every optimizer with a real step: the copy-out equals the updated master weights' conversion.
     finite = torch.where(x.isfinite(), x, 1.0)
     grads = torch.randn(x.numel(), generator=torch.Generator().manual_seed(11))
-    for opt in (CPUAdam(x, lr=1e-3, weight_decay=0.1), CPUAdam(x, lr=1e-3, adamw_mode=False, weight_decay=0.1),
-                CPULion(x, lr=1e-4, weight_decay=0.1)):
+    for opt in (
+        CPUAdam(x, lr=1e-3, weight_decay=0.1),
+        CPUAdam(x, lr=1e-3, adamw_mode=False, weight_decay=0.1),
+        CPULion(x, lr=1e-4, weight_decay=0.1),
+    ):
         p, fused = finite.clone(), torch.full_like(out, 7.0)
         opt.step(p, grads, fused)
         np.testing.assert_array_equal(bits(fused), bits(p.to(dtype)))
@@ -308,7 +377,7 @@ def test_fp16_numpy_destination_and_edge_values():
     out = np.empty(x.numel(), np.float16)
     copy_to_lowp(x, out)
     np.testing.assert_array_equal(out.view(np.uint16), bits(x.to(torch.float16)))
-    assert out[2] == np.inf and out[0] == 65504 and out[8] == 0 and out[9] == np.float16(2 ** -24)
+    assert out[2] == np.inf and out[0] == 65504 and out[8] == 0 and out[9] == np.float16(2**-24)
     assert bits(BF16_EDGES.to(torch.bfloat16))[4] == 0x7F80  # max float rounds to inf
 
 

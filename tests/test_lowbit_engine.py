@@ -3,6 +3,7 @@
 the loss falls as with fp32 moments, checkpoints resume in another placement exactly and into another state
 dtype by name, the state bytes per parameter, and the refusals. The kernels' error bounds are
 tests/test_quant_states.py's."""
+
 import json
 import logging
 import math
@@ -44,18 +45,29 @@ def run(cfg, steps, start=0, load=None, save=None):
     if save:
         engine.save_checkpoint(save)
     opt = engine.optimizer
-    out = {"losses": losses, "weights": whole(engine),
-           "slices": {(s.name, s.start): {k: v.clone() for k, v in s.state.items()} for s in opt.shard_state().slices},
-           "bytes": opt.memory_bytes()["optimizer_state"], "numel": sum(m.numel() for m in opt.masters),
-           "optimizer": type(opt.optimizer).__name__}
+    out = {
+        "losses": losses,
+        "weights": whole(engine),
+        "slices": {
+            (s.name, s.start): {k: v.clone() for k, v in s.state.items()}
+            for s in opt.shard_state().slices
+        },
+        "bytes": opt.memory_bytes()["optimizer_state"],
+        "numel": sum(m.numel() for m in opt.masters),
+        "optimizer": type(opt.optimizer).__name__,
+    }
     opt.close()
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {(sd, off): run(config(sd, off), STEPS) for sd in ("fp32", "bf16", "int8") for off in (False, True)
-            if sd != "fp32" or off}
+    return {
+        (sd, off): run(config(sd, off), STEPS)
+        for sd in ("fp32", "bf16", "int8")
+        for off in (False, True)
+        if sd != "fp32" or off
+    }
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
@@ -70,17 +82,23 @@ def test_offloaded_and_not_step_alike_and_the_loss_falls_as_with_fp32_moments(ru
     for name, w in off["weights"].items():
         assert torch.equal(on["weights"][name], w), name
     ref = runs[("fp32", True)]["losses"]
-    assert off["optimizer"] == "HostOptimizer"     # the kernels over the device masters (torch ops on a GPU)
+    assert (
+        off["optimizer"] == "HostOptimizer"
+    )  # the kernels over the device masters (torch ops on a GPU)
     assert off["losses"][-1] < 0.8 * off["losses"][0]
     tolerance = {"bf16": 0.001, "int8": 0.02}[state_dtype]
     assert abs(off["losses"][-1] - ref[-1]) <= tolerance * ref[-1], (off["losses"], ref)
-    assert off["losses"] != ref                     # the stored precision does change the run
+    assert off["losses"] != ref  # the stored precision does change the run
 
 
 def test_state_bytes_per_parameter(runs):
-    per = {sd: runs[(sd, True)]["bytes"] / runs[(sd, True)]["numel"] for sd in ("fp32", "bf16", "int8")}
+    per = {
+        sd: runs[(sd, True)]["bytes"] / runs[(sd, True)]["numel"] for sd in ("fp32", "bf16", "int8")
+    }
     assert 8.0 <= per["fp32"] < 8.01 and 4.0 <= per["bf16"] < 4.01
-    assert 2.0 + 8 / 256 <= per["int8"] < 2.0 + 8 / 256 + 0.02   # + the blocks cut short at parameter ends
+    assert (
+        2.0 + 8 / 256 <= per["int8"] < 2.0 + 8 / 256 + 0.02
+    )  # + the blocks cut short at parameter ends
 
 
 @pytest.mark.parametrize("second", [dict(offload=False), dict(offload=True, ratio=0.5)])
@@ -89,7 +107,9 @@ def test_an_int8_checkpoint_resumes_in_another_placement_exactly(runs, second, t
     every parameter piece, so the requantized moments are the saved ones and the run continues bit for bit."""
     whole = runs[("int8", True)]
     run(config("int8", True), SAVE_AT, save=str(tmp_path / "ckpt"))
-    resumed = run(config("int8", **second), STEPS - SAVE_AT, start=SAVE_AT, load=str(tmp_path / "ckpt"))
+    resumed = run(
+        config("int8", **second), STEPS - SAVE_AT, start=SAVE_AT, load=str(tmp_path / "ckpt")
+    )
     assert resumed["losses"] == whole["losses"][SAVE_AT:]
     for name, w in whole["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
@@ -101,7 +121,7 @@ def test_int8_states_load_into_an_fp32_run_by_name(tmp_path, caplog):
         loaded = run(config("fp32", True), 0, start=SAVE_AT, load=str(tmp_path / "ckpt"))
     assert "saved as int8 are loaded by name into state_dtype fp32" in caplog.text
     assert loaded["slices"].keys() == saved["slices"].keys()
-    for key, st in saved["slices"].items():           # the dequantized int8 values, now fp32 moments
+    for key, st in saved["slices"].items():  # the dequantized int8 values, now fp32 moments
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded["slices"][key][name], st[name]), (key, name)
 
@@ -114,20 +134,32 @@ def test_a_state_dtype_plait_cannot_serve_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="state_dtype"):
         run(lion, 1)
     mesh = ParallelMesh()
-    with pytest.raises(ConfigError, match=r"optimizer.params.state_dtype = 'int8' applies to the config's Adam/AdamW"):
-        plait.initialize(TransformerModel(tiny(), mesh, seed=5), config("int8", False), mesh=mesh,
-                         optimizer=torch.optim.AdamW)
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer.params.state_dtype = 'int8' applies to the config's Adam/AdamW",
+    ):
+        plait.initialize(
+            TransformerModel(tiny(), mesh, seed=5),
+            config("int8", False),
+            mesh=mesh,
+            optimizer=torch.optim.AdamW,
+        )
     cfg = config("int8", True)
     cfg["zero_optimization"]["offload_optimizer"]["device_step_fraction"] = 0.5
-    with pytest.raises(ValueError, match=r"device_step_fraction 0.5 streams fp32 moments; with optimizer.params."
-                                         r"state_dtype = 'int8' set it to 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"device_step_fraction 0.5 streams fp32 moments; with optimizer.params."
+        r"state_dtype = 'int8' set it to 0",
+    ):
         run(cfg, 1)
 
 
 def test_deepspeeds_bf16_optimizer_states_key_stores_the_moments_in_bf16():
     """DeepSpeed's own example config (bf16, ZeRO-3, ``bf16.bf16_optimizer_states: true``) without the two keys
     plait refuses (``bf16_master_weights_and_grads``, ``torch_autocast``): the moments are bf16 tensors."""
-    cfg = json.loads((Path(__file__).parent / "data" / "ds_configs" / "dsexamples__bf16_full.json").read_text())
+    cfg = json.loads(
+        (Path(__file__).parent / "data" / "ds_configs" / "dsexamples__bf16_full.json").read_text()
+    )
     del cfg["bf16"]["bf16_master_weights_and_grads"], cfg["torch_autocast"]
     mesh = ParallelMesh()
     engine = plait.initialize(TransformerModel(tiny(), mesh, seed=5), cfg, mesh=mesh)

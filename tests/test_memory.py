@@ -1,11 +1,18 @@
 """plait.zero.memory: model-state memory against the ZeRO and ZeRO-Offload papers' accounting."""
+
 import pytest
 import torch
 from torch import nn
 
 from plait.cli import main, parse_count
-from plait.zero.memory import (GB, GiB, estimate_all_stages, estimate_for_model, estimate_model_state_memory,
-                               format_memory_table)
+from plait.zero.memory import (
+    GB,
+    GiB,
+    estimate_all_stages,
+    estimate_for_model,
+    estimate_model_state_memory,
+    format_memory_table,
+)
 
 PSI, N = 7_500_000_000, 64  # the ZeRO paper's Fig. 1 example: 7.5B parameters on 64 GPUs
 
@@ -56,11 +63,16 @@ def test_offload_optimizer_zero2_matches_zero_offload_split():
 
 
 def test_offload_param_zero3_moves_everything_to_host():
-    e = estimate_model_state_memory(8_000_000, 8, 3, offload_optimizer=True, offload_param=True,
-                                    num_gpus_per_node=8)
+    e = estimate_model_state_memory(
+        8_000_000, 8, 3, offload_optimizer=True, offload_param=True, num_gpus_per_node=8
+    )
     assert e.gpu.total == 0
-    assert e.cpu.total == 16 * 8_000_000  # the host holds all 8 ranks' partitions: 2 + 2 + 12 bytes each
-    fp32 = estimate_model_state_memory(8_000_000, 8, 3, offload_optimizer=True, mixed_precision=False)
+    assert (
+        e.cpu.total == 16 * 8_000_000
+    )  # the host holds all 8 ranks' partitions: 2 + 2 + 12 bytes each
+    fp32 = estimate_model_state_memory(
+        8_000_000, 8, 3, offload_optimizer=True, mixed_precision=False
+    )
     assert fp32.cpu.optimizer_states == 8 * 12 * 1_000_000  # fp32 master copy on the host + m + v
 
 
@@ -83,7 +95,9 @@ def test_estimate_for_model_counts_tied_parameters_once():
     n = 100 * 16 + 16 * 16 + 16
     e = estimate_for_model(model, dp_size=2, stage=1)
     assert e.num_params == n and e.gpu.total == 4 * n + 12 * (n // 2)
-    e3 = estimate_for_model(model, dp_size=2, stage=3)  # + the largest module (1600 params) gathered
+    e3 = estimate_for_model(
+        model, dp_size=2, stage=3
+    )  # + the largest module (1600 params) gathered
     assert e3.gpu.params == 2 * (n // 2) + 2 * 1600 and e3.gpu.grads == 2 * (n // 2) + 2 * 1600
     with torch.device("meta"):
         big = nn.Linear(4096, 4096)
@@ -107,14 +121,31 @@ def test_parse_count():
 
 
 def test_cli_estimate_memory_prints_all_stages(capsys):
-    assert main(["estimate-memory", "--params", "7.5e9", "--dp", "64", "--stage", "3", "--unit", "GB"]) == 0
+    assert (
+        main(["estimate-memory", "--params", "7.5e9", "--dp", "64", "--stage", "3", "--unit", "GB"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "7,500,000,000 parameters, dp=64" in out
     rows = [line.split() for line in out.splitlines() if line[:1] in "0123" and line.strip()]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
     assert [r[5] for r in rows] == ["120.00", "31.41", "16.64", "1.88"] and "<- --stage" in out
-    assert main(["estimate-memory", "--params", "7e9", "--dp", "8", "--offload-optimizer", "--offload-param",
-                 "--gpus-per-node", "8"]) == 0
+    assert (
+        main(
+            [
+                "estimate-memory",
+                "--params",
+                "7e9",
+                "--dp",
+                "8",
+                "--offload-optimizer",
+                "--offload-param",
+                "--gpus-per-node",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "opt+param" in out and "GiB" in out
 

@@ -1,4 +1,5 @@
 """ParallelMesh layout and errors, launcher environment parsing."""
+
 import pytest
 import torch.distributed as dist
 
@@ -9,13 +10,20 @@ from plait.testing import run_distributed
 
 def mesh_body(tp, pp, dp):
     m = ParallelMesh(tp=tp, pp=pp, dp=dp)
-    return dict(rank=dist.get_rank(), coords=(m.pp_rank, m.dp_rank, m.tp_rank), tp=m.ranks("tp"),
-                dp=m.ranks("dp"), pp=m.ranks("pp"), first=m.is_first_stage, last=m.is_last_stage,
-                sizes=(m.size("pp"), m.size("dp"), m.size("tp")))
+    return dict(
+        rank=dist.get_rank(),
+        coords=(m.pp_rank, m.dp_rank, m.tp_rank),
+        tp=m.ranks("tp"),
+        dp=m.ranks("dp"),
+        pp=m.ranks("pp"),
+        first=m.is_first_stage,
+        last=m.is_last_stage,
+        sizes=(m.size("pp"), m.size("dp"), m.size("tp")),
+    )
 
 
 def test_mesh_rank_layout_tp_fastest_then_dp_then_pp():
-    out = run_distributed(mesh_body, 8, 2, 2, None)        # dp inferred: 8 / (2*2) = 2
+    out = run_distributed(mesh_body, 8, 2, 2, None)  # dp inferred: 8 / (2*2) = 2
     for r, info in enumerate(out):
         pp, dp, tp = r // 4, (r // 2) % 2, r % 2
         assert info["coords"] == (pp, dp, tp)
@@ -27,10 +35,15 @@ def test_mesh_rank_layout_tp_fastest_then_dp_then_pp():
 
 
 def cp_mesh_body():
-    m = ParallelMesh(tp=2, cp=2)   # dp inferred: 8 / (2*2) = 2
-    return dict(coords=(m.dp_rank, m.cp_rank, m.tp_rank), cp=m.ranks("cp"), dp=m.ranks("dp"),
-                dp_cp=dist.get_process_group_ranks(m.group("dp_cp")), dp_cp_rank=m.rank("dp_cp"),
-                sizes=(m.size("dp"), m.size("cp"), m.size("dp_cp"), m.world_size))
+    m = ParallelMesh(tp=2, cp=2)  # dp inferred: 8 / (2*2) = 2
+    return dict(
+        coords=(m.dp_rank, m.cp_rank, m.tp_rank),
+        cp=m.ranks("cp"),
+        dp=m.ranks("dp"),
+        dp_cp=dist.get_process_group_ranks(m.group("dp_cp")),
+        dp_cp_rank=m.rank("dp_cp"),
+        sizes=(m.size("dp"), m.size("cp"), m.size("dp_cp"), m.world_size),
+    )
 
 
 def test_mesh_rank_layout_with_context_parallel_tp_then_cp_then_dp():
@@ -46,9 +59,11 @@ def test_mesh_rank_layout_with_context_parallel_tp_then_cp_then_dp():
 
 
 def ep_mesh_body(cp):
-    m = ParallelMesh(tp=2, cp=cp, ep=2)   # dp inferred: 8 / (2 * cp)
+    m = ParallelMesh(tp=2, cp=cp, ep=2)  # dp inferred: 8 / (2 * cp)
     ranks = {d: dist.get_process_group_ranks(m.group(d)) for d in ("dp", "ep", "edp", "dp_cp")}
-    return dict(ranks=ranks, coords={d: m.rank(d) for d in ranks}, sizes={d: m.size(d) for d in ranks})
+    return dict(
+        ranks=ranks, coords={d: m.rank(d) for d in ranks}, sizes={d: m.size(d) for d in ranks}
+    )
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -58,7 +73,7 @@ def test_mesh_expert_parallel_ranks_are_neighbouring_dp_ranks(cp):
     dp = 4 // cp
     for r, info in enumerate(run_distributed(ep_mesh_body, 8, cp)):
         d, c, t = r // (2 * cp), (r // 2) % cp, r % 2
-        rank_of = lambda dd, cc=c: dd * 2 * cp + cc * 2 + t   # noqa: E731
+        rank_of = lambda dd, cc=c: dd * 2 * cp + cc * 2 + t  # noqa: E731
         e, edp = d % 2, d // 2
         assert info["sizes"] == {"dp": dp, "ep": 2, "edp": dp // 2, "dp_cp": dp * cp}
         assert info["coords"] == {"dp": d, "ep": e, "edp": edp, "dp_cp": d * cp + c}
@@ -80,7 +95,10 @@ def test_world_not_divisible_by_tp_pp_names_numbers():
     msg = run_distributed(bad_mesh_body, 4, 2, 1, 4)[0]
     assert "2 x 1 x 1 x 4 = 8" in msg and "world size is 4" in msg and "dp=2" in msg
     msg = run_distributed(bad_ep_mesh_body, 3)[0]
-    assert msg == "dp (3) is not divisible by ep (2); expert parallelism splits the dp ranks: choose ep from [1, 3]"
+    assert (
+        msg
+        == "dp (3) is not divisible by ep (2); expert parallelism splits the dp ranks: choose ep from [1, 3]"
+    )
 
 
 def bad_ep_mesh_body():
@@ -98,18 +116,45 @@ def test_single_process_mesh_without_process_group():
 
 
 def test_launch_info_torchrun_and_slurm():
-    t = launch_info({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
-                     "MASTER_PORT": "1234"})
-    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port) == (3, 8, 1, "n0", 1234)
-    s = launch_info({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-                     "SLURM_NODELIST": "gpu[007-009,012]"})
-    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.master_port) == (5, 16, 1, "gpu007", 29500)
+    t = launch_info(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "n0",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port) == (
+        3,
+        8,
+        1,
+        "n0",
+        1234,
+    )
+    s = launch_info(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODELIST": "gpu[007-009,012]",
+        }
+    )
+    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.master_port) == (
+        5,
+        16,
+        1,
+        "gpu007",
+        29500,
+    )
     assert launch_info({}).world_size == 1
     with pytest.raises(ValueError, match="rank 4"):
         launch_info({"RANK": "4", "WORLD_SIZE": "4"})
 
 
-@pytest.mark.parametrize("nodes,first", [("node1", "node1"), ("a[1-3]", "a1"), ("gpu-[10,12]x", "gpu-10"),
-                                         ("h1,h2", "h1")])
+@pytest.mark.parametrize(
+    "nodes,first",
+    [("node1", "node1"), ("a[1-3]", "a1"), ("gpu-[10,12]x", "gpu-10"), ("h1,h2", "h1")],
+)
 def test_first_slurm_host(nodes, first):
     assert first_slurm_host(nodes) == first

@@ -5,6 +5,7 @@ tp rank) and 3 blocks. Models built with another seed are loaded and compared wi
 layout's weights (initialization is layout-invariant, so a tp=1 build with the saving seed is the
 reference): every tensor must be equal exactly (no arithmetic happens on the way).
 """
+
 import os
 
 import pytest
@@ -67,7 +68,7 @@ def _load_tp4(root: str):
         emb = model.layers["0"].word_embeddings.weight
         spec = shard_of(emb)
         start, stop = spec.logical_range()
-        assert torch.all(emb[stop - start:] == 0), "vocabulary padding rows must load as zeros"
+        assert torch.all(emb[stop - start :] == 0), "vocabulary padding rows must load as zeros"
         out[arch] = whole(model, mesh.tp_group)
     return out if dist.get_rank() == 0 else None
 
@@ -97,19 +98,28 @@ def test_tp2_checkpoint_loads_at_tp1_and_as_pp_stages(tp2_root, arch):
     ref, root = reference(arch), os.path.join(tp2_root, arch)
     reader = CheckpointReader(root, "tp2")
     cfg = make_config(arch)
-    assert reader.meta["step"] == 7 and reader.meta[MESH_KEY] == {"tp": 2, "pp": 1, "dp": 1, "ep": 1}
+    assert reader.meta["step"] == 7 and reader.meta[MESH_KEY] == {
+        "tp": 2,
+        "pp": 1,
+        "dp": 1,
+        "ep": 1,
+    }
     assert config_from_meta(reader.meta) == cfg and reader.meta[MODEL_CONFIG_KEY] == cfg.to_dict()
-    assert reader.shape("layers.0.word_embeddings.weight") == (1001, 64)   # padding never stored
+    assert reader.shape("layers.0.word_embeddings.weight") == (1001, 64)  # padding never stored
     text = describe(root, "tp2")
-    assert "step 7" in text and "saved from mesh tp=2, pp=1, dp=1" in text and f"arch={arch}" in text
+    assert (
+        "step 7" in text and "saved from mesh tp=2, pp=1, dp=1" in text and f"arch={arch}" in text
+    )
     model = TransformerModel(cfg, seed=OTHER)
     assert load_model_weights(model, reader).missing == []
     assert_same(whole(model), ref, "tp=1")
     for rank in range(2):
         stage = TransformerModel(cfg, layers=stage_layers(cfg, 2, rank), seed=OTHER)
-        assert load_model_weights(stage, reader, strict=True).unexpected == []   # other stage's layers are fine
+        assert (
+            load_model_weights(stage, reader, strict=True).unexpected == []
+        )  # other stage's layers are fine
         got = whole(stage)
-        if arch == "gpt2" and rank == 1:   # the tied head copy loads from the embedding's name
+        if arch == "gpt2" and rank == 1:  # the tied head copy loads from the embedding's name
             head = f"layers.{cfg.num_layers + 1}.weight"
             assert torch.equal(got.pop(head), ref["layers.0.word_embeddings.weight"])
         assert_same(got, ref, f"pp stage {rank}")
@@ -127,12 +137,16 @@ def test_pp_and_dp_layouts_save_each_element_once(tmp_path):
         cfg, ref = make_config(arch), reference(arch)
         for tag in ("pp2", "dp2"):
             reader = CheckpointReader(str(tmp_path / arch), tag)
-            assert set(reader.names()) == set(ref), f"{arch} {tag}: names differ"   # tied head not saved twice
+            assert set(reader.names()) == set(ref), (
+                f"{arch} {tag}: names differ"
+            )  # tied head not saved twice
             model = TransformerModel(cfg, seed=OTHER)
             load_model_weights(model, reader)
             assert_same(whole(model), ref, f"{arch} {tag}")
         files = CheckpointReader(str(tmp_path / arch), "dp2").index["files"]
-        assert not any(f.startswith(("rank00002", "rank00003")) for f in files), "dp rank 1 must not write"
+        assert not any(f.startswith(("rank00002", "rank00003")) for f in files), (
+            "dp rank 1 must not write"
+        )
 
 
 def _partial_checkpoint(root, model, drop, add):
@@ -146,8 +160,13 @@ def test_strict_false_reports_missing_and_unexpected(tmp_path):
     cfg = make_config("gpt2")
     src = TransformerModel(cfg, seed=SEED)
     drop = ["layers.2.mlp.up_proj.weight", "layers.4.norm.bias"]
-    add = ["layers.1.attn.extra", "layers.9.weight", "something_else", "optimizer.exp_avg.layers.1.attn_norm.weight",
-           "hf_extra.pooler.dense.bias"]
+    add = [
+        "layers.1.attn.extra",
+        "layers.9.weight",
+        "something_else",
+        "optimizer.exp_avg.layers.1.attn_norm.weight",
+        "hf_extra.pooler.dense.bias",
+    ]
     reader = _partial_checkpoint(str(tmp_path), src, drop, add)
     model = TransformerModel(cfg, seed=OTHER)
     with pytest.raises(CheckpointError, match=r"missing \['layers.2.mlp.up_proj.weight'") as err:
@@ -160,8 +179,12 @@ def test_strict_false_reports_missing_and_unexpected(tmp_path):
     after = whole(model)
     for name in drop:
         assert torch.equal(after[name], before[name]), f"missing {name} must keep its value"
-    assert_same({k: v for k, v in after.items() if k not in drop}, reference("gpt2"), "partial load")
-    stage = TransformerModel(cfg, layers=[0, 1], seed=OTHER)   # a stage without layer 2 misses nothing
+    assert_same(
+        {k: v for k, v in after.items() if k not in drop}, reference("gpt2"), "partial load"
+    )
+    stage = TransformerModel(
+        cfg, layers=[0, 1], seed=OTHER
+    )  # a stage without layer 2 misses nothing
     assert load_model_weights(stage, reader, strict=False).missing == []
 
 
@@ -187,4 +210,6 @@ def test_meta_device_model_is_materialized_from_the_checkpoint(tmp_path):
     assert shard_of(emb).logical_shape == (1001, 64)
     assert_same(whole(model), reference("gpt2"), "meta")
     ids = torch.randint(0, 1001, (2, 8))
-    assert torch.equal(model(input_ids=ids), TransformerModel(make_config("gpt2"), seed=SEED)(input_ids=ids))
+    assert torch.equal(
+        model(input_ids=ids), TransformerModel(make_config("gpt2"), seed=SEED)(input_ids=ids)
+    )

@@ -4,6 +4,7 @@ float32. The layer permutes tokens and sums each token's expert outputs in anoth
 reference: a few float32 ulps per term (measured ~1e-7); the weights of a wrong router order or an
 unnormalized top-k differ by O(1) (``test_a_wrong_router_order_fails_the_tolerance``).
 """
+
 import math
 
 import pytest
@@ -60,13 +61,23 @@ def grads(moe, y, up):
     return {n: p.grad.clone() for n, p in moe.named_parameters()}
 
 
-@pytest.mark.parametrize("order, normalize, capacity_factor, shared", [
-    ("softmax_topk", True, None, 0), ("softmax_topk", False, None, 12), ("topk_softmax", True, None, 0),
-    ("softmax_topk", True, 0.75, 0)])
+@pytest.mark.parametrize(
+    "order, normalize, capacity_factor, shared",
+    [
+        ("softmax_topk", True, None, 0),
+        ("softmax_topk", False, None, 12),
+        ("topk_softmax", True, None, 0),
+        ("softmax_topk", True, 0.75, 0),
+    ],
+)
 def test_moe_matches_the_token_by_token_reference(order, normalize, capacity_factor, shared):
     """Dropless and capacity (0.75: a quarter of the assignments dropped), with and without shared experts."""
-    moe = layer(router_order=order, normalize_topk=normalize, capacity_factor=capacity_factor,
-                shared_ffn_hidden_size=shared)
+    moe = layer(
+        router_order=order,
+        normalize_topk=normalize,
+        capacity_factor=capacity_factor,
+        shared_ffn_hidden_size=shared,
+    )
     x = tokens()
     up = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
     y, aux = moe(x)
@@ -77,8 +88,9 @@ def test_moe_matches_the_token_by_token_reference(order, normalize, capacity_fac
     assert rel_err(y, want_y) <= 1e-5
     for name in want:
         assert rel_err(got[name], want[name]) <= 1e-5, name
-    routed = torch.bincount(torch.topk(probs if order == "softmax_topk" else logits, 2).indices.reshape(-1),
-                            minlength=E)
+    routed = torch.bincount(
+        torch.topk(probs if order == "softmax_topk" else logits, 2).indices.reshape(-1), minlength=E
+    )
     assert torch.equal(aux.tokens_per_expert, routed)
     assert int(aux.dropped) == (0 if cap is None else int((routed - routed.clamp(max=cap)).sum()))
     if capacity_factor is not None:
@@ -104,12 +116,14 @@ def test_losses_equal_their_formulas():
     assert balance_loss(r.probs, r.experts).item() == pytest.approx(want, rel=1e-6)
     z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / T
     assert z_loss(logits).item() == pytest.approx(z, rel=1e-6)
-    balanced = torch.full((T, E), 0.0, dtype=torch.float64)          # uniform probs, even routing: loss = k
+    balanced = torch.full((T, E), 0.0, dtype=torch.float64)  # uniform probs, even routing: loss = k
     even = torch.arange(T * 2).remainder(E).view(T, 2)
     assert balance_loss(balanced.softmax(-1), even).item() == pytest.approx(2.0)
     moe = layer(balance_loss_coef=0.1, z_loss_coef=0.01)
     _, aux = moe(tokens())
-    assert aux.loss.item() == pytest.approx(0.1 * aux.balance.item() + 0.01 * aux.z.item(), rel=1e-6)
+    assert aux.loss.item() == pytest.approx(
+        0.1 * aux.balance.item() + 0.01 * aux.z.item(), rel=1e-6
+    )
 
 
 def test_grouped_gemm_equals_a_matmul_per_expert():
@@ -120,14 +134,20 @@ def test_grouped_gemm_equals_a_matmul_per_expert():
     want = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
     assert torch.allclose(grouped_mm(x, w, counts), want, rtol=1e-6, atol=1e-6)
     assert torch.allclose(grouped_mm(x, w, counts, grouped=False), want, rtol=1e-6, atol=1e-6)
-    x6, w6 = x[:, :6].contiguous(), w[..., :6].contiguous()       # 24-byte rows: the per-expert fallback
-    assert torch.allclose(grouped_mm(x6, w6, counts), torch.cat([x6[:4] @ w6[0].T, x6[4:] @ w6[2].T]), atol=1e-6)
+    x6, w6 = x[:, :6].contiguous(), w[..., :6].contiguous()  # 24-byte rows: the per-expert fallback
+    assert torch.allclose(
+        grouped_mm(x6, w6, counts), torch.cat([x6[:4] @ w6[0].T, x6[4:] @ w6[2].T]), atol=1e-6
+    )
 
 
 def test_dispatch_keeps_token_order_within_experts_and_the_capacity():
     experts = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
     slots, rows, dropped = dispatch(experts, 3, None)
-    assert slots.tolist() == [0, 2, 4, 7, 1, 5, 6, 3] and rows.tolist() == [4, 3, 1] and int(dropped) == 0
+    assert (
+        slots.tolist() == [0, 2, 4, 7, 1, 5, 6, 3]
+        and rows.tolist() == [4, 3, 1]
+        and int(dropped) == 0
+    )
     slots, rows, dropped = dispatch(experts, 3, 2)
     assert slots.tolist() == [0, 2, 1, 5, 3] and rows.tolist() == [2, 2, 1] and int(dropped) == 3
 
@@ -144,7 +164,7 @@ def test_auxiliary_loss_free_bias_selects_but_does_not_weigh():
     moe.update_expert_bias()
     assert torch.equal(moe.expert_bias, 0.5 * torch.sign(seen.mean() - seen))
     assert moe.tokens_seen.sum().item() == 0
-    y, _ = moe(x)                     # the reference adds the same bias to its selection scores only
+    y, _ = moe(x)  # the reference adds the same bias to its selection scores only
     assert rel_err(y, reference(moe, x, "softmax_topk", True)[0]) <= 1e-5
 
 
@@ -164,36 +184,53 @@ def expert_parallel_body(ep, capacity_factor, shared):
     import torch.distributed as dist
 
     from plait.parallel import ParallelMesh
+
     mesh = ParallelMesh(ep=ep)
-    moe = layer(capacity_factor=capacity_factor, shared_ffn_hidden_size=shared, ep_group=mesh.ep_group)
+    moe = layer(
+        capacity_factor=capacity_factor, shared_ffn_hidden_size=shared, ep_group=mesh.ep_group
+    )
     rank = dist.get_rank()
-    x = torch.randn(2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)).requires_grad_()
+    x = torch.randn(
+        2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)
+    ).requires_grad_()
     up = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
     y, aux = moe(x)
     (y * up).sum().backward()
-    return y.detach(), aux.tokens_per_expert, int(aux.dropped), x.grad, \
-        {n: p.grad.clone() for n, p in moe.named_parameters()}
+    return (
+        y.detach(),
+        aux.tokens_per_expert,
+        int(aux.dropped),
+        x.grad,
+        {n: p.grad.clone() for n, p in moe.named_parameters()},
+    )
 
 
-@pytest.mark.parametrize("ep, capacity_factor, shared", [(2, None, 0), (4, None, 12), (2, 0.75, 0), (4, 0.75, 0)])
+@pytest.mark.parametrize(
+    "ep, capacity_factor, shared", [(2, None, 0), (4, None, 12), (2, 0.75, 0), (4, 0.75, 0)]
+)
 def test_expert_parallel_equals_every_expert_in_one_process(ep, capacity_factor, shared):
     """ep ranks (gloo), 4 experts split 2 or 1 per rank, dropless or capacity 0.75, against the token-by-token
     reference of each rank's tokens: outputs and input gradients per rank; an expert's gradient (on the rank
     holding it) the sum of every rank's contribution; the router's and shared MLP's each rank's own. 1e-5,
     as ``test_moe_matches_the_token_by_token_reference`` (the all-to-all moves rows, it adds nothing)."""
     from plait.testing import run_distributed
+
     results = run_distributed(expert_parallel_body, ep, ep, capacity_factor, shared)
     ref = layer(capacity_factor=capacity_factor, shared_ffn_hidden_size=shared)
     cap = None if capacity_factor is None else expert_capacity(T, 2, E, capacity_factor)
     expert_grads = {}
     for rank, (y, counts, dropped, x_grad, got) in enumerate(results):
-        x = torch.randn(2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)).requires_grad_()
+        x = torch.randn(
+            2, T // 2, H, generator=torch.Generator().manual_seed(10 + rank)
+        ).requires_grad_()
         up = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))
         want_y, logits, _ = reference(ref, x, "softmax_topk", True, cap)
         want = grads(ref, want_y, up)
         assert rel_err(y, want_y) <= 1e-5 and rel_err(x_grad, x.grad) <= 1e-5, f"rank {rank}"
         routed = torch.bincount(torch.topk(logits, 2).indices.reshape(-1), minlength=E)
-        assert torch.equal(counts, routed) and dropped == int((routed - routed.clamp(max=cap or T * 2)).sum())
+        assert torch.equal(counts, routed) and dropped == int(
+            (routed - routed.clamp(max=cap or T * 2)).sum()
+        )
         for name, grad in want.items():
             if name in ("gate_proj", "up_proj", "down_proj"):
                 expert_grads[name] = expert_grads.get(name, 0) + grad
@@ -201,14 +238,17 @@ def test_expert_parallel_equals_every_expert_in_one_process(ep, capacity_factor,
                 assert rel_err(got[name], grad) <= 1e-5, f"rank {rank}: {name}"
     for rank, (*_, got) in enumerate(results):
         for name, total in expert_grads.items():
-            mine = total[rank * E // ep:(rank + 1) * E // ep]
-            assert got[name].shape == mine.shape and rel_err(got[name], mine) <= 1e-5, f"rank {rank}: {name}"
+            mine = total[rank * E // ep : (rank + 1) * E // ep]
+            assert got[name].shape == mine.shape and rel_err(got[name], mine) <= 1e-5, (
+                f"rank {rank}: {name}"
+            )
     if capacity_factor is not None:
         assert sum(r[2] for r in results) > 0
 
 
 def uneven_experts_body():
     from plait.parallel import ParallelMesh
+
     with pytest.raises(ValueError) as err:
         MoE(H, FFN, E, 2, ep_group=ParallelMesh(ep=3).ep_group)
     return str(err.value)
@@ -216,12 +256,16 @@ def uneven_experts_body():
 
 def test_experts_must_split_evenly_over_ep():
     from plait.testing import run_distributed
+
     assert run_distributed(uneven_experts_body, 3)[0] == (
-        "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]")
+        "num_experts (4) is not divisible by the expert-parallel size ep (3); choose ep from [1, 2, 4]"
+    )
 
 
-@pytest.mark.parametrize("bound, key", [(8, torch.int16), (32767, torch.int16), (40000, torch.int32),
-                                        (2**40, torch.int64)])
+@pytest.mark.parametrize(
+    "bound, key",
+    [(8, torch.int16), (32767, torch.int16), (40000, torch.int32), (2**40, torch.int64)],
+)
 def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound, key, monkeypatch):
     # the int16 (or, past 32767, int32) keys must give the int64 sort's order, ties in place (each id of 8
     # appears ~750 times); a key too narrow for the ids (int16 at 40000 wraps to negative) gives another
@@ -230,8 +274,12 @@ def test_stable_order_with_narrow_keys_equals_the_int64_stable_sort(bound, key, 
     ids = torch.randint(0, bound, (6000,), generator=g)
     want = torch.argsort(ids, stable=True)
     sorted_as, argsort = [], torch.argsort
-    monkeypatch.setattr(torch, "argsort", lambda t, **kw: sorted_as.append(t.dtype) or argsort(t, **kw))
-    assert torch.equal(stable_order(ids, bound), want) and sorted_as == [key]   # the narrow key is what sorts
+    monkeypatch.setattr(
+        torch, "argsort", lambda t, **kw: sorted_as.append(t.dtype) or argsort(t, **kw)
+    )
+    assert torch.equal(stable_order(ids, bound), want) and sorted_as == [
+        key
+    ]  # the narrow key is what sorts
     monkeypatch.undo()
     if bound > torch.iinfo(torch.int16).max:
         assert not torch.equal(torch.argsort(ids.to(torch.int16), stable=True), want)
@@ -242,4 +290,6 @@ def test_inverse_permutation_undoes_the_permutation(dtype):
     order = torch.randperm(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
     inv = inverse_permutation(order)
     assert inv.dtype == dtype and torch.equal(inv, torch.argsort(order).to(dtype))
-    assert torch.equal(order[inv], torch.arange(1000)) and torch.equal(inv[order], torch.arange(1000))
+    assert torch.equal(order[inv], torch.arange(1000)) and torch.equal(
+        inv[order], torch.arange(1000)
+    )

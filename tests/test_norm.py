@@ -1,4 +1,5 @@
 """plait.layers.norm.RMSNorm: the gradients of ``F.rms_norm(x) * w`` while keeping only ``x`` and ``w``."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,11 @@ def test_rmsnorm_matches_the_separate_ops(dtype):
     assert torch.equal(norm(x0), want[0])
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     scale = want[1].abs().max().item()
-    tol = H * 2.0 ** -24 * scale + (2.0 ** -8 * scale if dtype == torch.bfloat16 else 0.0)
+    tol = H * 2.0**-24 * scale + (2.0**-8 * scale if dtype == torch.bfloat16 else 0.0)
     err = (got[1].float() - want[1].float()).abs().max().item()
     assert err <= tol, (err, tol)
-    broken = (got[1].float() * (1 + 2.0 ** -7)) if dtype == torch.float32 else got[1].float() * 1.01
-    assert (broken - want[1].float()).abs().max().item() > tol   # a gradient off by that much fails
+    broken = (got[1].float() * (1 + 2.0**-7)) if dtype == torch.float32 else got[1].float() * 1.01
+    assert (broken - want[1].float()).abs().max().item() > tol  # a gradient off by that much fails
 
 
 def saved_bytes(fn, x, w):
@@ -55,6 +56,7 @@ def saved_bytes(fn, x, w):
     def pack(t):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(x, w)
     return sum(seen.values())

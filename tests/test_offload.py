@@ -10,6 +10,7 @@ step overlaps the next forward (``overlap_step``): with the host optimizer slowe
 checkpoint save issued right after ``step()`` see exactly the updated weights, and the per-segment path is
 the one taken (tests/test_offload_zero_optimizer.py). The run, its reference and the cases are
 tests/offload_helpers.py's."""
+
 import functools
 import itertools
 import math
@@ -29,30 +30,39 @@ def _body(ckpt_dir):
     rank = dist.get_rank()
     out = {}
     for name, (ref_cfg, off_cfg) in CASES.items():
-        host_step = "offload_optimizer" in off_cfg["zero_optimization"]   # else torch's AdamW on both sides
+        host_step = (
+            "offload_optimizer" in off_cfg["zero_optimization"]
+        )  # else torch's AdamW on both sides
         out[name] = ((reference if host_step else train)(ref_cfg, STEPS), train(off_cfg, STEPS))
     # device-assisted host step vs the all-CPU host step, 5 steps: bit-identical (same updates, and at
     # GAS 1 the norm is taken on the device for every segment whichever side steps it)
     for bf16 in (False, True):
         out[f"device step bitwise bf16={bf16}"] = (
             train(ds_config(2, offload=True, gas=1, bf16=bf16), STEPS),
-            train(ds_config(2, offload=True, gas=1, bf16=bf16, device_step=0.5), STEPS))
+            train(ds_config(2, offload=True, gas=1, bf16=bf16, device_step=0.5), STEPS),
+        )
     # adaptive split: the CPU share is slowed down, so the device share grows at every step
     with slow_host_steps(0.01):
         adaptive = ds_config(2, offload=True, gas=1, device_step="auto")
-        out["device step adaptive"] = (train(ds_config(2, offload=True, gas=1), STEPS), train(adaptive, STEPS))
+        out["device step adaptive"] = (
+            train(ds_config(2, offload=True, gas=1), STEPS),
+            train(adaptive, STEPS),
+        )
     # fp16: rank 1 (or rank 0 at dp 1) overflows on step 1; the step is skipped everywhere
     bad = dist.get_world_size() - 1
     poison = functools.partial(_poison, bad)
-    out["fp16 overflow"] = (reference(ds_config(2, fp16=True), 4, poison=poison),
-                            train(ds_config(2, offload=True, fp16=True), 4, poison=poison))
+    out["fp16 overflow"] = (
+        reference(ds_config(2, fp16=True), 4, poison=poison),
+        train(ds_config(2, offload=True, fp16=True), 4, poison=poison),
+    )
     # checkpoints across offload on/off: 3 steps, save, load into the other mode, 2 more steps
     for tag, first, second in (("on->off", True, False), ("off->on", False, True)):
         path = os.path.join(ckpt_dir, tag.replace(">", ""))
         (train if first else reference)(ds_config(2, offload=first), 3, save=path)
-        out[f"checkpoint {tag}"] = (reference(ds_config(2), STEPS),
-                                    (train if second else reference)(ds_config(2, offload=second), 2, start=3,
-                                                                     load=path))
+        out[f"checkpoint {tag}"] = (
+            reference(ds_config(2), STEPS),
+            (train if second else reference)(ds_config(2, offload=second), 2, start=3, load=path),
+        )
     # the overlapped step read mid-flight: slow host steps; forward right after step() (the loop) and
     # save_checkpoint right after the last step(); the checkpoint loads into a non-offloaded engine
     with slow_host_steps(0.003):
@@ -80,7 +90,8 @@ def _assert_identical(ref, got, what=("weights", "masters")):
         assert got[part].keys() == ref[part].keys(), part
         for key, want in ref[part].items():
             assert torch.equal(got[part][key], want), (
-                f"{part} {key} off by {rel_err(got[part][key], want, floor=1e-12):.2e}")
+                f"{part} {key} off by {rel_err(got[part][key], want, floor=1e-12):.2e}"
+            )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -88,10 +99,12 @@ def test_offload_matches_device_optimizer(results, case):
     ref, got = results[case]
     assert got["steps"] == ref["steps"] == STEPS and got["lr"] == ref["lr"]
     assert got["losses"] == ref["losses"], case
-    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-15)   # float64 sums in another order
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-15)  # float64 sums in another order
     # a placement gives the resident parameters flat groups of their own, so at dp 2 each rank's slices start
     # elsewhere: there the whole weights are compared (and the masters at dp 1, where every slice is whole)
-    _assert_identical(ref, got, ("weights",) if "ratio" in case and got["dp"] > 1 else ("weights", "masters"))
+    _assert_identical(
+        ref, got, ("weights",) if "ratio" in case and got["dp"] > 1 else ("weights", "masters")
+    )
     assert got["grad_dtype"] == (torch.bfloat16 if case.startswith("bf16") else torch.float32)
     assert (got["device_stepped"] > 0) == ("device step" in case or "ratio" in case)
 
@@ -109,15 +122,19 @@ def test_device_step_is_bit_identical_to_cpu_step(results, bf16):
 
 def test_adaptive_split_moves_work_to_the_idle_side_and_changes_no_bit(results):
     cpu, adaptive = results["device step adaptive"]
-    history = adaptive["split_history"]          # segments on the device, per step (starts at 0)
-    assert history[0] == 0 and history[-1] >= 3 and all(b > a for a, b in itertools.pairwise(history))
+    history = adaptive["split_history"]  # segments on the device, per step (starts at 0)
+    assert (
+        history[0] == 0 and history[-1] >= 3 and all(b > a for a, b in itertools.pairwise(history))
+    )
     for key, m in cpu["masters"].items():
         assert torch.equal(adaptive["masters"][key].view(torch.int32), m.view(torch.int32)), key
 
 
 def test_fp16_overflow_on_one_rank_skips_the_offloaded_step(results):
     ref, got = results["fp16 overflow"]
-    assert got["skipped"] == ref["skipped"] == 1 and got["steps"] == ref["steps"] == 4   # DeepSpeed counts the skip
+    assert (
+        got["skipped"] == ref["skipped"] == 1 and got["steps"] == ref["steps"] == 4
+    )  # DeepSpeed counts the skip
     finite = [x for x in ref["losses"] if math.isfinite(x)]
     assert [x for x in got["losses"] if math.isfinite(x)] == finite
     _assert_identical(ref, got)

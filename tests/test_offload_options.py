@@ -12,6 +12,7 @@
 * An engine dropped without ``close()`` frees its optimizer and the offload worker thread (the gradient hooks,
   held by C++ autograd nodes, reach the optimizer only weakly).
 """
+
 import faulthandler
 import functools
 import gc
@@ -35,13 +36,20 @@ from plait.zero.offload import HostOptimizer, OffloadOptions
 
 
 def offload_config(**offload) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}}}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}},
+    }
 
 
 def _adaptive(engine) -> bool:
     share = engine.optimizer.stepper.share
-    return engine.optimizer.offload_options.device_step_fraction == "auto" and share is not None and share.adaptive
+    return (
+        engine.optimizer.offload_options.device_step_fraction == "auto"
+        and share is not None
+        and share.adaptive
+    )
 
 
 def test_device_step_fraction_auto_reaches_the_offload_options():
@@ -54,13 +62,28 @@ def test_device_step_fraction_auto_reaches_the_offload_options():
 
 
 def test_the_trainer_fill_keeps_device_step_fraction_auto(tmp_path):
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "gradient_clipping": "auto",
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "device_step_fraction": "auto"}}}
-    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=2,
-                             learning_rate=1e-3, max_steps=1, report_to=[], use_cpu=True)
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "device_step_fraction": "auto"},
+        },
+    }
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        deepspeed=config,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+    )
     filled = fill_from_args(config, args, dp=1, max_steps=1)
     assert filled["zero_optimization"]["offload_optimizer"]["device_step_fraction"] == "auto"
-    assert filled["gradient_clipping"] == 1.0 and filled["optimizer"]["params"]["lr"] == 1e-3   # the real "auto"s
+    assert (
+        filled["gradient_clipping"] == 1.0 and filled["optimizer"]["params"]["lr"] == 1e-3
+    )  # the real "auto"s
     trainer = Trainer(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), args=args)
     assert _adaptive(trainer._build_engine(1))
     trainer.engine.optimizer.close()
@@ -82,7 +105,10 @@ def test_a_config_fraction_outside_the_range_is_refused(fraction):
 
 def test_adaptive_with_a_fraction_is_refused_naming_both():
     with pytest.raises(ConfigError, match=r"device_step_adaptive .* device_step_fraction=0.3"):
-        plait.initialize(torch.nn.Linear(4, 4), offload_config(device_step_fraction=0.3, device_step_adaptive=True))
+        plait.initialize(
+            torch.nn.Linear(4, 4),
+            offload_config(device_step_fraction=0.3, device_step_adaptive=True),
+        )
 
 
 @pytest.mark.parametrize("fraction", ["0.3", 1.0, -0.1, True])
@@ -96,27 +122,50 @@ def test_device_step_fraction_errors_name_the_numbers_and_the_fix():
         OffloadOptions(device_step_fraction=1.0)
     lion = functools.partial(HostOptimizer, kind="lion")
     with pytest.raises(ValueError, match="optimizer lion .needs Adam/AdamW.*set it to 0"):
-        ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, optimizer=lion, optimizer_kwargs={"lr": 1e-3},
-                      offload=OffloadOptions(device_step_fraction=0.5))
+        ZeroOptimizer(
+            torch.nn.Linear(4, 4),
+            None,
+            stage=2,
+            optimizer=lion,
+            optimizer_kwargs={"lr": 1e-3},
+            offload=OffloadOptions(device_step_fraction=0.5),
+        )
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2 .needs 1."):
-        ZeroOptimizer(torch.nn.Linear(4, 4), None, stage=2, gradient_accumulation_steps=2,
-                      offload=OffloadOptions(device_step_fraction=0.5))
+        ZeroOptimizer(
+            torch.nn.Linear(4, 4),
+            None,
+            stage=2,
+            gradient_accumulation_steps=2,
+            offload=OffloadOptions(device_step_fraction=0.5),
+        )
     with pytest.raises(ValueError, match="stage 3 with offload_param keeps them on the host"):
-        ZeroOptimizer(torch.nn.Sequential(torch.nn.Linear(400, 400)), None, stage=3,
-                      comm=CommOptions(param_persistence_threshold=10),
-                      offload=OffloadOptions(param=True, device_step_fraction=0.5))
+        ZeroOptimizer(
+            torch.nn.Sequential(torch.nn.Linear(400, 400)),
+            None,
+            stage=3,
+            comm=CommOptions(param_persistence_threshold=10),
+            offload=OffloadOptions(param=True, device_step_fraction=0.5),
+        )
 
 
 def _read(t):
-    faulthandler.disable()   # the expected SIGSEGV needs no traceback
+    faulthandler.disable()  # the expected SIGSEGV needs no traceback
     os._exit(0 if float(t[t.numel() // 2]) == float(t[t.numel() // 2]) else 1)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
 def test_host_masters_are_not_inherited_by_a_forked_worker():
-    model = torch.nn.Linear(4096, 4096, bias=False)   # 64 MiB of fp32 master: large enough to be marked
-    opt = ZeroOptimizer(model, None, stage=1, optimizer_kwargs={"lr": 1e-3},
-                        param_groups=weight_decay_groups(model, 0.0), offload=OffloadOptions(pin_memory=False))
+    model = torch.nn.Linear(
+        4096, 4096, bias=False
+    )  # 64 MiB of fp32 master: large enough to be marked
+    opt = ZeroOptimizer(
+        model,
+        None,
+        stage=1,
+        optimizer_kwargs={"lr": 1e-3},
+        param_groups=weight_decay_groups(model, 0.0),
+        offload=OffloadOptions(pin_memory=False),
+    )
     master = opt.masters[0].detach()
     assert master.device.type == "cpu" and master.numel() * 4 >= 64 * 2**20
     child = mp.get_context("fork").Process(target=_read, args=(master,))
@@ -131,12 +180,22 @@ def test_default_device_share_is_auto_on_a_gpu_else_none_and_never_an_error():
     cannot apply (Lion), while "auto" written out there names the problem. (On CUDA the default is the
     adaptive share: ``tests/gpu/run_offload_gpu.py``.)"""
     assert OffloadOptions().device_step_fraction is None
-    assert load_config(offload_config(), dp_size=1).zero_optimization.offload_optimizer.device_step_fraction is None
+    assert (
+        load_config(
+            offload_config(), dp_size=1
+        ).zero_optimization.offload_optimizer.device_step_fraction
+        is None
+    )
     lion = {"type": "Lion", "params": {"lr": 1e-4}}
     for conf in (offload_config(), {**offload_config(), "optimizer": lion}):
         assert plait.initialize(torch.nn.Linear(4, 4), conf).optimizer.stepper.share is None
-    with pytest.raises(ValueError, match=r"device_step_fraction 'auto' cannot be used with optimizer lion"):
-        plait.initialize(torch.nn.Linear(4, 4), {**offload_config(device_step_fraction="auto"), "optimizer": lion})
+    with pytest.raises(
+        ValueError, match=r"device_step_fraction 'auto' cannot be used with optimizer lion"
+    ):
+        plait.initialize(
+            torch.nn.Linear(4, 4),
+            {**offload_config(device_step_fraction="auto"), "optimizer": lion},
+        )
 
 
 def test_auto_split_reaches_the_balanced_split_in_a_few_steps():
@@ -148,14 +207,21 @@ def test_auto_split_reaches_the_balanced_split_in_a_few_steps():
     from plait.zero.offload.device_share import DeviceShare
 
     def run(adaptive, steps):
-        share = DeviceShare(None, torch.device("cpu"), None, [SimpleNamespace(shard_size=10)] * 100, 0, 1000,
-                            adaptive)
+        share = DeviceShare(
+            None,
+            torch.device("cpu"),
+            None,
+            [SimpleNamespace(shard_size=10)] * 100,
+            0,
+            1000,
+            adaptive,
+        )
         for _ in range(steps):
             on_device = 10 * share.count
             share.rebalance(cpu_seconds=(1000 - on_device) / 1.0, device_seconds=on_device / 3.0)
         return share.count
 
-    assert 72 <= run(True, 10) <= 77        # device/CPU time within [0.85, 1.15]
+    assert 72 <= run(True, 10) <= 77  # device/CPU time within [0.85, 1.15]
     assert run(False, 10) == 0
 
 
@@ -166,7 +232,10 @@ def test_auto_split_tries_a_slower_device_once():
     from types import SimpleNamespace
 
     from plait.zero.offload.device_share import DeviceShare
-    share = DeviceShare(None, torch.device("cpu"), None, [SimpleNamespace(shard_size=10)] * 100, 0, 1000, True)
+
+    share = DeviceShare(
+        None, torch.device("cpu"), None, [SimpleNamespace(shard_size=10)] * 100, 0, 1000, True
+    )
     for _ in range(6):
         on_device = 10 * share.count
         share.rebalance(cpu_seconds=(1000 - on_device) / 1.0, device_seconds=on_device / 0.002)
@@ -178,29 +247,42 @@ def test_default_share_is_no_error_where_it_cannot_apply_on_a_gpu():
     pin_memory is off, instead of raising as "auto" written out does. (``_device_share`` only reads the
     device's type before building a share, so a CPU run can take the CUDA branch.)"""
     lion = {"type": "Lion", "params": {"lr": 1e-4}}
-    cases = [({**offload_config(pin_memory=True), "optimizer": lion}, 1),
-             (offload_config(pin_memory=True), 2), (offload_config(pin_memory=False), 1)]
+    cases = [
+        ({**offload_config(pin_memory=True), "optimizer": lion}, 1),
+        (offload_config(pin_memory=True), 2),
+        (offload_config(pin_memory=False), 1),
+    ]
     for conf, gas in cases:
         stepper = plait.initialize(torch.nn.Linear(4, 4), conf).optimizer.stepper
         stepper.device = torch.device("cuda")
         assert stepper._device_share(None, gas) is None, (conf, gas)
         if gas == 2:
-            with pytest.raises(ValueError, match=r"'auto' cannot be used with gradient_accumulation_steps=2"):
+            with pytest.raises(
+                ValueError, match=r"'auto' cannot be used with gradient_accumulation_steps=2"
+            ):
                 stepper._device_share("auto", gas)
 
 
 def test_an_engine_dropped_without_close_frees_its_optimizer_and_offload_thread():
-    before = set(threading.enumerate())   # other tests' threads may come and go meanwhile: only new ones count
+    before = set(
+        threading.enumerate()
+    )  # other tests' threads may come and go meanwhile: only new ones count
     refs = []
     for _ in range(3):
         engine = plait.initialize(torch.nn.Linear(4, 4), offload_config())
         engine.backward(engine(torch.ones(2, 4)).square().mean())
-        engine.step()   # the worker thread exists once a host step ran
+        engine.step()  # the worker thread exists once a host step ran
         refs.append(weakref.ref(engine.optimizer))
         del engine
     gc.collect()
+
     def new_offload_threads():
-        return [t.name for t in threading.enumerate() if t not in before and t.name.startswith("plait-offload")]
+        return [
+            t.name
+            for t in threading.enumerate()
+            if t not in before and t.name.startswith("plait-offload")
+        ]
+
     deadline = time.monotonic() + 5.0
     while new_offload_threads() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -21,6 +21,7 @@ Two references, two tolerances:
   losses (asserted here too, so the check is shown to catch it), and one that drops a micro-batch by ~0.45
   (checked by hand when written).
 """
+
 import functools
 import time
 
@@ -43,25 +44,47 @@ from helpers import micro_batch, rel_err, tiny
 
 STEPS, LR = 3, 3e-3
 TORCH_TOL, TORCH_LOSS_TOL = 1e-5, 1e-6
-HOST_ADAMW = functools.partial(HostOptimizer, kind="adamw", lr=LR, weight_decay=0.1, betas=(0.9, 0.95))
+HOST_ADAMW = functools.partial(
+    HostOptimizer, kind="adamw", lr=LR, weight_decay=0.1, betas=(0.9, 0.95)
+)
 # (schedule, ZeRO stage, offload_param, gradient clipping, GAS): clipping 0 also turns the non-finite guard
 # off, the configuration in which offload steps segments early during backward without a pipeline
-CASES = [("1f1b", 1, False, 0.5, 2), ("1f1b", 2, False, 0.5, 2), ("1f1b", 3, True, 0.5, 2),
-         ("zb-h1", 2, False, 0.0, 1), ("zb-h1", 3, True, 0.5, 2), ("interleaved", 2, False, 0.5, 2),
-         ("interleaved", 3, False, 0.0, 2)]
+CASES = [
+    ("1f1b", 1, False, 0.5, 2),
+    ("1f1b", 2, False, 0.5, 2),
+    ("1f1b", 3, True, 0.5, 2),
+    ("zb-h1", 2, False, 0.0, 1),
+    ("zb-h1", 3, True, 0.5, 2),
+    ("interleaved", 2, False, 0.5, 2),
+    ("interleaved", 3, False, 0.0, 2),
+]
 
 
 def config(schedule, stage, param, clip, gas, pp, offload=True, device_step=None, bucket=2000):
     v = 2 if schedule == "interleaved" else 1
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 3000,
-                                 "stage3_param_persistence_threshold": 100},
-           "nonfinite_guard": {"enabled": clip > 0},
-           "pipeline": {"size": pp, "schedule": schedule, "virtual_stages": v}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 100,
+        },
+        "nonfinite_guard": {"enabled": clip > 0},
+        "pipeline": {"size": pp, "schedule": schedule, "virtual_stages": v},
+    }
     if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
-                                                         "device_step_fraction": device_step}
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu",
+            "pin_memory": True,
+            "device_step_fraction": device_step,
+        }
     if param:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     return cfg
@@ -71,21 +94,34 @@ def train(cfg, mesh=None, kernel=True, skip_tied_sum=False):
     """``STEPS`` pipeline steps of the tied Llama (this rank's chunks) -> (losses, {name: whole fp32 weight}).
     ``kernel``: step with ``HOST_ADAMW`` (else the config's torch AdamW); ``skip_tied_sum``: the broken engine."""
     p = cfg["pipeline"]
-    chunks = build_stage_modules(tiny().replace(tie_embeddings=True), mesh if p["size"] > 1 else None,
-                                 v=p["virtual_stages"], seed=5)
-    pipe = PipelineParallel(chunks, mesh if p["size"] > 1 else None, schedule=p["schedule"],
-                            micro_batches=cfg["gradient_accumulation_steps"])
+    chunks = build_stage_modules(
+        tiny().replace(tie_embeddings=True),
+        mesh if p["size"] > 1 else None,
+        v=p["virtual_stages"],
+        seed=5,
+    )
+    pipe = PipelineParallel(
+        chunks,
+        mesh if p["size"] > 1 else None,
+        schedule=p["schedule"],
+        micro_batches=cfg["gradient_accumulation_steps"],
+    )
     if skip_tied_sum:
         pipe.sum_tied_gradients = lambda grads=None: None
     groups = [g for g in weight_decay_groups(torch.nn.ModuleList(chunks), 0.1) if g["params"]]
     kwargs = {"optimizer": HOST_ADAMW, "model_parameters": groups} if kernel else {}
     engine = plait.initialize(pipe, cfg, mesh=mesh or ParallelMesh(), **kwargs)
     dp_rank, gas = engine.mesh.dp_rank, cfg["gradient_accumulation_steps"]
-    losses = [engine.train_batch(iter([micro_batch(s, j, dp_rank) for j in range(gas)])).item() for s in range(STEPS)]
+    losses = [
+        engine.train_batch(iter([micro_batch(s, j, dp_rank) for j in range(gas)])).item()
+        for s in range(STEPS)
+    ]
     weights = {}
     with engine.optimizer.gathered_parameters():
         for chunk in chunks:
-            weights.update({n: t.detach().float().clone() for n, t in gather_logical_state(chunk).items()})
+            weights.update(
+                {n: t.detach().float().clone() for n, t in gather_logical_state(chunk).items()}
+            )
     engine.optimizer.close()
     return losses, weights
 
@@ -120,13 +156,19 @@ def check(per_rank):
     for out, rank in per_rank:
         for case, (same_losses, diff, _, _) in out.items():
             if case not in ("torch", "broken"):
-                assert same_losses and diff == 0.0, f"rank {rank} {case}: offloaded run differs by {diff:.3e}"
+                assert same_losses and diff == 0.0, (
+                    f"rank {rank} {case}: offloaded run differs by {diff:.3e}"
+                )
         if "torch" not in out:
             continue
         _, _, rel, loss_rel = out["torch"]
-        assert rel <= TORCH_TOL and loss_rel <= TORCH_LOSS_TOL, f"rank {rank} vs torch AdamW: {rel:.2e}, {loss_rel:.2e}"
+        assert rel <= TORCH_TOL and loss_rel <= TORCH_LOSS_TOL, (
+            f"rank {rank} vs torch AdamW: {rel:.2e}, {loss_rel:.2e}"
+        )
         _, _, broken_rel, _ = out["broken"]
-        assert broken_rel > 100 * TORCH_TOL, f"rank {rank}: skipping the tied sum went unnoticed ({broken_rel:.2e})"
+        assert broken_rel > 100 * TORCH_TOL, (
+            f"rank {rank}: skipping the tied sum went unnoticed ({broken_rel:.2e})"
+        )
 
 
 def test_offload_with_pipeline_stages_and_schedules_equals_the_device_optimizer():
@@ -147,7 +189,9 @@ def test_offload_with_tied_chunks_on_one_rank(stage, monkeypatch):
     ``PipelineParallel.sum_tied_gradients`` at p = 1), both in this rank's host gradient shards. The worker's
     landings are slowed down, so a tied sum that did not wait for them (``settle_landings``) would read host
     gradient shards whose last landings are still queued (checked by hand: off by ~1.6e-2)."""
-    cfg = config("interleaved", stage, False, 0.5, 2, 1, bucket=10_000)   # a few segments: few slowed landings
+    cfg = config(
+        "interleaved", stage, False, 0.5, 2, 1, bucket=10_000
+    )  # a few segments: few slowed landings
     ref = train(config("interleaved", stage, False, 0.5, 2, 1, offload=False, bucket=10_000))
     landed = Landing._landed
 
@@ -166,16 +210,25 @@ def test_offload_with_tied_chunks_on_one_rank(stage, monkeypatch):
 def test_device_share_with_pipeline_is_refused_naming_the_fix():
     cfg = config("interleaved", 2, False, 0.5, 2, 1, device_step=0.5)
     chunks = build_stage_modules(tiny().replace(tie_embeddings=True), None, v=2, seed=5)
-    with pytest.raises(ConfigError, match=r"device_step_fraction = 0.5 with pipeline parallelism.*set it to 0"):
-        plait.initialize(PipelineParallel(chunks, None, schedule="interleaved", micro_batches=2), cfg)
+    with pytest.raises(
+        ConfigError, match=r"device_step_fraction = 0.5 with pipeline parallelism.*set it to 0"
+    ):
+        plait.initialize(
+            PipelineParallel(chunks, None, schedule="interleaved", micro_batches=2), cfg
+        )
 
 
 def test_tied_sum_refuses_an_offload_that_finalizes_gradients_during_backward():
     """A ZeroOptimizer built by hand for a pipeline without ``final_at_step`` would take norms and early host
     steps before the tied sum: ``settle_landings`` (the sum's first step) says so instead."""
     chunks = build_stage_modules(tiny().replace(tie_embeddings=True), None, v=2, seed=5)
-    zero = ZeroOptimizer(torch.nn.ModuleList(chunks), None, stage=2, optimizer=HOST_ADAMW,
-                         offload=OffloadOptions(pin_memory=False))
+    zero = ZeroOptimizer(
+        torch.nn.ModuleList(chunks),
+        None,
+        stage=2,
+        optimizer=HOST_ADAMW,
+        offload=OffloadOptions(pin_memory=False),
+    )
     with pytest.raises(RuntimeError, match="final_at_step=True"):
         settle_landings(zero)
     zero.close()

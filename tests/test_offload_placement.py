@@ -5,6 +5,7 @@ The placement's parity with the all-host and non-offloaded steps (bit for bit, d
 is tests/test_offload.py's (its ``ratio`` cases); on a GPU tests/gpu/run_offload_gpu.py runs them and checks
 that each resident master and moment is in device memory and every other one in host memory.
 """
+
 import math
 import os
 
@@ -19,8 +20,10 @@ from offload_helpers import ds_config, train
 STEPS = 5
 
 
-@pytest.mark.parametrize("ratio,resident", [(1.0, []), (0.75, []), (0.7, [0]), (0.5, [0, 1]), (0.3, [0, 1, 2]),
-                                            (0.0, [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "ratio,resident",
+    [(1.0, []), (0.75, []), (0.7, [0]), (0.5, [0, 1]), (0.3, [0, 1, 2]), (0.0, [0, 1, 2, 3])],
+)
 def test_the_plan_keeps_the_forward_first_blocks_within_the_device_share(ratio, resident):
     """Blocks of 30, 20, 10, 40 elements: the leading blocks whose sum stays within (1 - ratio) x 100."""
     blocks = [[torch.zeros(n)] for n in (30, 20, 10, 40)]
@@ -56,16 +59,31 @@ def test_a_checkpoint_resumes_in_another_placement_exactly(first, second, tmp_pa
 
 
 def test_a_placement_the_step_cannot_serve_is_refused_naming_the_ratio():
-    with pytest.raises(ValueError, match=r"offload_optimizer.ratio=0.5 .*offload_param \(the weights of a resident "
-                                         r"group must live on the device\); set the ratio to 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"offload_optimizer.ratio=0.5 .*offload_param \(the weights of a resident "
+        r"group must live on the device\); set the ratio to 1",
+    ):
         train(ds_config(3, offload=True, param=True, ratio=0.5), 1)
-    with pytest.raises(ValueError, match=r"device_step_fraction 0.5 needs gradient_accumulation_steps=1 \(got 2\)"):
+    with pytest.raises(
+        ValueError, match=r"device_step_fraction 0.5 needs gradient_accumulation_steps=1 \(got 2\)"
+    ):
         train(ds_config(2, offload=True, gas=2, ratio=0.5, device_step=0.5), 1)
     for bad in (1.5, -0.1, math.nan, "half", True):
-        with pytest.raises(ConfigError, match=r"offload_optimizer\.ratio'? (= \S+ )?(is out of range: it )?must be a"):
+        with pytest.raises(
+            ConfigError,
+            match=r"offload_optimizer\.ratio'? (= \S+ )?(is out of range: it )?must be a",
+        ):
             load_config(ds_config(2, offload=True, ratio=bad), dp_size=1)
-    with pytest.raises(ConfigError, match="offload_param.ratio = 0.5 is not a key of offload_param"):
-        load_config({**ds_config(3), "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
-                                                                                         "ratio": 0.5}}}, dp_size=1)
+    with pytest.raises(
+        ConfigError, match="offload_param.ratio = 0.5 is not a key of offload_param"
+    ):
+        load_config(
+            {
+                **ds_config(3),
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}},
+            },
+            dp_size=1,
+        )
     with pytest.raises(ValueError, match=r"offload ratio=2 must be a number in \[0, 1\]"):
         OffloadOptions(ratio=2)

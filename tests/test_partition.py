@@ -1,5 +1,6 @@
 """Partitioning the layer list over pipeline stages: uniform, by parameter count, explicit
 boundaries, the error messages, and that a stage builds only its own layers (no processes)."""
+
 import itertools
 
 import pytest
@@ -35,7 +36,7 @@ def test_parameters_balances_weights():
     assert parts == [(0, 4), (4, 8)]
     parts = partition_layers(8, 3, 1, "parameters", weights)
     loads = [sum(weights[a:b]) for a, b in parts]
-    assert parts == [(0, 1), (1, 7), (7, 8)] and max(loads) == 10   # optimum: [10 | 6 x 1 | 10]
+    assert parts == [(0, 1), (1, 7), (7, 8)] and max(loads) == 10  # optimum: [10 | 6 x 1 | 10]
     assert partition_layers(4, 4, 1, "parameters", [5, 1, 1, 5]) == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
@@ -47,7 +48,9 @@ def test_parameter_counts_from_config_without_materializing():
     assert counts == [1001 * h + 256 * h, block, block, block, 2 * h + 1001 * h]
     full = TransformerModel(cfg, None, device="meta")
     tied_once = logical_numel(full)
-    assert sum(counts) == tied_once + 1001 * h   # the head's copy of the tied weight counted on its stage
+    assert (
+        sum(counts) == tied_once + 1001 * h
+    )  # the head's copy of the tied weight counted on its stage
     llama = preset("llama-tiny", vocab_size=1001, num_layers=2)
     assert len(layer_parameter_counts(llama)) == 4
     # the big head of an untied llama lands alone on the last stage
@@ -64,18 +67,21 @@ def test_explicit_boundaries_and_uneven_splits():
     assert stage_layers(parts, 2, 1) == [range(1, 2), range(7, 8)]
 
 
-@pytest.mark.parametrize("args, match", [
-    ((5, 4, 2), r"cannot split 5 layers .* p x v = 4 x 2 = 8 pipeline stages"),
-    ((3, 4, 1), r"3 layers .* 4 x 1 = 4"),
-    ((8, 2, 1, [0, 4]), r"needs p x v \+ 1 = 3 boundaries for 2 stages, got 2"),
-    ((8, 2, 1, [0, 4, 7]), r"start at 0 and end at 8 .* got \[0, 4, 7\]"),
-    ((8, 2, 1, [1, 4, 8]), r"start at 0 and end at 8"),
-    ((8, 3, 1, [0, 5, 5, 8]), r"strictly increase .* stage 1 is \[5, 5\)"),
-    ((8, 3, 1, [0, 6, 4, 8]), r"stage 1 is \[6, 4\)"),
-    ((8, 2, 1, "parameters"), r"needs one weight per layer \(8\), got none"),
-    ((8, 2, 1, "params"), r"unknown partition method 'params'"),
-    ((8, 0, 1), r"p must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((5, 4, 2), r"cannot split 5 layers .* p x v = 4 x 2 = 8 pipeline stages"),
+        ((3, 4, 1), r"3 layers .* 4 x 1 = 4"),
+        ((8, 2, 1, [0, 4]), r"needs p x v \+ 1 = 3 boundaries for 2 stages, got 2"),
+        ((8, 2, 1, [0, 4, 7]), r"start at 0 and end at 8 .* got \[0, 4, 7\]"),
+        ((8, 2, 1, [1, 4, 8]), r"start at 0 and end at 8"),
+        ((8, 3, 1, [0, 5, 5, 8]), r"strictly increase .* stage 1 is \[5, 5\)"),
+        ((8, 3, 1, [0, 6, 4, 8]), r"stage 1 is \[6, 4\)"),
+        ((8, 2, 1, "parameters"), r"needs one weight per layer \(8\), got none"),
+        ((8, 2, 1, "params"), r"unknown partition method 'params'"),
+        ((8, 0, 1), r"p must be a positive integer, got 0"),
+    ],
+)
 def test_errors_name_the_numbers(args, match):
     with pytest.raises(ValueError, match=match):
         partition_layers(*args)
@@ -90,8 +96,15 @@ def test_stage_builds_only_its_own_layers():
         def __init__(self, rank):
             self.pp_rank = rank
 
-    cfg = preset("llama-tiny", vocab_size=1001, num_layers=64, hidden_size=16, num_heads=2, num_kv_heads=1,
-                 ffn_hidden_size=32)
+    cfg = preset(
+        "llama-tiny",
+        vocab_size=1001,
+        num_layers=64,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        ffn_hidden_size=32,
+    )
     parts = partition_layers(66, 8)
     seen = []
     for rank in (0, 3, 7):

@@ -16,6 +16,7 @@ lost or counted twice moves the gradients by about 1/m (>= 20%).
 
 One process launch per world size loops over its m values (each launch costs a few seconds on 2 cores).
 """
+
 import pytest
 import torch
 from helpers import rel_err
@@ -29,13 +30,21 @@ from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.testing import run_distributed
 
 RTOL = 1e-5
-SEQS = (8, 12, 6, 10)          # sequence length of micro-batch i is SEQS[i % 4]
-CASES = {2: (1, 3, 5), 3: (4, 5)}   # world size (= p) -> micro-batch counts m (none a multiple of p)
+SEQS = (8, 12, 6, 10)  # sequence length of micro-batch i is SEQS[i % 4]
+CASES = {2: (1, 3, 5), 3: (4, 5)}  # world size (= p) -> micro-batch counts m (none a multiple of p)
 
 
 def make_config():
-    return preset("gpt2-tiny", vocab_size=1001, num_layers=6, hidden_size=32, num_heads=4,
-                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    return preset(
+        "gpt2-tiny",
+        vocab_size=1001,
+        num_layers=6,
+        hidden_size=32,
+        num_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def make_microbatches(count: int, seed: int) -> list[dict]:
@@ -67,9 +76,13 @@ def pipeline_body(ms: tuple[int, ...]) -> list[tuple[int, float, dict[str, torch
     out = []
     for m in ms:
         chunks = build_stage_modules(make_config(), mesh, 2, seed=11)
-        pipe = PipelineParallel(chunks, mesh, schedule="interleaved", micro_batches=m, virtual_stages=2)
+        pipe = PipelineParallel(
+            chunks, mesh, schedule="interleaved", micro_batches=m, virtual_stages=2
+        )
         loss = pipe.train_batch(iter(make_microbatches(m, seed=5 + m)))
-        grads = {getattr(p, TIED_ATTR, None) or n: p.grad.clone() for n, p in pipe.named_parameters()}
+        grads = {
+            getattr(p, TIED_ATTR, None) or n: p.grad.clone() for n, p in pipe.named_parameters()
+        }
         out.append((m, loss.item(), grads))
     return out
 
@@ -86,6 +99,12 @@ def test_interleaved_any_m_matches_gradient_accumulation(p):
             assert abs(loss - want_loss) <= RTOL * abs(want_loss), (p, m, rank, loss, want_loss)
             for name, g in grads.items():
                 err = rel_err(g, want[name], floor=1e-3)
-                assert err <= RTOL, f"p={p} m={m} rank {rank}: gradient of {name} off by {err:.2e} relative"
+                assert err <= RTOL, (
+                    f"p={p} m={m} rank {rank}: gradient of {name} off by {err:.2e} relative"
+                )
             seen |= set(grads)
-        assert seen == set(want), (p, m, sorted(set(want) - seen))  # every parameter held by some rank
+        assert seen == set(want), (
+            p,
+            m,
+            sorted(set(want) - seen),
+        )  # every parameter held by some rank

@@ -16,6 +16,7 @@ embedding's summed gradient, and the two copies must be bitwise equal after the 
 
 Runtime is kept low by one process launch per world size that loops over its configurations.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,16 +37,23 @@ from plait.parallel.pipeline.simulate import simulate
 from plait.testing import run_distributed
 
 RTOL = 1e-5
-MICRO = 2                      # samples per micro-batch
-SEQS = (8, 12, 6, 10)          # sequence length of micro-batch i is SEQS[i % 4] (even: tp=2 with SP)
+MICRO = 2  # samples per micro-batch
+SEQS = (8, 12, 6, 10)  # sequence length of micro-batch i is SEQS[i % 4] (even: tp=2 with SP)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 ARCHES = ("gpt2", "llama")
 METHODS = ("uniform", "parameters", "explicit")
 
 
 def make_config(arch: str):
-    kw = {"vocab_size": 1001, "num_layers": 6, "hidden_size": 32, "num_heads": 4, "max_position_embeddings": 64,
-          "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    kw = {
+        "vocab_size": 1001,
+        "num_layers": 6,
+        "hidden_size": 32,
+        "num_heads": 4,
+        "max_position_embeddings": 64,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
     if arch == "llama":
         kw.update(num_kv_heads=2, ffn_hidden_size=64)
     return preset(f"{arch}-tiny", **kw)
@@ -68,16 +76,22 @@ def make_microbatches(count: int, seed: int) -> list[dict]:
 def reference(arch: str, batches: list[dict]):
     """(loss, {name: grad}) of the float64 single-process model: mean of the micro-batch losses."""
     cfg = make_config(arch)
-    weights = {n: t.double().requires_grad_()          # logical names and shapes: vocab padding dropped
-               for n, t in gather_logical_state(TransformerModel(cfg, None, seed=11)).items()}
-    loss = sum(reference_loss(cfg, weights, b["input_ids"], b["labels"]) for b in batches) / len(batches)
+    weights = {
+        n: t.double().requires_grad_()  # logical names and shapes: vocab padding dropped
+        for n, t in gather_logical_state(TransformerModel(cfg, None, seed=11)).items()
+    }
+    loss = sum(reference_loss(cfg, weights, b["input_ids"], b["labels"]) for b in batches) / len(
+        batches
+    )
     loss.backward()
     return loss.item(), {n: w.grad for n, w in weights.items()}
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
     """(pp, tp, dp) with pp in {2, 4}, tp and dp in {1, 2} and pp*tp*dp == world."""
-    return [(pp, tp, dp) for pp in (2, 4) for tp in (1, 2) for dp in (1, 2) if pp * tp * dp == world]
+    return [
+        (pp, tp, dp) for pp in (2, 4) for tp in (1, 2) for dp in (1, 2) if pp * tp * dp == world
+    ]
 
 
 def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
@@ -93,8 +107,12 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
     else:
         split = method
     sp = tp > 1 and arch == "llama"
-    chunks = build_stage_modules(cfg, mesh, v, split, sequence_parallel=sp, seed=11, schedule=schedule)
-    stages = partition_layers(n, pp, v, split, layer_parameter_counts(cfg) if split == "parameters" else None)
+    chunks = build_stage_modules(
+        cfg, mesh, v, split, sequence_parallel=sp, seed=11, schedule=schedule
+    )
+    stages = partition_layers(
+        n, pp, v, split, layer_parameter_counts(cfg) if split == "parameters" else None
+    )
     for c, chunk in enumerate(chunks):  # each chunk builds exactly its own layers
         s = stage_of(mesh.pp_rank, c, pp, placement(schedule))
         assert chunk.layer_indices == list(range(*stages[s])), (c, chunk.layer_indices)
@@ -104,10 +122,14 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
         batches = make_microbatches(dp * m, seed=5)
         cache[key] = (batches, *reference(arch, batches))
     batches, ref_loss, ref_grads = cache[key]
-    mine = batches[mesh.dp_rank * m:(mesh.dp_rank + 1) * m]
+    mine = batches[mesh.dp_rank * m : (mesh.dp_rank + 1) * m]
     loss = pipe.train_batch(iter(mine))
-    sim = simulate(get_schedule(schedule, pp, m, v), pp, v, shape=placement(schedule))  # activations freed as listed
-    assert pipe.executor.peak_in_flight == sim.peak_in_flight[mesh.pp_rank], pipe.executor.peak_in_flight
+    sim = simulate(
+        get_schedule(schedule, pp, m, v), pp, v, shape=placement(schedule)
+    )  # activations freed as listed
+    assert pipe.executor.peak_in_flight == sim.peak_in_flight[mesh.pp_rank], (
+        pipe.executor.peak_in_flight
+    )
     eval_loss = pipe.eval_batch(iter(mine))
     assert torch.allclose(eval_loss, loss, rtol=1e-6, atol=0), (eval_loss, loss)
     params = dict(pipe.named_parameters())
@@ -125,7 +147,9 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
             err = rel_err(full, ref_grads[name], floor=1e-3)
             worst = max(worst, (err, name))
             assert err <= RTOL, f"gradient of {name} off by {err:.2e} relative"
-    if cfg.tie_embeddings and pipe.tied_group is None and pipe.tied_parameters:   # zb-v: both copies here
+    if (
+        cfg.tie_embeddings and pipe.tied_group is None and pipe.tied_parameters
+    ):  # zb-v: both copies here
         first, head = pipe.tied_parameters
         assert torch.equal(first.grad, head.grad), "tied copies of the embedding gradient differ"
     elif cfg.tie_embeddings:  # both copies still equal (compare over the (first, last) stage pair)
@@ -133,7 +157,9 @@ def check_one(mesh, arch, schedule, method, cache, m=4) -> tuple[float, float]:
             if name == "layers.0.word_embeddings.weight" or getattr(p, TIED_ATTR, None):
                 other = p.grad.clone()
                 dist.all_reduce(other, group=pipe.tied_group, op=dist.ReduceOp.MAX)
-                assert torch.equal(other, p.grad), f"tied copies of the embedding gradient differ ({name})"
+                assert torch.equal(other, p.grad), (
+                    f"tied copies of the embedding gradient differ ({name})"
+                )
     return loss_err, worst[0]
 
 
@@ -153,7 +179,12 @@ def parity_body(world: int):
                 results.append((label, *errs))
         if pp == 4 and tp * dp == 1:  # m < p: the schedules' documented fallback (mostly bubble)
             for schedule in ("1f1b", "zb-h1"):
-                results.append((f"pp=4 m=2 {schedule}", *check_one(mesh, "gpt2", schedule, "uniform", cache, m=2)))
+                results.append(
+                    (
+                        f"pp=4 m=2 {schedule}",
+                        *check_one(mesh, "gpt2", schedule, "uniform", cache, m=2),
+                    )
+                )
     return results
 
 
@@ -168,6 +199,7 @@ def test_pipeline_parity(world):
 
 # ---- single process: the executor with p = 1 and the zero-bubble split ----------------------------
 
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_single_process_pipeline_matches_accumulation(schedule):
     """p = 1 (interleaved: v = 2 chunks on one rank, handing activations over locally; tied copies
@@ -181,14 +213,24 @@ def test_single_process_pipeline_matches_accumulation(schedule):
         want_loss.backward()
         want = {n: p.grad for n, p in whole.named_parameters()}
         ready = []
-        pipe = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3,
-                                grads_ready=ready.append)
+        pipe = PipelineParallel(
+            build_stage_modules(cfg, None, v, seed=11),
+            None,
+            schedule,
+            micro_batches=3,
+            grads_ready=ready.append,
+        )
         loss = pipe.train_batch(iter(batches))
-        assert sorted(ready) == list(range(v))      # each chunk reported once, after its last backward
+        assert sorted(ready) == list(range(v))  # each chunk reported once, after its last backward
         assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
         for name, p in pipe.named_parameters():
             ref = want[getattr(p, TIED_ATTR, None) or name]
-            assert rel_err(p.grad, ref, floor=1e-3) <= RTOL, (schedule, arch, name, rel_err(p.grad, ref, floor=1e-3))
+            assert rel_err(p.grad, ref, floor=1e-3) <= RTOL, (
+                schedule,
+                arch,
+                name,
+                rel_err(p.grad, ref, floor=1e-3),
+            )
         with pytest.raises(ValueError, match="ran out after 2 of 3 micro-batches"):
             pipe.eval_batch(iter(batches[:2]))
 
@@ -200,16 +242,29 @@ def test_train_batch_callbacks_and_chunk_contract(schedule):
     device, the tied copies are public, and a chunk without the StageChunk members is refused by name."""
     v = 2 if schedule in ("interleaved", "zb-v") else 1
     cfg, batches = make_config("gpt2"), make_microbatches(3, seed=9)
-    plain = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
+    plain = PipelineParallel(
+        build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3
+    )
     plain.train_batch(iter(batches))
     calls = []
-    pipe = PipelineParallel(build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3)
-    loss = pipe.train_batch(iter(batches), scale_loss=lambda x: x * (2.0 / 3), on_micro_batch=lambda: calls.append(1))
-    assert len(calls) == 3 and loss.dtype == torch.float32 and loss.shape == () and loss.device == pipe.device
+    pipe = PipelineParallel(
+        build_stage_modules(cfg, None, v, seed=11), None, schedule, micro_batches=3
+    )
+    loss = pipe.train_batch(
+        iter(batches), scale_loss=lambda x: x * (2.0 / 3), on_micro_batch=lambda: calls.append(1)
+    )
+    assert (
+        len(calls) == 3
+        and loss.dtype == torch.float32
+        and loss.shape == ()
+        and loss.device == pipe.device
+    )
     assert len(pipe.tied_parameters) == (2 if v == 2 else 0) and pipe.tied_group is None
     for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
         assert torch.allclose(2 * a.grad, b.grad, rtol=1e-6, atol=0), name
-    with pytest.raises(TypeError, match=r"lacks \['tied_across_stages', 'activation_shape', 'tied_parameters'\]"):
+    with pytest.raises(
+        TypeError, match=r"lacks \['tied_across_stages', 'activation_shape', 'tied_parameters'\]"
+    ):
         PipelineParallel([TransformerModel(cfg, None, seed=11)], None, "1f1b", micro_batches=1)
 
 
@@ -262,6 +317,7 @@ def test_zero_bubble_split_falls_back_on_shared_weight_nodes():
 
 # ---- close(): a process that builds many pipelines keeps no groups of the old ones ----------------
 
+
 def close_body():
     from torch.distributed import distributed_c10d
 
@@ -269,14 +325,16 @@ def close_body():
     batches = make_microbatches(4, seed=5)
     groups_before = len(distributed_c10d._world.pg_map)
     losses, counts = [], []
-    for _ in range(2):   # gpt2 ties its embedding across the two stages: channels and the tied group
-        chunks = build_stage_modules(make_config("gpt2"), mesh, 1, "uniform", seed=11, schedule="1f1b")
+    for _ in range(2):  # gpt2 ties its embedding across the two stages: channels and the tied group
+        chunks = build_stage_modules(
+            make_config("gpt2"), mesh, 1, "uniform", seed=11, schedule="1f1b"
+        )
         pipe = PipelineParallel(chunks, mesh, schedule="1f1b", micro_batches=4)
         assert pipe.tied_group is not None and None not in pipe.executor.p2p.groups
         counts.append(len(distributed_c10d._world.pg_map) - groups_before)
         losses.append(pipe.train_batch(iter(batches)).item())
         pipe.close()
-        pipe.close()   # twice: nothing more to destroy
+        pipe.close()  # twice: nothing more to destroy
         assert len(distributed_c10d._world.pg_map) == groups_before
         with pytest.raises(RuntimeError, match="closed"):
             pipe.train_batch(iter(batches))

@@ -24,6 +24,7 @@ stage all-gathers the parts over tp before the action that reads them. Checked h
 - sequence parallelism on (Llama, ``[b, s/2, h]`` shards differ per tp rank): slicing resolves off, sends stay
   whole (``b * s/2 * h`` elements), the result matches the reference, and ``slice_tp=True`` is refused.
 """
+
 import math
 
 import pytest
@@ -41,8 +42,8 @@ from plait.parallel.sharding import gather_logical
 from plait.testing import run_distributed
 
 LOSS_RTOL, GRAD_RTOL = 1e-6, 2e-6
-M = 4                                              # micro-batches per step
-SEQS = (8, 12, 6, 10)                              # sequence length of micro-batch i (shapes vary in a step)
+M = 4  # micro-batches per step
+SEQS = (8, 12, 6, 10)  # sequence length of micro-batch i (shapes vary in a step)
 # label -> (schedule, v, arch, sequence parallelism)
 CASES = {
     "1f1b gpt2": ("1f1b", 1, "gpt2", False),
@@ -56,7 +57,9 @@ CASES = {
 
 def make_config(arch: str, **overrides):
     """``tiny(arch)`` (hidden 32, vocabulary 257) with 4 blocks, no dropout unless overridden."""
-    return tiny(arch, **{"num_layers": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
+    return tiny(
+        arch, **{"num_layers": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides}
+    )
 
 
 def make_microbatches(vocab: int = 257) -> list[dict]:
@@ -80,23 +83,32 @@ def equal_over_tp(t: torch.Tensor, mesh) -> bool:
 
 # ---- bodies (run on every rank) ------------------------------------------------------------
 
+
 def replicas(mesh) -> dict:
     """{(arch, first layer): (output equal over tp, input gradient equal over tp)} for stages of plait models."""
-    configs = {"gpt2 dropout": make_config("gpt2", hidden_dropout=0.1, attention_dropout=0.1),
-               "llama": make_config("llama"),
-               "llama moe": make_config("llama", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)}
+    configs = {
+        "gpt2 dropout": make_config("gpt2", hidden_dropout=0.1, attention_dropout=0.1),
+        "llama": make_config("llama"),
+        "llama moe": make_config("llama", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32),
+    }
     out, g = {}, torch.Generator().manual_seed(3)
     for name, cfg in configs.items():
         batch = make_microbatches()[1]
         shape = (*batch["input_ids"].shape, cfg.hidden_size)
-        for layers in (range(0, 2), range(2, 4), range(4, 6)):   # embedding + block, blocks, block + head
+        for layers in (
+            range(0, 2),
+            range(2, 4),
+            range(4, 6),
+        ):  # embedding + block, blocks, block + head
             stage = TransformerModel(cfg, mesh, layers=layers, seed=11).train()
             x = None if layers.start == 0 else torch.randn(shape, generator=g).requires_grad_()
             y = stage(hidden=x, **batch)
             grad = None if y.dim() == 0 else torch.randn(y.shape, generator=g)
             torch.autograd.backward(y, grad)
-            out[(name, layers.start)] = (y.dim() == 0 or equal_over_tp(y.detach(), mesh),
-                                         x is None or equal_over_tp(x.grad, mesh))
+            out[(name, layers.start)] = (
+                y.dim() == 0 or equal_over_tp(y.detach(), mesh),
+                x is None or equal_over_tp(x.grad, mesh),
+            )
     return out
 
 
@@ -105,7 +117,7 @@ def slices_unit(mesh) -> dict:
     slices, g = TPSlices(mesh.tp_group), torch.Generator().manual_seed(mesh.pp_rank)
     out = {}
     for shape in ((3, 5, 7), (2, 6, 4)):
-        t = torch.randn(shape, generator=g)          # the same on both tp ranks of a stage
+        t = torch.randn(shape, generator=g)  # the same on both tp ranks of a stage
         part = slices.part(t)
         whole = slices.gather(part, shape)
         is_view = part.data_ptr() == t.data_ptr() + mesh.tp_rank * part.numel() * t.element_size()
@@ -147,9 +159,13 @@ def run_case(mesh, schedule, v, arch, sp, slice_tp):
     cfg = make_config(arch)
     batches = make_microbatches()
     chunks = build_stage_modules(cfg, mesh, v, sequence_parallel=sp, seed=11)
-    pipe = PipelineParallel(chunks, mesh, schedule, micro_batches=M, virtual_stages=v, slice_tp=slice_tp)
+    pipe = PipelineParallel(
+        chunks, mesh, schedule, micro_batches=M, virtual_stages=v, slice_tp=slice_tp
+    )
     loss = pipe.train_batch(iter(batches))
-    sent = {(t.direction, t.microbatch, t.src_stage): n for t, n in pipe.executor.sent_elements.items()}
+    sent = {
+        (t.direction, t.microbatch, t.src_stage): n for t, n in pipe.executor.sent_elements.items()
+    }
     grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     return pipe, loss, grads, sent, sent == expected_sends(pipe, batches, mesh.tp)
 
@@ -158,19 +174,30 @@ def ref_errors(mesh, pipe, loss, arch) -> tuple[float, float]:
     want_loss, want = reference(make_config(arch), make_microbatches())
     worst = 0.0
     for name, p in pipe.named_parameters():
-        for logical, full in gather_logical(getattr(p, TIED_ATTR, None) or name, p, mesh.tp_group, p.grad).items():
+        for logical, full in gather_logical(
+            getattr(p, TIED_ATTR, None) or name, p, mesh.tp_group, p.grad
+        ).items():
             worst = max(worst, rel_err(full, want[logical], floor=1e-3))
     return abs(loss.item() - want_loss) / abs(want_loss), worst
 
 
 def pipeline_case(mesh, schedule, v, arch, sp) -> dict:
     sliced, loss, grads, sent, sent_ok = run_case(mesh, schedule, v, arch, sp, None)
-    row = dict(slice_tp=sliced.slice_tp, sent_ok=sent_ok, sends=len(sent),
-               sizes=sorted(set(sent.values())), ref=ref_errors(mesh, sliced, loss, arch))
-    if not sp:   # the same pipeline with whole sends: the same bits
+    row = dict(
+        slice_tp=sliced.slice_tp,
+        sent_ok=sent_ok,
+        sends=len(sent),
+        sizes=sorted(set(sent.values())),
+        ref=ref_errors(mesh, sliced, loss, arch),
+    )
+    if not sp:  # the same pipeline with whole sends: the same bits
         whole, whole_loss, whole_grads, _, whole_ok = run_case(mesh, schedule, v, arch, sp, False)
-        row.update(whole_slice_tp=whole.slice_tp, whole_sent_ok=whole_ok, loss_equal=torch.equal(loss, whole_loss),
-                   differing=[n for n in grads if not torch.equal(grads[n], whole_grads[n])])
+        row.update(
+            whole_slice_tp=whole.slice_tp,
+            whole_sent_ok=whole_ok,
+            loss_equal=torch.equal(loss, whole_loss),
+            differing=[n for n in grads if not torch.equal(grads[n], whole_grads[n])],
+        )
     else:
         try:
             run_case(mesh, schedule, v, arch, sp, True)
@@ -182,11 +209,15 @@ def pipeline_case(mesh, schedule, v, arch, sp) -> dict:
 
 def body() -> dict:
     mesh = ParallelMesh(pp=2, tp=2)
-    return {"replicas": replicas(mesh), "unit": slices_unit(mesh),
-            "cases": {label: pipeline_case(mesh, *case) for label, case in CASES.items()}}
+    return {
+        "replicas": replicas(mesh),
+        "unit": slices_unit(mesh),
+        "cases": {label: pipeline_case(mesh, *case) for label, case in CASES.items()},
+    }
 
 
 # ---- tests --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
@@ -201,7 +232,9 @@ def test_stage_tensors_are_identical_on_tp_ranks(per_rank):
 
 def test_tp_slices_pad_and_rebuild_bitwise(per_rank):
     for res in per_rank:
-        assert res["unit"] == {(3, 5, 7): (53, True, True), (2, 6, 4): (24, True, True)}, res["unit"]
+        assert res["unit"] == {(3, 5, 7): (53, True, True), (2, 6, 4): (24, True, True)}, res[
+            "unit"
+        ]
 
 
 @pytest.mark.parametrize("label", [k for k, case in CASES.items() if not case[3]])
@@ -228,4 +261,6 @@ def test_sequence_parallel_keeps_whole_sends(per_rank):
     for res in per_rank:
         row = res["cases"]["1f1b llama sp"]
         assert not row["slice_tp"] and row["sent_ok"] and row["refused"], row
-        assert row["sizes"] == sorted({b["input_ids"].numel() // 2 * 32 for b in batches}), row["sizes"]
+        assert row["sizes"] == sorted({b["input_ids"].numel() // 2 * 32 for b in batches}), row[
+            "sizes"
+        ]

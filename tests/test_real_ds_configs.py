@@ -8,6 +8,7 @@ One process, CPU. The Trainer's side of a config: micro-batch 2, no accumulation
 defaults, clip 1.0, bf16 where the config leaves the precision "auto", 2 warm-up steps of 6; with no
 optimizer section the Trainer's own torch AdamW is passed in, as the Trainer does.
 """
+
 import json
 import os
 from pathlib import Path
@@ -41,16 +42,34 @@ REFUSED = {
 FILES = sorted(p.name for p in CORPUS.glob("*.json"))
 TRAINS = [f for f in FILES if f not in REFUSED]
 
-TRAINER_FACTS = dict(micro_batch_size=2, gradient_accumulation_steps=1, mixed_precision="bf16", lr=1e-3,
-                     betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gradient_clipping=1.0, warmup_min_lr=0.0,
-                     warmup_num_steps=2, total_num_steps=6)
+TRAINER_FACTS = dict(
+    micro_batch_size=2,
+    gradient_accumulation_steps=1,
+    mixed_precision="bf16",
+    lr=1e-3,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    gradient_clipping=1.0,
+    warmup_min_lr=0.0,
+    warmup_num_steps=2,
+    total_num_steps=6,
+)
 
 
 def llama():
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def build(config, model=None, **facts):
@@ -86,24 +105,38 @@ def test_the_collection_is_large_and_every_file_has_a_source():
 
 
 #: configs with a "compile" section: their decoder layers are compiled with inductor
-COMPILES = {"deepspeed__ds_config_z3_deepcompile_no_persist.json", "axolotl__zero1_torch_compile.json"}
-INDUCTOR_AVX2 = pytest.mark.xfail(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", strict=False,
-                                  reason="torch 2.13's inductor CPU code gives non-finite attention gradients under "
-                                         "ATEN_CPU_CAPABILITY=avx2 (eager is finite); see tests/test_compile.py")
+COMPILES = {
+    "deepspeed__ds_config_z3_deepcompile_no_persist.json",
+    "axolotl__zero1_torch_compile.json",
+}
+INDUCTOR_AVX2 = pytest.mark.xfail(
+    os.environ.get("ATEN_CPU_CAPABILITY") == "avx2",
+    strict=False,
+    reason="torch 2.13's inductor CPU code gives non-finite attention gradients under "
+    "ATEN_CPU_CAPABILITY=avx2 (eager is finite); see tests/test_compile.py",
+)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=INDUCTOR_AVX2) if n in COMPILES else n for n in TRAINS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=INDUCTOR_AVX2) if n in COMPILES else n for n in TRAINS]
+)
 def test_a_real_config_trains_as_written(name, capsys):
     config = json.loads((CORPUS / name).read_text())
     before = {n: p.detach().float().clone() for n, p in llama().named_parameters()}
     engine = build(config)
     losses = run(engine)
     after = weights(engine)
-    assert engine.global_steps == STEPS and engine.skipped_steps < STEPS   # counted as DeepSpeed counts them
-    assert engine.is_compiled is engine.config.compile.on    # "compile" sections compile the decoder layers
+    assert (
+        engine.global_steps == STEPS and engine.skipped_steps < STEPS
+    )  # counted as DeepSpeed counts them
+    assert (
+        engine.is_compiled is engine.config.compile.on
+    )  # "compile" sections compile the decoder layers
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(torch.isfinite(w).all() for w in after.values())
-    assert max((after[n] - before[n]).abs().max().item() for n in before) > 0   # an update was applied
+    assert (
+        max((after[n] - before[n]).abs().max().item() for n in before) > 0
+    )  # an update was applied
 
 
 @pytest.mark.parametrize("name, feature", sorted(REFUSED.items()))
@@ -115,10 +148,15 @@ def test_a_real_config_is_refused_naming_a_feature_that_changes_training(name, f
 
 
 # ---- every key of the collection that changes the result is applied ------------------------------------
-BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 2}}
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+    },
+    "zero_optimization": {"stage": 2},
+}
 
 
 def with_key(path, value, base=BASE):
@@ -141,34 +179,58 @@ def max_change(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-WARMUP = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2,
-                                              "total_num_steps": 6, "warmup_type": "log"}}
+WARMUP = {
+    "type": "WarmupDecayLR",
+    "params": {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 1e-2,
+        "warmup_num_steps": 2,
+        "total_num_steps": 6,
+        "warmup_type": "log",
+    },
+}
 ADAM_L2 = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": True}}
-LAMB = {"type": "LAMB", "params": {"lr": 1e-2, "weight_decay": 0.1, "max_coeff": 10.0, "min_coeff": 0.01}}
+LAMB = {
+    "type": "LAMB",
+    "params": {"lr": 1e-2, "weight_decay": 0.1, "max_coeff": 10.0, "min_coeff": 0.01},
+}
 
 
-@pytest.mark.parametrize("path, a, b, base", [
-    ("optimizer.params.lr", 1e-2, 1e-3, BASE),
-    ("optimizer.params.betas", [0.9, 0.999], [0.5, 0.9], BASE),
-    ("optimizer.params.eps", 1e-8, 1e-1, BASE),
-    ("optimizer.params.weight_decay", 0.0, 0.5, BASE),
-    ("optimizer.params.adam_w_mode", True, False, {**BASE, "optimizer": ADAM_L2}),
-    ("optimizer.params.max_coeff", 10.0, 0.05, {**BASE, "optimizer": LAMB}),
-    ("optimizer.params.min_coeff", 0.01, 5.0, {**BASE, "optimizer": LAMB}),
-    ("optimizer.type", "AdamW", "SGD", {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}),
-    ("gradient_clipping", 0.0, 0.01, BASE),
-    ("gradient_accumulation_steps", 1, 2, BASE),
-    ("train_micro_batch_size_per_gpu", 2, 1, BASE),
-    ("bf16.enabled", False, True, BASE),
-    ("fp16.enabled", False, True, BASE),
-    ("scheduler", None, WARMUP, BASE),
-    ("scheduler.params.warmup_num_steps", 2, 4, {**BASE, "scheduler": WARMUP}),
-    ("scheduler.params.warmup_max_lr", 1e-2, 1e-3, {**BASE, "scheduler": WARMUP}),
-    ("scheduler.params.warmup_min_lr", 0.0, 5e-3, {**BASE, "scheduler": WARMUP}),
-    ("scheduler.params.warmup_type", "log", "linear", {**BASE, "scheduler": WARMUP}),
-    ("scheduler.params.total_num_steps", 6, 3, {**BASE, "scheduler": WARMUP}),
-    ("zero_optimization.stage", 1, 2, BASE),   # a control: the stage changes where state lives, not a bit
-])
+@pytest.mark.parametrize(
+    "path, a, b, base",
+    [
+        ("optimizer.params.lr", 1e-2, 1e-3, BASE),
+        ("optimizer.params.betas", [0.9, 0.999], [0.5, 0.9], BASE),
+        ("optimizer.params.eps", 1e-8, 1e-1, BASE),
+        ("optimizer.params.weight_decay", 0.0, 0.5, BASE),
+        ("optimizer.params.adam_w_mode", True, False, {**BASE, "optimizer": ADAM_L2}),
+        ("optimizer.params.max_coeff", 10.0, 0.05, {**BASE, "optimizer": LAMB}),
+        ("optimizer.params.min_coeff", 0.01, 5.0, {**BASE, "optimizer": LAMB}),
+        (
+            "optimizer.type",
+            "AdamW",
+            "SGD",
+            {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
+        ),
+        ("gradient_clipping", 0.0, 0.01, BASE),
+        ("gradient_accumulation_steps", 1, 2, BASE),
+        ("train_micro_batch_size_per_gpu", 2, 1, BASE),
+        ("bf16.enabled", False, True, BASE),
+        ("fp16.enabled", False, True, BASE),
+        ("scheduler", None, WARMUP, BASE),
+        ("scheduler.params.warmup_num_steps", 2, 4, {**BASE, "scheduler": WARMUP}),
+        ("scheduler.params.warmup_max_lr", 1e-2, 1e-3, {**BASE, "scheduler": WARMUP}),
+        ("scheduler.params.warmup_min_lr", 0.0, 5e-3, {**BASE, "scheduler": WARMUP}),
+        ("scheduler.params.warmup_type", "log", "linear", {**BASE, "scheduler": WARMUP}),
+        ("scheduler.params.total_num_steps", 6, 3, {**BASE, "scheduler": WARMUP}),
+        (
+            "zero_optimization.stage",
+            1,
+            2,
+            BASE,
+        ),  # a control: the stage changes where state lives, not a bit
+    ],
+)
 def test_a_results_changing_key_is_applied(path, a, b, base):
     change = max_change(trained(with_key(path, a, base)), trained(with_key(path, b, base)))
     if path == "zero_optimization.stage":
@@ -179,7 +241,13 @@ def test_a_results_changing_key_is_applied(path, a, b, base):
 
 def test_bfloat16_is_bf16():
     """Megatron-DeepSpeed's configs spell the section ``bfloat16``: the same run as ``bf16``."""
-    assert max_change(trained({**BASE, "bfloat16": {"enabled": True}}), trained({**BASE, "bf16": {"enabled": True}})) == 0
+    assert (
+        max_change(
+            trained({**BASE, "bfloat16": {"enabled": True}}),
+            trained({**BASE, "bf16": {"enabled": True}}),
+        )
+        == 0
+    )
 
 
 def scale_trajectory(fp16, steps=6):
@@ -195,10 +263,19 @@ def scale_trajectory(fp16, steps=6):
 FP16 = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}
 
 
-@pytest.mark.parametrize("key, value", [("initial_scale_power", 8), ("loss_scale", 128.0), ("hysteresis", 2),
-                                        ("loss_scale_window", 1000)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("initial_scale_power", 8),
+        ("loss_scale", 128.0),
+        ("hysteresis", 2),
+        ("loss_scale_window", 1000),
+    ],
+)
 def test_an_fp16_loss_scale_key_is_applied(key, value):
-    assert scale_trajectory(FP16) != scale_trajectory({**FP16, key: value}), f"fp16.{key} changed nothing"
+    assert scale_trajectory(FP16) != scale_trajectory({**FP16, key: value}), (
+        f"fp16.{key} changed nothing"
+    )
 
 
 def test_fp16_min_loss_scale_is_applied():
@@ -207,16 +284,19 @@ def test_fp16_min_loss_scale_is_applied():
     start = {**FP16, "initial_scale_power": 24, "loss_scale_window": 1000}
     assert scale_trajectory(start)[-1] < 21
     with pytest.raises(LossScaleError, match="min_loss_scale"):
-        scale_trajectory({**start, "min_loss_scale": 2 ** 21})
+        scale_trajectory({**start, "min_loss_scale": 2**21})
 
 
 def _reduce_body(comm_dtype):
     import torch.distributed as dist
+
     config = {**BASE, "communication_data_type": comm_dtype} if comm_dtype else BASE
     engine = build(config)
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(3):
-        ids = torch.randint(0, 128, (micro, 9), generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+        ids = torch.randint(
+            0, 128, (micro, 9), generator=torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        )
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     return weights(engine)

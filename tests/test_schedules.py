@@ -4,13 +4,22 @@ Cost model in these tests (stated per test): F = 1, B = 2 with the split BI = BW
 paper convention T_B = 2 T_F (Narayanan et al.) and T_F = T_BI = T_BW (Qi et al., ZB-H1). Costs
 are Fractions so bubble ratios compare exactly.
 """
+
 from fractions import Fraction as Fr
 
 import pytest
 
 from plait.parallel.pipeline.check import check_schedule
 from plait.parallel.pipeline.registry import SCHEDULES, get_schedule
-from plait.parallel.pipeline.schedules import Action, gpipe, interleaved_1f1b, one_f_one_b, rank_chunk_of, stage_of, zb_h1
+from plait.parallel.pipeline.schedules import (
+    Action,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    rank_chunk_of,
+    stage_of,
+    zb_h1,
+)
 from plait.parallel.pipeline.simulate import DeadlockError, render, simulate
 
 ONE = dict(cost_f=Fr(1), cost_b=Fr(2), cost_bi=Fr(1), cost_bw=Fr(1))
@@ -32,9 +41,11 @@ def test_action_and_virtual_stage_mapping():
 def test_1f1b_exact_order_p3_m4():
     lists = one_f_one_b(3, 4)
     order = [" ".join(map(str, acts)) for acts in lists]
-    assert order == ["F0 F1 F2 B0 F3 B1 B2 B3",
-                     "F0 F1 B0 F2 B1 F3 B2 B3",
-                     "F0 B0 F1 B1 F2 B2 F3 B3"]
+    assert order == [
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
 
 
 @pytest.mark.parametrize("p,m", PM)
@@ -67,12 +78,15 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(p, m, v):
     assert res.bubble_ratio == (Fr(p - 1, v * m),) * p
     assert res.makespan == 3 * m + Fr(3 * (p - 1), v)
     # Activations held, in chunks: Megatron's warm-up (p-r-1)*2 + (v-1)*p plus one, capped at m*v.
-    assert res.peak_in_flight == tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
+    assert res.peak_in_flight == tuple(
+        min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)
+    )
 
 
 def test_interleaved_first_rank_order_p2_m4_v2():
     assert " ".join(map(str, interleaved_1f1b(2, 4, 2)[0])) == (
-        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3")
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+    )
 
 
 @pytest.mark.parametrize("p,m", PM)
@@ -95,7 +109,8 @@ def test_zb_h1_exact_timeline_p4_m8():
         "rank 0: F0 F1 F2 F3 .. .. .. I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7",
         "rank 1: .. F0 F1 F2 .. .. I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7",
         "rank 2: .. .. F0 F1 .. I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7",
-        "rank 3: .. .. .. F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7"]
+        "rank 3: .. .. .. F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7",
+    ]
 
 
 def test_m_below_p_falls_back_to_clamped_warm_up():
@@ -120,8 +135,11 @@ def test_registry_and_get_schedule_errors():
     assert get_schedule("interleaved", 4, 8, 2) == interleaved_1f1b(4, 8, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zbh1'; did you mean 'zb-h1'"):
         get_schedule("zbh1", 4, 8)
-    with pytest.raises(ValueError, match=r"'1f1b' runs one model chunk per rank but got v=2; "
-                                         r"use schedule 'interleaved'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'1f1b' runs one model chunk per rank but got v=2; "
+        r"use schedule 'interleaved'",
+    ):
         get_schedule("1f1b", 4, 8, 2)
     for m in (6, 3):  # interleaved takes any m >= 1 (no longer only multiples of p)
         assert get_schedule("interleaved", 4, m, 2) == interleaved_1f1b(4, m, 2)
@@ -138,7 +156,9 @@ def test_check_schedule_catches_malformed_lists():
     with pytest.raises(ValueError, match="schedule has 1 rank lists but p=2"):
         check_schedule(good[:1], 2, 2)
     missing = [good[0], [a for a in good[1] if a != Action("B", 1)]]
-    with pytest.raises(ValueError, match=r"micro-batch 1, stage 1 \(rank 1, chunk 0\) has no backward"):
+    with pytest.raises(
+        ValueError, match=r"micro-batch 1, stage 1 \(rank 1, chunk 0\) has no backward"
+    ):
         check_schedule(missing, 2, 2)
     swapped = [good[0], [Action("B", 0), Action("F", 0), Action("F", 1), Action("B", 1)]]
     with pytest.raises(ValueError, match=r"rank 1, action #0 \(B0\): backward before its forward"):
@@ -161,34 +181,44 @@ def test_check_schedule_catches_malformed_lists():
 
 def test_cross_rank_deadlock_is_reported():
     # Locally valid, but rank 0 waits for B0 from rank 1, which first needs F1 from rank 0.
-    lists = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
-             [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
+    lists = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)],
+    ]
     check_schedule(lists, 2, 2)
-    with pytest.raises(DeadlockError, match=r"rank 0 at step #1: B0 waits for BI of micro-batch 0 "
-                                            r"at stage 1; rank 1 at step #0: F1 waits for F"):
+    with pytest.raises(
+        DeadlockError,
+        match=r"rank 0 at step #1: B0 waits for BI of micro-batch 0 "
+        r"at stage 1; rank 1 at step #0: F1 waits for F",
+    ):
         simulate(lists, 2)
 
 
 def test_render_1f1b_p2_m2():
     assert render(simulate(one_f_one_b(2, 2), 2)) == (
-        "rank 0: F0 F1 .. .. B0 B0 .. B1 B1\n"
-        "rank 1: .. F0 B0 B0 F1 B1 B1 .. ..")
+        "rank 0: F0 F1 .. .. B0 B0 .. B1 B1\nrank 1: .. F0 B0 B0 F1 B1 B1 .. .."
+    )
 
 
 # ---- interleaved 1F1B with any m (rounds of g >= p micro-batches) -----------------------------------
 
+
 def _old_interleaved(p, m, v):
     """Copy of interleaved_1f1b before it took any m (groups of exactly p; needed p | m), as strings."""
+
     def order(k, backward):
         group, pos = divmod(k, p * v)
         chunk = v - 1 - pos // p if backward else pos // p
         return group * p + pos % p, chunk
+
     out = []
     for r in range(p):
         w = min((p - r - 1) * 2 + (v - 1) * p, m * v)
         fwd = [Action("F", *order(k, False)) for k in range(m * v)]
         bwd = [Action("B", *order(k, True)) for k in range(m * v)]
-        acts = fwd[:w] + [a for i in range(m * v - w) for a in (fwd[w + i], bwd[i])] + bwd[m * v - w:]
+        acts = (
+            fwd[:w] + [a for i in range(m * v - w) for a in (fwd[w + i], bwd[i])] + bwd[m * v - w :]
+        )
         out.append(" ".join(map(str, acts)))
     return out
 
@@ -196,16 +226,22 @@ def _old_interleaved(p, m, v):
 def test_interleaved_unchanged_for_multiples_of_p():
     # Lists printed by the code before this change (groups of exactly p), stored verbatim.
     before = {
-        (3, 3, 2): ["F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
-                    "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
-                    "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 B0 B1 B2"],
-        (2, 4, 3): ["F0 F1 F0.1 F1.1 F0.2 F1.2 F2 B0.2 F3 B1.2 F2.1 B0.1 F3.1 B1.1 F2.2 B0 F3.2 B1 B2.2 B3.2 "
-                    "B2.1 B3.1 B2 B3",
-                    "F0 F1 F0.1 F1.1 F0.2 B0.2 F1.2 B1.2 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 F2.2 B2.2 F3.2 B3.2 "
-                    "B2.1 B3.1 B2 B3"],
-        (3, 6, 2): ["F0 F1 F2 F0.1 F1.1 F2.1 F3 F4 B0.1 F5 B1.1 F3.1 B2.1 F4.1 B0 F5.1 B1 B2 B3.1 B4.1 B5.1 B3 B4 B5",
-                    "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 F3 B1.1 F4 B2.1 F5 B0 F3.1 B1 F4.1 B2 F5.1 B3.1 B4.1 B5.1 B3 B4 B5",
-                    "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3 B0 F4 B1 F5 B2 F3.1 B3.1 F4.1 B4.1 F5.1 B5.1 B3 B4 B5"],
+        (3, 3, 2): [
+            "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
+            "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2",
+            "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 B0 B1 B2",
+        ],
+        (2, 4, 3): [
+            "F0 F1 F0.1 F1.1 F0.2 F1.2 F2 B0.2 F3 B1.2 F2.1 B0.1 F3.1 B1.1 F2.2 B0 F3.2 B1 B2.2 B3.2 "
+            "B2.1 B3.1 B2 B3",
+            "F0 F1 F0.1 F1.1 F0.2 B0.2 F1.2 B1.2 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 F2.2 B2.2 F3.2 B3.2 "
+            "B2.1 B3.1 B2 B3",
+        ],
+        (3, 6, 2): [
+            "F0 F1 F2 F0.1 F1.1 F2.1 F3 F4 B0.1 F5 B1.1 F3.1 B2.1 F4.1 B0 F5.1 B1 B2 B3.1 B4.1 B5.1 B3 B4 B5",
+            "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 F3 B1.1 F4 B2.1 F5 B0 F3.1 B1 F4.1 B2 F5.1 B3.1 B4.1 B5.1 B3 B4 B5",
+            "F0 F1 F2 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3 B0 F4 B1 F5 B2 F3.1 B3.1 F4.1 B4.1 F5.1 B5.1 B3 B4 B5",
+        ],
     }
     for (p, m, v), want in before.items():
         assert [" ".join(map(str, acts)) for acts in interleaved_1f1b(p, m, v)] == want, (p, m, v)
@@ -213,7 +249,9 @@ def test_interleaved_unchanged_for_multiples_of_p():
     for p in range(1, 6):
         for v in (2, 3, 4):
             for m in (p, 2 * p, 3 * p, 4 * p):
-                assert [" ".join(map(str, a)) for a in interleaved_1f1b(p, m, v)] == _old_interleaved(p, m, v)
+                assert [
+                    " ".join(map(str, a)) for a in interleaved_1f1b(p, m, v)
+                ] == _old_interleaved(p, m, v)
 
 
 def test_interleaved_rounds_for_m_not_a_multiple_of_p():
@@ -224,7 +262,8 @@ def test_interleaved_rounds_for_m_not_a_multiple_of_p():
         "F0 F1 F2 F0.1 F1.1 F2.1 F3 B0.1 F4 B1.1 F5 B2.1 F6 B0 F3.1 B1 F4.1 B2 F5.1 B3.1 F6.1 B4.1 B5.1 B6.1 "
         "B3 B4 B5 B6",
         "F0 F1 F2 F0.1 F1.1 B0.1 F2.1 B1.1 F3 B2.1 F4 B0 F5 B1 F6 B2 F3.1 B3.1 F4.1 B4.1 F5.1 B5.1 F6.1 B6.1 "
-        "B3 B4 B5 B6"]
+        "B3 B4 B5 B6",
+    ]
     # m < p: one round of m (here p=3, m=2).
     assert " ".join(map(str, interleaved_1f1b(3, 2, 2)[2])) == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
 
@@ -264,5 +303,9 @@ def test_interleaved_any_m_valid_deadlock_free_and_bubble(p):
             assert res.bubble_ratio == (Fr(idle, 3 * m * v),) * p
             if m >= p:
                 assert res.bubble_ratio == (Fr(p - 1, v * m),) * p
-            g = _rounds_largest(p, m)  # activations held (chunks): the warm-up plus one, capped at mv
-            assert res.peak_in_flight == tuple(min(2 * (p - r - 1) + (v - 1) * g + 1, m * v) for r in range(p))
+            g = _rounds_largest(
+                p, m
+            )  # activations held (chunks): the warm-up plus one, capped at mv
+            assert res.peak_in_flight == tuple(
+                min(2 * (p - r - 1) + (v - 1) * g + 1, m * v) for r in range(p)
+            )

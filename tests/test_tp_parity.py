@@ -5,6 +5,7 @@ its whole logical shape, to 1e-5 relative in the norm ||g - g_ref|| / max(||g_re
 matters only for k_proj.bias, whose gradient is zero in exact arithmetic (softmax ignores a shift
 shared by all keys): it is held to 1e-8 absolute.
 Vocabulary 1001 (not divisible by tp, padded) and 3 blocks (odd)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ SEQ = 12
 def make_batch(arch: str, batch: int = 2, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 1001, (batch, seq), generator=g)
-    ids[0, 0] = 1000                                   # the last real vocabulary row, on the last tp rank
+    ids[0, 0] = 1000  # the last real vocabulary row, on the last tp rank
     labels = torch.randint(0, 1001, (batch, seq), generator=g)
     labels[0, :3] = -100
     out = {"input_ids": ids, "labels": labels}
@@ -48,7 +49,12 @@ def parity_body(arch: str, tp: int, sequence_parallel: bool, device: str = "cpu"
     full_w = {n: t.cpu() for n, t in gather_logical_state(model, mesh.tp_group).items()}
     full_g = {n: t.cpu() for n, t in gather_logical_state(model, mesh.tp_group, grads=True).items()}
     # Layout-invariant initialization: whole weights equal a single-process build's.
-    single = {n: t.cpu() for n, t in gather_logical_state(TransformerModel(cfg, None, seed=11, device=device)).items()}
+    single = {
+        n: t.cpu()
+        for n, t in gather_logical_state(
+            TransformerModel(cfg, None, seed=11, device=device)
+        ).items()
+    }
     for name, w in full_w.items():
         assert torch.equal(w, single[name]), f"{name} differs from the tp=1 initialization"
     batch = {k: v.cpu() for k, v in batch.items()}
@@ -59,8 +65,14 @@ def parity_body(arch: str, tp: int, sequence_parallel: bool, device: str = "cpu"
     if dist.get_rank() != 0:
         return None
     ref_w = {k: v.double().requires_grad_() for k, v in full_w.items()}
-    ref = reference_loss(cfg, ref_w, batch["input_ids"], batch["labels"], batch.get("attention_mask"),
-                         batch.get("token_type_ids"))
+    ref = reference_loss(
+        cfg,
+        ref_w,
+        batch["input_ids"],
+        batch["labels"],
+        batch.get("attention_mask"),
+        batch.get("token_type_ids"),
+    )
     ref.backward()
     loss_err = abs(loss.item() - ref.item()) / abs(ref.item())
     assert loss_err <= RTOL, f"loss {loss.item()} vs reference {ref.item()} (rel {loss_err:.2e})"
@@ -73,7 +85,7 @@ def parity_body(arch: str, tp: int, sequence_parallel: bool, device: str = "cpu"
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_parity(arch, tp):
-    for sp in ([False] if tp == 1 else [False, True]):
+    for sp in [False] if tp == 1 else [False, True]:
         results = run_distributed(parity_body, tp, arch, tp, sp)
         loss_err, grad_err = results[0]
         assert loss_err <= RTOL and grad_err <= RTOL

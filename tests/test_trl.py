@@ -24,6 +24,7 @@ The resume (dropout on) is exact: bitwise, as in tests/test_hf_resume_dropout.py
 2-process SFT case. At the lowest pins (transformers 4.56, trl 0.18.2) transformers rounds the logged loss to 4
 decimals on both sides: the tolerance there is one rounding step (1e-4) above the 1e-6.
 """
+
 import json
 import os
 import subprocess
@@ -43,7 +44,7 @@ LOSS_TOL = 1e-6 if Version(transformers.__version__) >= Version("5") else 1e-4 +
 # torch's CPU float32 vector_norm (plain TRL's clip_grad_norm_) sums a tensor's n squares in >= 8 float32 lanes:
 # recursive summation's bound (n/8) * 2^-24 on the sum of squares, half that on the norm, for the largest
 # tensor (the 16384 x 64 head); plait's float64 norm is exact to 1e-15
-NORM_RTOL = 16384 * 64 / 8 * 2.0 ** -24 / 2
+NORM_RTOL = 16384 * 64 / 8 * 2.0**-24 / 2
 
 
 def launch(out: Path, script: Path, task: str, config, steps: int, *extra, procs: int = 1):
@@ -51,8 +52,20 @@ def launch(out: Path, script: Path, task: str, config, steps: int, *extra, procs
     out)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
-           str(script), task, str(out), str(config), str(steps), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(procs),
+        str(script),
+        task,
+        str(out),
+        str(config),
+        str(steps),
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     logs = {r["step"]: r for r in map(json.loads, (out / "losses.jsonl").read_text().splitlines())}
@@ -62,16 +75,22 @@ def launch(out: Path, script: Path, task: str, config, steps: int, *extra, procs
 
 DROPOUT = ("--dropout", "0.1")
 # case: (task, config, processes, script flags); SFT at 2 processes is the resume test's uninterrupted run
-CASES = {"sft-1proc-zero2": ("sft", ZERO2, 1, ()), "dpo-1proc-zero2": ("dpo", ZERO2, 1, ()),
-         "sft-2proc-zero3": ("sft", ZERO3, 2, DROPOUT), "dpo-2proc-zero3": ("dpo", ZERO3, 2, ())}
+CASES = {
+    "sft-1proc-zero2": ("sft", ZERO2, 1, ()),
+    "dpo-1proc-zero2": ("dpo", ZERO2, 1, ()),
+    "sft-2proc-zero3": ("sft", ZERO3, 2, DROPOUT),
+    "dpo-2proc-zero3": ("dpo", ZERO3, 2, ()),
+}
 
 
 @pytest.fixture(scope="module")
 def plait_runs(tmp_path_factory):
     """One launch per case on plait, the Trainer's default clipping."""
     tmp = tmp_path_factory.mktemp("trl_plait")
-    return {case: launch(tmp / case, SCRIPT, task, config, 10, *flags, procs=procs)
-            for case, (task, config, procs, flags) in CASES.items()}
+    return {
+        case: launch(tmp / case, SCRIPT, task, config, 10, *flags, procs=procs)
+        for case, (task, config, procs, flags) in CASES.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +101,10 @@ def plain_runs(tmp_path_factory):
     text = SCRIPT.read_text()
     assert "from plait.trl import" in text
     plain.write_text(text.replace("from plait.trl import", "from trl import"))
-    return {case: launch(tmp / case, plain, task, "none", 10, *flags, procs=procs)
-            for case, (task, _, procs, flags) in CASES.items()}
+    return {
+        case: launch(tmp / case, plain, task, "none", 10, *flags, procs=procs)
+        for case, (task, _, procs, flags) in CASES.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +113,17 @@ def resume_runs(plait_runs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trl_resume")
     task, config, procs, flags = CASES["sft-2proc-zero3"]
     whole = plait_runs["sft-2proc-zero3"]
-    return whole, launch(tmp / "resumed", SCRIPT, task, config, 10, *flags, "--resume",
-                         str(whole[2] / "checkpoint-5"), procs=procs)
+    return whole, launch(
+        tmp / "resumed",
+        SCRIPT,
+        task,
+        config,
+        10,
+        *flags,
+        "--resume",
+        str(whole[2] / "checkpoint-5"),
+        procs=procs,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -101,17 +131,27 @@ def test_the_script_on_plait_gives_plain_trls_losses(case, plait_runs, plain_run
     ours, theirs = plait_runs[case][0], plain_runs[case][0]
     assert sorted(ours) == sorted(theirs) == list(range(1, 11))
     worst = max(abs(ours[s]["loss"] - theirs[s]["loss"]) for s in range(1, 11))
-    assert worst <= LOSS_TOL, ({s: ours[s]["loss"] for s in ours}, {s: theirs[s]["loss"] for s in theirs})
+    assert worst <= LOSS_TOL, (
+        {s: ours[s]["loss"] for s in ours},
+        {s: theirs[s]["loss"] for s in theirs},
+    )
     norms = [(ours[s]["grad_norm"], theirs[s]["grad_norm"]) for s in range(1, 11)]
     assert all(abs(a / b - 1) <= NORM_RTOL for a, b in norms), norms
-    assert plain_runs[case][1][0]["ref_params_bytes"] is None     # plain TRL: a whole reference copy, no engine
+    assert (
+        plain_runs[case][1][0]["ref_params_bytes"] is None
+    )  # plain TRL: a whole reference copy, no engine
 
 
 def test_the_default_clipping_is_on_in_these_runs(plait_runs):
     """The gradient norms the cases log are above max_grad_norm=1.0 at some steps of each task, so the parity
     above covers steps that clip (SFT: ~3 at every step; DPO: just above 1 at some)."""
     for task in ("sft", "dpo"):
-        norms = [r["grad_norm"] for case, (t, *_) in CASES.items() if t == task for r in plait_runs[case][0].values()]
+        norms = [
+            r["grad_norm"]
+            for case, (t, *_) in CASES.items()
+            if t == task
+            for r in plait_runs[case][0].values()
+        ]
         assert sum(n > 1.0 for n in norms) >= 3, norms
 
 
@@ -133,8 +173,10 @@ def test_dpo_reference_model_is_sharded_under_zero3(plait_runs):
 
 def test_a_resumed_sft_run_with_dropout_repeats_the_uninterrupted_steps(resume_runs):
     (full, _, _), (resumed, _, _) = resume_runs
-    assert sorted(resumed) == list(range(6, 11))           # the steps after the checkpoint
-    assert {s: resumed[s]["loss"] for s in range(6, 11)} == {s: full[s]["loss"] for s in range(6, 11)}
+    assert sorted(resumed) == list(range(6, 11))  # the steps after the checkpoint
+    assert {s: resumed[s]["loss"] for s in range(6, 11)} == {
+        s: full[s]["loss"] for s in range(6, 11)
+    }
     assert len({r["loss"] for r in full.values()}) == 10
 
 
@@ -145,27 +187,57 @@ def test_dpo_reference_under_zero2_is_a_forward_only_stage_0_engine(tmp_path):
 
     from plait.engine import Engine
     from plait.trl import DPOConfig, DPOTrainer
+
     model, tokenizer = _tiny()
     ref, _ = _tiny()
-    args = DPOConfig(output_dir=str(tmp_path), deepspeed=str(ZERO2), use_cpu=True, report_to=[], max_steps=1,
-                     per_device_train_batch_size=2, bf16=False, save_strategy="no")
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        deepspeed=str(ZERO2),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        bf16=False,
+        save_strategy="no",
+    )
     data = Dataset.from_dict({"prompt": ["a"] * 4, "chosen": ["a a"] * 4, "rejected": ["a"] * 4})
-    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer
+    )
     trainer.train()
     assert isinstance(trainer.ref_model, Engine) and trainer.ref_model.forward_only
-    assert trainer.ref_model.zero_optimization_stage() == 0 and trainer.engine.zero_optimization_stage() == 2
+    assert (
+        trainer.ref_model.zero_optimization_stage() == 0
+        and trainer.engine.zero_optimization_stage() == 2
+    )
     assert not trainer.ref_model.module.training
 
 
 def _tiny():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    core = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3}, unk_token="<unk>"))
+
+    core = Tokenizer(
+        models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3}, unk_token="<unk>")
+    )
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                        padding_side="left")
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     return model, tokenizer
 
 
@@ -174,12 +246,25 @@ def test_a_feature_plait_does_not_serve_is_refused_by_name(tmp_path):
 
     from plait.config import ConfigError
     from plait.trl import SFTConfig, SFTTrainer
+
     model, tokenizer = _tiny()
-    args = SFTConfig(output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}}, use_cpu=True,
-                     report_to=[], activation_offloading=True)
-    with pytest.raises(ConfigError, match=r"activation_offloading=True: .*set activation_offloading=False in the SFTConfig"):
-        SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": ["a a a"] * 4}),
-                   processing_class=tokenizer)
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        deepspeed={"zero_optimization": {"stage": 2}},
+        use_cpu=True,
+        report_to=[],
+        activation_offloading=True,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"activation_offloading=True: .*set activation_offloading=False in the SFTConfig",
+    ):
+        SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_dict({"text": ["a a a"] * 4}),
+            processing_class=tokenizer,
+        )
 
 
 def test_grpo_is_refused_naming_what_plait_does_not_serve(tmp_path):
@@ -187,12 +272,26 @@ def test_grpo_is_refused_naming_what_plait_does_not_serve(tmp_path):
 
     from plait.config import ConfigError
     from plait.trl import GRPOConfig, GRPOTrainer
+
     model, tokenizer = _tiny()
-    args = GRPOConfig(output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 3}}, use_cpu=True,
-                      report_to=[], per_device_train_batch_size=2, num_generations=2)
-    with pytest.raises(ConfigError, match=r"GRPOTrainer: .*own sampler .*unwrap_model.*trl.GRPOTrainer"):
-        GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                    train_dataset=Dataset.from_dict({"prompt": ["a a"] * 4}), processing_class=tokenizer)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        deepspeed={"zero_optimization": {"stage": 3}},
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=2,
+        num_generations=2,
+    )
+    with pytest.raises(
+        ConfigError, match=r"GRPOTrainer: .*own sampler .*unwrap_model.*trl.GRPOTrainer"
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["a a"] * 4}),
+            processing_class=tokenizer,
+        )
 
 
 def test_reward_trainer_on_plait_gives_plain_trls_losses(tmp_path):
@@ -205,23 +304,49 @@ def test_reward_trainer_on_plait_gives_plain_trls_losses(tmp_path):
     from trl import RewardConfig as PlainConfig, RewardTrainer as PlainTrainer
 
     from plait.trl import RewardConfig, RewardTrainer
+
     _, tokenizer = _tiny()
     data = Dataset.from_dict({"chosen": ["a a a", "a a"] * 4, "rejected": ["a", "<unk> a"] * 4})
 
     def losses(trainer_class, config_class, **ds):
         torch.manual_seed(0)
-        model = LlamaForSequenceClassification(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                                           num_hidden_layers=1, num_attention_heads=2,
-                                                           num_key_value_heads=2, num_labels=1, pad_token_id=0))
-        args = config_class(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=6, seed=3,
-                            per_device_train_batch_size=4, learning_rate=1e-2, bf16=False, logging_steps=1,
-                            save_strategy="no", max_grad_norm=0.0, **ds)
-        trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        model = LlamaForSequenceClassification(
+            LlamaConfig(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_labels=1,
+                pad_token_id=0,
+            )
+        )
+        args = config_class(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            max_steps=6,
+            seed=3,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            bf16=False,
+            logging_steps=1,
+            save_strategy="no",
+            max_grad_norm=0.0,
+            **ds,
+        )
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer
+        )
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     got = losses(RewardTrainer, RewardConfig, deepspeed={"zero_optimization": {"stage": 2}})
     want = losses(PlainTrainer, PlainConfig)
     tol = 1e-6 if Version(transformers.__version__) >= Version("5") else 5e-5 + 1e-6
-    assert len(got) == len(want) == 6 and max(abs(a - b) for a, b in zip(got, want)) <= tol, (got, want)
-    assert got[0] - got[-1] > 0.1                       # the pairs get separated
+    assert len(got) == len(want) == 6 and max(abs(a - b) for a, b in zip(got, want)) <= tol, (
+        got,
+        want,
+    )
+    assert got[0] - got[-1] > 0.1  # the pairs get separated

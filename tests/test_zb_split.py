@@ -1,5 +1,6 @@
 """The zero-bubble backward split (BI + BW) on its own: bitwise the plain backward, without
 per-node engine calls for plait's layers, with AccumulateGrad hooks firing in BW only."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,21 @@ def assert_bitwise(want, got):
         assert torch.equal(a, b), (i, (a - b).abs().max().item())
 
 
-@pytest.mark.parametrize("case", ["linear", "linear_bias", "mat1_side", "row_major_mat2", "addmm_scaled",
-                                  "mul_broadcast", "add_alpha", "layer_norm", "layer_norm_weight_only", "rms_norm"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "linear",
+        "linear_bias",
+        "mat1_side",
+        "row_major_mat2",
+        "addmm_scaled",
+        "mul_broadcast",
+        "add_alpha",
+        "layer_norm",
+        "layer_norm_weight_only",
+        "rms_norm",
+    ],
+)
 def test_weight_grads_bitwise_equal_engine(case):
     """Each covered node type, alone: direct formula == the node run by the engine (BW's old path)."""
     g = torch.Generator().manual_seed(0)
@@ -59,14 +73,20 @@ def test_weight_grads_bitwise_equal_engine(case):
     fns = {
         "linear": (lambda x: torch.tanh(F.linear(x, w)), [w]),
         "linear_bias": (lambda x: torch.tanh(F.linear(x, w, b)), [w, b]),
-        "mat1_side": (lambda x: torch.tanh(w.mm(x[0].t())), [w]),              # weight as mat1
+        "mat1_side": (lambda x: torch.tanh(w.mm(x[0].t())), [w]),  # weight as mat1
         "row_major_mat2": (lambda x: torch.tanh(x[0] @ w.t().contiguous()), [w]),
-        "addmm_scaled": (lambda x: torch.tanh(torch.addmm(b, x[0], w.t(), beta=0.5, alpha=2.0)), [w, b]),
+        "addmm_scaled": (
+            lambda x: torch.tanh(torch.addmm(b, x[0], w.t(), beta=0.5, alpha=2.0)),
+            [w, b],
+        ),
         "mul_broadcast": (lambda x: torch.tanh(x * v), [v]),
         "add_alpha": (lambda x: torch.tanh(torch.add(x, v, alpha=3.0)), [v]),
         "layer_norm": (lambda x: torch.tanh(F.layer_norm(x, (5,), v, b[:5])), [v]),
         "layer_norm_weight_only": (lambda x: torch.tanh(F.layer_norm(x, (5,), v)), [v]),
-        "rms_norm": (lambda x: torch.tanh(_RMSNormWeight.apply(x, v, 1e-6)), [v]),  # a custom Function
+        "rms_norm": (
+            lambda x: torch.tanh(_RMSNormWeight.apply(x, v, 1e-6)),
+            [v],
+        ),  # a custom Function
     }
     fn, params = fns[case]
     out_shape = fn(x0).shape
@@ -121,8 +141,10 @@ def test_post_accumulate_grad_hooks_fire_in_bw_only():
     parameter's exactly once in BW, with ``.grad`` final."""
     model, fn, x0, grad_out = model_case("llama", torch.float32, False)
     fired = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p: fired.append((id(p), p.grad.clone())))
-               for p in model.parameters()]
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda p: fired.append((id(p), p.grad.clone())))
+        for p in model.parameters()
+    ]
     try:
         x = x0.clone().requires_grad_()
         _, pending = backward_input(fn(x), grad_out, x)
@@ -145,8 +167,10 @@ def _sp_body(arch):
     model = TransformerModel(cfg, mesh, sequence_parallel=True, layers=range(1, 4), seed=3)
     g = torch.Generator().manual_seed(7)
     batch = {"labels": torch.randint(0, 8000, (2, 12), generator=g)}
-    x0 = torch.randn(2, 6, cfg.hidden_size, generator=g)   # this rank's sequence shard
-    want, got, calls = split_vs_plain(lambda x: model(hidden=x, **batch), x0, list(model.parameters()))
+    x0 = torch.randn(2, 6, cfg.hidden_size, generator=g)  # this rank's sequence shard
+    want, got, calls = split_vs_plain(
+        lambda x: model(hidden=x, **batch), x0, list(model.parameters())
+    )
     assert calls == 0
     assert_bitwise(want, got)
     return True
@@ -168,8 +192,13 @@ def test_checkpointed_blocks_recompute_once_per_pass():
     for i in (1, 2):
         model.layers[str(i)].mlp.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
     g = torch.Generator().manual_seed(5)
-    x0, grad_out = torch.randn(2, 12, cfg.hidden_size, generator=g), torch.randn(2, 12, cfg.hidden_size, generator=g)
-    want, got, engine_calls = split_vs_plain(lambda x: model(hidden=x), x0, list(model.parameters()), grad_out)
+    x0, grad_out = (
+        torch.randn(2, 12, cfg.hidden_size, generator=g),
+        torch.randn(2, 12, cfg.hidden_size, generator=g),
+    )
+    want, got, engine_calls = split_vs_plain(
+        lambda x: model(hidden=x), x0, list(model.parameters()), grad_out
+    )
     assert engine_calls == 0
     assert_bitwise(want, got)
     # plain: forward + recompute per block; split: forward + recompute in BI + recompute in BW
@@ -219,6 +248,7 @@ def test_saved_tensor_hooks_keep_the_graph_and_stay_exact():
     def hooked(x):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
             return fn(x)
+
     want, got, calls = split_vs_plain(hooked, x0, list(model.parameters()), grad_out)
     assert calls == 0 and unpacked[0] > 0
     assert_bitwise(want, got)

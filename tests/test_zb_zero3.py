@@ -20,6 +20,7 @@ may still hold its parameters (no BW hold left over), and on the second stage zb
 segments than 1f1b (its units stay whole from BI to BW instead of being gathered again per micro-batch: the
 holds were taken).
 """
+
 import pytest
 import torch.distributed as dist
 
@@ -37,17 +38,38 @@ TOL = 1e-6
 
 def arch_config(arch: str):
     """A 4-block tiny GPT-2 (layer norm, biases, tied) or Llama (RMSNorm, GQA, tied here), no dropout."""
-    extra = {"tie_embeddings": True} if arch == "llama" else {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    extra = (
+        {"tie_embeddings": True}
+        if arch == "llama"
+        else {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    )
     return helpers.tiny(arch, num_layers=4, **extra)
 
 
 def ds_config(schedule: str, reshard: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000,
-                                  "stage3_prefetch_bucket_size": 4000, "stage3_param_persistence_threshold": 0,
-                                  "overlap_comm": True, "reshard_after_forward": reshard},
-            "pipeline": {"size": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zb-v" else 1}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 2000,
+            "allgather_bucket_size": 3000,
+            "stage3_prefetch_bucket_size": 4000,
+            "stage3_param_persistence_threshold": 0,
+            "overlap_comm": True,
+            "reshard_after_forward": reshard,
+        },
+        "pipeline": {
+            "size": 2,
+            "schedule": schedule,
+            "virtual_stages": 2 if schedule == "zb-v" else 1,
+        },
+    }
 
 
 def leftover_holds(gatherer) -> list[str]:
@@ -55,7 +77,12 @@ def leftover_holds(gatherer) -> list[str]:
     out = [f"{u.name} gathered" for u in gatherer.units if u.gathered]
     out += [f"{u.name} held for BW" for u in gatherer.units if u.deferred]
     out += [f"{len(gatherer.hold_groups)} open hold groups"] if gatherer.hold_groups else []
-    out += [f"segment of {u.name} whole" for u in gatherer.units for s in u.segments if s.full is not None]
+    out += [
+        f"segment of {u.name} whole"
+        for u in gatherer.units
+        for s in u.segments
+        if s.full is not None
+    ]
     return out
 
 
@@ -66,6 +93,7 @@ def count_reductions(reducer) -> list[int]:
     def counted(seg):
         count[0] += 1
         launch(seg)
+
     reducer._launch = counted
     return count
 
@@ -74,21 +102,36 @@ def train(arch: str, schedule: str, reshard: bool) -> tuple:
     """Losses, whole parameters of this rank's stage, leftover holds, the number of gradient reductions, the
     segments all-gathered (``ParamGatherer.stats``, before the final gather) and the pipeline rank."""
     mesh = ParallelMesh(tp=1, pp=2)
-    chunks = build_stage_modules(arch_config(arch), mesh, v=2 if schedule == "zb-v" else 1, seed=5, schedule=schedule)
+    chunks = build_stage_modules(
+        arch_config(arch), mesh, v=2 if schedule == "zb-v" else 1, seed=5, schedule=schedule
+    )
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=GAS)
     engine = plait.initialize(pipe, ds_config(schedule, reshard), mesh=mesh)
     reductions = count_reductions(engine.optimizer.reducer)
     losses, leftovers = [], []
     for step in range(STEPS):
-        batches = [helpers.micro_batch(step, g, mesh.dp_rank, micro=MICRO, seq=SEQ) for g in range(GAS)]
+        batches = [
+            helpers.micro_batch(step, g, mesh.dp_rank, micro=MICRO, seq=SEQ) for g in range(GAS)
+        ]
         losses.append(engine.train_batch(iter(batches)).item())
         leftovers += [f"step {step}: {what}" for what in leftover_holds(engine.optimizer.gatherer)]
-        order, units = len(engine.optimizer.gatherer.fwd.order), len(engine.optimizer.gatherer.units)
-        leftovers += [f"step {step}: forward order of {order} entries for {units} units"] if order > units else []
+        order, units = (
+            len(engine.optimizer.gatherer.fwd.order),
+            len(engine.optimizer.gatherer.units),
+        )
+        leftovers += (
+            [f"step {step}: forward order of {order} entries for {units} units"]
+            if order > units
+            else []
+        )
     stats = engine.optimizer.gatherer.stats
     gathers = stats["fetched"] + stats["prefetched"]
     with engine.optimizer.gathered_parameters():
-        whole = {n: t.detach().float().clone() for chunk in chunks for n, t in gather_logical_state(chunk).items()}
+        whole = {
+            n: t.detach().float().clone()
+            for chunk in chunks
+            for n, t in gather_logical_state(chunk).items()
+        }
     return losses, whole, leftovers, reductions[0], gathers, mesh.pp_rank
 
 
@@ -107,11 +150,19 @@ def compare(per_rank, arch: str, reshard: bool) -> float:
         losses, whole, left, reductions, gathers, pp_rank = results[(arch, "zb-h1", reshard)]
         assert not ref_left and not left, f"rank {rank} {arch}: {ref_left + left}"
         # one reduce-scatter per segment and micro-batch, after its BW, as after 1f1b's B (none after BI)
-        assert reductions == ref_reductions, f"rank {rank} {arch}: {reductions} reductions, 1f1b {ref_reductions}"
-        if pp_rank == 1:   # BI/BW split there (the first stage has no BI): held from BI to BW, not re-gathered
-            assert gathers < ref_gathers, f"rank {rank} {arch}: {gathers} segment gathers, 1f1b {ref_gathers}"
+        assert reductions == ref_reductions, (
+            f"rank {rank} {arch}: {reductions} reductions, 1f1b {ref_reductions}"
+        )
+        if (
+            pp_rank == 1
+        ):  # BI/BW split there (the first stage has no BI): held from BI to BW, not re-gathered
+            assert gathers < ref_gathers, (
+                f"rank {rank} {arch}: {gathers} segment gathers, 1f1b {ref_gathers}"
+            )
         assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch}: loss curve"
-        worst = max(worst, worst_parameter_error(whole, ref, f"rank {rank} {arch} reshard={reshard}"))
+        worst = max(
+            worst, worst_parameter_error(whole, ref, f"rank {rank} {arch} reshard={reshard}")
+        )
     return worst
 
 
@@ -136,7 +187,9 @@ def compare_whole_model(per_rank, arch: str, schedule: str) -> float:
         ref_losses, ref_whole, ref_left, *_ = results[(arch, "1f1b", True)]
         losses, whole, left, *_ = results[(arch, schedule, True)]
         assert not ref_left and not left, f"rank {rank} {arch} {schedule}: {ref_left + left}"
-        assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {rank} {arch} {schedule}: loss curve"
+        assert losses == pytest.approx(ref_losses, rel=TOL), (
+            f"rank {rank} {arch} {schedule}: loss curve"
+        )
         ref.update(ref_whole)
         got.update(whole)
     return worst_parameter_error(got, ref, f"{arch} {schedule}")
@@ -146,7 +199,9 @@ def test_zb_h1_with_zero3_matches_1f1b():
     """pp=2 x dp=2; GPT-2 and Llama resharded after forward, GPT-2 also kept gathered from forward into
     backward (``reshard_after_forward: false``: BI finds its units gathered)."""
     variants = [("gpt2", True), ("llama", True), ("gpt2", False)]
-    cases = [(arch, schedule, reshard) for arch, reshard in variants for schedule in ("1f1b", "zb-h1")]
+    cases = [
+        (arch, schedule, reshard) for arch, reshard in variants for schedule in ("1f1b", "zb-h1")
+    ]
     cases += [(arch, "zb-v", True) for arch in ("gpt2", "llama")]
     per_rank = run_distributed(body, 4, cases)[0]
     worst = max(compare(per_rank, arch, reshard) for arch, reshard in variants)
@@ -175,8 +230,11 @@ def bf16_losses(schedule: str, stage: int, lr: float = 3e-3) -> tuple:
 
 
 def bf16_body():
-    runs = {(schedule, stage): bf16_losses(schedule, stage) for schedule in ("zb-h1", "interleaved")
-            for stage in (1, 3)}
+    runs = {
+        (schedule, stage): bf16_losses(schedule, stage)
+        for schedule in ("zb-h1", "interleaved")
+        for stage in (1, 3)
+    }
     return runs, bf16_losses("zb-h1", 3, lr=0.0)[0]
 
 

@@ -2,13 +2,24 @@
 memory, tp/pp norm and checkpoint tests over the cached distributed suite of ``tests/zero_cases.py`` (see its
 docstring for the parity contract: 1e-6 relative after 5 AdamW steps).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_cases import (HIDDEN, MICRO_BS, assert_weights, from_slices, make_model, ok, parity_cfgs, reference,
-                        restore, suite)
+from zero_cases import (
+    HIDDEN,
+    MICRO_BS,
+    assert_weights,
+    from_slices,
+    make_model,
+    ok,
+    parity_cfgs,
+    reference,
+    restore,
+    suite,
+)
 
 
 # ---- tests ----------------------------------------------------------------------------------------
@@ -47,11 +58,18 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_follows_hysteresis():
             applied = [a for _, a, _ in r["log"]]
             scales = [s for _, _, s in r["log"]]
             assert applied == [True, False, False, True], (stage, applied)
-            assert scales == [256.0, 256.0, 256.0, 128.0], (stage, scales)  # hysteresis 2: 2nd overflow halves
+            assert scales == [256.0, 256.0, 256.0, 128.0], (
+                stage,
+                scales,
+            )  # hysteresis 2: 2nd overflow halves
             assert r["scale"] == 128.0 and r["skipped"] == 2
         # the skipped steps changed nothing, on any rank
-        assert_weights(from_slices([r["after"] for r in per_rank]), from_slices([r["before"] for r in per_rank]),
-                       f"stage {stage} skipped steps", 0.0)
+        assert_weights(
+            from_slices([r["after"] for r in per_rank]),
+            from_slices([r["before"] for r in per_rank]),
+            f"stage {stage} skipped steps",
+            0.0,
+        )
 
 
 def test_bf16_reduction_accumulates_in_fp32():
@@ -65,7 +83,9 @@ def test_bf16_reduction_accumulates_in_fp32():
             for name, pieces in per_param.items():
                 got, want, bf16_sum = (torch.cat([p[k] for p in pieces]) for k in (1, 2, 3))
                 tol = dict(rtol=1e-6, atol=1e-6 * float(want.abs().max()))
-                torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+                torch.testing.assert_close(
+                    got, want, **tol, msg=lambda m, n=name: f"stage {stage} {n}: {m}"
+                )
                 if name == "blocks.0.fc1.weight":
                     with pytest.raises(AssertionError):
                         torch.testing.assert_close(bf16_sum, want, **tol)
@@ -76,7 +96,9 @@ def test_bf16_tracks_fp32_loss():
     for stage in (2, 3):
         for logs in ok([r["bf16"][stage] for r in suite(2)]):
             assert logs["bf16"] == pytest.approx(logs["fp32"], rel=1e-2), stage
-            assert logs["bf16/bf16"] == pytest.approx(logs["fp32"], rel=1e-2), stage  # bf16 reduction too
+            assert logs["bf16/bf16"] == pytest.approx(logs["fp32"], rel=1e-2), (
+                stage
+            )  # bf16 reduction too
             assert logs["bf16"] != logs["fp32"]  # it really ran in bf16
 
 
@@ -93,7 +115,12 @@ def test_memory_follows_zero_accounting():
     }
     for stage, want in expect.items():
         for mem in ok([r["memory"][stage] for r in suite(dp)]):
-            got = (mem["params"], mem["grads"], mem["grad_shards"], mem["master"] + mem["optimizer_state"])
+            got = (
+                mem["params"],
+                mem["grads"],
+                mem["grad_shards"],
+                mem["master"] + mem["optimizer_state"],
+            )
             for g, w, kind in zip(got, want, ("params", "grads", "grad_shards", "master+state")):
                 # padding (< dp elements per segment) and Adam's scalar 'step' tensors: under 2%
                 assert abs(g - w) <= 0.02 * max(w, 1) + 64, (stage, kind, g, w, mem)
@@ -123,7 +150,9 @@ def test_global_norm_sums_over_pipeline_stages():
 def test_checkpoint_saved_at_dp2_stage1_restores_at_dp4(stage):
     want, _, _ = reference(8)  # dp=2 x GAS 2 x 2 rows = dp=4 x GAS 1 x 2 rows per step
     per_rank = ok([r["restore"][stage] for r in suite(4)])
-    assert_weights(from_slices([r["slices"] for r in per_rank]), want, f"restore stage {stage} master")
+    assert_weights(
+        from_slices([r["slices"] for r in per_rank]), want, f"restore stage {stage} master"
+    )
     for r in per_rank:
         assert_weights(r["module"], want, f"restore stage {stage} module")
 

@@ -4,6 +4,7 @@ single-process unit tests of the loss scaler, the norm helpers and construction 
 Shares the model, reference and cached distributed suite of ``tests/zero_cases.py`` (see its docstring
 for the parity contract: 1e-6 relative after 5 AdamW steps).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.zero import LossScaleError, LossScaler, ZeroOptimizer, clip_coefficient, global_grad_norm
-from zero_cases import (MICRO_BS, STEPS, TinyLM, assert_weights, build, full_weights, make_model, ok, parity_cfgs,
-                        reference, suite, train)
+from zero_cases import (
+    MICRO_BS,
+    STEPS,
+    TinyLM,
+    assert_weights,
+    build,
+    full_weights,
+    make_model,
+    ok,
+    parity_cfgs,
+    reference,
+    suite,
+    train,
+)
 
 
 def test_stage3_prefetches_after_recording_the_order():
@@ -73,8 +86,11 @@ class BoxBlock(DictBlock):
         return Boxed(self.block(x))
 
 
-@pytest.mark.parametrize("wrapper,unwrap", [(DictBlock, lambda out: out["hidden"]), (BoxBlock, lambda out: out.hidden)],
-                         ids=["dict", "object"])
+@pytest.mark.parametrize(
+    "wrapper,unwrap",
+    [(DictBlock, lambda out: out["hidden"]), (BoxBlock, lambda out: out.hidden)],
+    ids=["dict", "object"],
+)
 def test_units_with_container_outputs_train_as_the_reference(wrapper, unwrap):
     """Units returning dicts: the backward re-gather hooks sit on the tensors inside. Units returning an object
     pytree cannot flatten: releasing them after forward would free what autograd saved for their backward with

@@ -3,6 +3,7 @@
 ranks reads only its shard of the sharded parameters from the safetensors files (plus the small persistent
 ones whole), and the run equals the one that loaded the whole model with ``from_pretrained`` first, bit for
 bit (the same float32 values land in the same flat layout; nothing is rounded differently)."""
+
 import pytest
 import torch
 import transformers
@@ -12,23 +13,37 @@ from plait.testing import run_distributed
 from plait.zero import meta_parameters
 from plait.zero.weights import SafetensorsWeights
 
-CONFIG = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CONFIG = transformers.LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def ds_config(stage):
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+    }
 
 
 def save_checkpoint(path):
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(CONFIG).save_pretrained(path, max_shard_size="40KB")   # several files + index
+    transformers.LlamaForCausalLM(CONFIG).save_pretrained(
+        path, max_shard_size="40KB"
+    )  # several files + index
 
 
 def train(engine, rank):
     for step in range(3):
-        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+        ids = torch.randint(
+            0, 128, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank)
+        )
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     with engine.gathered_parameters():
@@ -37,6 +52,7 @@ def train(engine, rank):
 
 def _body(path, stage):
     import torch.distributed as dist
+
     rank = dist.get_rank()
     whole = plait.initialize(transformers.LlamaForCausalLM.from_pretrained(path), ds_config(stage))
     with meta_parameters():
@@ -56,11 +72,13 @@ def test_a_model_built_without_weights_trains_as_the_loaded_one(stage, tmp_path)
     for on_meta, buffers_real, read, whole, lazy in results:
         assert on_meta and buffers_real
         assert all(torch.equal(whole[n], lazy[n]) for n in whole)
-        if stage == 3:   # its own half of the sharded parameters, and the persistent (< 100 elements) whole
+        if (
+            stage == 3
+        ):  # its own half of the sharded parameters, and the persistent (< 100 elements) whole
             assert read < 0.55 * total
         else:
             assert read == total
-    if stage == 3:       # together the two ranks read each sharded element once
+    if stage == 3:  # together the two ranks read each sharded element once
         assert sum(r[2] for r in results) < 1.1 * total
 
 
@@ -88,13 +106,16 @@ def test_a_frozen_parameter_is_read_and_a_shape_mismatch_named(tmp_path):
     save_checkpoint(tmp_path)
     with meta_parameters():
         model = transformers.LlamaForCausalLM(CONFIG)
-    model.model.embed_tokens.weight.requires_grad_(False)   # frozen: no optimizer lays it out
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: no optimizer lays it out
     engine = plait.initialize(model, ds_config(3), weights=str(tmp_path))
     want = transformers.LlamaForCausalLM.from_pretrained(tmp_path).model.embed_tokens.weight
     assert torch.equal(engine.module.model.embed_tokens.weight, want)
     wider = transformers.LlamaConfig(**{**CONFIG.to_dict(), "intermediate_size": 96})
     with meta_parameters():
         other = transformers.LlamaForCausalLM(wider)
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' is \(96, 32\) in the model but "
-                                         r"\(64, 32\) in the checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.mlp.gate_proj.weight' is \(96, 32\) in the model but "
+        r"\(64, 32\) in the checkpoint",
+    ):
         plait.initialize(other, ds_config(3), weights=str(tmp_path))

@@ -14,6 +14,7 @@ One distributed run per dp size executes every scenario (``_suite``), caching th
 results; the tests only assert on them. A scenario that raises is reported by its test. Imported as
 ``from zero_cases import ...`` (pytest puts ``tests/`` on ``sys.path``, as for ``helpers``); no test here.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plait.testing import run_distributed
-from plait.zero import ClipOptions, CommOptions, PrecisionOptions, ZeroOptimizer, slices_reader, weight_decay_groups
+from plait.zero import (
+    ClipOptions,
+    CommOptions,
+    PrecisionOptions,
+    ZeroOptimizer,
+    slices_reader,
+    weight_decay_groups,
+)
 from plait.zero.slices import ParamSlice, ShardState
 
 VOCAB, HIDDEN, SEQ, MICRO_BS, STEPS, LR, MAX_NORM = 32, 16, 8, 2, 5, 1e-3, 0.05
@@ -65,8 +73,11 @@ class TinyLM(nn.Module):
     def forward(self, ids, targets):
         x = self.embed(ids) + self.pos[: ids.shape[1]]
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant") if self.checkpoint_blocks \
+            x = (
+                checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant")
+                if self.checkpoint_blocks
                 else block(x)
+            )
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -78,7 +89,9 @@ def make_model(seed: int = 0) -> TinyLM:
 
 def global_batch(step: int, n: int):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(
+        0, VOCAB, (n, SEQ), generator=g
+    )
 
 
 def micro_batch(step: int, dp: int, gas: int, rank: int, j: int):
@@ -89,7 +102,10 @@ def micro_batch(step: int, dp: int, gas: int, rank: int, j: int):
     return ids[rows], tgt[rows]
 
 
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=LR)), "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=LR)),
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+}
 
 
 def reference(global_bs: int, steps: int = STEPS, max_norm: float = 0.0, opt: str = "adamw"):
@@ -101,7 +117,9 @@ def reference(global_bs: int, steps: int = STEPS, max_norm: float = 0.0, opt: st
     for step in range(steps):
         loss = model(*global_batch(step, global_bs))
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)))
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf))
+        )
         losses.append(float(loss.detach()))
         optimizer.step()
         optimizer.zero_grad()
@@ -119,14 +137,26 @@ def build(model, cfg: dict, group) -> ZeroOptimizer:
     cls, kwargs = OPTIMIZERS[cfg.get("opt", "adamw")]
     units = list(model.blocks) if cfg.get("units") == "blocks" else None
     return ZeroOptimizer(
-        model, group, stage=cfg["stage"], optimizer=cls, optimizer_kwargs=kwargs,
-        param_groups=weight_decay_groups(model, 0.1), gradient_accumulation_steps=cfg.get("gas", 1),
-        comm=CommOptions(overlap_comm=cfg.get("overlap", False), reduce_bucket_size=cfg.get("bucket", 10_000_000),
-                         allgather_bucket_size=cfg.get("gather_bucket", 10_000_000),
-                         prefetch_bucket_size=cfg.get("prefetch", 0), param_persistence_threshold=cfg.get("persist", 0),
-                         reduce_dtype=cfg.get("reduce", "fp32"), reshard_after_forward=cfg.get("reshard", True)),
-        units=units, clip=ClipOptions(max_grad_norm=cfg.get("max_norm", 0.0)),
-        precision=PrecisionOptions(param_dtype=cfg.get("dtype"), loss_scaler=cfg.get("scaler")))
+        model,
+        group,
+        stage=cfg["stage"],
+        optimizer=cls,
+        optimizer_kwargs=kwargs,
+        param_groups=weight_decay_groups(model, 0.1),
+        gradient_accumulation_steps=cfg.get("gas", 1),
+        comm=CommOptions(
+            overlap_comm=cfg.get("overlap", False),
+            reduce_bucket_size=cfg.get("bucket", 10_000_000),
+            allgather_bucket_size=cfg.get("gather_bucket", 10_000_000),
+            prefetch_bucket_size=cfg.get("prefetch", 0),
+            param_persistence_threshold=cfg.get("persist", 0),
+            reduce_dtype=cfg.get("reduce", "fp32"),
+            reshard_after_forward=cfg.get("reshard", True),
+        ),
+        units=units,
+        clip=ClipOptions(max_grad_norm=cfg.get("max_norm", 0.0)),
+        precision=PrecisionOptions(param_dtype=cfg.get("dtype"), loss_scaler=cfg.get("scaler")),
+    )
 
 
 def train(model, opt, cfg: dict, steps: int, poison=None):
@@ -149,8 +179,17 @@ def train(model, opt, cfg: dict, steps: int, poison=None):
 
 
 def _slices(opt):
-    return [(s.name, s.shape, s.start, s.length, s.master.clone(), {k: v.clone() for k, v in s.state.items()})
-            for s in opt.shard_state().slices]
+    return [
+        (
+            s.name,
+            s.shape,
+            s.start,
+            s.length,
+            s.master.clone(),
+            {k: v.clone() for k, v in s.state.items()},
+        )
+        for s in opt.shard_state().slices
+    ]
 
 
 def full_weights(model, opt):
@@ -164,9 +203,16 @@ def _parity(cfg):
     opt = build(model, cfg, _dp()[0])
     seen = {}
     if cfg["stage"] == 3:  # parameters are whole inside forward
-        model.blocks[0].fc1.register_forward_pre_hook(lambda m, a: seen.update(fc1=tuple(m.weight.shape)) or None)
+        model.blocks[0].fc1.register_forward_pre_hook(
+            lambda m, a: seen.update(fc1=tuple(m.weight.shape)) or None
+        )
     log = train(model, opt, cfg, STEPS)
-    info = {"slices": _slices(opt), "norm": opt.grad_norm, "module": full_weights(model, opt), "log": log}
+    info = {
+        "slices": _slices(opt),
+        "norm": opt.grad_norm,
+        "module": full_weights(model, opt),
+        "log": log,
+    }
     if cfg["stage"] == 3:  # outside forward/backward only persistent parameters are whole
         info["param_numel"] = {n: p.numel() for n, p in model.named_parameters()}
         info["storage"] = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
@@ -183,16 +229,24 @@ def _save(cfg, steps):
     opt = build(model, cfg, _dp()[0])
     train(model, opt, cfg, steps)
     state = opt.shard_state()
-    return {"slices": _slices(opt), "groups": state.groups, "scaler": state.loss_scaler,
-            "steps": (state.global_steps, state.skipped_steps)}
+    return {
+        "slices": _slices(opt),
+        "groups": state.groups,
+        "scaler": state.loss_scaler,
+        "steps": (state.global_steps, state.skipped_steps),
+    }
 
 
 def restore(saved_ranks, cfg, steps):
     """Load a checkpoint saved by every rank of another dp size, train on, return the weights."""
     slices = [ParamSlice(*s) for r in saved_ranks for s in r["slices"]]
     first = saved_ranks[0]
-    state = ShardState(slices, first["groups"], first["scaler"], *first["steps"], stage=1, dp_size=0, dp_rank=0)
-    model = make_model(seed=123)  # different initial weights: everything must come from the checkpoint
+    state = ShardState(
+        slices, first["groups"], first["scaler"], *first["steps"], stage=1, dp_size=0, dp_rank=0
+    )
+    model = make_model(
+        seed=123
+    )  # different initial weights: everything must come from the checkpoint
     opt = build(model, cfg, _dp()[0])
     opt.load_shard_state(slices_reader(slices), state)
     train(model, opt, cfg, steps)
@@ -207,7 +261,16 @@ def _guard(fn, *args):
 
 
 def _suite(dp: int, saved_dp2=None):
-    from zero_scenarios import _bf16, _bf16_reduce, _fp16_overflow, _memory, _pp_norm, _saved_bytes, _tp_norm
+    from zero_scenarios import (
+        _bf16,
+        _bf16_reduce,
+        _fp16_overflow,
+        _memory,
+        _pp_norm,
+        _saved_bytes,
+        _tp_norm,
+    )
+
     out = {"parity": [_guard(_parity, cfg) for cfg in parity_cfgs(dp)]}
     if dp == 2:
         out["fp16"] = {s: _guard(_fp16_overflow, s) for s in (1, 2, 3)}
@@ -219,7 +282,10 @@ def _suite(dp: int, saved_dp2=None):
         out["memory"] = {s: _guard(_memory, s, dp) for s in (1, 2, 3)}
         out["tp_norm"] = _guard(_tp_norm)
         out["pp_norm"] = _guard(_pp_norm)
-        out["restore"] = {s: _guard(restore, saved_dp2, dict(stage=s, bucket=500, overlap=True), 2) for s in (2, 3)}
+        out["restore"] = {
+            s: _guard(restore, saved_dp2, dict(stage=s, bucket=500, overlap=True), 2)
+            for s in (2, 3)
+        }
     return out
 
 
@@ -276,18 +342,36 @@ def ok(per_rank: list):
 
 def parity_cfgs(dp: int) -> list[dict]:
     small = dict(bucket=300, gather_bucket=700, prefetch=600, persist=40)
-    cfgs = [dict(stage=s, gas=g, overlap=o, **(small if o else {}))
-            for s in (0, 1, 2, 3) for g in (1, 3) for o in (False, True)]
+    cfgs = [
+        dict(stage=s, gas=g, overlap=o, **(small if o else {}))
+        for s in (0, 1, 2, 3)
+        for g in (1, 3)
+        for o in (False, True)
+    ]
     if dp < 4:  # clipping at dp 1 and 2 (dp=4 adds nothing new to the norm and costs test time)
-        cfgs += [dict(stage=s, gas=1 + 2 * (s % 2), max_norm=MAX_NORM, overlap=s > 1) for s in (0, 1, 2, 3)]
+        cfgs += [
+            dict(stage=s, gas=1 + 2 * (s % 2), max_norm=MAX_NORM, overlap=s > 1)
+            for s in (0, 1, 2, 3)
+        ]
     if dp == 2:
         # prefetch 2000: below one block (2160 elements), so each prefetch takes exactly the next block
-        cfgs += [dict(stage=3, gas=3, units="blocks", prefetch=2000, overlap=True, max_norm=MAX_NORM),
-                 dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, reshard=False),
-                 dict(stage=3, gas=1, units="blocks", prefetch=2000, overlap=True, ckpt=True, max_norm=MAX_NORM),
-                 dict(stage=3, gas=1, ckpt=True, reshard=False),
-                 dict(stage=3, gas=2, units="blocks", prefetch=2000, overlap=True, ckpt="reentrant"),
-                 dict(stage=2, gas=1, opt="sgd", bucket=500), dict(stage=3, gas=1, opt="sgd", persist=20)]
+        cfgs += [
+            dict(stage=3, gas=3, units="blocks", prefetch=2000, overlap=True, max_norm=MAX_NORM),
+            dict(stage=3, gas=3, units="blocks", prefetch=5000, overlap=True, reshard=False),
+            dict(
+                stage=3,
+                gas=1,
+                units="blocks",
+                prefetch=2000,
+                overlap=True,
+                ckpt=True,
+                max_norm=MAX_NORM,
+            ),
+            dict(stage=3, gas=1, ckpt=True, reshard=False),
+            dict(stage=3, gas=2, units="blocks", prefetch=2000, overlap=True, ckpt="reentrant"),
+            dict(stage=2, gas=1, opt="sgd", bucket=500),
+            dict(stage=3, gas=1, opt="sgd", persist=20),
+        ]
     return cfgs
 
 
@@ -301,5 +385,10 @@ def from_slices(per_rank_slices, kind="master"):
 def assert_weights(got: dict, want: dict, what: str, rtol: float = 1e-6):
     assert set(got) == set(want), what
     for name, w in want.items():
-        torch.testing.assert_close(got[name].float(), w, rtol=rtol, atol=rtol * float(w.abs().max()),
-                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
+        torch.testing.assert_close(
+            got[name].float(),
+            w,
+            rtol=rtol,
+            atol=rtol * float(w.abs().max()),
+            msg=lambda m, name=name: f"{what}: {name}: {m}",
+        )

@@ -53,7 +53,9 @@ def read_blocks(module_dir: Path, testament: str) -> list[str]:
     index = (module_dir / f"{testament}.bzs").read_bytes()
     data = (module_dir / f"{testament}.bzz").read_bytes()
     if len(index) % BLOCK_ENTRY.size:
-        raise ValueError(f"{testament}.bzs is {len(index)} bytes, not a multiple of {BLOCK_ENTRY.size}")
+        raise ValueError(
+            f"{testament}.bzs is {len(index)} bytes, not a multiple of {BLOCK_ENTRY.size}"
+        )
     blocks = []
     for offset, size, usize in BLOCK_ENTRY.iter_unpack(index):
         raw = zlib.decompress(data[offset : offset + size])
@@ -96,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     text = extract(args.module_dir)
     data = text.encode("utf-8")
     # Fixed preset and check so the .xz is reproducible byte for byte.
-    packed = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=9 | lzma.PRESET_EXTREME)
+    packed = lzma.compress(
+        data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=9 | lzma.PRESET_EXTREME
+    )
     args.out.write_bytes(packed)
-    print(f"{len(text.splitlines())} lines, {len(data)} bytes of UTF-8 -> {args.out} ({len(packed)} bytes)")
+    print(
+        f"{len(text.splitlines())} lines, {len(data)} bytes of UTF-8 -> {args.out} ({len(packed)} bytes)"
+    )
     return 0
 
 

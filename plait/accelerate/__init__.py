@@ -10,6 +10,7 @@ Launch with ``torchrun`` or ``python -m plait.accelerate.launch``. ``DeepSpeedPl
 ``DummyScheduler`` are accelerate's own classes (from ``accelerate.utils.deepspeed``). Needs accelerate (the
 ``hf`` extra). The methods and the training loop: ``docs/accelerate.md``.
 """
+
 from accelerate.utils import DeepSpeedPlugin
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 

@@ -11,6 +11,7 @@ Refused, naming the feature: several plugins, fp8 / MS-AMP, ``transformer_moe_cl
 ``device_placement`` lists, two models, ``backward`` keyword arguments, ``clip_grad_value_``. Each
 method's behaviour: ``docs/accelerate.md``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +66,9 @@ class Accelerator(accelerate.Accelerator):
         ConfigError: a feature plait does not serve (named).
     """
 
-    def __init__(self, *, deepspeed_plugin=None, deepspeed_plugins=None, mixed_precision=None, **kwargs):
+    def __init__(
+        self, *, deepspeed_plugin=None, deepspeed_plugins=None, mixed_precision=None, **kwargs
+    ):
         if deepspeed_plugin is not None and deepspeed_plugins is not None:
             raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
         plugin = _plugin(deepspeed_plugin if deepspeed_plugin is not None else deepspeed_plugins)
@@ -73,19 +76,29 @@ class Accelerator(accelerate.Accelerator):
         if plugin is None:
             super().__init__(mixed_precision=mixed_precision, **kwargs)
             return
-        precision = (mixed_precision or parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no")).lower()
+        precision = (
+            mixed_precision or parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no")
+        ).lower()
         if precision == "fp8" or plugin.enable_msamp:
-            raise ConfigError("plait.accelerate: fp8 mixed precision / MS-AMP is not served; use bf16 or fp16 "
-                              "(mixed_precision= or the ds_config's bf16/fp16 section)")
-        if plugin.transformer_moe_cls_names or os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"):
-            raise ConfigError("plait.accelerate: transformer_moe_cls_names (ZeRO-3 leaf modules) is not served; plait "
-                              "gathers a ZeRO-3 model by its transformer blocks: drop it")
+            raise ConfigError(
+                "plait.accelerate: fp8 mixed precision / MS-AMP is not served; use bf16 or fp16 "
+                "(mixed_precision= or the ds_config's bf16/fp16 section)"
+            )
+        if plugin.transformer_moe_cls_names or os.environ.get(
+            "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"
+        ):
+            raise ConfigError(
+                "plait.accelerate: transformer_moe_cls_names (ZeRO-3 leaf modules) is not served; plait "
+                "gathers a ZeRO-3 model by its transformer blocks: drop it"
+            )
         if plugin.zero3_init_flag:
-            log.info("zero3_init_flag: the model is built whole and partitioned in prepare() (to build it without "
-                     "weights, use plait.hf.from_pretrained)")
+            log.info(
+                "zero3_init_flag: the model is built whole and partitioned in prepare() (to build it without "
+                "weights, use plait.hf.from_pretrained)"
+            )
         plugin.set_mixed_precision(precision)
-        with _without_env("ACCELERATE_USE_DEEPSPEED"):   # accelerate would import deepspeed for it
-            super().__init__(mixed_precision="no", **kwargs)   # the ds_config carries the precision
+        with _without_env("ACCELERATE_USE_DEEPSPEED"):  # accelerate would import deepspeed for it
+            super().__init__(mixed_precision="no", **kwargs)  # the ds_config carries the precision
         self.state = DeepSpeedState(plugin)
 
     @property
@@ -101,31 +114,54 @@ class Accelerator(accelerate.Accelerator):
         if plugin is None:
             return super().prepare(*args, device_placement=device_placement)
         if device_placement is not None:
-            raise ValueError("You can't customize device placements with DeepSpeed (plait.accelerate): drop "
-                             "device_placement")
+            raise ValueError(
+                "You can't customize device placements with DeepSpeed (plait.accelerate): drop "
+                "device_placement"
+            )
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         if len(models) > 1 or (models and self.engine is not None):
-            raise ConfigError("plait.accelerate: one model per Accelerator under DeepSpeed (as accelerate); create "
-                              "another Accelerator for another model")
+            raise ConfigError(
+                "plait.accelerate: one model per Accelerator under DeepSpeed (as accelerate); create "
+                "another Accelerator for another model"
+            )
         loaders = [a for a in args if isinstance(a, DataLoader)]
-        result = [super(Accelerator, self).prepare(a) if isinstance(a, DataLoader) else a for a in args]
+        result = [
+            super(Accelerator, self).prepare(a) if isinstance(a, DataLoader) else a for a in args
+        ]
         micro = ds_prepare.micro_batch_size(plugin, loaders, self.split_batches, self.num_processes)
         self._set_accumulation(plugin)
-        optimizer = next((a for a in args if isinstance(a, (torch.optim.Optimizer, ds_prepare.DummyOptim))), None)
+        optimizer = next(
+            (a for a in args if isinstance(a, (torch.optim.Optimizer, ds_prepare.DummyOptim))), None
+        )
         scheduler = next((a for a in args if _is_schedule(a)), None)
         ds_prepare.check_objects(plugin.deepspeed_config, optimizer, scheduler)
         if not models:
             return _one_or_tuple(result)
-        ds_prepare.fill_auto(plugin, models[0], optimizer, scheduler, micro, self.num_processes, self.split_batches)
+        ds_prepare.fill_auto(
+            plugin, models[0], optimizer, scheduler, micro, self.num_processes, self.split_batches
+        )
         if torch.distributed.is_initialized():
-            launch.leave_at_exit()   # accelerate started the group; it stays up until the process ends
-        self.engine, opt, sched = ds_prepare.build(models[0], plugin.deepspeed_config, optimizer, scheduler,
-                                                   self.step_scheduler_with_optimizer, self.split_batches)
+            launch.leave_at_exit()  # accelerate started the group; it stays up until the process ends
+        self.engine, opt, sched = ds_prepare.build(
+            models[0],
+            plugin.deepspeed_config,
+            optimizer,
+            scheduler,
+            self.step_scheduler_with_optimizer,
+            self.split_batches,
+        )
         self._compile(self.engine)
         if isinstance(sched, accelerate.scheduler.AcceleratedScheduler) and not isinstance(
-                sched, ds_prepare.DeepSpeedSchedulerWrapper):
-            self._schedulers.append(sched)   # saved by save_state (the engine saves its own schedule)
-        swap = {id(a): b for a, b in ((models[0], self.engine), (optimizer, opt), (scheduler, sched)) if a is not None}
+            sched, ds_prepare.DeepSpeedSchedulerWrapper
+        ):
+            self._schedulers.append(
+                sched
+            )  # saved by save_state (the engine saves its own schedule)
+        swap = {
+            id(a): b
+            for a, b in ((models[0], self.engine), (optimizer, opt), (scheduler, sched))
+            if a is not None
+        }
         return _one_or_tuple([swap.get(id(a), r) for a, r in zip(args, result)])
 
     def _compile(self, engine) -> None:
@@ -140,12 +176,18 @@ class Accelerator(accelerate.Accelerator):
 
     def _set_accumulation(self, plugin) -> None:
         """accelerate's rule: "auto" takes the Accelerator's steps; a number in the ds_config wins (warned)."""
-        plugin.fill_match("gradient_accumulation_steps", must_match=False,
-                          gradient_accumulation_steps=self.gradient_accumulation_steps)
+        plugin.fill_match(
+            "gradient_accumulation_steps",
+            must_match=False,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
         steps = plugin.get_value("gradient_accumulation_steps")
         if steps != self.gradient_accumulation_steps and self.is_main_process:
-            log.warning("gradient accumulation steps: the Accelerator has %s, the ds_config %s; using the ds_config's",
-                        self.gradient_accumulation_steps, steps)
+            log.warning(
+                "gradient accumulation steps: the Accelerator has %s, the ds_config %s; using the ds_config's",
+                self.gradient_accumulation_steps,
+                steps,
+            )
         self.gradient_accumulation_steps = steps
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -159,8 +201,10 @@ class Accelerator(accelerate.Accelerator):
         if self.engine is None:
             return super().backward(loss, **kwargs)
         if kwargs:
-            raise ConfigError(f"plait.accelerate: backward({', '.join(kwargs)}=...) is not served by plait's engine; "
-                              "call accelerator.backward(loss)")
+            raise ConfigError(
+                f"plait.accelerate: backward({', '.join(kwargs)}=...) is not served by plait's engine; "
+                "call accelerator.backward(loss)"
+            )
         self.engine.set_gradient_accumulation_boundary(self.sync_gradients)
         self.engine.backward(loss)
         self.engine.step()
@@ -176,17 +220,21 @@ class Accelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         clip = self.engine.gradient_clipping()
         if float(max_norm) != float(clip) or float(norm_type) != 2.0:
-            raise ConfigError(f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): plait's engine clips the "
-                              f"L2 norm at the ds_config's gradient_clipping = {clip}; set \"gradient_clipping\": "
-                              f"{max_norm} in the ds_config (or pass max_norm={clip})")
+            raise ConfigError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): plait's engine clips the "
+                f'L2 norm at the ds_config\'s gradient_clipping = {clip}; set "gradient_clipping": '
+                f"{max_norm} in the ds_config (or pass max_norm={clip})"
+            )
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else None
 
     def clip_grad_value_(self, parameters, clip_value):
         if self.engine is None:
             return super().clip_grad_value_(parameters, clip_value)
-        raise ConfigError("clip_grad_value_ is not served under DeepSpeed (accelerate refuses it too); use "
-                          "clip_grad_norm_ with the ds_config's gradient_clipping")
+        raise ConfigError(
+            "clip_grad_value_ is not served under DeepSpeed (accelerate refuses it too); use "
+            "clip_grad_norm_ with the ds_config's gradient_clipping"
+        )
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -196,7 +244,9 @@ class Accelerator(accelerate.Accelerator):
         return not self.engine.was_step_applied()
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+    def save_state(
+        self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs
+    ):
         """accelerate's ``save_state``; the engine's checkpoint (weights, optimizer, its schedule) goes to
         ``<dir>/pytorch_model`` before accelerate writes the RNG states, as DeepSpeed's does.
         ``save_model_func_kwargs`` go to ``engine.save_checkpoint``."""
@@ -204,7 +254,10 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         engine = self.engine
         handle = self.register_save_state_pre_hook(
-            lambda models, weights, folder: engine.save_checkpoint(folder, MODEL_NAME, **save_model_func_kwargs))
+            lambda models, weights, folder: engine.save_checkpoint(
+                folder, MODEL_NAME, **save_model_func_kwargs
+            )
+        )
         try:
             return super().save_state(output_dir, safe_serialization)
         finally:
@@ -216,12 +269,13 @@ class Accelerator(accelerate.Accelerator):
         ``engine.load_checkpoint`` (``map_location`` and ``load_kwargs`` to accelerate)."""
         if self.engine is None:
             return super().load_state(input_dir, **load_model_func_kwargs)
-        own = ("map_location", "load_kwargs")   # accelerate's own arguments
+        own = ("map_location", "load_kwargs")  # accelerate's own arguments
         ours = {k: v for k, v in load_model_func_kwargs.items() if k not in own}
         theirs = {k: v for k, v in load_model_func_kwargs.items() if k in own}
         engine = self.engine
         handle = self.register_load_state_pre_hook(
-            lambda models, folder: engine.load_checkpoint(folder, MODEL_NAME, **ours))
+            lambda models, folder: engine.load_checkpoint(folder, MODEL_NAME, **ours)
+        )
         try:
             return super().load_state(input_dir, **theirs)
         finally:
@@ -247,9 +301,11 @@ class Accelerator(accelerate.Accelerator):
             return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
         state = gathered_state_dict(self.engine, "get_state_dict")
         if state is False:
-            raise ValueError("get_state_dict under ZeRO-3 gathers the weights only with "
-                             "\"stage3_gather_16bit_weights_on_model_save\": true in the ds_config "
-                             "(zero3_save_16bit_model=True in the DeepSpeedPlugin); or save with save_state")
+            raise ValueError(
+                "get_state_dict under ZeRO-3 gathers the weights only with "
+                '"stage3_gather_16bit_weights_on_model_save": true in the ds_config '
+                "(zero3_save_16bit_model=True in the DeepSpeedPlugin); or save with save_state"
+            )
         return state
 
     def save_model(self, model, save_directory, *args, **kwargs):
@@ -262,8 +318,10 @@ class Accelerator(accelerate.Accelerator):
 def _plugin(given) -> DeepSpeedPlugin | None:
     """The plugin: the one given, else one from ``accelerate launch``'s environment (as accelerate reads it)."""
     if isinstance(given, dict):
-        raise ConfigError(f"plait.accelerate serves one DeepSpeedPlugin; got {len(given)} (deepspeed_plugins="
-                          f"{sorted(given)}): pass deepspeed_plugin=DeepSpeedPlugin(...)")
+        raise ConfigError(
+            f"plait.accelerate serves one DeepSpeedPlugin; got {len(given)} (deepspeed_plugins="
+            f"{sorted(given)}): pass deepspeed_plugin=DeepSpeedPlugin(...)"
+        )
     if given is not None:
         if not isinstance(given, DeepSpeedPlugin):
             raise TypeError("`deepspeed_plugin` must be a DeepSpeedPlugin object.")

@@ -7,8 +7,15 @@ model's weights in any tp/pp/dp layout; ``convert`` goes to and from Hugging Fac
 ``engine_io`` is what ``Engine.save_checkpoint`` / ``load_checkpoint`` run, over the ``Checkpointable``
 Protocol (``contract``) that the engine implements; ``optimizer_io`` stores ZeRO's flat pieces as boxes.
 """
+
 from plait.checkpoint.boxes import flat_range_boxes
-from plait.checkpoint.contract import Checkpointable, RngState, ShardedOptimizer, TrainerState, WriterSlot
+from plait.checkpoint.contract import (
+    Checkpointable,
+    RngState,
+    ShardedOptimizer,
+    TrainerState,
+    WriterSlot,
+)
 from plait.checkpoint.dirs import list_tags, prune, read_latest
 from plait.checkpoint.errors import CheckpointError
 from plait.checkpoint.index import model_fingerprint, optimizer_key, split_optimizer_key
@@ -21,10 +28,35 @@ from plait.checkpoint.model_load import LoadReport, load_model_weights
 from plait.checkpoint.convert import consolidate, from_hf, inspect, to_hf
 
 __all__ = [
-    "Checkpointable", "RngState", "ShardedOptimizer", "TrainerState", "WriterSlot",
-    "CheckpointError", "CheckpointReader", "CheckpointWriter", "ModelCheck", "SaveHandle", "ShardItem",
-    "flat_range_boxes", "list_tags", "model_fingerprint", "optimizer_key", "prune", "read_latest",
-    "read_tp_shard", "save", "split_optimizer_key", "tensor_from_json", "tensor_to_json", "tp_box",
-    "tp_shard_item", "LoadReport", "load_model_weights", "save_model_weights", "consolidate", "from_hf",
-    "inspect", "to_hf",
+    "Checkpointable",
+    "RngState",
+    "ShardedOptimizer",
+    "TrainerState",
+    "WriterSlot",
+    "CheckpointError",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "ModelCheck",
+    "SaveHandle",
+    "ShardItem",
+    "flat_range_boxes",
+    "list_tags",
+    "model_fingerprint",
+    "optimizer_key",
+    "prune",
+    "read_latest",
+    "read_tp_shard",
+    "save",
+    "split_optimizer_key",
+    "tensor_from_json",
+    "tensor_to_json",
+    "tp_box",
+    "tp_shard_item",
+    "LoadReport",
+    "load_model_weights",
+    "save_model_weights",
+    "consolidate",
+    "from_hf",
+    "inspect",
+    "to_hf",
 ]

@@ -6,6 +6,7 @@ How these map to the files (``FORMAT.md``): the model chunks' weights and the op
 the tensors; ``TrainerState`` is ``meta.json``'s ``engine.global_samples``, ``engine.lr_scheduler``,
 ``config`` and ``data_loader``; ``RngState`` is this rank's entry of ``rank_meta.json``.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ class ShardedOptimizer(Protocol):
 
     def shard_state(self) -> ShardState: ...
 
-    def load_shard_state(self, read: Callable[[str, str, int, int], torch.Tensor],
-                         state: ShardState | None = None) -> None: ...
+    def load_shard_state(
+        self, read: Callable[[str, str, int, int], torch.Tensor], state: ShardState | None = None
+    ) -> None: ...
 
     def gathered_parameters(self, modifier_rank: int | None = None) -> AbstractContextManager: ...
 

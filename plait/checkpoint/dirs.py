@@ -12,6 +12,7 @@ Only rank 0 of a save changes the root. Publishing is ``rename(tmp, <tag>)``, fs
 then ``latest.tmp`` written, fsynced and ``os.replace``d onto ``latest``. A crash at any point
 leaves ``latest`` naming a complete checkpoint (see ``resolve_tag``).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,10 @@ def check_tag(tag: str) -> None:
     """Raise ``CheckpointError`` unless ``tag`` is a usable directory name (letters, digits, ``_.+=-``,
     not starting with ``.`` or ``-``, not ``latest``, at most 200 characters)."""
     if not isinstance(tag, str) or not _TAG.match(tag) or tag == LATEST or len(tag) > 200:
-        raise CheckpointError(f"checkpoint tag {tag!r} is not allowed: use letters, digits and _.+=- "
-                              f"(not starting with '.' or '-', not {LATEST!r}), e.g. 'step1000'")
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not allowed: use letters, digits and _.+=- "
+            f"(not starting with '.' or '-', not {LATEST!r}), e.g. 'step1000'"
+        )
 
 
 def read_latest(root: str) -> str | None:
@@ -59,19 +62,26 @@ def resolve_tag(root: str, tag: str | None) -> tuple[str, str]:
     if tag is None:
         tag = read_latest(root)
         if tag is None:
-            raise CheckpointError(f"no checkpoint in {root}: {os.path.join(root, LATEST)} is missing "
-                                  "(pass tag= to read a specific one)")
+            raise CheckpointError(
+                f"no checkpoint in {root}: {os.path.join(root, LATEST)} is missing "
+                "(pass tag= to read a specific one)"
+            )
     check_tag(tag)
     path = os.path.join(root, tag)
     if os.path.isdir(path):
         return tag, path
     prefix = f".old-{tag}-"
-    olds = sorted(e for e in _entries(root) if e.startswith(prefix)
-                  and os.path.isfile(os.path.join(root, e, INDEX_FILE)))
+    olds = sorted(
+        e
+        for e in _entries(root)
+        if e.startswith(prefix) and os.path.isfile(os.path.join(root, e, INDEX_FILE))
+    )
     if olds:
         return tag, os.path.join(root, olds[-1])
-    raise CheckpointError(f"checkpoint {path} does not exist"
-                          + (f" (available: {sorted(list_tags(root))})" if os.path.isdir(root) else ""))
+    raise CheckpointError(
+        f"checkpoint {path} does not exist"
+        + (f" (available: {sorted(list_tags(root))})" if os.path.isdir(root) else "")
+    )
 
 
 def _entries(root: str) -> list[str]:
@@ -105,8 +115,9 @@ def _write_latest(root: str, tag: str) -> None:
     fsync_path(root)
 
 
-def publish(root: str, tag: str, tmp_dir: str, nonce: str, pause=lambda phase: None,
-            pointer: bool = True) -> None:
+def publish(
+    root: str, tag: str, tmp_dir: str, nonce: str, pause=lambda phase: None, pointer: bool = True
+) -> None:
     """Move the finished, fsynced ``tmp_dir`` to ``<root>/<tag>`` and point ``latest`` at it.
 
     An existing ``<tag>`` is first renamed to ``.old-<tag>-<nonce>`` and deleted only after
@@ -133,7 +144,11 @@ def delete_dir(root: str, path: str) -> None:
     """Delete the folder ``path`` in ``root``; renamed to ``.del-<name>`` first, so that a crash midway never
     leaves a half-deleted folder under a checkpoint's name (``remove_leftovers`` finishes the job)."""
     name = os.path.basename(path)
-    doomed = path if name.startswith((".del-", ".tmp-")) else os.path.join(root, ".del-" + name.lstrip("."))
+    doomed = (
+        path
+        if name.startswith((".del-", ".tmp-"))
+        else os.path.join(root, ".del-" + name.lstrip("."))
+    )
     if doomed != path:
         os.rename(path, doomed)  # never leave a half-deleted directory under a checkpoint's name
     shutil.rmtree(doomed, ignore_errors=True)
@@ -151,7 +166,7 @@ def remove_leftovers(root: str, keep: str, complete=None) -> None:
         if e.startswith((".tmp-", ".del-")):
             shutil.rmtree(path, ignore_errors=True)
         elif e.startswith(".old-"):
-            tag = e[len(".old-"):].rsplit("-", 1)[0]
+            tag = e[len(".old-") :].rsplit("-", 1)[0]
             if os.path.lexists(os.path.join(root, tag)):
                 shutil.rmtree(path, ignore_errors=True)
             elif complete(path):  # crash between publish's renames

@@ -1,4 +1,5 @@
 """The one exception type of the checkpoint package, and its reads of small files from elsewhere."""
+
 from __future__ import annotations
 
 from plait import untrusted

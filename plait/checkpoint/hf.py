@@ -8,6 +8,7 @@ families of ``plait.models`` (``gpt2``, ``llama``, ``bert``, ``mixtral``, ``qwen
 architectures both ways and raise ``ValueError`` naming the unsupported model_type or feature
 (rope scaling, another activation, ...).
 """
+
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
@@ -20,9 +21,24 @@ SUPPORTED_MODEL_TYPES = tuple(HF_MODEL_TYPES)
 #: Non-architecture HF config fields carried through a plait checkpoint (``meta["hf"]["config"]``).
 CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "unk_token_id")
 
-__all__ = ["CARRIED_FIELDS", "HFLayout", "Rule", "SUPPORTED_MODEL_TYPES", "TRANSFORMS", "alias_names",
-           "check_hf_sizes", "check_model_type", "config_from_hf", "config_to_hf", "detect_layout", "export_layout",
-           "ignored_hf_name", "rules", "to_hf", "to_plait"]
+__all__ = [
+    "CARRIED_FIELDS",
+    "HFLayout",
+    "Rule",
+    "SUPPORTED_MODEL_TYPES",
+    "TRANSFORMS",
+    "alias_names",
+    "check_hf_sizes",
+    "check_model_type",
+    "config_from_hf",
+    "config_to_hf",
+    "detect_layout",
+    "export_layout",
+    "ignored_hf_name",
+    "rules",
+    "to_hf",
+    "to_plait",
+]
 
 
 def rules(config: TransformerConfig, layout: HFLayout) -> list[Rule]:

@@ -6,6 +6,7 @@ Writes ``config.json`` plus ``model.safetensors`` (or ``model-0000k-of-0000n.saf
 checkpoints hold logical shapes only. Runs in one process; memory peaks at one output shard plus
 its inputs.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -33,10 +34,25 @@ from plait.layers.model import logical_shapes
 
 #: Files ``to_hf(tokenizer_from=...)`` copies when present (``fnmatch`` patterns, relative to the folder):
 #: everything a transformers tokenizer or processor saves, chat templates included, and the generation config.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json", "*.jinja",
-                   "chat_template.json", "additional_chat_templates/*.jinja", "*.tiktoken", "spiece.model",
-                   "sentencepiece*.model", "preprocessor_config.json", "processor_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+    "*.jinja",
+    "chat_template.json",
+    "additional_chat_templates/*.jinja",
+    "*.tiktoken",
+    "spiece.model",
+    "sentencepiece*.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -57,8 +73,10 @@ class ExportReport:
     out_dir: str
     architecture: str
     files: list[str]
-    missing: list[str] = field(default_factory=list)   # plait parameters absent from the checkpoint
-    dropped: list[str] = field(default_factory=list)   # checkpoint tensors with no place in this HF class
+    missing: list[str] = field(default_factory=list)  # plait parameters absent from the checkpoint
+    dropped: list[str] = field(
+        default_factory=list
+    )  # checkpoint tensors with no place in this HF class
 
 
 def _plan_shards(jobs: list, sizes: list[int], max_bytes: int | None) -> list[list]:
@@ -80,7 +98,9 @@ def _nbytes(reader: CheckpointReader, name: str, dtype: torch.dtype | None) -> i
     return n * cast_floating(torch.empty(0, dtype=stored), dtype).element_size()
 
 
-def _rule_jobs(reader: CheckpointReader, config: TransformerConfig, layout, names: list[str], dtype):
+def _rule_jobs(
+    reader: CheckpointReader, config: TransformerConfig, layout, names: list[str], dtype
+):
     """(rules to write, their byte sizes, plait names they use, plait names missing) for ``layout``.
 
     Raises:
@@ -94,12 +114,16 @@ def _rule_jobs(reader: CheckpointReader, config: TransformerConfig, layout, name
             missing.extend(rule.plait)
             continue
         if len(present) != len(rule.plait):
-            raise CheckpointError(f"checkpoint {reader.path} has {present} but not "
-                                  f"{sorted(set(rule.plait) - set(present))}, which {rule.hf} needs too")
+            raise CheckpointError(
+                f"checkpoint {reader.path} has {present} but not "
+                f"{sorted(set(rule.plait) - set(present))}, which {rule.hf} needs too"
+            )
         for p in rule.plait:
             if reader.shape(p) != shapes.get(p):
-                raise CheckpointError(f"checkpoint {reader.path}: tensor {p!r} has shape {list(reader.shape(p))}, "
-                                      f"its model_config implies {list(shapes.get(p, ()))}")
+                raise CheckpointError(
+                    f"checkpoint {reader.path}: tensor {p!r} has shape {list(reader.shape(p))}, "
+                    f"its model_config implies {list(shapes.get(p, ()))}"
+                )
         used.update(rule.plait)
         jobs.append(rule)
         sizes.append(sum(_nbytes(reader, p, dtype) for p in rule.plait))
@@ -114,10 +138,18 @@ def _zero_state(reader, name: str) -> bool:
     return not bool(reader.read(name).any())
 
 
-def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None,
-          max_shard_bytes: int | str | None = None, *, config: TransformerConfig | None = None,
-          overwrite: bool = False, tokenizer_from: str | None = None, hf_config: dict | str | None = None
-          ) -> ExportReport:
+def to_hf(
+    plait_root: str,
+    out_dir: str,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str | None = None,
+    *,
+    config: TransformerConfig | None = None,
+    overwrite: bool = False,
+    tokenizer_from: str | None = None,
+    hf_config: dict | str | None = None,
+) -> ExportReport:
     """Write the plait checkpoint ``<plait_root>/<tag>`` (default: latest) as a Hugging Face model.
 
     Args:
@@ -146,9 +178,13 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
     dtype, max_shard_bytes = parse_dtype(dtype), parse_size(max_shard_bytes)
     reader = CheckpointReader(plait_root, tag)
     if isinstance(hf_config, (str, os.PathLike)):
-        hf_config = untrusted.read_json(os.fspath(hf_config), "--hf-config file", error=CheckpointError)
+        hf_config = untrusted.read_json(
+            os.fspath(hf_config), "--hf-config file", error=CheckpointError
+        )
     if config is None and MODEL_CONFIG_KEY not in reader.meta:
-        return _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config)
+        return _native_to_hf(
+            reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config
+        )
     config = config or config_from_meta(reader.meta, f"checkpoint {reader.path}")
     hf_meta = reader.meta.get(HF_KEY) or {}
     names = _weight_names(reader)
@@ -164,16 +200,29 @@ def to_hf(plait_root: str, out_dir: str, tag: str | None = None, dtype: str | to
 
 def _weight_names(reader: CheckpointReader) -> list[str]:
     """The checkpoint's tensors less optimizer state and ZeRO training state (``_zero_state``)."""
-    return [n for n in reader.names() if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)]
+    return [
+        n
+        for n in reader.names()
+        if not n.startswith(OPTIMIZER_PREFIX) and not _zero_state(reader, n)
+    ]
 
 
-def _export_jobs(reader: CheckpointReader, config: TransformerConfig, layout, names: list[str],
-                 hf_meta: dict, dtype) -> tuple[list, list[int], set, list]:
+def _export_jobs(
+    reader: CheckpointReader,
+    config: TransformerConfig,
+    layout,
+    names: list[str],
+    hf_meta: dict,
+    dtype,
+) -> tuple[list, list[int], set, list]:
     """``_rule_jobs``' (jobs, sizes, used names, missing) plus the ``hf_extra.`` tensors, kept when the
     checkpoint was imported from the same HF class and prefix."""
     jobs, sizes, used, missing = _rule_jobs(reader, config, layout, names, dtype)
     extras = [n for n in names if n.startswith(EXTRA_PREFIX)]
-    keep_extras = hf_meta.get("architecture") == layout.architecture and hf_meta.get("prefix") == layout.prefix
+    keep_extras = (
+        hf_meta.get("architecture") == layout.architecture
+        and hf_meta.get("prefix") == layout.prefix
+    )
     for n in extras if keep_extras else []:
         jobs.append(n)
         sizes.append(_nbytes(reader, n, dtype))
@@ -181,8 +230,15 @@ def _export_jobs(reader: CheckpointReader, config: TransformerConfig, layout, na
     return jobs, sizes, used, missing
 
 
-def _write_hf_config(reader: CheckpointReader, config: TransformerConfig, layout, saved: dict | None,
-                     names: list[str], dtype, out_dir: str) -> None:
+def _write_hf_config(
+    reader: CheckpointReader,
+    config: TransformerConfig,
+    layout,
+    saved: dict | None,
+    names: list[str],
+    dtype,
+    out_dir: str,
+) -> None:
     """``config.json`` of the HF class (``saved``: the imported model's HF config, for fields plait does
     not keep), its dtype the export's, else the most common floating dtype stored."""
     hf_config = hfmap.config_to_hf(config, saved)
@@ -193,14 +249,23 @@ def _write_hf_config(reader: CheckpointReader, config: TransformerConfig, layout
     hf_config.to_json_file(os.path.join(out_dir, HF_CONFIG), use_diff=True)
 
 
-def _native_to_hf(reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config) -> ExportReport:
+def _native_to_hf(
+    reader, out_dir, dtype, max_shard_bytes, overwrite, tokenizer_from, hf_config
+) -> ExportReport:
     """A transformers model's checkpoint (its own names) -> the same names plus its config.json."""
     hf_cfg = hf_native.native_config(reader.meta, hf_config, f"checkpoint {reader.path}")
     arch, names, missing = hf_native.native_jobs(reader.names(), hf_cfg)
-    files = _write_hf_weights(reader, out_dir, _plan_shards(names, [_nbytes(reader, n, dtype) for n in names],
-                                                            max_shard_bytes), dtype, overwrite)
+    files = _write_hf_weights(
+        reader,
+        out_dir,
+        _plan_shards(names, [_nbytes(reader, n, dtype) for n in names], max_shard_bytes),
+        dtype,
+        overwrite,
+    )
     stored = Counter(reader.dtype(n) for n in names if reader.dtype(n).is_floating_point)
-    hf_native.write_config(hf_cfg, out_dir, dtype or (stored.most_common(1)[0][0] if stored else torch.float32))
+    hf_native.write_config(
+        hf_cfg, out_dir, dtype or (stored.most_common(1)[0][0] if stored else torch.float32)
+    )
     files += _copy_tokenizer(tokenizer_from, out_dir) if tokenizer_from else []
     return ExportReport(os.fspath(out_dir), arch, files, missing, [])
 
@@ -209,13 +274,19 @@ def _copy_tokenizer(tokenizer_from: str, out_dir: str) -> list[str]:
     """Copy the files of ``tokenizer_from`` that match :data:`TOKENIZER_FILES` to ``out_dir``; each must resolve
     inside ``tokenizer_from`` and be a regular file of at most ``plait.untrusted.SMALL_FILE_CAP`` bytes (a link to
     a private file or an endless device is refused, naming it). Returns the names copied (sorted)."""
-    present = [os.path.relpath(os.path.join(d, f), tokenizer_from).replace(os.sep, "/")
-               for d in (tokenizer_from, os.path.join(tokenizer_from, "additional_chat_templates"))
-               if os.path.isdir(d) for f in os.listdir(d)]
-    copied = sorted(f for f in present if any(fnmatch.fnmatchcase(f, pat) for pat in TOKENIZER_FILES))
+    present = [
+        os.path.relpath(os.path.join(d, f), tokenizer_from).replace(os.sep, "/")
+        for d in (tokenizer_from, os.path.join(tokenizer_from, "additional_chat_templates"))
+        if os.path.isdir(d)
+        for f in os.listdir(d)
+    ]
+    copied = sorted(
+        f for f in present if any(fnmatch.fnmatchcase(f, pat) for pat in TOKENIZER_FILES)
+    )
     for fname in copied:
-        data = untrusted.read_small(inside(tokenizer_from, fname, "tokenizer file"), "tokenizer file",
-                                    error=CheckpointError)
+        data = untrusted.read_small(
+            inside(tokenizer_from, fname, "tokenizer file"), "tokenizer file", error=CheckpointError
+        )
         os.makedirs(os.path.dirname(os.path.join(out_dir, fname)), exist_ok=True)
         with open(os.path.join(out_dir, fname), "wb") as f:
             f.write(data)
@@ -226,25 +297,39 @@ def _shard_tensors(reader: CheckpointReader, shard: list, dtype) -> dict[str, to
     """HF name -> tensor of one output shard (rules through their transform, ``hf_extra`` tensors as stored)."""
     tensors = {}
     for job in shard:
-        if isinstance(job, str):      # an hf_extra tensor (or a transformers model's own), under its HF name
+        if isinstance(
+            job, str
+        ):  # an hf_extra tensor (or a transformers model's own), under its HF name
             tensors[job.removeprefix(EXTRA_PREFIX)] = cast_floating(reader.read(job), dtype)
             continue
         outs = hfmap.to_hf(job.kind, [reader.read(p) for p in job.plait])
         tensors.update({h: cast_floating(t, dtype).contiguous() for h, t in zip(job.hf, outs)})
-    return {k: v.clone() if v.untyped_storage().nbytes() != v.numel() * v.element_size() else v
-            for k, v in tensors.items()}
+    return {
+        k: v.clone() if v.untyped_storage().nbytes() != v.numel() * v.element_size() else v
+        for k, v in tensors.items()
+    }
 
 
-def _write_hf_weights(reader: CheckpointReader, out_dir: str, shards: list[list], dtype, overwrite: bool) -> list[str]:
+def _write_hf_weights(
+    reader: CheckpointReader, out_dir: str, shards: list[list], dtype, overwrite: bool
+) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    old = [f for f in os.listdir(out_dir) if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", f)]
+    old = [
+        f
+        for f in os.listdir(out_dir)
+        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", f)
+    ]
     if old and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds {sorted(old)}; pass overwrite=True (--overwrite) "
-                              f"or choose an empty directory")
+        raise FileExistsError(
+            f"{out_dir} already holds {sorted(old)}; pass overwrite=True (--overwrite) "
+            f"or choose an empty directory"
+        )
     for f in old:
         os.remove(os.path.join(out_dir, f))
     n = len(shards)
-    fnames = [HF_WEIGHTS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    fnames = (
+        [HF_WEIGHTS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    )
     weight_map, total = {}, 0
     for fname, shard in zip(fnames, shards):
         tensors = _shard_tensors(reader, shard, dtype)
@@ -254,6 +339,10 @@ def _write_hf_weights(reader: CheckpointReader, out_dir: str, shards: list[list]
             total += v.numel() * v.element_size()
     if n > 1:
         with open(os.path.join(out_dir, HF_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                f,
+                indent=2,
+            )
         fnames.append(HF_INDEX)
     return fnames

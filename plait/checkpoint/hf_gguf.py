@@ -4,6 +4,7 @@ transformers reads a GGUF file with ``from_pretrained(folder, gguf_file=name)``,
 (it needs the ``gguf`` package). ``from_gguf`` saves that model as a plain safetensors folder (a temporary
 one unless ``hf_copy`` names a folder to keep) and imports it with ``from_hf``.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,13 @@ def gguf_file(folder: str) -> str | None:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise CheckpointError(f"{folder} holds neither a config.json with safetensors weights nor a .gguf file: "
-                              f"point to a Hugging Face model folder")
-    raise CheckpointError(f"{folder} holds several GGUF files {found}; pass the one to import (--gguf-file NAME)")
+        raise CheckpointError(
+            f"{folder} holds neither a config.json with safetensors weights nor a .gguf file: "
+            f"point to a Hugging Face model folder"
+        )
+    raise CheckpointError(
+        f"{folder} holds several GGUF files {found}; pass the one to import (--gguf-file NAME)"
+    )
 
 
 def dequantized_model(folder: str, name: str):
@@ -36,7 +41,9 @@ def dequantized_model(folder: str, name: str):
     import torch
     import transformers
 
-    quant = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    quant = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
     config = quant.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -45,8 +52,15 @@ def dequantized_model(folder: str, name: str):
     return model
 
 
-def from_gguf(folder: str, out_root: str, name: str | None = None, *, tag: str = "hf", dtype=None,
-              hf_copy: str | None = None) -> ConvertReport:
+def from_gguf(
+    folder: str,
+    out_root: str,
+    name: str | None = None,
+    *,
+    tag: str = "hf",
+    dtype=None,
+    hf_copy: str | None = None,
+) -> ConvertReport:
     """Import the GGUF file ``name`` (default: the folder's only one) of ``folder`` as checkpoint
     ``<out_root>/<tag>``; ``hf_copy``: also keep the dequantized Hugging Face folder there.
 

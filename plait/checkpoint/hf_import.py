@@ -8,6 +8,7 @@ tensors kept as ``hf_extra.<hf name>``, e.g. BERT's pooler, which plait has no l
 Pickled ``pytorch_model.bin`` files are not read (re-save them with ``safe_serialization=True``).
 Runs in one process; memory peaks at the model's size.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ from plait.dtypes import cast_floating, parse_dtype
 from plait.layers.config import TransformerConfig
 from plait.layers.model import logical_shapes
 
-HF_KEY = "hf"                                   # meta.json: what from_hf saw
+HF_KEY = "hf"  # meta.json: what from_hf saw
 HF_WEIGHTS, HF_INDEX = untrusted.HF_WEIGHTS, untrusted.HF_INDEX
 HF_CONFIG = "config.json"
 
@@ -59,7 +60,9 @@ class HFWeights:
         path = self.file_of[name]
         handle = self._open(path)
         if name not in set(handle.keys()):
-            raise CheckpointError(f"{path} has no tensor {name!r}, though {HF_INDEX} lists it there")
+            raise CheckpointError(
+                f"{path} has no tensor {name!r}, though {HF_INDEX} lists it there"
+            )
         return handle.get_tensor(name)
 
 
@@ -75,9 +78,13 @@ def read_hf_config(hf_dir: str) -> dict:
     try:
         raw = read_json(path, "Hugging Face config")
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs its config.json") from None
+        raise FileNotFoundError(
+            f"{path} not found: a Hugging Face model directory needs its config.json"
+        ) from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"Hugging Face config {path} is a JSON {type(raw).__name__}, not an object")
+        raise CheckpointError(
+            f"Hugging Face config {path} is a JSON {type(raw).__name__}, not an object"
+        )
     return raw
 
 
@@ -90,9 +97,11 @@ class ConvertReport:
     config: TransformerConfig
     architecture: str
     tensors: int
-    missing: list[str] = field(default_factory=list)   # plait parameters with no HF tensor (keep init on load)
-    extra: list[str] = field(default_factory=list)     # HF tensors kept as hf_extra.<name>
-    ignored: list[str] = field(default_factory=list)   # HF buffers / tied copies not stored
+    missing: list[str] = field(
+        default_factory=list
+    )  # plait parameters with no HF tensor (keep init on load)
+    extra: list[str] = field(default_factory=list)  # HF tensors kept as hf_extra.<name>
+    ignored: list[str] = field(default_factory=list)  # HF buffers / tied copies not stored
 
 
 def _source(rule: hfmap.Rule, hf_names: set[str]) -> tuple[tuple[str, ...], str]:
@@ -105,7 +114,9 @@ def _source(rule: hfmap.Rule, hf_names: set[str]) -> tuple[tuple[str, ...], str]
     return (), rule.kind
 
 
-def _rule_items(hf_dir: str, weights: HFWeights, rule_list: list, shapes: dict, dtype) -> tuple[list, set]:
+def _rule_items(
+    hf_dir: str, weights: HFWeights, rule_list: list, shapes: dict, dtype
+) -> tuple[list, set]:
     """Plait ``ShardItem`` s of every rule whose HF tensors are present, and the HF names used.
 
     Raises:
@@ -118,18 +129,27 @@ def _rule_items(hf_dir: str, weights: HFWeights, rule_list: list, shapes: dict, 
             continue
         present = [h for h in names if h in hf_names]
         if len(present) != len(names):
-            raise CheckpointError(f"{hf_dir}: has {present} but not {sorted(set(names) - set(present))}")
+            raise CheckpointError(
+                f"{hf_dir}: has {present} but not {sorted(set(names) - set(present))}"
+            )
         used.update(names)
         for name, tensor in zip(rule.plait, hfmap.to_plait(kind, [weights.get(h) for h in names])):
             if tuple(tensor.shape) != shapes[name]:
-                raise CheckpointError(f"{hf_dir}: {names} gives plait tensor {name!r} shape "
-                                      f"{list(tensor.shape)}, but config.json implies {list(shapes[name])}")
+                raise CheckpointError(
+                    f"{hf_dir}: {names} gives plait tensor {name!r} shape "
+                    f"{list(tensor.shape)}, but config.json implies {list(shapes[name])}"
+                )
             items.append(ShardItem.whole(name, cast_floating(tensor, dtype)))
     return items, used
 
 
-def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtype | None = None,
-            max_file_bytes: int | None = None) -> ConvertReport:
+def from_hf(
+    hf_dir: str,
+    out_root: str,
+    tag: str = "hf",
+    dtype: str | torch.dtype | None = None,
+    max_file_bytes: int | None = None,
+) -> ConvertReport:
     """Convert the Hugging Face model in ``hf_dir`` into the plait checkpoint ``<out_root>/<tag>``.
 
     Args:
@@ -150,8 +170,10 @@ def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtyp
         RuntimeError: called inside a multi-process ``torch.distributed`` job (run it in one process).
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError("from_hf runs in one process; call it before torch.distributed is initialized "
-                           "or use the `plait convert from-hf` command")
+        raise RuntimeError(
+            "from_hf runs in one process; call it before torch.distributed is initialized "
+            "or use the `plait convert from-hf` command"
+        )
     dtype = parse_dtype(dtype)
     raw, weights = _open_source(hf_dir)
     config = hfmap.config_from_hf(raw)
@@ -160,12 +182,25 @@ def from_hf(hf_dir: str, out_root: str, tag: str = "hf", dtype: str | torch.dtyp
     rule_list = hfmap.rules(config, layout)
     items, used = _rule_items(hf_dir, weights, rule_list, shapes, dtype)
     ignored, extra = _leftovers(sorted(set(weights.names()) - used), rule_list, config)
-    items += [ShardItem.whole(EXTRA_PREFIX + n, cast_floating(weights.get(n), dtype)) for n in extra]
+    items += [
+        ShardItem.whole(EXTRA_PREFIX + n, cast_floating(weights.get(n), dtype)) for n in extra
+    ]
     missing = sorted(set(shapes) - {it.name for it in items})
-    meta = {MODEL_CONFIG_KEY: config.to_dict(), HF_KEY: _import_meta(raw, layout, hf_dir, missing, extra)}
+    meta = {
+        MODEL_CONFIG_KEY: config.to_dict(),
+        HF_KEY: _import_meta(raw, layout, hf_dir, missing, extra),
+    }
     CheckpointWriter(out_root, max_file_bytes=max_file_bytes).save(tag, items, meta)
-    return ConvertReport(os.path.join(os.fspath(out_root), tag), tag, config, layout.architecture,
-                         len(items), missing, extra, ignored)
+    return ConvertReport(
+        os.path.join(os.fspath(out_root), tag),
+        tag,
+        config,
+        layout.architecture,
+        len(items),
+        missing,
+        extra,
+        ignored,
+    )
 
 
 def _open_source(hf_dir: str) -> tuple[dict, HFWeights]:
@@ -190,7 +225,12 @@ def _leftovers(leftover: list[str], rule_list: list, config) -> tuple[list[str],
 def _import_meta(raw: dict, layout, hf_dir: str, missing: list[str], extra: list[str]) -> dict:
     """``meta.json[HF_KEY]``: what ``from_hf`` saw (model type, class, prefix, source folder, the HF config
     fields plait carries for export, missing and extra tensors)."""
-    return {"model_type": layout.model_type, "architecture": layout.architecture, "prefix": layout.prefix,
-            "source": os.path.abspath(hf_dir),
-            "config": {k: raw[k] for k in hfmap.CARRIED_FIELDS if k in raw},
-            "missing": missing, "extra": extra}
+    return {
+        "model_type": layout.model_type,
+        "architecture": layout.architecture,
+        "prefix": layout.prefix,
+        "source": os.path.abspath(hf_dir),
+        "config": {k: raw[k] for k in hfmap.CARRIED_FIELDS if k in raw},
+        "missing": missing,
+        "extra": extra,
+    }

@@ -7,6 +7,7 @@ names in safetensors plus the model's ``config.json``.
 lists the tensors to write; ``write_config`` writes ``config.json``. ``to_hf`` calls them for such a
 checkpoint (it has no plait ``model_config``).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,16 @@ def hf_model_meta(model) -> dict | None:
     """What a checkpoint of a transformers model needs for export: its class name and full config (config.json's dict);
     None for any other module (plait's own models record a ``TransformerConfig`` instead)."""
     config = getattr(model, "config", None)
-    if not (hasattr(config, "model_type") and hasattr(config, "to_json_string") and hasattr(model, "base_model_prefix")):
+    if not (
+        hasattr(config, "model_type")
+        and hasattr(config, "to_json_string")
+        and hasattr(model, "base_model_prefix")
+    ):
         return None
-    return {"architecture": type(model).__name__, "config": json.loads(config.to_json_string(use_diff=False))}
+    return {
+        "architecture": type(model).__name__,
+        "config": json.loads(config.to_json_string(use_diff=False)),
+    }
 
 
 def native_config(meta: dict, hf_config: dict | None, where: str) -> dict:
@@ -38,9 +46,11 @@ def native_config(meta: dict, hf_config: dict | None, where: str) -> dict:
     """
     config = hf_config or (meta.get(HF_MODEL_KEY) or {}).get("config")
     if not isinstance(config, dict) or "model_type" not in config:
-        raise CheckpointError(f"{where}: meta.json has neither a plait 'model_config' nor a Hugging Face "
-                              f"{HF_MODEL_KEY!r} config; pass the model's original config.json "
-                              f"(plait convert to-hf --hf-config PATH, or to_hf(hf_config=...))")
+        raise CheckpointError(
+            f"{where}: meta.json has neither a plait 'model_config' nor a Hugging Face "
+            f"{HF_MODEL_KEY!r} config; pass the model's original config.json "
+            f"(plait convert to-hf --hf-config PATH, or to_hf(hf_config=...))"
+        )
     if not config.get("architectures"):
         arch = (meta.get(HF_MODEL_KEY) or {}).get("architecture")
         config = {**config, "architectures": [arch]} if arch else config
@@ -57,7 +67,9 @@ def native_jobs(names: list[str], config: dict) -> tuple[str, list[str], list[st
     """
     import transformers
 
-    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"})
+    hf_cfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "transformers_version"}
+    )
     weights = [n for n in names if not n.startswith(OPTIMIZER_PREFIX)]
     foreign = []
     for arch in _candidates(transformers, config):
@@ -66,12 +78,20 @@ def native_jobs(names: list[str], config: dict) -> tuple[str, list[str], list[st
         known = set(model.state_dict())
         foreign = [n for n in weights if n not in known]
         if not foreign:
-            return arch, weights, sorted(n for n, _ in model.named_parameters() if n not in set(weights))
+            return (
+                arch,
+                weights,
+                sorted(n for n, _ in model.named_parameters() if n not in set(weights)),
+            )
     if not foreign:
-        raise CheckpointError(f"config model_type {config.get('model_type')!r} names no transformers model class; "
-                              f"set 'architectures' in the config.json passed as --hf-config")
-    raise CheckpointError(f"{len(foreign)} checkpoint tensors are not parameters of {arch}, e.g. {foreign[:3]}: "
-                          f"pass the config.json of the model that was trained (--hf-config)")
+        raise CheckpointError(
+            f"config model_type {config.get('model_type')!r} names no transformers model class; "
+            f"set 'architectures' in the config.json passed as --hf-config"
+        )
+    raise CheckpointError(
+        f"{len(foreign)} checkpoint tensors are not parameters of {arch}, e.g. {foreign[:3]}: "
+        f"pass the config.json of the model that was trained (--hf-config)"
+    )
 
 
 def _candidates(transformers, config: dict) -> list[str]:
@@ -79,7 +99,11 @@ def _candidates(transformers, config: dict) -> list[str]:
         return [a for a in config["architectures"][:1] if hasattr(transformers, a)]
     from transformers.models.auto import modeling_auto as auto
 
-    tables = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
+    tables = (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        auto.MODEL_MAPPING_NAMES,
+    )
     names = [table.get(config.get("model_type")) for table in tables]
     return [n for n in names if isinstance(n, str) and hasattr(transformers, n)]
 

@@ -5,6 +5,7 @@ on one core (sha256 is ~3x slower), and it detects truncation, bit flips and tor
 which is what a checkpoint needs; it is not a defence against deliberate tampering. The
 algorithm prefix lets a later format version switch without ambiguity.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,20 +58,27 @@ def verify_file(path: str, expected_bytes: int, expected_checksum: str | None) -
     try:
         size = untrusted.file_size(path, "checkpoint file", error=CheckpointError)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing (the index lists it with "
-                              f"{expected_bytes} bytes)") from None
+        raise CheckpointError(
+            f"checkpoint file {path} is missing (the index lists it with {expected_bytes} bytes)"
+        ) from None
     if size != expected_bytes:
-        raise CheckpointError(f"checkpoint file {path} has {size} bytes, the index records "
-                              f"{expected_bytes} (truncated or overwritten)")
+        raise CheckpointError(
+            f"checkpoint file {path} has {size} bytes, the index records "
+            f"{expected_bytes} (truncated or overwritten)"
+        )
     if expected_checksum is None:
         return
     if not expected_checksum.startswith(ALGORITHM + ":"):
-        raise CheckpointError(f"checkpoint file {path}: unknown checksum {expected_checksum!r} "
-                              f"(this reader knows {ALGORITHM})")
+        raise CheckpointError(
+            f"checkpoint file {path}: unknown checksum {expected_checksum!r} "
+            f"(this reader knows {ALGORITHM})"
+        )
     actual = checksum_file(path)
     if actual != expected_checksum:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: checksum {actual}, the index "
-                              f"records {expected_checksum}")
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupted: checksum {actual}, the index "
+            f"records {expected_checksum}"
+        )
 
 
 def fsync_path(path: str) -> None:

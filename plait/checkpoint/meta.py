@@ -5,6 +5,7 @@ scheduler, loss scaler, data position, ``client_state``). Nothing is pickled: a 
 JSON cannot represent exactly is rejected with its key path, e.g.
 ``meta['client_state']['sampler'][2]: numpy.int64 is not JSON``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -14,9 +15,21 @@ import torch
 
 from plait.checkpoint.errors import CheckpointError
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    )
+}
 
 
 def json_error(value, path: str = "meta") -> str | None:
@@ -30,8 +43,10 @@ def json_error(value, path: str = "meta") -> str | None:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                return (f"{path}: key {key!r} is a {type(key).__module__}.{type(key).__qualname__}; "
-                        "JSON object keys must be str")
+                return (
+                    f"{path}: key {key!r} is a {type(key).__module__}.{type(key).__qualname__}; "
+                    "JSON object keys must be str"
+                )
             err = json_error(item, f"{path}[{key!r}]")
             if err:
                 return err
@@ -43,7 +58,11 @@ def json_error(value, path: str = "meta") -> str | None:
                 return err
         return None
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    hint = " (use plait.checkpoint.tensor_to_json for tensors)" if isinstance(value, torch.Tensor) else ""
+    hint = (
+        " (use plait.checkpoint.tensor_to_json for tensors)"
+        if isinstance(value, torch.Tensor)
+        else ""
+    )
     return f"{path}: {kind} is not JSON-serialisable{hint}"
 
 
@@ -59,7 +78,9 @@ def tensor_to_json(t: torch.Tensor) -> dict:
     ``{"dtype": "uint8", "shape": [...], "base64": "..."}`` (raw little-endian bytes)."""
     name = str(t.dtype).removeprefix("torch.")
     if name not in _DTYPES:
-        raise CheckpointError(f"tensor_to_json: dtype {t.dtype} is not supported ({sorted(_DTYPES)})")
+        raise CheckpointError(
+            f"tensor_to_json: dtype {t.dtype} is not supported ({sorted(_DTYPES)})"
+        )
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return {"dtype": name, "shape": list(t.shape), "base64": base64.b64encode(raw).decode("ascii")}

@@ -10,6 +10,7 @@ saving layout under :data:`MESH_KEY`; ``config_from_meta`` rebuilds the config. 
 :data:`EXTRA_PREFIX` (kept only for Hugging Face export) or ``optimizer.`` are not model weights.
 Which rank writes what: ``docs/checkpoints.md``.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,11 @@ def checkpoint_name(name: str, param: torch.Tensor, model: nn.Module | None = No
     if tied:
         return tied
     config = getattr(model, "config", None)
-    if (isinstance(config, TransformerConfig) and config.tie_embeddings
-            and name == f"layers.{config.num_layers + 1}.weight"):
+    if (
+        isinstance(config, TransformerConfig)
+        and config.tie_embeddings
+        and name == f"layers.{config.num_layers + 1}.weight"
+    ):
         return EMBEDDING_WEIGHT
     return name
 
@@ -62,8 +66,15 @@ def _mesh_coords(mesh) -> dict[str, int]:
         return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "dp_rank": 0, "edp_rank": 0}
     # dp_rank: whether this rank writes the model's shards (one writer per tp x pp coordinate, cp ranks included);
     # edp_rank: the same for expert shards (one writer per tp x pp x ep coordinate)
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "ep": mesh.ep, "tp_rank": mesh.tp_rank,
-            "dp_rank": mesh.rank("dp_cp"), "edp_rank": mesh.rank("edp") * mesh.cp + mesh.cp_rank}
+    return {
+        "tp": mesh.tp,
+        "pp": mesh.pp,
+        "dp": mesh.dp,
+        "ep": mesh.ep,
+        "tp_rank": mesh.tp_rank,
+        "dp_rank": mesh.rank("dp_cp"),
+        "edp_rank": mesh.rank("edp") * mesh.cp + mesh.cp_rank,
+    }
 
 
 def _writes(spec, coords: dict) -> bool:
@@ -80,7 +91,7 @@ def model_shard_items(model: nn.Module, mesh=None) -> list:
     items = []
     for name, param in model.named_parameters():
         if checkpoint_name(name, param, model) != name:
-            continue                        # a tied copy: the embedding's stage saves it
+            continue  # a tied copy: the embedding's stage saves it
         for part in logical_parts(name, param):
             if not _writes(part.spec, coords):
                 continue
@@ -88,16 +99,21 @@ def model_shard_items(model: nn.Module, mesh=None) -> list:
             if item is not None:
                 items.append(item)
     if coords["dp_rank"] == 0 and coords["tp_rank"] == 0:
-        items += [ShardItem(name, buf.detach(), tuple(buf.shape), (0,) * buf.dim())
-                  for name, buf in state_buffers(model)]
+        items += [
+            ShardItem(name, buf.detach(), tuple(buf.shape), (0,) * buf.dim())
+            for name, buf in state_buffers(model)
+        ]
     return items
 
 
 def state_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, buffer)`` of every buffer a module of ``model`` declares as training state
     (``checkpointed_buffers``, e.g. ``MoE.expert_bias``)."""
-    return [(f"{prefix}.{b}" if prefix else b, getattr(module, b)) for prefix, module in model.named_modules()
-            for b in getattr(module, "checkpointed_buffers", ())]
+    return [
+        (f"{prefix}.{b}" if prefix else b, getattr(module, b))
+        for prefix, module in model.named_modules()
+        for b in getattr(module, "checkpointed_buffers", ())
+    ]
 
 
 def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
@@ -106,17 +122,27 @@ def model_meta(model: nn.Module, mesh=None, meta: dict | None = None) -> dict:
     config = getattr(model, "config", None)
     # A hand-composed model may reuse TransformerConfig for its sizes without being that architecture:
     # it sets ``plait_architecture = "custom"`` so the checkpoint does not claim to be GPT-2/Llama/BERT.
-    if isinstance(config, TransformerConfig) and getattr(model, "plait_architecture", None) != "custom":
+    if (
+        isinstance(config, TransformerConfig)
+        and getattr(model, "plait_architecture", None) != "custom"
+    ):
         out.setdefault(MODEL_CONFIG_KEY, config.to_dict())
-    elif (hf_model := hf_model_meta(model)) is not None:    # a transformers model trained as it is
+    elif (hf_model := hf_model_meta(model)) is not None:  # a transformers model trained as it is
         out.setdefault(HF_MODEL_KEY, hf_model)
     coords = _mesh_coords(mesh)
     out.setdefault(MESH_KEY, {k: coords[k] for k in ("tp", "pp", "dp", "ep") if k in coords})
     return out
 
 
-def save_model_weights(model: nn.Module, mesh, writer_or_root: CheckpointWriter | str | os.PathLike,
-                       tag: str, meta: dict | None = None, *, async_: bool = False) -> SaveHandle:
+def save_model_weights(
+    model: nn.Module,
+    mesh,
+    writer_or_root: CheckpointWriter | str | os.PathLike,
+    tag: str,
+    meta: dict | None = None,
+    *,
+    async_: bool = False,
+) -> SaveHandle:
     """Save ``model``'s weights as checkpoint ``tag``; collective over the writer's group.
 
     Args:
@@ -132,8 +158,14 @@ def save_model_weights(model: nn.Module, mesh, writer_or_root: CheckpointWriter 
         CheckpointError: as ``CheckpointWriter.save`` (e.g. a tensor not tiled because ranks
             disagree on the layout).
     """
-    writer = writer_or_root if isinstance(writer_or_root, CheckpointWriter) else CheckpointWriter(writer_or_root)
-    return writer.save(tag, model_shard_items(model, mesh), model_meta(model, mesh, meta), async_=async_)
+    writer = (
+        writer_or_root
+        if isinstance(writer_or_root, CheckpointWriter)
+        else CheckpointWriter(writer_or_root)
+    )
+    return writer.save(
+        tag, model_shard_items(model, mesh), model_meta(model, mesh, meta), async_=async_
+    )
 
 
 def config_from_meta(meta: dict, where: str = "checkpoint") -> TransformerConfig:
@@ -144,9 +176,13 @@ def config_from_meta(meta: dict, where: str = "checkpoint") -> TransformerConfig
     """
     raw = meta.get(MODEL_CONFIG_KEY)
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{where}: meta.json has no {MODEL_CONFIG_KEY!r} dict (saved without "
-                              f"save_model_weights?); pass the TransformerConfig explicitly")
-    try:   # the family's factory: fields a checkpoint saved before they existed take the family's values
+        raise CheckpointError(
+            f"{where}: meta.json has no {MODEL_CONFIG_KEY!r} dict (saved without "
+            f"save_model_weights?); pass the TransformerConfig explicitly"
+        )
+    try:  # the family's factory: fields a checkpoint saved before they existed take the family's values
         return get_family(raw.get("arch")).make_config(**raw)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: meta[{MODEL_CONFIG_KEY!r}] is not a valid TransformerConfig: {e}") from None
+        raise CheckpointError(
+            f"{where}: meta[{MODEL_CONFIG_KEY!r}] is not a valid TransformerConfig: {e}"
+        ) from None

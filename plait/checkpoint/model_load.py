@@ -7,6 +7,7 @@ and changes nothing; ``fill_model`` then reads into the parameters and buffers. 
 ``model_io.EXTRA_PREFIX`` (kept only for Hugging Face export) or ``optimizer.`` are not model weights and are
 ignored.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,9 +59,22 @@ def _elsewhere(name: str, model: nn.Module) -> bool:
 
 # TransformerConfig fields that change what the same weights compute: a checkpoint whose recorded config
 # differs in one of them is refused unless the caller allows it (``allow_config_change``).
-COMPUTE_FIELDS = ("arch", "num_heads", "num_kv_heads", "activation", "norm", "norm_eps", "rope_theta",
-                  "tie_embeddings", "causal", "post_norm", "qk_norm", "moe_top_k", "moe_router_order",
-                  "moe_normalize_topk")
+COMPUTE_FIELDS = (
+    "arch",
+    "num_heads",
+    "num_kv_heads",
+    "activation",
+    "norm",
+    "norm_eps",
+    "rope_theta",
+    "tie_embeddings",
+    "causal",
+    "post_norm",
+    "qk_norm",
+    "moe_top_k",
+    "moe_router_order",
+    "moe_normalize_topk",
+)
 
 
 def check_model_config(model: nn.Module, reader: CheckpointReader) -> None:
@@ -74,17 +88,29 @@ def check_model_config(model: nn.Module, reader: CheckpointReader) -> None:
     if not isinstance(saved, dict) or not isinstance(config, TransformerConfig):
         return
     mine = config.to_dict()
-    diff = [f"{k}: checkpoint {saved[k]!r}, model {mine[k]!r}" for k in COMPUTE_FIELDS
-            if k in saved and saved[k] != mine.get(k)]
+    diff = [
+        f"{k}: checkpoint {saved[k]!r}, model {mine[k]!r}"
+        for k in COMPUTE_FIELDS
+        if k in saved and saved[k] != mine.get(k)
+    ]
     if diff:
-        raise CheckpointError(f"checkpoint {reader.path} was saved from a model that computes differently ("
-                              + "; ".join(diff) + "): build the model with the checkpoint's config "
-                              f"(meta[{MODEL_CONFIG_KEY!r}]), or pass allow_config_change=True to load it anyway")
+        raise CheckpointError(
+            f"checkpoint {reader.path} was saved from a model that computes differently ("
+            + "; ".join(diff)
+            + "): build the model with the checkpoint's config "
+            f"(meta[{MODEL_CONFIG_KEY!r}]), or pass allow_config_change=True to load it anyway"
+        )
 
 
 @torch.no_grad()
-def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.PathLike, strict: bool = True,
-                       tag: str | None = None, device=None, allow_config_change: bool = False) -> LoadReport:
+def load_model_weights(
+    model: nn.Module,
+    reader: CheckpointReader | str | os.PathLike,
+    strict: bool = True,
+    tag: str | None = None,
+    device=None,
+    allow_config_change: bool = False,
+) -> LoadReport:
     """Fill every parameter of ``model`` (any tp/pp layout) from a checkpoint of any layout.
 
     Each parameter reads only its own box (``read_tp_shard``), converted to the parameter's dtype;
@@ -116,17 +142,23 @@ def load_model_weights(model: nn.Module, reader: CheckpointReader | str | os.Pat
     return report
 
 
-def plan_model_load(model: nn.Module, reader: CheckpointReader, strict: bool = True,
-                    allow_config_change: bool = False) -> tuple[list, LoadReport]:
+def plan_model_load(
+    model: nn.Module,
+    reader: CheckpointReader,
+    strict: bool = True,
+    allow_config_change: bool = False,
+) -> tuple[list, LoadReport]:
     """``load_model_weights``' checks and plan, changing nothing: the ``(param, LogicalPart)`` pairs to read
     (for ``fill_model``) and the ``LoadReport``. Raises as ``load_model_weights``."""
     if not allow_config_change:
         check_model_config(model, reader)
     plan, report = _plan_load(model, reader)
     if strict and (report.missing or report.unexpected):
-        raise CheckpointError(f"checkpoint {reader.path} does not match the model: missing "
-                              f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
-                              f"pass strict=False to load the rest")
+        raise CheckpointError(
+            f"checkpoint {reader.path} does not match the model: missing "
+            f"{_few(report.missing)}, unexpected {_few(report.unexpected)}; "
+            f"pass strict=False to load the rest"
+        )
     return plan, report
 
 
@@ -143,11 +175,17 @@ def _fill_buffers(model: nn.Module, reader: CheckpointReader, device) -> None:
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device or "cpu")
+                module._buffers[name] = torch.zeros(
+                    buf.shape, dtype=buf.dtype, device=device or "cpu"
+                )
     stored = set(reader.names())
     for name, buf in state_buffers(model):
         if name in stored:
-            buf.copy_(read_tp_shard(reader, name, TPShard(tuple(buf.shape)), dtype=buf.dtype, device=buf.device))
+            buf.copy_(
+                read_tp_shard(
+                    reader, name, TPShard(tuple(buf.shape)), dtype=buf.dtype, device=buf.device
+                )
+            )
 
 
 def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadReport]:
@@ -162,7 +200,7 @@ def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadRe
         parts = logical_parts(checkpoint_name(name, param, model), param)
         wanted.update(part.name for part in parts)
         absent = [part.name for part in parts if part.name not in stored]
-        if absent:          # a fused parameter is read whole or not at all (no half-filled rows)
+        if absent:  # a fused parameter is read whole or not at all (no half-filled rows)
             how = "" if parts[0].fused else "tied to "
             report.missing += [name if key == name else f"{name} ({how}{key})" for key in absent]
             continue
@@ -170,12 +208,15 @@ def _plan_load(model: nn.Module, reader: CheckpointReader) -> tuple[list, LoadRe
             key, spec = part.name, part.spec
             have = reader.shape(key)
             if tuple(have) != tuple(spec.logical_shape):
-                raise CheckpointError(f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
-                                      f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
-                                      f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])")
+                raise CheckpointError(
+                    f"tensor {key!r}: the checkpoint {reader.path} has shape {list(have)}, "
+                    f"the model's parameter {name!r} expects {list(spec.logical_shape)}; "
+                    f"build the model with the checkpoint's config (meta[{MODEL_CONFIG_KEY!r}])"
+                )
             plan.append((param, part))
-    report.unexpected = sorted(n for n in stored - wanted
-                               if _is_model_weight(n) and not _elsewhere(n, model))
+    report.unexpected = sorted(
+        n for n in stored - wanted if _is_model_weight(n) and not _elsewhere(n, model)
+    )
     return plan, report
 
 
@@ -186,16 +227,25 @@ def _fill_parameters(model: nn.Module, reader: CheckpointReader, plan: list, dev
     for param, part in plan:
         if not param.is_meta:
             local = part.local(param)
-            local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
+            local.copy_(
+                read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device)
+            )
             continue
-        if id(param) not in fresh:      # a fused parameter: allocated once, every part then read into it
-            data = read_tp_shard(reader, part.name, part.spec, dtype=param.dtype, device=device) if not part.fused \
+        if (
+            id(param) not in fresh
+        ):  # a fused parameter: allocated once, every part then read into it
+            data = (
+                read_tp_shard(reader, part.name, part.spec, dtype=param.dtype, device=device)
+                if not part.fused
                 else torch.empty(param.shape, dtype=param.dtype, device=device)
+            )
             fresh[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
-            fresh[id(param)].__dict__.update(param.__dict__)        # TPShard, initializer, tie marker
+            fresh[id(param)].__dict__.update(param.__dict__)  # TPShard, initializer, tie marker
         if part.fused:
             local = part.local(fresh[id(param)])
-            local.copy_(read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device))
+            local.copy_(
+                read_tp_shard(reader, part.name, part.spec, dtype=local.dtype, device=local.device)
+            )
     if fresh:
         _replace_parameters(model, fresh)
 

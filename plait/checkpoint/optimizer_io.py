@@ -9,6 +9,7 @@
 
 The box arithmetic is ``plait.checkpoint.tp``'s (``shard_boxes``, ``read_box``).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,12 +33,14 @@ def param_table(chunks: list, optimizer) -> dict:
     ``optimizer``'s module over this rank's model ``chunks`` (several: pipeline stages, whose slot names
     carry the chunk index)."""
     table, chunk_params = {}, {}
-    strip = chunks[0] is not optimizer.module   # pipeline stages: ZeRO holds them in a ModuleList
+    strip = chunks[0] is not optimizer.module  # pipeline stages: ZeRO holds them in a ModuleList
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             chunk_params[id(p)] = (name, chunk)
     for name, p in optimizer.module.named_parameters():
-        own, chunk = chunk_params.get(id(p), (_CHUNK_PREFIX.sub("", name) if strip else name, optimizer.module))
+        own, chunk = chunk_params.get(
+            id(p), (_CHUNK_PREFIX.sub("", name) if strip else name, optimizer.module)
+        )
         table[name] = (logical_parts(checkpoint_name(own, p, chunk), p), p)
     return table
 
@@ -55,7 +58,9 @@ def optimizer_items(table: dict, state: ShardState, mesh) -> list[ShardItem]:
             if not part.spec.tp_split and mesh.tp_rank != 0:
                 continue
             for kind, flat in [("master", sl.master)] + sorted(sl.state.items()):
-                items += _part_items(optimizer_key(kind, part.name), part.spec, flat[pos:pos + length], start)
+                items += _part_items(
+                    optimizer_key(kind, part.name), part.spec, flat[pos : pos + length], start
+                )
     return items
 
 
@@ -64,7 +69,7 @@ def _part_items(key: str, spec: TPShard, flat: torch.Tensor, start: int) -> list
     shard ``spec``, as ``ShardItem`` boxes (padding rows dropped)."""
     items = []
     for pos, (offsets, keep), lengths in shard_boxes(spec, start, flat.numel()):
-        box = flat[pos:pos + math.prod(lengths)].view(lengths)
+        box = flat[pos : pos + math.prod(lengths)].view(lengths)
         if spec.dim is not None:
             box = box.narrow(spec.dim, 0, keep[spec.dim])
         if box.numel():
@@ -78,17 +83,24 @@ def flat_reader(reader: CheckpointReader, table: dict):
 
     def read(slot: str, kind: str, start: int, length: int) -> torch.Tensor:
         parts, _ = table[slot]
-        out = [_read_part(reader, names, kind, part, lo, n) for part, lo, n, _ in split_flat(parts, start, length)]
+        out = [
+            _read_part(reader, names, kind, part, lo, n)
+            for part, lo, n, _ in split_flat(parts, start, length)
+        ]
         return torch.cat(out) if out else torch.zeros(0)
 
     return read
 
 
-def _read_part(reader: CheckpointReader, names: set, kind: str, part, start: int, length: int) -> torch.Tensor:
+def _read_part(
+    reader: CheckpointReader, names: set, kind: str, part, start: int, length: int
+) -> torch.Tensor:
     """float32 elements ``[start, start + length)`` of ``part``'s local shard, padding rows zero."""
     key = optimizer_key(kind, part.name)
     if kind == "master" and key not in names:
-        key = part.name                             # no master saved (e.g. a converted checkpoint)
-    out = [read_box(reader, key, part.spec, box, lengths, dtype=torch.float32).reshape(-1)
-           for _, box, lengths in shard_boxes(part.spec, start, length)]
+        key = part.name  # no master saved (e.g. a converted checkpoint)
+    out = [
+        read_box(reader, key, part.spec, box, lengths, dtype=torch.float32).reshape(-1)
+        for _, box, lengths in shard_boxes(part.spec, start, length)
+    ]
     return torch.cat(out) if out else torch.zeros(0)

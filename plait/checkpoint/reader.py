@@ -5,6 +5,7 @@ presence, sizes, CRC-32s, safetensors headers against the index, slice tiling), 
 ``read(name, offsets, lengths)`` assembles the requested box from the stored slices that
 overlap it, reading only those parts through ``safe_open(...).get_slice(key)[...]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,15 @@ class CheckpointReader:
             mismatch.
     """
 
-    def __init__(self, root: str, tag: str | None = None, *, verify: str = "full",
-                 model: str | Mapping[str, Sequence[int]] | None = None, strict: bool = True):
+    def __init__(
+        self,
+        root: str,
+        tag: str | None = None,
+        *,
+        verify: str = "full",
+        model: str | Mapping[str, Sequence[int]] | None = None,
+        strict: bool = True,
+    ):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.root = os.fspath(root)
@@ -70,7 +78,9 @@ class CheckpointReader:
         self._by_file: dict[str, list] | None = None
         self._lazy = verify == "lazy"
         for fname, info in self.index["files"].items():
-            verify_file(self._file(fname), info["bytes"], info["checksum"] if verify == "full" else None)
+            verify_file(
+                self._file(fname), info["bytes"], info["checksum"] if verify == "full" else None
+            )
         if verify == "full":
             for fname in self.index["files"]:
                 self._check_header(fname)
@@ -109,15 +119,19 @@ class CheckpointReader:
         keys = set(handle.keys())
         for name, entry, sl in self._slices_in(fname):
             if sl["key"] not in keys:
-                raise CheckpointError(f"checkpoint file {path} has no key {sl['key']!r} "
-                                      f"(index slice of tensor {name!r})")
+                raise CheckpointError(
+                    f"checkpoint file {path} has no key {sl['key']!r} "
+                    f"(index slice of tensor {name!r})"
+                )
             part = handle.get_slice(sl["key"])
             shape, st_dtype = list(part.get_shape()), part.get_dtype()
             want = ST_DTYPES[DTYPE_BY_NAME[entry["dtype"]]]
             if shape != sl["lengths"] or st_dtype != want:
-                raise CheckpointError(f"checkpoint file {path} key {sl['key']!r}: shape {shape} dtype "
-                                      f"{st_dtype}, the index says tensor {name!r} slice has shape "
-                                      f"{sl['lengths']} dtype {want}")
+                raise CheckpointError(
+                    f"checkpoint file {path} key {sl['key']!r}: shape {shape} dtype "
+                    f"{st_dtype}, the index says tensor {name!r} slice has shape "
+                    f"{sl['lengths']} dtype {want}"
+                )
         self._verified.add(fname)
 
     def _open(self, fname: str, check: bool = True):
@@ -129,8 +143,9 @@ class CheckpointReader:
             try:
                 self._handles[fname] = safe_open(self._file(fname), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - safetensors raises several types
-                raise CheckpointError(f"checkpoint file {self._file(fname)} is not a readable "
-                                      f"safetensors file ({e})") from None
+                raise CheckpointError(
+                    f"checkpoint file {self._file(fname)} is not a readable safetensors file ({e})"
+                ) from None
         return self._handles[fname]
 
     def close(self) -> None:
@@ -152,8 +167,9 @@ class CheckpointReader:
         try:
             return self._tensors[name]
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r} "
-                                  f"({len(self._tensors)} tensors)") from None
+            raise CheckpointError(
+                f"checkpoint {self.path} has no tensor {name!r} ({len(self._tensors)} tensors)"
+            ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Global (logical) shape of ``name``."""
@@ -171,7 +187,9 @@ class CheckpointReader:
         """The per-rank JSON values passed as ``rank_meta`` at save (group-rank order), or None."""
         return self._rank_meta
 
-    def check_model(self, model: str | Mapping[str, Sequence[int]], strict: bool = True) -> ModelCheck:
+    def check_model(
+        self, model: str | Mapping[str, Sequence[int]], strict: bool = True
+    ) -> ModelCheck:
         """Check that this checkpoint's model weights fit ``model``.
 
         ``model`` is a fingerprint (``model_fingerprint``) or ``{name: logical shape}``; names
@@ -183,24 +201,44 @@ class CheckpointReader:
         """
         if isinstance(model, str):
             if model != self.fingerprint:
-                raise CheckpointError(f"checkpoint {self.path} is of another model: fingerprint "
-                                      f"{self.fingerprint}, expected {model}")
+                raise CheckpointError(
+                    f"checkpoint {self.path} is of another model: fingerprint "
+                    f"{self.fingerprint}, expected {model}"
+                )
             return ModelCheck()
-        want = {n: tuple(int(s) for s in shp) for n, shp in model.items() if not n.startswith(OPTIMIZER_PREFIX)}
-        have = {n: tuple(e["shape"]) for n, e in self._tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+        want = {
+            n: tuple(int(s) for s in shp)
+            for n, shp in model.items()
+            if not n.startswith(OPTIMIZER_PREFIX)
+        }
+        have = {
+            n: tuple(e["shape"])
+            for n, e in self._tensors.items()
+            if not n.startswith(OPTIMIZER_PREFIX)
+        }
         for n in sorted(set(want) & set(have)):
             if want[n] != have[n]:
-                raise CheckpointError(f"checkpoint {self.path}: tensor {n!r} has shape {list(have[n])}, "
-                                      f"the model expects {list(want[n])}")
+                raise CheckpointError(
+                    f"checkpoint {self.path}: tensor {n!r} has shape {list(have[n])}, "
+                    f"the model expects {list(want[n])}"
+                )
         report = ModelCheck(sorted(set(want) - set(have)), sorted(set(have) - set(want)))
         if strict and (report.missing or report.unexpected):
-            raise CheckpointError(f"checkpoint {self.path} does not match the model: missing "
-                                  f"{_few(report.missing)}, unexpected {_few(report.unexpected)}")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match the model: missing "
+                f"{_few(report.missing)}, unexpected {_few(report.unexpected)}"
+            )
         return report
 
     # ----------------------------------------------------------------------------- reads
-    def read(self, name: str, offsets: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
-             dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        offsets: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> torch.Tensor:
         """The box ``tensor[o0:o0+l0, ...]`` of logical tensor ``name``, shape ``lengths``.
 
         ``offsets``/``lengths`` default to the whole tensor. Only the stored slices that overlap
@@ -226,14 +264,17 @@ class CheckpointReader:
             common = intersect(want, (tuple(sl["offsets"]), tuple(sl["lengths"])))
             if common is None:
                 continue
-            src = tuple(slice(c - s, c - s + n) for c, s, n in zip(common[0], sl["offsets"], common[1]))
+            src = tuple(
+                slice(c - s, c - s + n) for c, s, n in zip(common[0], sl["offsets"], common[1])
+            )
             dst = tuple(slice(c - o, c - o + n) for c, o, n in zip(common[0], offsets, common[1]))
             part = self._open(sl["file"]).get_slice(sl["key"])[src]
             out[dst].copy_(part)
         return out
 
-    def read_flat(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None,
-                  device=None) -> torch.Tensor:
+    def read_flat(
+        self, name: str, start: int, stop: int, dtype: torch.dtype | None = None, device=None
+    ) -> torch.Tensor:
         """Elements ``[start, stop)`` of the row-major flattened tensor ``name``, shape ``[stop - start]``
         (a ZeRO partition of one parameter)."""
         shape = self.shape(name)

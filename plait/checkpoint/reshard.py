@@ -5,6 +5,7 @@ layout needs no conversion. What ``reshard`` changes is the files: the slices th
 become whole tensors, in files of at most ``max_file_bytes`` (e.g. thousands of per-rank files of a large
 run into a few, to copy or archive), with everything else kept, so training resumes from the new root.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ class ReshardReport:
     rng_kept: bool
 
 
-def reshard(plait_root: str, out_root: str, tag: str | None = None, max_file_bytes: int | None = None) -> ReshardReport:
+def reshard(
+    plait_root: str, out_root: str, tag: str | None = None, max_file_bytes: int | None = None
+) -> ReshardReport:
     """Rewrite checkpoint ``<plait_root>/<tag>`` (default: latest) as ``<out_root>/<tag>``: every tensor
     (model, optimizer state, extras) whole, in files of at most ``max_file_bytes`` (None: one file), with
     ``meta.json`` unchanged; ``out_root/latest`` names it. Holds the checkpoint in host memory (as
@@ -38,8 +41,10 @@ def reshard(plait_root: str, out_root: str, tag: str | None = None, max_file_byt
         CheckpointError: the source is missing or damaged (names the file), or ``out_root`` is the source root.
     """
     if os.path.realpath(out_root) == os.path.realpath(plait_root):
-        raise CheckpointError(f"reshard writes a new checkpoint root; {out_root} is the source root: choose "
-                              f"another folder")
+        raise CheckpointError(
+            f"reshard writes a new checkpoint root; {out_root} is the source root: choose "
+            f"another folder"
+        )
     reader = CheckpointReader(plait_root, tag)
     names = reader.names()
     slices = sum(len(reader.index["tensors"][n]["slices"]) for n in names)

@@ -6,6 +6,7 @@ the slices tile every tensor, writes ``meta.json``, ``rank_meta.json`` and last 
 folder as ``<root>/<tag>`` and prunes; the outcome is broadcast so every rank raises the same error.
 ``PAUSE_ENV`` lets tests kill a save at a named phase.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,18 +86,32 @@ def _write_rank_files(job: SaveJob, tmp: str) -> tuple[list[dict], dict]:
         size += nbytes
     slices, files = [], {}
     for k, group in enumerate(g for g in groups if g):
-        fname = f"rank{rank:05d}.safetensors" if len(groups) == 1 else f"rank{rank:05d}-{k:03d}.safetensors"
+        fname = (
+            f"rank{rank:05d}.safetensors"
+            if len(groups) == 1
+            else f"rank{rank:05d}-{k:03d}.safetensors"
+        )
         entries, seen = [], {}
         for name, tensor, shape, offsets in group:
             n = seen.get(name, 0)
             seen[name] = n + 1
             key = name if n == 0 else f"{name}#{n}"
             entries.append((key, tensor))
-            slices.append({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(shape),
-                           "offsets": list(offsets), "lengths": list(tensor.shape), "file": fname,
-                           "key": key, "rank": rank})
-        files[fname] = write_safetensors(os.path.join(tmp, fname), entries,
-                                         after_tensor=lambda i: _pause("file"))
+            slices.append(
+                {
+                    "name": name,
+                    "dtype": dtype_name(tensor.dtype),
+                    "shape": list(shape),
+                    "offsets": list(offsets),
+                    "lengths": list(tensor.shape),
+                    "file": fname,
+                    "key": key,
+                    "rank": rank,
+                }
+            )
+        files[fname] = write_safetensors(
+            os.path.join(tmp, fname), entries, after_tensor=lambda i: _pause("file")
+        )
     return slices, files
 
 
@@ -116,8 +131,13 @@ def run(job: SaveJob) -> None:
         except OSError as e:
             header = (tmp, nonce, job.tag, f"rank 0 cannot create {tmp}: {e}")
     tmp, nonce, tag, error = comm.bcast(header)
-    result = {"rank": comm.rank, "error": job.error, "slices": [], "files": {},
-              "rank_meta": job.rank_meta if job.error is None else None}
+    result = {
+        "rank": comm.rank,
+        "error": job.error,
+        "slices": [],
+        "files": {},
+        "rank_meta": job.rank_meta if job.error is None else None,
+    }
     if result["error"] is None and tag != job.tag:
         result["error"] = f"rank {comm.rank} saves tag {job.tag!r} but rank 0 saves {tag!r}"
     if result["error"] is None and error is None:
@@ -134,11 +154,15 @@ def run(job: SaveJob) -> None:
                 raise CheckpointError("; ".join(errors))
             _finish(job, tmp, nonce, results)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            status = str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"
+            status = (
+                str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"
+            )
             shutil.rmtree(tmp, ignore_errors=True)
     status = comm.bcast(status)
     if status is not None:
-        raise CheckpointError(f"saving checkpoint {os.path.join(job.root, job.tag)} failed: {status}")
+        raise CheckpointError(
+            f"saving checkpoint {os.path.join(job.root, job.tag)} failed: {status}"
+        )
 
 
 def _finish(job: SaveJob, tmp: str, nonce: str, results: list[dict]) -> None:

@@ -6,6 +6,7 @@ padded with spaces to a multiple of 8 bytes, then the raw little-endian tensor b
 header order. Writing it here, one tensor at a time, avoids the whole-file copy in memory
 that ``safetensors.torch.save_file`` makes, and gives the CRC-32 without reading the file back.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,24 @@ import torch
 from plait.checkpoint.integrity import CHUNK_BYTES, Crc32
 
 ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                     ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
     if hasattr(torch, _name):
         ST_DTYPES[getattr(torch, _name)] = _code
 
@@ -38,8 +51,9 @@ def dtype_name(dtype: torch.dtype) -> str:
         ValueError: safetensors cannot store ``dtype``.
     """
     if dtype not in ST_DTYPES:
-        raise ValueError(f"dtype {dtype} cannot be stored in safetensors (supported: "
-                         f"{sorted(DTYPE_BY_NAME)})")
+        raise ValueError(
+            f"dtype {dtype} cannot be stored in safetensors (supported: {sorted(DTYPE_BY_NAME)})"
+        )
     return str(dtype).removeprefix("torch.")
 
 
@@ -54,8 +68,11 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], after_te
     header, offset = {}, 0
     for key, t in items:
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -69,7 +86,7 @@ def write_safetensors(path: str, items: list[tuple[str, torch.Tensor]], after_te
             flat = t.detach().reshape(-1)
             step = max(1, CHUNK_BYTES // max(1, t.element_size()))
             for start in range(0, flat.numel(), step):  # one chunk at a time: bounded host copies
-                part = flat[start:start + step].to("cpu").contiguous().view(torch.uint8).numpy()
+                part = flat[start : start + step].to("cpu").contiguous().view(torch.uint8).numpy()
                 data = memoryview(part)
                 f.write(data)
                 crc.update(data)

@@ -9,6 +9,7 @@ The padded-box arithmetic lives here only: ``logical_box`` maps a box of the loc
 the logical box it holds; ``shard_boxes`` does it for a flat range of the shard (a ZeRO partition);
 ``read_box`` reads one back with its padding rows zero.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,15 @@ def shard_boxes(spec: TPShard, start: int, length: int) -> list[tuple[int, Box, 
     return out
 
 
-def read_box(reader, name: str, spec: TPShard, box: Box, local_lengths, dtype: torch.dtype | None = None,
-             device=None) -> torch.Tensor:
+def read_box(
+    reader,
+    name: str,
+    spec: TPShard,
+    box: Box,
+    local_lengths,
+    dtype: torch.dtype | None = None,
+    device=None,
+) -> torch.Tensor:
     """Logical ``box`` of ``name`` (from ``logical_box``) in the local shape ``local_lengths``: the padding
     rows along ``spec.dim`` zero."""
     part = reader.read(name, box[0], box[1], dtype=dtype, device=device)
@@ -74,16 +82,19 @@ def tp_shard_item(name: str, local: torch.Tensor, spec: TPShard) -> ShardItem | 
         ValueError: ``local`` does not have ``spec.local_shape``.
     """
     if tuple(local.shape) != tuple(spec.local_shape):
-        raise ValueError(f"tensor {name!r}: local shard shape {list(local.shape)} is not the shard "
-                         f"shape {list(spec.local_shape)} of logical {list(spec.logical_shape)}")
+        raise ValueError(
+            f"tensor {name!r}: local shard shape {list(local.shape)} is not the shard "
+            f"shape {list(spec.local_shape)} of logical {list(spec.logical_shape)}"
+        )
     offsets, lengths = tp_box(spec)
     if spec.dim is not None and lengths[spec.dim] == 0:
         return None
     return ShardItem(name, spec.unpad(local), spec.logical_shape, offsets)
 
 
-def read_tp_shard(reader, name: str, spec: TPShard, dtype: torch.dtype | None = None,
-                  device=None) -> torch.Tensor:
+def read_tp_shard(
+    reader, name: str, spec: TPShard, dtype: torch.dtype | None = None, device=None
+) -> torch.Tensor:
     """Load this rank's shard of ``name`` for placement ``spec``: shape ``spec.local_shape``,
     padding rows zero.
 
@@ -93,6 +104,8 @@ def read_tp_shard(reader, name: str, spec: TPShard, dtype: torch.dtype | None = 
     """
     stored = reader.shape(name)
     if tuple(stored) != tuple(spec.logical_shape):
-        raise CheckpointError(f"tensor {name!r}: the checkpoint {reader.path} has logical shape "
-                              f"{list(stored)}, the model's shard expects {list(spec.logical_shape)}")
+        raise CheckpointError(
+            f"tensor {name!r}: the checkpoint {reader.path} has logical shape "
+            f"{list(stored)}, the model's shard expects {list(spec.logical_shape)}"
+        )
     return read_box(reader, name, spec, tp_box(spec), spec.local_shape, dtype=dtype, device=device)

@@ -9,6 +9,7 @@ it exactly, writes ``meta.json`` and last ``index.json``, renames the folder to 
 Ranks must share the file system holding ``root``. One writer per root at a time. The protocol every rank
 runs is ``save_job``; the steps in order, with each fsync: ``docs/checkpoints.md``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,6 +27,7 @@ from plait.checkpoint.errors import CheckpointError
 from plait.checkpoint.meta import json_error
 from plait.checkpoint.save_job import Comm, SaveJob, run
 from plait.checkpoint.stfile import dtype_name
+
 
 @dataclass(frozen=True)
 class ShardItem:
@@ -61,7 +63,9 @@ class ShardItem:
         dtype_name(self.tensor.dtype)
         err = box_error(self.global_shape, self.offsets, tuple(self.tensor.shape))
         if err:
-            raise ValueError(f"ShardItem {self.name!r} of tensor shape {list(self.tensor.shape)}: {err}")
+            raise ValueError(
+                f"ShardItem {self.name!r} of tensor shape {list(self.tensor.shape)}: {err}"
+            )
 
     @classmethod
     def whole(cls, name: str, tensor: torch.Tensor) -> ShardItem:
@@ -69,8 +73,9 @@ class ShardItem:
         return cls(name, tensor, tuple(tensor.shape), (0,) * tensor.dim())
 
     @classmethod
-    def from_flat(cls, name: str, flat: torch.Tensor, global_shape: Sequence[int],
-                  start: int) -> list[ShardItem]:
+    def from_flat(
+        cls, name: str, flat: torch.Tensor, global_shape: Sequence[int], start: int
+    ) -> list[ShardItem]:
         """Items for elements ``[start, start + flat.numel())`` of the row-major flattened logical
         tensor (a ZeRO partition of one parameter); ``flat`` is 1-D. At most ``2 * ndim - 1`` items."""
         out, pos = [], 0
@@ -78,7 +83,7 @@ class ShardItem:
             n = 1
             for s in lengths:
                 n *= s
-            out.append(cls(name, flat[pos:pos + n].view(lengths), tuple(global_shape), offsets))
+            out.append(cls(name, flat[pos : pos + n].view(lengths), tuple(global_shape), offsets))
             pos += n
         return out
 
@@ -116,8 +121,9 @@ class CheckpointWriter:
             (None: one file per rank).
     """
 
-    def __init__(self, root: str, group=None, keep_last: int | None = None,
-                 max_file_bytes: int | None = None):
+    def __init__(
+        self, root: str, group=None, keep_last: int | None = None, max_file_bytes: int | None = None
+    ):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
         self.root = os.fspath(root)
@@ -133,9 +139,14 @@ class CheckpointWriter:
             return Comm(None)
         if not async_ and dist.get_backend(self._group) == "gloo" and self._side is None:
             return Comm(self._group)
-        if self._side is None:  # collective: every rank of the group reaches its first such save together
-            self._side = dist.new_group(ranks=dist.get_process_group_ranks(self._group), backend="gloo",
-                                        use_local_synchronization=True)
+        if (
+            self._side is None
+        ):  # collective: every rank of the group reaches its first such save together
+            self._side = dist.new_group(
+                ranks=dist.get_process_group_ranks(self._group),
+                backend="gloo",
+                use_local_synchronization=True,
+            )
         return Comm(self._side)
 
     def wait(self) -> None:
@@ -146,8 +157,14 @@ class CheckpointWriter:
             if pending.error is not None and not pending.observed:
                 pending.wait()
 
-    def save(self, tag: str, shards: Sequence[ShardItem], meta: dict | None = None,
-             rank_meta=None, async_: bool = False) -> SaveHandle:
+    def save(
+        self,
+        tag: str,
+        shards: Sequence[ShardItem],
+        meta: dict | None = None,
+        rank_meta=None,
+        async_: bool = False,
+    ) -> SaveHandle:
         """Save ``shards`` (this rank's boxes) as checkpoint ``<root>/<tag>``; collective over the group.
 
         Args:
@@ -171,8 +188,17 @@ class CheckpointWriter:
         items = _held(shards, async_) if error is None else []
         if async_:  # the caller may change its dicts while the thread writes
             meta, rank_meta = copy.deepcopy(meta), copy.deepcopy(rank_meta)
-        job = SaveJob(self.root, tag, items, meta or {}, rank_meta, self.keep_last, self.max_file_bytes,
-                      comm, error)
+        job = SaveJob(
+            self.root,
+            tag,
+            items,
+            meta or {},
+            rank_meta,
+            self.keep_last,
+            self.max_file_bytes,
+            comm,
+            error,
+        )
         if error is not None and comm.world == 1:
             raise CheckpointError(error.removeprefix("rank 0: "))
         if not async_:
@@ -225,14 +251,22 @@ def _start(job: SaveJob, tag: str) -> SaveHandle:
     return handle
 
 
-def save(root: str, tag: str, shards: Sequence[ShardItem], meta: dict | None = None, *, group=None,
-         keep_last: int | None = None, async_: bool = False, rank_meta=None,
-         max_file_bytes: int | None = None) -> SaveHandle:
+def save(
+    root: str,
+    tag: str,
+    shards: Sequence[ShardItem],
+    meta: dict | None = None,
+    *,
+    group=None,
+    keep_last: int | None = None,
+    async_: bool = False,
+    rank_meta=None,
+    max_file_bytes: int | None = None,
+) -> SaveHandle:
     """One-shot ``CheckpointWriter(root, group, keep_last, max_file_bytes).save(...)``.
 
     For repeated async saves keep one ``CheckpointWriter`` so each save waits for the last.
     """
-    return CheckpointWriter(root, group, keep_last, max_file_bytes).save(tag, shards, meta,
-                                                                        rank_meta, async_)
-
-
+    return CheckpointWriter(root, group, keep_last, max_file_bytes).save(
+        tag, shards, meta, rank_meta, async_
+    )

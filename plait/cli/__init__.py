@@ -15,6 +15,7 @@ Heavy modules are imported inside ``run`` so ``plait --help`` stays fast.
 
 Errors name this command's flags (``--hidden``), not the Python arguments behind them (:func:`cli_words`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,32 @@ __all__ = ["COMMANDS", "FLAGS", "Command", "build_parser", "cli_words", "main", 
 
 #: The subcommand table; append a Command to add one.
 COMMANDS: tuple[Command, ...] = (
-    Command("estimate-memory", "per-GPU and per-host model-state memory for ZeRO stages 0-3",
-            estimate.configure, estimate.run),
-    Command("check-config", "validate a ds_config JSON and print it resolved", check.configure, check.run),
-    Command("convert", "checkpoints: from-hf, to-hf, consolidate, inspect, reshard", convert.configure,
-            convert.run),
+    Command(
+        "estimate-memory",
+        "per-GPU and per-host model-state memory for ZeRO stages 0-3",
+        estimate.configure,
+        estimate.run,
+    ),
+    Command(
+        "check-config",
+        "validate a ds_config JSON and print it resolved",
+        check.configure,
+        check.run,
+    ),
+    Command(
+        "convert",
+        "checkpoints: from-hf, to-hf, consolidate, inspect, reshard",
+        convert.configure,
+        convert.run,
+    ),
 )
 
 
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command."""
-    parser = argparse.ArgumentParser(prog="plait", description="plait: tensor, pipeline and ZeRO data "
-                                     "parallel training tools")
+    parser = argparse.ArgumentParser(
+        prog="plait", description="plait: tensor, pipeline and ZeRO data parallel training tools"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
@@ -55,10 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)
-    except BrokenPipeError:   # the reader left (``plait convert inspect ROOT | head``): stop quietly
+    except BrokenPipeError:  # the reader left (``plait convert inspect ROOT | head``): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())    # so the interpreter's final flush does not fail again
-        return 141                               # 128 + SIGPIPE, as other tools end in a closed pipe
+        os.dup2(
+            devnull, sys.stdout.fileno()
+        )  # so the interpreter's final flush does not fail again
+        return 141  # 128 + SIGPIPE, as other tools end in a closed pipe
 
 
 if __name__ == "__main__":

@@ -7,18 +7,54 @@
 Modules: ``schema`` (the frozen dataclasses), ``reader`` (key and type checks, ``load_config``),
 ``resolve`` ("auto" rules and the batch-size triple), ``unsupported`` (DeepSpeed keys plait rejects).
 """
+
 from plait.config.reader import load_config, read_raw
-from plait.config.schema import (AUTO, ActivationCheckpointingConfig, AdamParams, BF16Config, ConfigError,
-                                 ContextParallelConfig, FP16Config, LambParams, LionParams, OffloadConfig,
-                                 OptimizerConfig, PipelineConfig, PlaitConfig, SchedulerConfig, SGDParams,
-                                 TensorParallelConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams,
-                                 ZeroConfig)
+from plait.config.schema import (
+    AUTO,
+    ActivationCheckpointingConfig,
+    AdamParams,
+    BF16Config,
+    ConfigError,
+    ContextParallelConfig,
+    FP16Config,
+    LambParams,
+    LionParams,
+    OffloadConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    PlaitConfig,
+    SchedulerConfig,
+    SGDParams,
+    TensorParallelConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    ZeroConfig,
+)
 from plait.config.unsupported import UnsupportedConfigError
 
 __all__ = [
-    "AUTO", "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "ConfigError", "ContextParallelConfig",
+    "AUTO",
+    "ActivationCheckpointingConfig",
+    "AdamParams",
+    "BF16Config",
+    "ConfigError",
+    "ContextParallelConfig",
     "FP16Config",
-    "LambParams", "LionParams", "OffloadConfig", "OptimizerConfig", "PipelineConfig", "PlaitConfig",
-    "SchedulerConfig", "SGDParams", "TensorParallelConfig", "UnsupportedConfigError", "WarmupCosineLRParams",
-    "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "load_config", "read_raw",
+    "LambParams",
+    "LionParams",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "PlaitConfig",
+    "SchedulerConfig",
+    "SGDParams",
+    "TensorParallelConfig",
+    "UnsupportedConfigError",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "load_config",
+    "read_raw",
 ]

@@ -1,5 +1,6 @@
 """JSON values of a ds_config as the Python types of the schema's fields (:mod:`plait.config.schema`), with
 the type in words when a value does not fit."""
+
 from __future__ import annotations
 
 import difflib
@@ -63,10 +64,13 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
     except _Mismatch:
         extra = ""
         if typing.get_origin(strip_optional(hint)) is Literal and isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(a) for a in typing.get_args(strip_optional(hint))], 1)
+            close = difflib.get_close_matches(
+                value, [str(a) for a in typing.get_args(strip_optional(hint))], 1
+            )
             extra = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"'{path}' must be {describe(hint)}, got {type(value).__name__} {value!r}"
-                          f"{extra}") from None
+        raise ConfigError(
+            f"'{path}' must be {describe(hint)}, got {type(value).__name__} {value!r}{extra}"
+        ) from None
 
 
 def _convert(value: Any, hint: Any) -> Any:
@@ -117,4 +121,3 @@ def _convert(value: Any, hint: Any) -> Any:
             return [_convert(v, args[0]) for v in value]
         raise _Mismatch
     raise TypeError(f"plait.config: no reader for type {hint!r}")  # a schema bug, not a user error
-

@@ -2,6 +2,7 @@
 ``deepspeed.monitor.config`` keys and defaults). The engine writes DeepSpeed's events to each enabled one
 (``plait.engine.monitor``): ``Train/Samples/train_loss``, ``Train/Samples/lr`` and, with fp16,
 ``Train/Samples/loss_scale``, against the number of samples trained so far."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

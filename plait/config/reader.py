@@ -7,6 +7,7 @@ a value of the wrong type names the key and the expected type (:mod:`plait.confi
 kept for the fields that allow it and resolved in :mod:`plait.config.resolve`; a field typed with
 ``Literal["auto"]`` (``device_step_fraction``) keeps it as its value (``schema_base.takes_auto``).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -21,22 +22,44 @@ from collections.abc import Mapping
 from plait.config.accepted import check_accepted, log
 from plait.config.coerce import coerce, describe, strip_optional
 from plait.config.resolve import build_config, resolve_auto
-from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, SCHEDULER_PARAMS, ConfigError, OptimizerConfig,
-                                 PlaitConfig, SchedulerConfig)
+from plait.config.schema import (
+    AUTO,
+    OPTIMIZER_PARAMS,
+    SCHEDULER_PARAMS,
+    ConfigError,
+    OptimizerConfig,
+    PlaitConfig,
+    SchedulerConfig,
+)
 from plait.config.schema_base import takes_auto
-from plait.config.unsupported import (UNSUPPORTED_OPTIMIZERS, UNSUPPORTED_SCHEDULERS, UnsupportedConfigError,
-                                      check_unsupported, check_unsupported_value)
+from plait.config.unsupported import (
+    UNSUPPORTED_OPTIMIZERS,
+    UNSUPPORTED_SCHEDULERS,
+    UnsupportedConfigError,
+    check_unsupported,
+    check_unsupported_value,
+)
 
 
-def load_config(source: str | os.PathLike | Mapping[str, Any], *,
-                dp_size: int | None = None, world_size: int | None = None,
-                model_hidden_size: int | None = None,
-                micro_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
-                train_batch_size: int | None = None, mixed_precision: str | None = None,
-                gradient_clipping: float | None = None, lr: float | None = None,
-                betas: tuple[float, float] | None = None, eps: float | None = None,
-                weight_decay: float | None = None, warmup_min_lr: float | None = None,
-                warmup_num_steps: int | None = None, total_num_steps: int | None = None) -> PlaitConfig:
+def load_config(
+    source: str | os.PathLike | Mapping[str, Any],
+    *,
+    dp_size: int | None = None,
+    world_size: int | None = None,
+    model_hidden_size: int | None = None,
+    micro_batch_size: int | None = None,
+    gradient_accumulation_steps: int | None = None,
+    train_batch_size: int | None = None,
+    mixed_precision: str | None = None,
+    gradient_clipping: float | None = None,
+    lr: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    warmup_min_lr: float | None = None,
+    warmup_num_steps: int | None = None,
+    total_num_steps: int | None = None,
+) -> PlaitConfig:
     """Read a ds_config (path to a JSON file, or a dict) into a resolved, validated, frozen
     :class:`PlaitConfig` (``cfg.to_dict()`` loads back to an equal config).
 
@@ -59,11 +82,24 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *,
         FileNotFoundError: ``source`` path does not exist.
     """
     raw = read_raw(_load_json(source))
-    resolved = resolve_auto(raw, dp_size=dp_size, world_size=world_size, hidden=model_hidden_size,
-                            micro=micro_batch_size, gas=gradient_accumulation_steps, train=train_batch_size,
-                            mixed_precision=mixed_precision, gradient_clipping=gradient_clipping, lr=lr,
-                            betas=betas, eps=eps, weight_decay=weight_decay, warmup_min_lr=warmup_min_lr,
-                            warmup_num_steps=warmup_num_steps, total_num_steps=total_num_steps)
+    resolved = resolve_auto(
+        raw,
+        dp_size=dp_size,
+        world_size=world_size,
+        hidden=model_hidden_size,
+        micro=micro_batch_size,
+        gas=gradient_accumulation_steps,
+        train=train_batch_size,
+        mixed_precision=mixed_precision,
+        gradient_clipping=gradient_clipping,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        warmup_min_lr=warmup_min_lr,
+        warmup_num_steps=warmup_num_steps,
+        total_num_steps=total_num_steps,
+    )
     return build_config(resolved)
 
 
@@ -72,8 +108,10 @@ def _load_json(source: Any) -> dict:
         try:
             return json.loads(json.dumps(source))  # deep copy; also rejects non-JSON values early
         except (TypeError, ValueError) as err:
-            raise ConfigError(f"config dict must hold only JSON values (dict, list, str, number, bool, "
-                              f"null): {err}") from None
+            raise ConfigError(
+                f"config dict must hold only JSON values (dict, list, str, number, bool, "
+                f"null): {err}"
+            ) from None
     path = os.fspath(source)
     with open(path, encoding="utf-8") as fh:
         try:
@@ -109,7 +147,9 @@ def _keys(cls: type) -> tuple:
 
 def _read_section(data: Any, cls: type, section: str) -> dict:
     if not isinstance(data, dict):
-        raise ConfigError(f"{_name(section)} must be a JSON object, got {type(data).__name__} {data!r}")
+        raise ConfigError(
+            f"{_name(section)} must be a JSON object, got {type(data).__name__} {data!r}"
+        )
     by_key, hints = _keys(cls)
     if section == "zero_optimization":
         data = _legacy_offload(data)
@@ -124,17 +164,26 @@ def _read_section(data: Any, cls: type, section: str) -> dict:
                 continue
             raise _unknown_key(key, section, [f.name for f in fields(cls)])
         if f.name in out:
-            raise ConfigError(f"{_name(section)} sets '{f.name}' twice (as '{f.name}' and an alias); keep one")
+            raise ConfigError(
+                f"{_name(section)} sets '{f.name}' twice (as '{f.name}' and an alias); keep one"
+            )
         if f.name == "communication_data_type" and isinstance(value, str):
-            value = {"bfp16": "bf16"}.get(value.lower(), value.lower())   # DeepSpeed < 0.10 spelled it bfp16
+            value = {"bfp16": "bf16"}.get(
+                value.lower(), value.lower()
+            )  # DeepSpeed < 0.10 spelled it bfp16
         out[f.name] = _read_value(value, hints[f.name], f, section, key)
     return out
 
 
 #: DeepSpeed's older zero_optimization spellings -> (section, key) they set (DeepSpeed translates them too)
-_LEGACY_OFFLOAD = types.MappingProxyType({
-    "cpu_offload": ("offload_optimizer", "device"), "cpu_offload_param": ("offload_param", "device"),
-    "cpu_offload_params": ("offload_param", "device"), "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory")})
+_LEGACY_OFFLOAD = types.MappingProxyType(
+    {
+        "cpu_offload": ("offload_optimizer", "device"),
+        "cpu_offload_param": ("offload_param", "device"),
+        "cpu_offload_params": ("offload_param", "device"),
+        "cpu_offload_use_pin_memory": ("offload_optimizer", "pin_memory"),
+    }
+)
 
 
 def _legacy_offload(data: dict) -> dict:
@@ -149,12 +198,16 @@ def _legacy_offload(data: dict) -> dict:
             continue
         value = data.pop(old)
         if not isinstance(value, bool):
-            raise ConfigError(f"'zero_optimization.{old}' must be a boolean (true/false), got {value!r}")
+            raise ConfigError(
+                f"'zero_optimization.{old}' must be a boolean (true/false), got {value!r}"
+            )
         if key == "device":
             value = "cpu" if value else "none"
         section = dict(data.get(sub) or {})
         if key in section and section[key] != value:
-            raise ConfigError(f"zero_optimization sets {old} and {sub}.{key} differently; keep {sub}.{key}")
+            raise ConfigError(
+                f"zero_optimization sets {old} and {sub}.{key} differently; keep {sub}.{key}"
+            )
         section[key] = value
         data[sub] = section
     return data
@@ -178,7 +231,11 @@ def _unknown_key(key: str, section: str, valid: list) -> ConfigError:
         hint = f"did you mean '{close[0]}'?"
     else:
         homes = [s for s in _sections_with_key(key) if s != section]
-        hint = (f"'{key}' belongs in {_name(homes[0])}" if homes else "valid keys: " + ", ".join(sorted(valid)))
+        hint = (
+            f"'{key}' belongs in {_name(homes[0])}"
+            if homes
+            else "valid keys: " + ", ".join(sorted(valid))
+        )
     return ConfigError(f"unknown key '{key}' in {_name(section)}; {hint}")
 
 
@@ -195,7 +252,10 @@ def _sections_with_key(key: str, cls: type = PlaitConfig, section: str = "") -> 
 
 
 def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
-    path, written = _join(section, f.name), _join(section, key)   # messages name the key as the user wrote it
+    path, written = (
+        _join(section, f.name),
+        _join(section, key),
+    )  # messages name the key as the user wrote it
     if isinstance(value, str) and value == AUTO and not takes_auto(hint):
         if f.metadata.get("auto"):
             return AUTO
@@ -203,35 +263,58 @@ def _read_value(value: Any, hint: Any, f: Any, section: str, key: str) -> Any:
     check_unsupported_value(section, key, value)
     inner = strip_optional(hint)
     if inner is OptimizerConfig:
-        return None if value is None else _read_typed(value, path, OPTIMIZER_PARAMS, UNSUPPORTED_OPTIMIZERS)
+        return (
+            None
+            if value is None
+            else _read_typed(value, path, OPTIMIZER_PARAMS, UNSUPPORTED_OPTIMIZERS)
+        )
     if inner is SchedulerConfig:
-        return None if value is None else _read_typed(value, path, SCHEDULER_PARAMS, UNSUPPORTED_SCHEDULERS)
+        return (
+            None
+            if value is None
+            else _read_typed(value, path, SCHEDULER_PARAMS, UNSUPPORTED_SCHEDULERS)
+        )
     if is_dataclass(inner):
-        return _read_section(value, inner, path if isinstance(value, dict) else written)   # keys: canonical section
+        return _read_section(
+            value, inner, path if isinstance(value, dict) else written
+        )  # keys: canonical section
     return coerce(value, hint, written)
 
 
 def _read_typed(data: Any, section: str, registry: Mapping, unsupported: frozenset) -> dict:
     """``optimizer`` / ``scheduler``: {"type": name, "params": {...}} with per-type params."""
     if not isinstance(data, dict):
-        raise ConfigError(f"'{section}' must be a JSON object with \"type\" and \"params\", got {data!r}")
+        raise ConfigError(
+            f'\'{section}\' must be a JSON object with "type" and "params", got {data!r}'
+        )
     for key in data:
-        if key not in ("type", "params") and not (check_accepted(section, key, data[key])
-                                                   or check_unsupported(section, key, data[key])):
+        if key not in ("type", "params") and not (
+            check_accepted(section, key, data[key]) or check_unsupported(section, key, data[key])
+        ):
             raise _unknown_key(key, section, ["type", "params"])
     name = data.get("type")
     if not isinstance(name, str):
-        raise ConfigError(f"'{section}.type' must be a string, one of {', '.join(registry)}; got {name!r}")
+        raise ConfigError(
+            f"'{section}.type' must be a string, one of {', '.join(registry)}; got {name!r}"
+        )
     canonical = {k.lower(): k for k in registry}.get(name.lower())
     if canonical is None:
         if name.lower() in {u.lower() for u in unsupported}:
-            raise UnsupportedConfigError(f"plait does not implement {section} type '{name}'; use one of "
-                                         f"{', '.join(registry)}")
-        close = difflib.get_close_matches(name.lower(), [k.lower() for k in registry], n=1, cutoff=0.6)
+            raise UnsupportedConfigError(
+                f"plait does not implement {section} type '{name}'; use one of "
+                f"{', '.join(registry)}"
+            )
+        close = difflib.get_close_matches(
+            name.lower(), [k.lower() for k in registry], n=1, cutoff=0.6
+        )
         hint = f"; did you mean '{ {k.lower(): k for k in registry}[close[0]] }'?" if close else ""
-        raise ConfigError(f"unknown {section} type '{name}'{hint} (supported: {', '.join(registry)})")
+        raise ConfigError(
+            f"unknown {section} type '{name}'{hint} (supported: {', '.join(registry)})"
+        )
     params = _read_section(data.get("params", {}), registry[canonical], f"{section}.params")
     if canonical == "AdamW" and params.get("adam_w_mode") is False:
-        raise ConfigError("optimizer type 'AdamW' with params.adam_w_mode false is contradictory; use type "
-                          "'Adam' with adam_w_mode false for L2-regularised Adam")
+        raise ConfigError(
+            "optimizer type 'AdamW' with params.adam_w_mode false is contradictory; use type "
+            "'Adam' with adam_w_mode false for L2-regularised Adam"
+        )
     return {"type": canonical, "params": params}

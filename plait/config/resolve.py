@@ -10,6 +10,7 @@ train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`` (two given: 
 three: checked) and checks bounds. ``device_step_fraction: "auto"`` is that key's own value, kept as
 written. Every rule, one per key: ``docs/config.md``.
 """
+
 from __future__ import annotations
 
 import typing
@@ -17,8 +18,17 @@ from dataclasses import MISSING, asdict, fields, is_dataclass
 from typing import Any
 
 from plait.config.coerce import strip_optional
-from plait.config.schema import (AUTO, OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS, ConfigError,
-                                 OptimizerConfig, PlaitConfig, SchedulerConfig, ZeroConfig)
+from plait.config.schema import (
+    AUTO,
+    OPTIMIZER_PARAMS,
+    REQUIRED_PARAMS,
+    SCHEDULER_PARAMS,
+    ConfigError,
+    OptimizerConfig,
+    PlaitConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
 from plait.config.schema_base import INT_LIMIT, check_number, takes_auto
 
 _TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -34,26 +44,49 @@ def field_default(cls: type, name: str) -> Any:
 
 def _need(value: Any, key: str, fact: str) -> Any:
     if value is None:
-        raise ConfigError(f"'{key}' is \"auto\" but nothing resolves it; pass {fact}=... to plait.initialize "
-                          "(or load_config), or write a number in the config")
+        raise ConfigError(
+            f"'{key}' is \"auto\" but nothing resolves it; pass {fact}=... to plait.initialize "
+            "(or load_config), or write a number in the config"
+        )
     return value
 
 
-BUCKET_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+BUCKET_KEYS = (
+    "reduce_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+)
 
 
 def bucket_sizes(hidden: int) -> dict[str, int]:
     """The ZeRO bucket sizes "auto" means for a model of hidden size ``hidden`` (elements; the rules of
     transformers' and accelerate's DeepSpeed integrations), keyed by ``BUCKET_KEYS``."""
-    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
 
 
-def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidden: int | None,
-                 micro: int | None, gas: int | None, train: int | None, mixed_precision: str | None,
-                 gradient_clipping: float | None, lr: float | None, betas: Any, eps: float | None,
-                 weight_decay: float | None, warmup_min_lr: float | None, warmup_num_steps: int | None,
-                 total_num_steps: int | None) -> dict:
+def resolve_auto(
+    raw: dict,
+    *,
+    dp_size: int | None,
+    world_size: int | None,
+    hidden: int | None,
+    micro: int | None,
+    gas: int | None,
+    train: int | None,
+    mixed_precision: str | None,
+    gradient_clipping: float | None,
+    lr: float | None,
+    betas: Any,
+    eps: float | None,
+    weight_decay: float | None,
+    warmup_min_lr: float | None,
+    warmup_num_steps: int | None,
+    total_num_steps: int | None,
+) -> dict:
     """Return a copy of the checked ``raw`` dict (from ``read_raw``) with every "auto" replaced and the
     batch triple complete, following the table in ``docs/config.md``. Raises ConfigError."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
@@ -67,10 +100,14 @@ def resolve_auto(raw: dict, *, dp_size: int | None, world_size: int | None, hidd
     return cfg
 
 
-def _resolve_precision(cfg: dict, mixed_precision: str | None, gradient_clipping: float | None) -> None:
+def _resolve_precision(
+    cfg: dict, mixed_precision: str | None, gradient_clipping: float | None
+) -> None:
     """``fp16.enabled`` / ``bf16.enabled`` from ``mixed_precision``; ``gradient_clipping`` (default 1.0)."""
     if mixed_precision not in (None, "fp16", "bf16", "fp32"):
-        raise ConfigError(f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}")
+        raise ConfigError(
+            f"mixed_precision must be 'fp16', 'bf16', 'fp32' or None, got {mixed_precision!r}"
+        )
     for section in ("fp16", "bf16"):
         if cfg.get(section, {}).get("enabled") == AUTO:
             cfg[section]["enabled"] = mixed_precision == section
@@ -83,11 +120,18 @@ def _resolve_optimizer(cfg: dict, *, lr, betas, eps, weight_decay) -> float | No
     Returns the optimizer's learning rate (None without an ``optimizer`` section)."""
     if not cfg.get("optimizer"):
         return None
-    opt = cfg["optimizer"] = {"type": cfg["optimizer"]["type"], "params": dict(cfg["optimizer"]["params"])}
+    opt = cfg["optimizer"] = {
+        "type": cfg["optimizer"]["type"],
+        "params": dict(cfg["optimizer"]["params"]),
+    }
     cls = OPTIMIZER_PARAMS[opt["type"]]
-    facts = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
-             "weight_decay": weight_decay}
-    if opt["params"].get("lr") == AUTO:   # no default: the Trainer's is 5e-5, torch's AdamW's 1e-3
+    facts = {
+        "lr": lr,
+        "betas": None if betas is None else tuple(betas),
+        "eps": eps,
+        "weight_decay": weight_decay,
+    }
+    if opt["params"].get("lr") == AUTO:  # no default: the Trainer's is 5e-5, torch's AdamW's 1e-3
         opt["params"]["lr"] = _need(lr, "optimizer.params.lr", "lr")
     for key, fact in facts.items():
         if opt["params"].get(key) == AUTO:
@@ -95,19 +139,29 @@ def _resolve_optimizer(cfg: dict, *, lr, betas, eps, weight_decay) -> float | No
     return opt["params"].get("lr", field_default(cls, "lr"))
 
 
-def _resolve_scheduler(cfg: dict, max_lr: float | None, warmup_min_lr: float | None,
-                       warmup_num_steps: int | None, total_num_steps: int | None) -> None:
+def _resolve_scheduler(
+    cfg: dict,
+    max_lr: float | None,
+    warmup_min_lr: float | None,
+    warmup_num_steps: int | None,
+    total_num_steps: int | None,
+) -> None:
     """``scheduler.params`` "auto" values; ``max_lr``: the ``lr`` fact, else the optimizer's."""
     if not cfg.get("scheduler"):
         return
-    sch = cfg["scheduler"] = {"type": cfg["scheduler"]["type"], "params": dict(cfg["scheduler"]["params"])}
+    sch = cfg["scheduler"] = {
+        "type": cfg["scheduler"]["type"],
+        "params": dict(cfg["scheduler"]["params"]),
+    }
     p, where = sch["params"], "scheduler.params."
     if p.get("warmup_min_lr") == AUTO:
         p["warmup_min_lr"] = 0.0 if warmup_min_lr is None else float(warmup_min_lr)
     if p.get("warmup_max_lr") == AUTO:
         p["warmup_max_lr"] = float(_need(max_lr, where + "warmup_max_lr", "lr"))
     if p.get("warmup_num_steps") == AUTO:
-        p["warmup_num_steps"] = _need(warmup_num_steps, where + "warmup_num_steps", "warmup_num_steps")
+        p["warmup_num_steps"] = _need(
+            warmup_num_steps, where + "warmup_num_steps", "warmup_num_steps"
+        )
     if p.get("total_num_steps") == AUTO:
         p["total_num_steps"] = _need(total_num_steps, where + "total_num_steps", "total_num_steps")
 
@@ -117,8 +171,13 @@ def _resolve_zero(cfg: dict, hidden: int | None) -> None:
     zero = cfg.get("zero_optimization", {})
     for key in BUCKET_KEYS:
         if zero.get(key) == AUTO:
-            zero[key] = bucket_sizes(_need(hidden, f"zero_optimization.{key}", "model_hidden_size"))[key]
-    for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):   # memory knobs: DeepSpeed's default
+            zero[key] = bucket_sizes(
+                _need(hidden, f"zero_optimization.{key}", "model_hidden_size")
+            )[key]
+    for key in (
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+    ):  # memory knobs: DeepSpeed's default
         if zero.get(key) == AUTO:
             zero[key] = field_default(ZeroConfig, key)
     if zero.get("stage3_gather_16bit_weights_on_model_save") == AUTO:
@@ -136,13 +195,17 @@ def _dp(cfg: dict, dp_size: int | None, world_size: int | None) -> int | None:
         return dp_size
     split = tp * pp * cp
     if world_size % split != 0:
-        raise ConfigError(f"world_size ({world_size}) is not divisible by tensor_parallel.size ({tp}) x "
-                          f"pipeline.size ({pp}) x context_parallel.size ({cp}); launch a multiple of {split} "
-                          "ranks or change tp/pp/cp")
+        raise ConfigError(
+            f"world_size ({world_size}) is not divisible by tensor_parallel.size ({tp}) x "
+            f"pipeline.size ({pp}) x context_parallel.size ({cp}); launch a multiple of {split} "
+            "ranks or change tp/pp/cp"
+        )
     derived = world_size // split
     if dp_size is not None and dp_size != derived:
-        raise ConfigError(f"dp_size ({dp_size}) != world_size ({world_size}) / (tp {tp} x pp {pp} x cp {cp}) = "
-                          f"{derived}; pass one of them or make them agree")
+        raise ConfigError(
+            f"dp_size ({dp_size}) != world_size ({world_size}) / (tp {tp} x pp {pp} x cp {cp}) = "
+            f"{derived}; pass one of them or make them agree"
+        )
     return derived
 
 
@@ -174,7 +237,9 @@ def _given_triple(cfg: dict, facts: tuple) -> tuple:
     return tuple(vals[k] for k in _TRIPLE)
 
 
-def _complete_triple(train: int | None, micro: int | None, gas: int | None, dp: int | None) -> tuple:
+def _complete_triple(
+    train: int | None, micro: int | None, gas: int | None, dp: int | None
+) -> tuple:
     """(train, micro, gas): all three checked against ``train = micro x gas x dp``, or the missing one
     derived. Raises ConfigError naming all four numbers."""
     dp_text = "the data-parallel size" if dp is None else f"dp ({dp})"
@@ -182,27 +247,39 @@ def _complete_triple(train: int | None, micro: int | None, gas: int | None, dp: 
     def show(v: int | None) -> object:
         return "missing" if v is None else v
 
-    numbers = (f"train_batch_size ({show(train)}), train_micro_batch_size_per_gpu ({show(micro)}), "
-               f"gradient_accumulation_steps ({show(gas)}), {dp_text}")
-    fix = ("train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
-           "change one, or set it to \"auto\" to derive it")
+    numbers = (
+        f"train_batch_size ({show(train)}), train_micro_batch_size_per_gpu ({show(micro)}), "
+        f"gradient_accumulation_steps ({show(gas)}), {dp_text}"
+    )
+    fix = (
+        "train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp; "
+        'change one, or set it to "auto" to derive it'
+    )
 
     if train is None and micro is None:
-        raise ConfigError(f"set train_batch_size or train_micro_batch_size_per_gpu (both missing or unresolved "
-                          f"\"auto\"); {numbers}")
+        raise ConfigError(
+            f"set train_batch_size or train_micro_batch_size_per_gpu (both missing or unresolved "
+            f'"auto"); {numbers}'
+        )
     if gas is None and (train is None or micro is None):
         gas = 1  # DeepSpeed: only one of train / micro given -> no accumulation
     if train is not None and micro is not None and gas is not None:
         if dp is not None and train != micro * gas * dp:
-            raise ConfigError(f"inconsistent batch sizes: {numbers}: {micro} x {gas} x {dp} = {micro * gas * dp} "
-                              f"!= {train}; {fix}")
+            raise ConfigError(
+                f"inconsistent batch sizes: {numbers}: {micro} x {gas} x {dp} = {micro * gas * dp} "
+                f"!= {train}; {fix}"
+            )
         if train % (micro * gas) != 0:
-            raise ConfigError(f"inconsistent batch sizes: {numbers}: {train} is not a multiple of {micro} x "
-                              f"{gas}; {fix}")
+            raise ConfigError(
+                f"inconsistent batch sizes: {numbers}: {train} is not a multiple of {micro} x "
+                f"{gas}; {fix}"
+            )
         return train, micro, gas
     if dp is None:
-        raise ConfigError(f"cannot complete the batch sizes without the data-parallel size: {numbers}; pass "
-                          "dp_size= (or world_size=) to load_config, or give all three batch keys")
+        raise ConfigError(
+            f"cannot complete the batch sizes without the data-parallel size: {numbers}; pass "
+            "dp_size= (or world_size=) to load_config, or give all three batch keys"
+        )
     if train is None:
         return micro * gas * dp, micro, gas
     if gas is None:
@@ -210,8 +287,9 @@ def _complete_triple(train: int | None, micro: int | None, gas: int | None, dp: 
     else:
         known, missing = gas, "train_micro_batch_size_per_gpu"
     if train % (known * dp) != 0:
-        raise ConfigError(f"cannot derive {missing}: {numbers}: {train} is not divisible by "
-                          f"{known} x {dp}; {fix}")
+        raise ConfigError(
+            f"cannot derive {missing}: {numbers}: {train} is not divisible by {known} x {dp}; {fix}"
+        )
     if gas is None:
         return train, micro, train // (micro * dp)
     return train, train // (gas * dp), gas
@@ -227,7 +305,11 @@ def _check_no_auto(value: Any, path: str, cls: Any = PlaitConfig) -> None:
         for k, v in value.items():
             hint = hints.get(k)
             if hint is None or not takes_auto(hint):
-                _check_no_auto(v, f"{path}.{k}" if path else k, strip_optional(hint) if hint is not None else None)
+                _check_no_auto(
+                    v,
+                    f"{path}.{k}" if path else k,
+                    strip_optional(hint) if hint is not None else None,
+                )
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -249,9 +331,13 @@ def _build(cls: type, data: dict, path: str) -> Any:
         if value is None:
             kwargs[f.name] = None
         elif inner is OptimizerConfig:
-            kwargs[f.name] = OptimizerConfig(value["type"], _params(OPTIMIZER_PARAMS[value["type"]], value, where))
+            kwargs[f.name] = OptimizerConfig(
+                value["type"], _params(OPTIMIZER_PARAMS[value["type"]], value, where)
+            )
         elif inner is SchedulerConfig:
-            kwargs[f.name] = SchedulerConfig(value["type"], _params(SCHEDULER_PARAMS[value["type"]], value, where))
+            kwargs[f.name] = SchedulerConfig(
+                value["type"], _params(SCHEDULER_PARAMS[value["type"]], value, where)
+            )
         elif is_dataclass(inner):
             kwargs[f.name] = _build(inner, value, where)
         else:
@@ -265,8 +351,11 @@ def _check_numbers(cls: type, data: dict, path: str) -> None:
         if f.name in data and not isinstance(data[f.name], dict):
             where = f"{path}.{f.name}" if path else f.name
             spellings = f.metadata.get("aliases", ())
-            check_number(where + (f" (or {', '.join(spellings)})" if spellings else ""), data[f.name],
-                         f.metadata.get("bounds"))
+            check_number(
+                where + (f" (or {', '.join(spellings)})" if spellings else ""),
+                data[f.name],
+                f.metadata.get("bounds"),
+            )
 
 
 def _params(cls: type, value: dict, section: str) -> dict:
@@ -274,6 +363,8 @@ def _params(cls: type, value: dict, section: str) -> dict:
     params = asdict(cls(**value["params"]))
     for key in REQUIRED_PARAMS & params.keys():
         if params[key] is None:
-            raise ConfigError(f"{section} type '{value['type']}' needs params.{key}; write it or set it to "
-                              f"\"auto\" and pass {key}= to load_config")
+            raise ConfigError(
+                f"{section} type '{value['type']}' needs params.{key}; write it or set it to "
+                f'"auto" and pass {key}= to load_config'
+            )
     return params

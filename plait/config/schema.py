@@ -8,6 +8,7 @@ them with :func:`plait.config.load_config` (constructing them directly skips all
 ``schema_zero``, the tensor, context and pipeline parallel sections in ``schema_parallel``, ``AUTO`` / ``ConfigError`` in ``schema_base``; every public name is importable from
 here. Field metadata the reader uses (``auto``, ``aliases``, ``bounds``): ``docs/config.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,13 +17,29 @@ from typing import Any, Literal
 
 from plait.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from plait.config.schema_base import AUTO, ConfigError, _auto, bounded  # noqa: F401
-from plait.config.schema_optim import (OPTIMIZER_PARAMS, REQUIRED_PARAMS, SCHEDULER_PARAMS,  # noqa: F401
-                                       AdamParams, LambParams, LionParams, OptimizerConfig, SchedulerConfig,
-                                       SGDParams, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams,
-                                       state_dtype_of)
+from plait.config.schema_optim import (
+    OPTIMIZER_PARAMS,
+    REQUIRED_PARAMS,
+    SCHEDULER_PARAMS,  # noqa: F401
+    AdamParams,
+    LambParams,
+    LionParams,
+    OptimizerConfig,
+    SchedulerConfig,
+    SGDParams,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    state_dtype_of,
+)
 from plait.config.schema_fp8 import FP8_RECIPES, FP8Config  # noqa: F401
-from plait.config.schema_parallel import (CP_METHODS, PIPELINE_SCHEDULES,  # noqa: F401
-                                          ContextParallelConfig, PipelineConfig, TensorParallelConfig)
+from plait.config.schema_parallel import (
+    CP_METHODS,
+    PIPELINE_SCHEDULES,  # noqa: F401
+    ContextParallelConfig,
+    PipelineConfig,
+    TensorParallelConfig,
+)
 from plait.config.schema_zero import OffloadConfig, ZeroConfig  # noqa: F401
 
 
@@ -39,7 +56,7 @@ class FP16Config:
     enabled: bool = _auto(False)
     auto_cast: bool = False
     loss_scale: float = bounded(0.0, ge=0)
-    initial_scale_power: int = bounded(16, ge=0, le=127)   # 2**127: the largest power of two in fp32
+    initial_scale_power: int = bounded(16, ge=0, le=127)  # 2**127: the largest power of two in fp32
     loss_scale_window: int = bounded(1000, ge=1)
     hysteresis: int = bounded(2, ge=1)
     consecutive_hysteresis: bool = False
@@ -59,6 +76,7 @@ class BF16Config:
 
     enabled: bool = _auto(False)
     bf16_optimizer_states: bool = False
+
 
 # --------------------------------------------------------------------------------- activation checkpoints
 @dataclass(frozen=True)
@@ -100,8 +118,10 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         if self.enabled is not None and self.disable is not None and self.enabled == self.disable:
-            raise ConfigError(f"compile.enabled = {self.enabled} and compile.disable = {self.disable} contradict "
-                              "each other; keep one of them")
+            raise ConfigError(
+                f"compile.enabled = {self.enabled} and compile.disable = {self.disable} contradict "
+                "each other; keep one of them"
+            )
         if "backend" in self.kwargs:
             raise ConfigError("compile.kwargs must not hold 'backend'; set compile.backend instead")
 
@@ -120,7 +140,9 @@ class NonFiniteGuardConfig:
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skips < 1:
-            raise ConfigError(f"nonfinite_guard.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+            raise ConfigError(
+                f"nonfinite_guard.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}"
+            )
 
 
 @dataclass(frozen=True)
@@ -133,8 +155,10 @@ class GarbageCollectionConfig:
 
     def __post_init__(self) -> None:
         if self.interval < 0:
-            raise ConfigError("garbage_collection.interval must be >= 0 optimizer steps (0: Python's automatic "
-                              f"collection), got {self.interval}")
+            raise ConfigError(
+                "garbage_collection.interval must be >= 0 optimizer steps (0: Python's automatic "
+                f"collection), got {self.interval}"
+            )
 
 
 @dataclass(frozen=True)
@@ -152,7 +176,9 @@ class CommConfig:
         for key in ("timeout_s", "startup_timeout_s"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"comm.{key} = {value!r} is out of range: it must be a number of seconds > 0")
+                raise ConfigError(
+                    f"comm.{key} = {value!r} is out of range: it must be a number of seconds > 0"
+                )
 
 
 @dataclass(frozen=True)
@@ -186,7 +212,9 @@ class PlaitConfig:
     train_micro_batch_size_per_gpu: int = field(metadata={"auto": True})
     gradient_accumulation_steps: int = field(metadata={"auto": True})
     steps_per_print: int = 10
-    gradient_clipping: float = bounded(0.0, ge=0, auto=True)   # the max global gradient norm; 0 = off
+    gradient_clipping: float = bounded(
+        0.0, ge=0, auto=True
+    )  # the max global gradient norm; 0 = off
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config, metadata={"aliases": ("bfloat16",)})
     fp8: FP8Config = field(default_factory=FP8Config)
@@ -194,7 +222,8 @@ class PlaitConfig:
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig)
+        default_factory=ActivationCheckpointingConfig
+    )
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -216,34 +245,53 @@ class PlaitConfig:
 
     def __post_init__(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
-            raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+            raise ConfigError(
+                "fp16.enabled and bf16.enabled are both true; enable at most one of them"
+            )
         state_dtype_of(self.optimizer, self.bf16)
-        micro, gas, train = (self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
-                             self.train_batch_size)
+        micro, gas, train = (
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            self.train_batch_size,
+        )
         if min(micro, gas, train) < 1 or train % (micro * gas) != 0:
-            raise ConfigError(f"train_batch_size ({train}) must be a positive multiple of "
-                             f"train_micro_batch_size_per_gpu ({micro}) x gradient_accumulation_steps ({gas})")
+            raise ConfigError(
+                f"train_batch_size ({train}) must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu ({micro}) x gradient_accumulation_steps ({gas})"
+            )
         mb = self.pipeline.micro_batches
         if mb is not None and mb != gas:
-            raise ConfigError(f"pipeline.micro_batches ({mb}) differs from gradient_accumulation_steps ({gas}); "
-                             "a pipeline step runs one micro-batch per accumulation step: make them equal")
+            raise ConfigError(
+                f"pipeline.micro_batches ({mb}) differs from gradient_accumulation_steps ({gas}); "
+                "a pipeline step runs one micro-batch per accumulation step: make them equal"
+            )
         if self.pipeline.cuda_graphs and self.pipeline.num_chunks == 1:
-            raise ConfigError("pipeline.cuda_graphs replays pipeline actions, but pipeline.size and virtual_stages "
-                              "are 1 (no pipeline); set pipeline.size > 1 or drop cuda_graphs")
-        if self.pipeline.cuda_graphs and (self.zero_optimization.stage == 3 or self.tensor_parallel.size > 1):
-            raise ConfigError(f"pipeline.cuda_graphs needs zero_optimization.stage <= 2 and tensor_parallel.size 1, "
-                              f"got stage {self.zero_optimization.stage} and size {self.tensor_parallel.size}: "
-                              "ZeRO-3 gathers parameters in hooks and tp runs collectives inside the actions, "
-                              "which a graph cannot replay; set pipeline.cuda_graphs false")
+            raise ConfigError(
+                "pipeline.cuda_graphs replays pipeline actions, but pipeline.size and virtual_stages "
+                "are 1 (no pipeline); set pipeline.size > 1 or drop cuda_graphs"
+            )
+        if self.pipeline.cuda_graphs and (
+            self.zero_optimization.stage == 3 or self.tensor_parallel.size > 1
+        ):
+            raise ConfigError(
+                f"pipeline.cuda_graphs needs zero_optimization.stage <= 2 and tensor_parallel.size 1, "
+                f"got stage {self.zero_optimization.stage} and size {self.tensor_parallel.size}: "
+                "ZeRO-3 gathers parameters in hooks and tp runs collectives inside the actions, "
+                "which a graph cannot replay; set pipeline.cuda_graphs false"
+            )
         if self.fp8.enabled and self.fp8.recipe != "tensorwise" and self.tensor_parallel.size > 1:
-            raise ConfigError(f"fp8.recipe {self.fp8.recipe!r} with tensor_parallel.size {self.tensor_parallel.size}: "
-                              "plait's tensor-parallel float8 layers scale tensorwise (as torchao's float8 tensor "
-                              "parallelism); set fp8.recipe \"tensorwise\" or tensor_parallel.size 1")
+            raise ConfigError(
+                f"fp8.recipe {self.fp8.recipe!r} with tensor_parallel.size {self.tensor_parallel.size}: "
+                "plait's tensor-parallel float8 layers scale tensorwise (as torchao's float8 tensor "
+                'parallelism); set fp8.recipe "tensorwise" or tensor_parallel.size 1'
+            )
 
     @property
     def data_parallel_size(self) -> int:
         """dp = train_batch_size / (micro-batch x gradient accumulation steps)."""
-        return self.train_batch_size // (self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps)
+        return self.train_batch_size // (
+            self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
+        )
 
     @property
     def optimizer_state_dtype(self) -> str:

@@ -4,6 +4,7 @@ helpers and :func:`check_number`, the range check every number of a config passe
 Kept apart (and free of plait imports) so that ``schema``, ``schema_optim`` and ``schema_zero`` can all use
 them without importing one another; import them from :mod:`plait.config.schema` or :mod:`plait.config`.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 AUTO = "auto"
 #: integers of a config must fit in 64 bits (torch's seeds, sizes and step counters do)
-INT_LIMIT = 2 ** 63
+INT_LIMIT = 2**63
 
 
 class ConfigError(ValueError):
@@ -58,11 +59,23 @@ class Bounds:
         return "" if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
 
 
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None, auto: bool = False, aliases: tuple = ()) -> Any:
+def bounded(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    auto: bool = False,
+    aliases: tuple = (),
+) -> Any:
     """A numeric field with its allowed range (``ge``/``gt`` below, ``le``/``lt`` above; a tuple's range holds
     for each element). The config builder checks it with :func:`check_number` once "auto" is filled in."""
-    meta: dict = {"bounds": Bounds(ge if gt is None else gt, le if lt is None else lt, gt is not None, lt is not None)}
+    meta: dict = {
+        "bounds": Bounds(
+            ge if gt is None else gt, le if lt is None else lt, gt is not None, lt is not None
+        )
+    }
     if auto:
         meta["auto"] = True
     if aliases:
@@ -84,15 +97,20 @@ def check_number(path: str, value: Any, bounds: Bounds | None = None) -> None:
     if isinstance(value, (tuple, list)):
         if not all(_fits(v, bounds) for v in value):
             count = _COUNT.get(len(value), len(value))
-            raise ConfigError(f"{path} = {list(value)!r} is out of range: it must be "
-                              + (f"{count} numbers{where}" if where else f"{count} finite numbers"))
+            raise ConfigError(
+                f"{path} = {list(value)!r} is out of range: it must be "
+                + (f"{count} numbers{where}" if where else f"{count} finite numbers")
+            )
     elif not _fits(value, bounds):
         if isinstance(value, float):
             what = f"a finite number{where}"
         elif -INT_LIMIT <= value < INT_LIMIT:
             what = f"an integer{where}"
         else:
-            what, value = f"an integer{where} of 64 bits (|value| < 2**63)", float(value)   # shown as 1e+30
+            what, value = (
+                f"an integer{where} of 64 bits (|value| < 2**63)",
+                float(value),
+            )  # shown as 1e+30
         raise ConfigError(f"{path} = {value!r} is out of range: it must be {what}")
 
 

@@ -4,6 +4,7 @@ Part of the config schema (:mod:`plait.config.schema` re-exports every name here
 described there. float8 is a compute format only: parameters, master weights, gradients and checkpoints
 keep their dtypes (bf16/fp32), each converted linear layer casts its matmul operands to float8 on the fly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,9 +41,13 @@ class FP8Config:
 
     def __post_init__(self) -> None:
         if self.recipe not in FP8_RECIPES:
-            raise ConfigError(f"fp8.recipe = {self.recipe!r} is not a torchao float8 recipe; use one of "
-                              f"{', '.join(FP8_RECIPES)}")
+            raise ConfigError(
+                f"fp8.recipe = {self.recipe!r} is not a torchao float8 recipe; use one of "
+                f"{', '.join(FP8_RECIPES)}"
+            )
         bad = [p for p in self.exclude if not isinstance(p, str) or not p.strip()]
         if bad:
-            raise ConfigError(f"fp8.exclude holds {bad!r}: each entry must be a non-empty module-name pattern such "
-                              "as \"lm_head\" or \"model.layers.0\"")
+            raise ConfigError(
+                f"fp8.exclude holds {bad!r}: each entry must be a non-empty module-name pattern such "
+                'as "lm_head" or "model.layers.0"'
+            )

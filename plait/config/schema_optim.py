@@ -4,6 +4,7 @@ Part of the config schema (:mod:`plait.config.schema` re-exports every name here
 described there. Ranges follow DeepSpeed's meaning of each key (``deepspeed.runtime.lr_schedules``): warm-up
 steps >= 1, a decay that ends no earlier than the warm-up, ratios in [0, 1], learning rates >= 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ class LambParams:
 
     def __post_init__(self) -> None:
         if self.min_coeff > self.max_coeff:
-            raise ConfigError(f"optimizer.params.min_coeff = {self.min_coeff!r} is above optimizer.params.max_coeff = "
-                              f"{self.max_coeff!r}: the trust ratio is clamped to [min_coeff, max_coeff]; make "
-                              "min_coeff <= max_coeff (DeepSpeed's defaults: 0.01 and 10)")
+            raise ConfigError(
+                f"optimizer.params.min_coeff = {self.min_coeff!r} is above optimizer.params.max_coeff = "
+                f"{self.max_coeff!r}: the trust ratio is clamped to [min_coeff, max_coeff]; make "
+                "min_coeff <= max_coeff (DeepSpeed's defaults: 0.01 and 10)"
+            )
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ class SGDParams:
 
     def __post_init__(self) -> None:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ConfigError(f"optimizer.params.nesterov = true needs momentum > 0 and dampening 0, got momentum "
-                              f"{self.momentum!r} and dampening {self.dampening!r}; set them or nesterov false")
+            raise ConfigError(
+                f"optimizer.params.nesterov = true needs momentum > 0 and dampening 0, got momentum "
+                f"{self.momentum!r} and dampening {self.dampening!r}; set them or nesterov false"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,12 @@ def _check_decay(params: Any, floor: str) -> None:
     """
     total, warmup = params.total_num_steps, params.warmup_num_steps
     if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
-        raise ConfigError(f"scheduler.params.total_num_steps = {total} is below scheduler.params.warmup_num_steps "
-                          f"= {warmup}: the lr would never reach its peak and would drop to {floor} after step "
-                          f"{warmup}; set total_num_steps to the run's length in optimizer steps (>= "
-                          "warmup_num_steps) or lower warmup_num_steps")
+        raise ConfigError(
+            f"scheduler.params.total_num_steps = {total} is below scheduler.params.warmup_num_steps "
+            f"= {warmup}: the lr would never reach its peak and would drop to {floor} after step "
+            f"{warmup}; set total_num_steps to the run's length in optimizer steps (>= "
+            "warmup_num_steps) or lower warmup_num_steps"
+        )
 
 
 @dataclass(frozen=True)
@@ -113,8 +120,10 @@ class WarmupLRParams:
     def __post_init__(self) -> None:
         lo, hi = self.warmup_min_lr, self.warmup_max_lr
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
-            raise ConfigError(f"scheduler.params.warmup_min_lr = {lo!r} is above scheduler.params.warmup_max_lr = "
-                              f"{hi!r}: the warm-up would lower the lr; make warmup_min_lr <= warmup_max_lr")
+            raise ConfigError(
+                f"scheduler.params.warmup_min_lr = {lo!r} is above scheduler.params.warmup_max_lr = "
+                f"{hi!r}: the warm-up would lower the lr; make warmup_min_lr <= warmup_max_lr"
+            )
 
 
 @dataclass(frozen=True)
@@ -148,11 +157,23 @@ class WarmupCosineLRParams:
 
 
 #: Optimizer ``type`` (canonical spelling) -> its params dataclass. Matched case-insensitively.
-OPTIMIZER_PARAMS = MappingProxyType({"Adam": AdamParams, "AdamW": AdamParams, "LAMB": LambParams,
-                                     "SGD": SGDParams, "Lion": LionParams})
+OPTIMIZER_PARAMS = MappingProxyType(
+    {
+        "Adam": AdamParams,
+        "AdamW": AdamParams,
+        "LAMB": LambParams,
+        "SGD": SGDParams,
+        "Lion": LionParams,
+    }
+)
 #: Scheduler ``type`` -> its params dataclass. Matched case-insensitively.
-SCHEDULER_PARAMS = MappingProxyType({"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-                                     "WarmupCosineLR": WarmupCosineLRParams})
+SCHEDULER_PARAMS = MappingProxyType(
+    {
+        "WarmupLR": WarmupLRParams,
+        "WarmupDecayLR": WarmupDecayLRParams,
+        "WarmupCosineLR": WarmupCosineLRParams,
+    }
+)
 #: Params that must be given (or resolved from "auto") for a scheduler type.
 REQUIRED_PARAMS = frozenset({"total_num_steps"})
 
@@ -178,13 +199,19 @@ def state_dtype_of(optimizer: OptimizerConfig | None, bf16) -> str:
     if not getattr(bf16, "bf16_optimizer_states", False):
         return named
     if not bf16.enabled:
-        raise ConfigError("bf16.bf16_optimizer_states = true needs bf16.enabled = true; enable bf16 or remove it")
+        raise ConfigError(
+            "bf16.bf16_optimizer_states = true needs bf16.enabled = true; enable bf16 or remove it"
+        )
     if optimizer is None or optimizer.type not in ("Adam", "AdamW"):
-        raise ConfigError("bf16.bf16_optimizer_states = true stores Adam/AdamW moments in bf16; the optimizer is "
-                          f"{optimizer.type if optimizer is not None else 'none'}: use Adam/AdamW or remove it")
+        raise ConfigError(
+            "bf16.bf16_optimizer_states = true stores Adam/AdamW moments in bf16; the optimizer is "
+            f"{optimizer.type if optimizer is not None else 'none'}: use Adam/AdamW or remove it"
+        )
     if named not in ("fp32", "bf16"):
-        raise ConfigError(f"bf16.bf16_optimizer_states = true asks for bf16 moments but optimizer.params.state_dtype "
-                          f"= {named!r}; keep one of the two keys")
+        raise ConfigError(
+            f"bf16.bf16_optimizer_states = true asks for bf16 moments but optimizer.params.state_dtype "
+            f"= {named!r}; keep one of the two keys"
+        )
     return "bf16"
 
 

@@ -1,5 +1,6 @@
 """plait's parallel sections of the ds_config: ``tensor_parallel``, ``context_parallel`` and ``pipeline``
 (DeepSpeed's ``pipeline.stages`` spelling is read too). Importable from :mod:`plait.config.schema`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,21 +72,31 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.schedule == "interleaved" and self.virtual_stages < 2:
-            raise ConfigError(f"pipeline.schedule 'interleaved' needs virtual_stages >= 2, got "
-                             f"{self.virtual_stages}; set virtual_stages or use schedule '1f1b'")
+            raise ConfigError(
+                f"pipeline.schedule 'interleaved' needs virtual_stages >= 2, got "
+                f"{self.virtual_stages}; set virtual_stages or use schedule '1f1b'"
+            )
         if self.schedule == "zb-v" and self.virtual_stages != 2:
-            raise ConfigError(f"pipeline.schedule 'zb-v' runs virtual_stages = 2 (two chunks per rank in a V), got "
-                             f"{self.virtual_stages}; set virtual_stages: 2")
+            raise ConfigError(
+                f"pipeline.schedule 'zb-v' runs virtual_stages = 2 (two chunks per rank in a V), got "
+                f"{self.virtual_stages}; set virtual_stages: 2"
+            )
         if self.schedule not in ("interleaved", "zb-v") and self.virtual_stages != 1:
-            raise ConfigError(f"pipeline.virtual_stages = {self.virtual_stages} needs schedule 'interleaved' (or "
-                             f"'zb-v' with 2), got {self.schedule!r}")
+            raise ConfigError(
+                f"pipeline.virtual_stages = {self.virtual_stages} needs schedule 'interleaved' (or "
+                f"'zb-v' with 2), got {self.schedule!r}"
+            )
         if self.schedule_costs == "measure" and self.schedule != "zb-v":
-            raise ConfigError(f"pipeline.schedule_costs 'measure' plans schedule 'zb-v' only, got "
-                             f"{self.schedule!r}; drop schedule_costs or use schedule 'zb-v'")
+            raise ConfigError(
+                f"pipeline.schedule_costs 'measure' plans schedule 'zb-v' only, got "
+                f"{self.schedule!r}; drop schedule_costs or use schedule 'zb-v'"
+            )
         if isinstance(self.partition, list):
             b, chunks = self.partition, self.num_chunks
             if len(b) != chunks + 1 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
-                raise ConfigError(f"pipeline.partition boundaries {b} must be {chunks + 1} strictly increasing "
-                                 f"layer indices starting at 0 (size {self.size} x virtual_stages "
-                                 f"{self.virtual_stages} = {chunks} chunks), e.g. [0, 4, 8] for 2 chunks of "
-                                 "4 layers")
+                raise ConfigError(
+                    f"pipeline.partition boundaries {b} must be {chunks + 1} strictly increasing "
+                    f"layer indices starting at 0 (size {self.size} x virtual_stages "
+                    f"{self.virtual_stages} = {chunks} chunks), e.g. [0, 4, 8] for 2 chunks of "
+                    "4 layers"
+                )

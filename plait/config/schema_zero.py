@@ -3,6 +3,7 @@
 Part of the config schema (:mod:`plait.config.schema` re-exports every name here); field metadata as
 described there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,25 +47,41 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         r = self.ratio
-        number = isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0.0 <= r <= 1.0
+        number = (
+            isinstance(r, (int, float))
+            and not isinstance(r, bool)
+            and math.isfinite(r)
+            and 0.0 <= r <= 1.0
+        )
         if r != AUTO and not number:
-            raise ConfigError(f"offload_optimizer.ratio = {r!r} must be a number in [0, 1] (the share of the optimizer "
-                              "states in host memory; 1: all of them, as DeepSpeed's default) or \"auto\"")
+            raise ConfigError(
+                f"offload_optimizer.ratio = {r!r} must be a number in [0, 1] (the share of the optimizer "
+                'states in host memory; 1: all of them, as DeepSpeed\'s default) or "auto"'
+            )
         fraction, adaptive = self.device_step_fraction, self.device_step_adaptive
         if adaptive is not None:
             if adaptive and fraction not in (None, 0, AUTO):
-                raise ConfigError(f"offload_optimizer.device_step_adaptive starts the device share at 0 and moves it "
-                                  f"each step; it does not take device_step_fraction={fraction}: remove one of them")
+                raise ConfigError(
+                    f"offload_optimizer.device_step_adaptive starts the device share at 0 and moves it "
+                    f"each step; it does not take device_step_fraction={fraction}: remove one of them"
+                )
             logging.getLogger("plait").warning(
-                "config: offload_optimizer.device_step_adaptive is deprecated; write \"device_step_fraction\": "
-                "\"auto\" instead (adaptive split) or leave it out")
+                'config: offload_optimizer.device_step_adaptive is deprecated; write "device_step_fraction": '
+                '"auto" instead (adaptive split) or leave it out'
+            )
             object.__setattr__(self, "device_step_fraction", AUTO if adaptive else fraction)
             object.__setattr__(self, "device_step_adaptive", None)
         fraction = self.device_step_fraction
-        if fraction not in (None, AUTO) and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-                                     and math.isfinite(fraction) and 0.0 <= fraction < 1.0):
-            raise ConfigError(f"offload_optimizer.device_step_fraction = {fraction!r} must be \"auto\" or a number "
-                              "in [0, 1) (the share of the optimizer step the device computes; 0: all on the CPU)")
+        if fraction not in (None, AUTO) and not (
+            isinstance(fraction, (int, float))
+            and not isinstance(fraction, bool)
+            and math.isfinite(fraction)
+            and 0.0 <= fraction < 1.0
+        ):
+            raise ConfigError(
+                f'offload_optimizer.device_step_fraction = {fraction!r} must be "auto" or a number '
+                "in [0, 1) (the share of the optimizer step the device computes; 0: all on the CPU)"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -91,13 +108,22 @@ class ZeroConfig:
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     sub_group_size: int = bounded(1_000_000_000, ge=0)
-    stage3_prefetch_bucket_size: int = bounded(50_000_000, ge=0, auto=True, aliases=("prefetch_bucket_size",))
-    stage3_param_persistence_threshold: int = bounded(100_000, ge=0, auto=True,
-                                                      aliases=("param_persistence_threshold",))
-    stage3_max_live_parameters: int = bounded(1_000_000_000, ge=0, auto=True, aliases=("max_live_parameters",))
-    stage3_max_reuse_distance: int = bounded(1_000_000_000, ge=0, auto=True, aliases=("max_reuse_distance",))
+    stage3_prefetch_bucket_size: int = bounded(
+        50_000_000, ge=0, auto=True, aliases=("prefetch_bucket_size",)
+    )
+    stage3_param_persistence_threshold: int = bounded(
+        100_000, ge=0, auto=True, aliases=("param_persistence_threshold",)
+    )
+    stage3_max_live_parameters: int = bounded(
+        1_000_000_000, ge=0, auto=True, aliases=("max_live_parameters",)
+    )
+    stage3_max_reuse_distance: int = bounded(
+        1_000_000_000, ge=0, auto=True, aliases=("max_reuse_distance",)
+    )
     stage3_gather_16bit_weights_on_model_save: bool = _auto(
-        False, aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
+        False,
+        aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
+    )
     ignore_unused_parameters: bool = True
     reshard_after_forward: bool = True
 
@@ -106,17 +132,25 @@ class ZeroConfig:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {self.stage}")
-        if self.offload_param.enabled and self.stage != 3:   # DeepSpeed reads offload_param at stage 3 only
+        if (
+            self.offload_param.enabled and self.stage != 3
+        ):  # DeepSpeed reads offload_param at stage 3 only
             logging.getLogger("plait").warning(
                 "config: zero_optimization.offload_param is accepted and not used: parameters are offloaded "
-                "at stage 3 only (stage %d here), as in DeepSpeed", self.stage)
+                "at stage 3 only (stage %d here), as in DeepSpeed",
+                self.stage,
+            )
             object.__setattr__(self, "offload_param", OffloadConfig())
         if self.offload_param.ratio != 1:
-            raise ConfigError(f"zero_optimization.offload_param.ratio = {self.offload_param.ratio} is not a key of "
-                              "offload_param; the share of optimizer states on the host is offload_optimizer.ratio")
+            raise ConfigError(
+                f"zero_optimization.offload_param.ratio = {self.offload_param.ratio} is not a key of "
+                "offload_param; the share of optimizer states on the host is offload_optimizer.ratio"
+            )
         if self.offload_optimizer.enabled and self.stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
-                             "dp rank's partition of the optimizer states); set \"stage\" to 1, 2 or 3")
+            raise ConfigError(
+                "zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the host holds one "
+                'dp rank\'s partition of the optimizer states); set "stage" to 1, 2 or 3'
+            )
 
     @property
     def gathers_16bit_on_save(self) -> bool:

@@ -13,7 +13,12 @@ For BERT, ``mask_tokens(batch["input_ids"], mask_id, vocab_size, special_ids)`` 
 inputs and labels.
 """
 
-from plait.data.bundled import bundled_corpus_path, bundled_data_dir, bundled_tokenizer_path, load_bundled_text
+from plait.data.bundled import (
+    bundled_corpus_path,
+    bundled_data_dir,
+    bundled_tokenizer_path,
+    load_bundled_text,
+)
 from plait.data.dataset import TokenDataset
 from plait.data.masking import IGNORE_INDEX, mask_tokens
 from plait.data.sampler import DistributedBatches, epoch_permutation

@@ -29,7 +29,11 @@ def bundled_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
 
     Raises FileNotFoundError (naming the path tried and the fix) if the files are not there.
     """
-    d = Path(data_dir) if data_dir is not None else Path(__file__).resolve().parents[2] / "examples" / "data"
+    d = (
+        Path(data_dir)
+        if data_dir is not None
+        else Path(__file__).resolve().parents[2] / "examples" / "data"
+    )
     if not (d / CORPUS_FILE).is_file() or not (d / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(
             f"bundled data not found: expected {d / CORPUS_FILE} and {d / TOKENIZER_FILE}. plait looks "
@@ -90,6 +94,8 @@ def bundled_corpus_path(
     return out
 
 
-def load_bundled_text(cache_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None) -> str:
+def load_bundled_text(
+    cache_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
+) -> str:
     """The bundled corpus as one string (about 4.94 million characters, ``\\n``-separated lines)."""
     return bundled_corpus_path(cache_dir, data_dir).read_text(encoding="utf-8")

@@ -55,7 +55,13 @@ class TokenDataset:
             raise ValueError(f"seq_len={seq_len} must be positive")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
-        self.path, self.seq_len, self.split, self.val_fraction, self._dtype = path, seq_len, split, val_fraction, dtype
+        self.path, self.seq_len, self.split, self.val_fraction, self._dtype = (
+            path,
+            seq_len,
+            split,
+            val_fraction,
+            dtype,
+        )
         self.meta = read_token_meta(path) if not str(path).endswith(".npy") else None
         self._tokens: np.ndarray | None = None
         n = int(self.tokens.size)

@@ -6,7 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
-IGNORE_INDEX = -100  # labels ignored by torch.nn.functional.cross_entropy (its default ignore_index)
+IGNORE_INDEX = (
+    -100
+)  # labels ignored by torch.nn.functional.cross_entropy (its default ignore_index)
 
 
 def mask_tokens(
@@ -42,12 +44,16 @@ def mask_tokens(
         raise ValueError(f"mask_id={mask_id} is outside the vocabulary [0, {vocab_size})")
     ids = input_ids.to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"input ids span [{int(ids.min())}, {int(ids.max())}], outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"input ids span [{int(ids.min())}, {int(ids.max())}], outside the vocabulary [0, {vocab_size})"
+        )
     special = torch.zeros(vocab_size, dtype=torch.bool)
     special[[int(s) for s in special_ids]] = True
     allowed = (~special).nonzero().squeeze(1)
     if allowed.numel() == 0:
-        raise ValueError(f"all {vocab_size} ids are special: no id to draw random replacements from")
+        raise ValueError(
+            f"all {vocab_size} ids are special: no id to draw random replacements from"
+        )
     dev = ids.device
     u_select = torch.rand(ids.shape, generator=generator)
     u_action = torch.rand(ids.shape, generator=generator)

@@ -14,7 +14,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     Drawn with numpy's PCG64 seeded by ``SeedSequence([seed, epoch])``, so it depends only on
     (num_samples, seed, epoch): never on dp size, rank, process or call order.
     """
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).permutation(num_samples)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).permutation(
+        num_samples
+    )
 
 
 class DistributedBatches:
@@ -60,7 +62,12 @@ class DistributedBatches:
             raise ValueError(f"dp_rank={dp_rank}, dp_size={dp_size}: need 0 <= dp_rank < dp_size")
         if seed < 0:
             raise ValueError(f"seed={seed} must be non-negative")
-        self.dataset, self.micro_batch_size, self.dp_rank, self.dp_size = dataset, micro_batch_size, dp_rank, dp_size
+        self.dataset, self.micro_batch_size, self.dp_rank, self.dp_size = (
+            dataset,
+            micro_batch_size,
+            dp_rank,
+            dp_size,
+        )
         self.seed, self.drop_last, self.shuffle = seed, drop_last, shuffle
         self.num_samples = len(dataset)
         self.global_step_samples = micro_batch_size * dp_size
@@ -83,7 +90,9 @@ class DistributedBatches:
     def _order(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             n = self.num_samples
-            self._perm = epoch_permutation(n, self.seed, self.epoch) if self.shuffle else np.arange(n)
+            self._perm = (
+                epoch_permutation(n, self.seed, self.epoch) if self.shuffle else np.arange(n)
+            )
             self._perm_epoch = self.epoch
         return self._perm
 
@@ -121,7 +130,12 @@ class DistributedBatches:
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position", "seed", "num_samples"}``: where the global stream stands."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_samples": self.num_samples}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from any dp_size / micro_batch_size with the same data and seed).
@@ -130,7 +144,9 @@ class DistributedBatches:
         epoch/position are out of range.
         """
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"state was saved with seed {state['seed']} but this loader has seed {self.seed}")
+            raise ValueError(
+                f"state was saved with seed {state['seed']} but this loader has seed {self.seed}"
+            )
         if int(state["num_samples"]) != self.num_samples:
             raise ValueError(
                 f"state was saved over {state['num_samples']} samples but the dataset has {self.num_samples}: "
@@ -138,5 +154,7 @@ class DistributedBatches:
             )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_samples:
-            raise ValueError(f"epoch={epoch}, position={position}: need epoch >= 0, 0 <= position <= {self.num_samples}")
+            raise ValueError(
+                f"epoch={epoch}, position={position}: need epoch >= 0, 0 <= position <= {self.num_samples}"
+            )
         self.epoch, self.position = epoch, position

@@ -53,7 +53,9 @@ def read_token_meta(path: PathLike) -> dict | None:
         return None
     meta = json.loads(side.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{side} is not a plait token sidecar (format={meta.get('format')!r}, want {FORMAT!r})")
+        raise ValueError(
+            f"{side} is not a plait token sidecar (format={meta.get('format')!r}, want {FORMAT!r})"
+        )
     return meta
 
 
@@ -77,23 +79,41 @@ def load_tokens(path: PathLike, dtype: np.dtype | str | None = None) -> np.ndarr
                 f"{p} has no sidecar {sidecar_path(p).name}, so its dtype is unknown: pass dtype= "
                 f"(e.g. numpy.uint16) or rebuild it with build_token_file"
             )
-        if meta is not None and dtype is not None and np.dtype(dtype).name != np.dtype(meta["dtype"]).name:
-            raise ValueError(f"{p}: dtype={np.dtype(dtype)} given but its sidecar says {meta['dtype']}")
-        dt = np.dtype(meta["dtype"] if meta is not None else dtype).newbyteorder("<")  # files are little-endian
+        if (
+            meta is not None
+            and dtype is not None
+            and np.dtype(dtype).name != np.dtype(meta["dtype"]).name
+        ):
+            raise ValueError(
+                f"{p}: dtype={np.dtype(dtype)} given but its sidecar says {meta['dtype']}"
+            )
+        dt = np.dtype(meta["dtype"] if meta is not None else dtype).newbyteorder(
+            "<"
+        )  # files are little-endian
         size = p.stat().st_size
         if size % dt.itemsize:
             raise ValueError(f"{p} is {size} bytes, not a multiple of {dt} ({dt.itemsize} bytes)")
         if meta is not None and size // dt.itemsize != meta["num_tokens"]:
-            raise ValueError(f"{p} holds {size // dt.itemsize} tokens but its sidecar says {meta['num_tokens']}")
+            raise ValueError(
+                f"{p} holds {size // dt.itemsize} tokens but its sidecar says {meta['num_tokens']}"
+            )
         arr = np.memmap(p, dtype=dt, mode="r") if size else np.zeros(0, dtype=dt)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{p} holds a {arr.ndim}-D {arr.dtype} array; token files are 1-D integer arrays")
+        raise ValueError(
+            f"{p} holds a {arr.ndim}-D {arr.dtype} array; token files are 1-D integer arrays"
+        )
     return arr
 
 
 def _can_cut(prev_line: str, next_line: str) -> bool:
     # Cutting "...c\n" | "d..." (c, d not whitespace) never changes byte-level pre-tokenization.
-    return len(prev_line) >= 2 and prev_line[-1] == "\n" and not prev_line[-2].isspace() and not next_line[:1].isspace() and next_line != ""
+    return (
+        len(prev_line) >= 2
+        and prev_line[-1] == "\n"
+        and not prev_line[-2].isspace()
+        and not next_line[:1].isspace()
+        and next_line != ""
+    )
 
 
 def iter_pieces(lines: Iterable[str], doc_boundary: str) -> Iterator[tuple[str, bool]]:
@@ -137,7 +157,9 @@ class _Writer:
         self.count += int(ids.size)
 
 
-def _encode_text(tok, lines: Iterable[str], doc_boundary: str, eos_id: int, writer: _Writer, where: str) -> int:
+def _encode_text(
+    tok, lines: Iterable[str], doc_boundary: str, eos_id: int, writer: _Writer, where: str
+) -> int:
     batch: list[str] = []
     ends: list[bool] = []
     chars = 0
@@ -171,7 +193,9 @@ def _copy_tokens(src: Path, writer: _Writer, tokenizer_sha: str) -> None:
     if src.suffix != ".npy":
         meta = read_token_meta(src)
         if meta is None:
-            raise ValueError(f"pre-tokenized source {src} has no sidecar; only .npy or plait .bin files are accepted")
+            raise ValueError(
+                f"pre-tokenized source {src} has no sidecar; only .npy or plait .bin files are accepted"
+            )
         if meta["tokenizer_sha256"] != tokenizer_sha:
             raise ValueError(
                 f"{src} was tokenized with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, not the "
@@ -182,7 +206,9 @@ def _copy_tokens(src: Path, writer: _Writer, tokenizer_sha: str) -> None:
         writer.write(np.asarray(arr[start : start + COPY_CHUNK]), str(src))
 
 
-def _check_tokenizer(tok, tok_path: Path, dtype: np.dtype | str, eos_token: str) -> tuple[int, np.dtype, int]:
+def _check_tokenizer(
+    tok, tok_path: Path, dtype: np.dtype | str, eos_token: str
+) -> tuple[int, np.dtype, int]:
     """Set ``tok`` to read special-token text as text and check it against ``dtype`` and ``eos_token``.
 
     Returns ``(vocab_size, dtype, eos_id)``; raises ValueError as :func:`build_token_file` documents.
@@ -229,13 +255,27 @@ def _write_tokens(
                 with open(src, encoding="utf-8", newline=None) as lines:
                     docs = _encode_text(tok, lines, doc_boundary, eos_id, writer, str(src))
                 num_docs += docs
-                rec = {"path": str(src), "kind": "text", "sha256": file_sha256(src), "num_documents": docs}
+                rec = {
+                    "path": str(src),
+                    "kind": "text",
+                    "sha256": file_sha256(src),
+                    "num_documents": docs,
+                }
             records.append({**rec, "num_tokens": writer.count - before})
         if text is not None:
             before = writer.count
-            docs = _encode_text(tok, io.StringIO(text, newline=None), doc_boundary, eos_id, writer, "text=")
+            docs = _encode_text(
+                tok, io.StringIO(text, newline=None), doc_boundary, eos_id, writer, "text="
+            )
             num_docs += docs
-            records.append({"path": None, "kind": "text", "num_documents": docs, "num_tokens": writer.count - before})
+            records.append(
+                {
+                    "path": None,
+                    "kind": "text",
+                    "num_documents": docs,
+                    "num_tokens": writer.count - before,
+                }
+            )
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out)

@@ -12,6 +12,7 @@ Names, keyword arguments, return values and counters are DeepSpeed's (``initiali
 it raises, naming the argument and the alternative; it never ignores an argument that changes training.
 plait's own API is ``plait.initialize``; see ``docs/migrating.md``.
 """
+
 from __future__ import annotations
 
 from plait.deepspeed import comm, zero

@@ -1,5 +1,6 @@
 """``deepspeed.initialize`` / ``init_distributed`` / ``add_config_arguments`` with DeepSpeed's signatures,
 built on ``plait.initialize``."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,18 @@ from plait.config import ConfigError
 from plait.parallel import launch
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: timedelta | None = None, init_method=None,
-                     dist_init_required: bool | None = None, config=None, rank: int = -1,
-                     world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+    init_method=None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Join the launcher's process group (torchrun or SLURM environment), as ``deepspeed.init_distributed``;
     a no-op when one exists. The group is left at every exit (``plait.parallel.launch.leave_at_exit``).
 
@@ -32,11 +40,15 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
             launcher's environment: start the script with torchrun or srun).
     """
     if init_method is not None or rank != -1 or world_size != -1:
-        raise ValueError("plait.deepspeed.init_distributed reads rank, world size and address from the launcher's "
-                         "environment (torchrun, srun); drop init_method/rank/world_size and launch with torchrun")
+        raise ValueError(
+            "plait.deepspeed.init_distributed reads rank, world size and address from the launcher's "
+            "environment (torchrun, srun); drop init_method/rank/world_size and launch with torchrun"
+        )
     if dist.is_initialized() or dist_init_required is False:
         return
-    launch.init_distributed(dist_backend, timeout_s=None if timeout is None else timeout.total_seconds())
+    launch.init_distributed(
+        dist_backend, timeout_s=None if timeout is None else timeout.total_seconds()
+    )
     launch.leave_at_exit()
 
 
@@ -53,38 +65,51 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _config_source(args, config, config_params):
     if config is not None and config_params is not None:
-        raise ConfigError("initialize got both config= and config_params=; pass one (they are the same argument)")
+        raise ConfigError(
+            "initialize got both config= and config_params=; pass one (they are the same argument)"
+        )
     config = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is not None and from_args is not None:
-        raise ConfigError(f"initialize got config= and args.deepspeed_config={from_args!r}; pass one")
+        raise ConfigError(
+            f"initialize got config= and args.deepspeed_config={from_args!r}; pass one"
+        )
     config = config if config is not None else from_args
     if config is None:
-        raise ConfigError("initialize needs a ds_config: pass config= (a path or a dict) or "
-                          "args.deepspeed_config (deepspeed.add_config_arguments adds the flag)")
+        raise ConfigError(
+            "initialize needs a ds_config: pass config= (a path or a dict) or "
+            "args.deepspeed_config (deepspeed.add_config_arguments adds the flag)"
+        )
     return config
 
 
 def scheduler_factory(lr_scheduler, optimizer):
     """plait builds its optimizer over the fp32 master shards, so a schedule *instance* bound to the
     user's optimizer is moved onto it (same groups, same step count); a callable is called with it."""
-    if lr_scheduler is None or not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer")):
+    if lr_scheduler is None or not (
+        hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer")
+    ):
         return lr_scheduler
     if lr_scheduler.optimizer is not optimizer:
-        raise ValueError("lr_scheduler is bound to an optimizer that was not passed as optimizer=; pass that "
-                         "optimizer too, or pass a callable f(optimizer) -> scheduler")
+        raise ValueError(
+            "lr_scheduler is bound to an optimizer that was not passed as optimizer=; pass that "
+            "optimizer too, or pass a callable f(optimizer) -> scheduler"
+        )
 
     def rebind(inner):
         old = lr_scheduler.optimizer.param_groups
         if len(inner.param_groups) != len(old):
-            raise ValueError(f"the schedule has {len(old)} param groups but plait's optimizer has "
-                             f"{len(inner.param_groups)}; pass lr_scheduler as a callable f(optimizer)")
+            raise ValueError(
+                f"the schedule has {len(old)} param groups but plait's optimizer has "
+                f"{len(inner.param_groups)}; pass lr_scheduler as a callable f(optimizer)"
+            )
         for new, before in zip(inner.param_groups, old):
             new["initial_lr"] = before.get("initial_lr", before["lr"])
             new["lr"] = before["lr"]
         lr_scheduler.optimizer = inner
         _track_steps(inner)
         return lr_scheduler
+
     return rebind
 
 
@@ -113,13 +138,30 @@ def _loader(training_data, engine, collate_fn, drop_last: bool):
         sampler = DistributedSampler(training_data, num_replicas=mesh.dp, rank=mesh.dp_rank)
     else:
         sampler = RandomSampler(training_data)
-    return DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn, drop_last=drop_last)
+    return DataLoader(
+        training_data,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+    )
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required: bool | None = None,
-               collate_fn=None, config=None, mesh_param=None, config_params=None):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
     """``deepspeed.initialize`` on plait.
 
     Args (DeepSpeed's): ``args`` (argparse namespace; ``args.deepspeed_config`` is the config when
@@ -144,20 +186,35 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
-        model_parameters = None   # the instance's own param groups are used exactly
-    engine = plait.initialize(model, source, optimizer=optimizer, model_parameters=model_parameters,
-                              lr_scheduler=scheduler_factory(lr_scheduler, optimizer))
-    loader = _loader(training_data, engine, collate_fn, drop_last=False)   # dataloader_drop_last: true is refused
+        model_parameters = None  # the instance's own param groups are used exactly
+    engine = plait.initialize(
+        model,
+        source,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=scheduler_factory(lr_scheduler, optimizer),
+    )
+    loader = _loader(
+        training_data, engine, collate_fn, drop_last=False
+    )  # dataloader_drop_last: true is refused
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def _refuse(model, mpu, mesh_param, dist_init_required) -> None:
     """Raises ValueError: ``initialize``'s arguments plait does not serve, or no model (see ``initialize``)."""
     if mpu is not None or mesh_param is not None:
-        raise ValueError("plait builds its own tensor/pipeline groups: drop mpu=/mesh_param= and set "
-                         "\"tensor_parallel\": {\"size\": N} and \"pipeline\": {\"size\": N} in the config")
+        raise ValueError(
+            "plait builds its own tensor/pipeline groups: drop mpu=/mesh_param= and set "
+            '"tensor_parallel": {"size": N} and "pipeline": {"size": N} in the config'
+        )
     if model is None:
         raise ValueError("initialize needs model=")
-    if dist_init_required is False and not dist.is_initialized() and launch.launcher_world_size() > 1:
-        raise ValueError("dist_init_required=False but no process group exists under a launcher of "
-                         f"{launch.launcher_world_size()} processes; call init_distributed() first")
+    if (
+        dist_init_required is False
+        and not dist.is_initialized()
+        and launch.launcher_world_size() > 1
+    ):
+        raise ValueError(
+            "dist_init_required=False but no process group exists under a launcher of "
+            f"{launch.launcher_world_size()} processes; call init_distributed() first"
+        )

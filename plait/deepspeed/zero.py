@@ -1,5 +1,6 @@
 """``deepspeed.zero`` on plait: ``GatheredParameters`` (whole parameters for a moment, edits kept with
 ``modifier_rank``) and ``Init`` (accepted; the model is partitioned in ``initialize``)."""
+
 from __future__ import annotations
 
 import logging
@@ -27,11 +28,15 @@ class GatheredParameters:
             data-parallel group.
     """
 
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+    def __init__(
+        self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True
+    ):
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
         owners = {id(o): o for o in (owner_of(p) for p in params) if o is not None}
         if len(owners) > 1:
-            raise ValueError("GatheredParameters got parameters of two plait engines; gather each engine's apart")
+            raise ValueError(
+                "GatheredParameters got parameters of two plait engines; gather each engine's apart"
+            )
         self._ctx = nullcontext()
         if enabled and owners:
             opt = next(iter(owners.values()))
@@ -51,7 +56,9 @@ def _dp_rank(opt, modifier_rank: int | None) -> int | None:
         return modifier_rank
     ranks = dist.get_process_group_ranks(opt.dp_group)
     if modifier_rank not in ranks:
-        raise ValueError(f"modifier_rank {modifier_rank} is not in this rank's data-parallel group {ranks}")
+        raise ValueError(
+            f"modifier_rank {modifier_rank} is not in this rank's data-parallel group {ranks}"
+        )
     return ranks.index(modifier_rank)
 
 
@@ -67,8 +74,10 @@ class Init:
 
     def __enter__(self):
         if self.enabled:
-            log.warning("zero.Init: the model is built whole and partitioned in initialize(); to build it "
-                        "without weights use plait.zero.meta_parameters() and plait.initialize(..., weights=path)")
+            log.warning(
+                "zero.Init: the model is built whole and partitioned in initialize(); to build it "
+                "without weights use plait.zero.meta_parameters() and plait.initialize(..., weights=path)"
+            )
         return self
 
     def __exit__(self, *exc):

@@ -7,6 +7,7 @@ steps), ``guard`` and ``batch`` (micro-batch checks agreed over the ranks, the n
 wrapping the model), ``offload``, ``pipeline``, ``moe``, ``context`` and ``compile`` (the satellites of
 each feature), ``gc_schedule`` (the garbage-collection schedule).
 """
+
 from plait.engine.build import initialize
 from plait.engine.core import Engine
 

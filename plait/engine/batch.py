@@ -8,6 +8,7 @@ accumulation boundary (``plait.engine.guard``), so one rank's bad micro-batch dr
 A batch that cannot be computed at all (not a dict, ids that are not integers, an empty tensor) raises at
 once. Why each check, and how a batch on a GPU is checked without a host sync: ``docs/engine.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ import torch
 from plait.data.masking import IGNORE_INDEX
 from plait.engine.context import SEQUENCE_KEYS
 
-_UNBOUNDED = 2 ** 62
+_UNBOUNDED = 2**62
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,12 @@ def batch_limits(model_config) -> BatchLimits:
     other than "default")."""
     vocab = getattr(model_config, "vocab_size", None)
     positions = getattr(model_config, "max_position_embeddings", None)
-    scaling = getattr(model_config, "rope_scaling", None) or getattr(model_config, "rope_parameters", None)
-    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    scaling = getattr(model_config, "rope_scaling", None) or getattr(
+        model_config, "rope_parameters", None
+    )
+    rope_type = (
+        scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    )
     if rope_type not in (None, "default"):
         positions = None
     return BatchLimits(_positive_int(vocab), _positive_int(positions))
@@ -56,19 +61,25 @@ def _positive_int(value) -> int | None:
 class _Ids(NamedTuple):
     name: str
     ids: torch.Tensor
-    ignore: int | None   # a value allowed outside the range (labels: -100)
-    bound: int           # values must be in [0, bound)
+    ignore: int | None  # a value allowed outside the range (labels: -100)
+    bound: int  # values must be in [0, bound)
 
 
 def _entries(batch, limits: BatchLimits) -> list[_Ids]:
     if not isinstance(batch, Mapping):
-        raise TypeError(f"a micro-batch is a dict of model inputs (input_ids [b, s], labels [b, s], ...), got "
-                        f"{type(batch).__name__}")
+        raise TypeError(
+            f"a micro-batch is a dict of model inputs (input_ids [b, s], labels [b, s], ...), got "
+            f"{type(batch).__name__}"
+        )
     vocab = limits.vocab_size or _UNBOUNDED
     spec = [("input_ids", None, vocab), ("labels", IGNORE_INDEX, vocab)]
     if limits.max_positions is not None:
         spec.append(("position_ids", None, limits.max_positions))
-    return [_Ids(key, batch[key], ignore, bound) for key, ignore, bound in spec if batch.get(key) is not None]
+    return [
+        _Ids(key, batch[key], ignore, bound)
+        for key, ignore, bound in spec
+        if batch.get(key) is not None
+    ]
 
 
 def check_micro_batch(batch, limits: BatchLimits) -> dict:
@@ -86,7 +97,9 @@ def check_micro_batch(batch, limits: BatchLimits) -> dict:
     """
     todo = _entries(batch, limits)
     _check_types(todo)
-    problem = _too_long(batch, todo, limits) or (_out_of_range(todo, _bounds(todo).tolist()) if todo else None)
+    problem = _too_long(batch, todo, limits) or (
+        _out_of_range(todo, _bounds(todo).tolist()) if todo else None
+    )
     if problem is not None:
         raise ValueError(problem)
     return _as_long(batch, todo)
@@ -94,13 +107,22 @@ def check_micro_batch(batch, limits: BatchLimits) -> dict:
 
 def _check_types(todo: list[_Ids]) -> None:
     for name, ids, _, _ in todo:
-        if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.is_complex() or ids.dtype == torch.bool:
+        if (
+            not torch.is_tensor(ids)
+            or ids.dtype.is_floating_point
+            or ids.is_complex()
+            or ids.dtype == torch.bool
+        ):
             got = ids.dtype if torch.is_tensor(ids) else type(ids).__name__
             what = "positions" if name == "position_ids" else "token ids"
-            raise TypeError(f"{name} must be an integer tensor of {what} (torch.long), got {got}; "
-                            f"tokenize to integers, or .long() a float tensor that holds whole numbers")
+            raise TypeError(
+                f"{name} must be an integer tensor of {what} (torch.long), got {got}; "
+                f"tokenize to integers, or .long() a float tensor that holds whole numbers"
+            )
         if ids.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {list(ids.shape)}): a micro-batch needs at least one token")
+            raise ValueError(
+                f"{name} is empty (shape {list(ids.shape)}): a micro-batch needs at least one token"
+            )
 
 
 def _as_long(batch, todo: list[_Ids]) -> dict:
@@ -114,7 +136,9 @@ def _valid(ids: torch.Tensor, ignore: int | None) -> torch.Tensor:
 def _bounds(todo: list[_Ids]) -> torch.Tensor:
     """``[min, max]`` of every tensor (ignored labels counted as 0), stacked: ``[2 * len(todo)]`` int64."""
     device = todo[0].ids.device
-    return torch.stack([v.long() for e in todo for v in torch.aminmax(_valid(e.ids, e.ignore).to(device))])
+    return torch.stack(
+        [v.long() for e in todo for v in torch.aminmax(_valid(e.ids, e.ignore).to(device))]
+    )
 
 
 def _seq_len(batch) -> tuple[str, torch.Tensor] | None:
@@ -127,13 +151,20 @@ def _seq_len(batch) -> tuple[str, torch.Tensor] | None:
 def _too_long(batch, todo: list[_Ids], limits: BatchLimits) -> str | None:
     """The problem of sequences longer than ``max_positions`` when no ``position_ids`` are given (shapes only)."""
     limit, seq = limits.max_positions, _seq_len(batch)
-    if limit is None or seq is None or batch.get("position_ids") is not None or seq[1].shape[-1] <= limit:
+    if (
+        limit is None
+        or seq is None
+        or batch.get("position_ids") is not None
+        or seq[1].shape[-1] <= limit
+    ):
         return None
     name, ids = seq
-    return (f"{name} holds sequences of {ids.shape[-1]} tokens (shape {list(ids.shape)}) but the model's "
-            f"max_position_embeddings is {limit}: cut the sequences to at most {limit} tokens (the tokenizer's "
-            f"max_length, the data's block size), or give the model a config that takes longer ones (a larger "
-            f"max_position_embeddings, or rope_scaling for a Hugging Face RoPE model)")
+    return (
+        f"{name} holds sequences of {ids.shape[-1]} tokens (shape {list(ids.shape)}) but the model's "
+        f"max_position_embeddings is {limit}: cut the sequences to at most {limit} tokens (the tokenizer's "
+        f"max_length, the data's block size), or give the model a config that takes longer ones (a larger "
+        f"max_position_embeddings, or rope_scaling for a Hugging Face RoPE model)"
+    )
 
 
 def _out_of_range(todo: list[_Ids], bounds: list) -> str | None:
@@ -145,11 +176,15 @@ def _out_of_range(todo: list[_Ids], bounds: list) -> str | None:
             value = int(ids[tuple(where)])
             at = f"{name}[{', '.join(map(str, where))}] = {value}"
             if name == "position_ids":
-                return (f"{at} is outside the model's positions: position ids must be in [0, {bound}) "
-                        f"(max_position_embeddings {bound}); cut the sequences or fix the position ids")
+                return (
+                    f"{at} is outside the model's positions: position ids must be in [0, {bound}) "
+                    f"(max_position_embeddings {bound}); cut the sequences or fix the position ids"
+                )
             allowed = f"[0, {bound})" + (f" or {ignore} (ignored)" if ignore is not None else "")
-            return (f"{at} is outside the model's vocabulary: token ids must be in {allowed}. Check that the "
-                    f"tokenizer's vocabulary fits the model's vocab_size ({bound}) and that padding uses a valid id")
+            return (
+                f"{at} is outside the model's vocabulary: token ids must be in {allowed}. Check that the "
+                f"tokenizer's vocabulary fits the model's vocab_size ({bound}) and that padding uses a valid id"
+            )
     return None
 
 
@@ -199,7 +234,9 @@ def screen_micro_batch(batch, limits: BatchLimits) -> tuple[dict, Verdict | Pend
         return check_micro_batch(batch, limits), None
     too_long = _too_long(batch, todo, limits)
     if all(e.ids.is_cuda for e in todo):
-        return _stand_in(batch, todo, limits, cut=too_long is not None), PendingCheck(todo, too_long)
+        return _stand_in(batch, todo, limits, cut=too_long is not None), PendingCheck(
+            todo, too_long
+        )
     problem = too_long or _out_of_range(todo, _bounds(todo).tolist())
     if problem is None:
         return _as_long(batch, todo), None
@@ -216,8 +253,10 @@ def _stand_in(batch, todo: list[_Ids], limits: BatchLimits, cut: bool) -> dict:
         safe[name] = clamped if ignore is None else torch.where(ids == ignore, ids, clamped)
     if cut:
         limit = limits.max_positions
-        safe = {k: v[:, :limit] if k in SEQUENCE_KEYS and torch.is_tensor(v) and v.dim() >= 2 else v
-                for k, v in safe.items()}
+        safe = {
+            k: v[:, :limit] if k in SEQUENCE_KEYS and torch.is_tensor(v) and v.dim() >= 2 else v
+            for k, v in safe.items()
+        }
     return safe
 
 

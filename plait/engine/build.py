@@ -5,6 +5,7 @@ device, the pipeline and the checks of the combinations the engine refuses, in t
 Differences from ``deepspeed.initialize``: it returns the engine alone (not a 4-tuple), and a user
 learning-rate schedule is passed as a factory ``f(optimizer)`` because ZeRO builds its own optimizer
 over the fp32 master shards."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,17 @@ from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero.weights import prepare_weights
 
 
-def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, lr_scheduler=None,
-               model_parameters=None, weights=None, units=None, **config_facts) -> Engine:
+def initialize(
+    model,
+    config,
+    mesh: ParallelMesh | None = None,
+    optimizer=None,
+    lr_scheduler=None,
+    model_parameters=None,
+    weights=None,
+    units=None,
+    **config_facts,
+) -> Engine:
     """Wrap ``model`` for training with ZeRO over the dp ranks (and tp/pp from ``mesh``).
 
     Args:
@@ -56,37 +66,57 @@ def initialize(model, config, mesh: ParallelMesh | None = None, optimizer=None, 
             parameters are not on the meta device, or a checkpoint tensor of another shape.
     """
     if not dist.is_initialized() and launcher_world_size() > 1:
-        init_distributed()   # under torchrun/SLURM: join the job's group (each rank would train alone)
+        init_distributed()  # under torchrun/SLURM: join the job's group (each rank would train alone)
         leave_at_exit()
     config, mesh = config_and_mesh(model, config, mesh, config_facts)
-    config = start_up(config, model, mesh)   # the ranks agree; comm.startup_timeout_s holds from here
+    config = start_up(
+        config, model, mesh
+    )  # the ranks agree; comm.startup_timeout_s holds from here
     if config.seed is not None:
         torch.manual_seed(config.seed)
     weights = prepare_weights(model, weights, mesh.device)
-    config = fit_config(model, config, mesh.device, mesh.dp)   # before the model is moved: "auto" ratio, refusal
+    config = fit_config(
+        model, config, mesh.device, mesh.dp
+    )  # before the model is moved: "auto" ratio, refusal
     model, pipeline = stage_chunks(on_device(model, mesh.device), config)
     check_context_parallel(config, mesh, model, pipeline)
-    return Engine(model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units)
+    return Engine(
+        model, config, mesh, optimizer, lr_scheduler, model_parameters, pipeline, weights, units
+    )
 
 
-def config_and_mesh(model, config, mesh: ParallelMesh | None, config_facts: dict) -> tuple[PlaitConfig, ParallelMesh]:
+def config_and_mesh(
+    model, config, mesh: ParallelMesh | None, config_facts: dict
+) -> tuple[PlaitConfig, ParallelMesh]:
     """The resolved ``PlaitConfig`` and the mesh (built from the config's tp/pp/cp sizes when ``mesh`` is None,
     after the ranks agree on the config and model). Raises ConfigError: the config's tp/pp differ from the
     mesh's, or a mesh that does not cover the world."""
     check_mesh_covers_world(mesh)
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # a Hugging Face model's, or plait's
+    hidden = getattr(
+        getattr(model, "config", None), "hidden_size", None
+    )  # a Hugging Face model's, or plait's
     config_facts.setdefault("model_hidden_size", hidden)
     if mesh is None:
-        raw = config if isinstance(config, PlaitConfig) else load_config(
-            config, world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            **config_facts)
-        check_ranks_agree(raw, model, None)   # before the mesh: every rank builds it from its config
-        mesh = ParallelMesh(tp=raw.tensor_parallel.size, pp=raw.pipeline.size, cp=raw.context_parallel.size)
+        raw = (
+            config
+            if isinstance(config, PlaitConfig)
+            else load_config(
+                config,
+                world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                **config_facts,
+            )
+        )
+        check_ranks_agree(raw, model, None)  # before the mesh: every rank builds it from its config
+        mesh = ParallelMesh(
+            tp=raw.tensor_parallel.size, pp=raw.pipeline.size, cp=raw.context_parallel.size
+        )
     if not isinstance(config, PlaitConfig):
         config = load_config(config, dp_size=mesh.dp, **config_facts)
     if config.tensor_parallel.size != mesh.tp or config.pipeline.size != mesh.pp:
-        raise ConfigError(f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
-                          f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree")
+        raise ConfigError(
+            f"config asks for tensor_parallel.size={config.tensor_parallel.size}, pipeline.size="
+            f"{config.pipeline.size} but the mesh has tp={mesh.tp}, pp={mesh.pp}; make them agree"
+        )
     return config, mesh
 
 

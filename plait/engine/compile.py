@@ -7,6 +7,7 @@ Activation checkpointing stays outside the region. Pickling a whole compiled mod
 its ``state_dict``). Regions are traced with dynamo's ``nested_graph_breaks``, scoped to their calls.
 Why per block, what still breaks a block's graph and what that costs: ``docs/engine.md``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ def compile_targets(module: nn.Module) -> list[nn.Module]:
     named in ``_no_split_modules`` (the decoder layers); otherwise the module itself."""
     from plait.layers.block import TransformerBlock
     from plait.layers.ends import LMHead
+
     blocks = [m for m in module.modules() if isinstance(m, (TransformerBlock, LMHead))]
     if blocks:
         return blocks
@@ -38,7 +40,9 @@ def compile_targets(module: nn.Module) -> list[nn.Module]:
     return blocks or [module]
 
 
-def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict | None = None) -> list[nn.Module]:
+def compile_regions(
+    module: nn.Module, backend: str = "inductor", kwargs: dict | None = None
+) -> list[nn.Module]:
     """Compile the ``forward`` of each region of ``module`` (``compile_targets``) in place; regions
     already compiled are left alone. Returns the regions compiled now.
 
@@ -52,20 +56,26 @@ def compile_regions(module: nn.Module, backend: str = "inductor", kwargs: dict |
     kwargs = dict(kwargs or {})
     if "backend" in kwargs:
         raise ValueError("compile kwargs must not hold 'backend'; pass backend= instead")
-    done, compiled = [], {}   # one compiled function per region class, bound to each region
+    done, compiled = [], {}  # one compiled function per region class, bound to each region
     for region in compile_targets(module):
         if getattr(region, COMPILED_ATTR, False):
             continue
         cls = type(region)
         if cls not in compiled:
-            compiled[cls] = _resuming_nested_breaks(torch.compile(cls.forward, backend=backend, **kwargs))
+            compiled[cls] = _resuming_nested_breaks(
+                torch.compile(cls.forward, backend=backend, **kwargs)
+            )
         # a bound method: copy.deepcopy rebinds it to the copy (a closure over the region would not)
         region.forward = types.MethodType(compiled[cls], region)
         setattr(region, COMPILED_ATTR, backend)
         done.append(region)
     if done:
-        logging.getLogger("plait").info("compile: %d region(s) of %s compiled with backend %r",
-                                        len(done), type(done[0]).__name__, backend)
+        logging.getLogger("plait").info(
+            "compile: %d region(s) of %s compiled with backend %r",
+            len(done),
+            type(done[0]).__name__,
+            backend,
+        )
     return done
 
 
@@ -78,6 +88,7 @@ def _resuming_nested_breaks(fn):
     def run(*args, **kwargs):
         with torch._dynamo.config.patch(nested_graph_breaks=True):
             return fn(*args, **kwargs)
+
     # name and docstring only: copying fn's __dict__ would copy dynamo's markers, and an outer compile would
     # then inline fn past the patch
     return functools.update_wrapper(run, fn, updated=())
@@ -85,7 +96,10 @@ def _resuming_nested_breaks(fn):
 
 def compiled_backend(module: nn.Module):
     """The backend ``compile_regions`` compiled ``module``'s regions with, or None."""
-    return next((getattr(m, COMPILED_ATTR) for m in module.modules() if getattr(m, COMPILED_ATTR, False)), None)
+    return next(
+        (getattr(m, COMPILED_ATTR) for m in module.modules() if getattr(m, COMPILED_ATTR, False)),
+        None,
+    )
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -93,8 +107,15 @@ def is_compiled(module: nn.Module) -> bool:
     return compiled_backend(module) is not None
 
 
-def compile_engine_model(module: nn.Module, pipeline, backend: str, compile_kwargs: dict | None, schedule,
-                         compiled_autograd_enabled: bool, deepcompile: bool) -> None:
+def compile_engine_model(
+    module: nn.Module,
+    pipeline,
+    backend: str,
+    compile_kwargs: dict | None,
+    schedule,
+    compiled_autograd_enabled: bool,
+    deepcompile: bool,
+) -> None:
     """``Engine.compile``: refuse what it does not serve, warn about what it does differently, then
     ``compile_regions``.
 
@@ -104,19 +125,28 @@ def compile_engine_model(module: nn.Module, pipeline, backend: str, compile_kwar
         ConfigError: a zero-bubble pipeline schedule (its split backward cannot split a compiled block).
     """
     if schedule is not None or compiled_autograd_enabled:
-        raise ValueError("engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
-                         "call engine.compile(backend, compile_kwargs) without them")
+        raise ValueError(
+            "engine.compile: DeepCompile schedules and compiled autograd are not implemented; "
+            "call engine.compile(backend, compile_kwargs) without them"
+        )
     if pipeline is not None and str(pipeline.schedule).startswith("zb"):
-        raise ConfigError(f"compile with pipeline schedule {pipeline.schedule!r}: a compiled block "
-                          "is one autograd node, which the zero-bubble split would run whole in both its "
-                          "input- and weight-gradient passes; use schedule '1f1b' or 'interleaved', or "
-                          "compile off")
+        raise ConfigError(
+            f"compile with pipeline schedule {pipeline.schedule!r}: a compiled block "
+            "is one autograd node, which the zero-bubble split would run whole in both its "
+            "input- and weight-gradient passes; use schedule '1f1b' or 'interleaved', or "
+            "compile off"
+        )
     before = compiled_backend(module)
     if before is not None and before != backend:
-        logging.getLogger("plait").warning("engine.compile: the model is compiled with backend %r already; "
-                                           "backend %r is not applied", before, backend)
+        logging.getLogger("plait").warning(
+            "engine.compile: the model is compiled with backend %r already; "
+            "backend %r is not applied",
+            before,
+            backend,
+        )
     if deepcompile:
         logging.getLogger("plait").warning(
             "config: compile.deepcompile = true is accepted: plait compiles each transformer block with "
-            "torch.compile (its ZeRO hooks stay outside the compiled regions) instead of DeepCompile's passes")
+            "torch.compile (its ZeRO hooks stay outside the compiled regions) instead of DeepCompile's passes"
+        )
     compile_regions(module, backend, compile_kwargs)

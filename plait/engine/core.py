@@ -11,6 +11,7 @@ under DeepSpeed's names and meanings) over plait's ZeRO, tensor and pipeline par
 
 ``plait.initialize`` (``plait.engine.build``) differs from ``deepspeed.initialize`` as that module says.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,27 +59,59 @@ class Engine(Checkpointable):
     gradient); ``skipped_steps`` counts the skipped ones; the schedule advances only on applied steps.
     """
 
-    def __init__(self, module: nn.Module, config: PlaitConfig, mesh: ParallelMesh, optimizer, lr_scheduler,
-                 model_parameters, pipeline=None, weights=None, units=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        config: PlaitConfig,
+        mesh: ParallelMesh,
+        optimizer,
+        lr_scheduler,
+        model_parameters,
+        pipeline=None,
+        weights=None,
+        units=None,
+    ):
         self.module, self.config, self.mesh, self.pipeline = module, config, mesh, pipeline
-        if config.fp8.enabled:   # before compile traces the blocks and ZeRO collects the (kept) parameters
+        if (
+            config.fp8.enabled
+        ):  # before compile traces the blocks and ZeRO collects the (kept) parameters
             convert_to_float8(module, config.fp8, mesh.device)
-        if config.compile.on:   # first: a refused combination builds nothing
+        if config.compile.on:  # first: a refused combination builds nothing
             self.compile(config.compile.backend, config.compile.kwargs)
         apply_activation_checkpointing(module, config.activation_checkpointing)
-        self.optimizer = zero_optimizer(module, config, mesh, optimizer, model_parameters, pipeline, weights, units)
+        self.optimizer = zero_optimizer(
+            module, config, mesh, optimizer, model_parameters, pipeline, weights, units
+        )
         self.lr_scheduler = lr_schedule(config, lr_scheduler, self.optimizer.optimizer)
         self.step_applied, self.global_samples = False, 0
-        limits = batch_limits(getattr(module[0] if pipeline is not None else module, "config", None))
-        self.guard = RunGuard(self.optimizer, config, timeout_groups(mesh, pipeline), limits, mesh.device,
-                              pipelined=pipeline is not None)
-        self.report = StepReport(config.steps_per_print, config.wall_clock_breakdown, self.global_rank, mesh.device,
-                                 config.gradient_accumulation_steps, build_monitors(config, self.global_rank))
-        self.experts = ExpertLayers(module, mesh)   # mixture-of-experts layers (plait.engine.moe)
-        self.data_loader = None   # a loader with state_dict/load_state_dict whose position checkpoints keep
+        limits = batch_limits(
+            getattr(module[0] if pipeline is not None else module, "config", None)
+        )
+        self.guard = RunGuard(
+            self.optimizer,
+            config,
+            timeout_groups(mesh, pipeline),
+            limits,
+            mesh.device,
+            pipelined=pipeline is not None,
+        )
+        self.report = StepReport(
+            config.steps_per_print,
+            config.wall_clock_breakdown,
+            self.global_rank,
+            mesh.device,
+            config.gradient_accumulation_steps,
+            build_monitors(config, self.global_rank),
+        )
+        self.experts = ExpertLayers(module, mesh)  # mixture-of-experts layers (plait.engine.moe)
+        self.data_loader = (
+            None  # a loader with state_dict/load_state_dict whose position checkpoints keep
+        )
         self.checkpoint_writer = WriterSlot()
         self.gathers_16bit_on_save = config.zero_optimization.gathers_16bit_on_save
-        self.collections = CollectionSchedule(config.garbage_collection.interval)   # last: it collects once
+        self.collections = CollectionSchedule(
+            config.garbage_collection.interval
+        )  # last: it collects once
 
     @property
     def forward_only(self) -> bool:
@@ -260,13 +293,25 @@ class Engine(Checkpointable):
         """``plait.engine.ranks.dp_mean`` over this engine's mesh."""
         return dp_mean(loss, self.mesh)
 
-    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
-                compiled_autograd_enabled: bool = False) -> None:
+    def compile(
+        self,
+        backend: str = "inductor",
+        compile_kwargs: dict | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each transformer block in place, the engine's
         hooks outside; the ds_config's ``compile`` section calls it from ``initialize``. A second call is a
         no-op. Errors: ``plait.engine.compile.compile_engine_model``."""
-        compile_engine_model(self.module, self.pipeline, backend, compile_kwargs, schedule, compiled_autograd_enabled,
-                             self.config.compile.deepcompile)
+        compile_engine_model(
+            self.module,
+            self.pipeline,
+            backend,
+            compile_kwargs,
+            schedule,
+            compiled_autograd_enabled,
+            self.config.compile.deepcompile,
+        )
 
     @property
     def is_compiled(self) -> bool:
@@ -286,7 +331,9 @@ class Engine(Checkpointable):
 
     def trainer_state(self) -> TrainerState:
         """Samples so far, the schedule's and the ``data_loader``'s states, and the resolved config."""
-        return trainer_state(self.global_samples, self.lr_scheduler, self.config.to_dict(), self.data_loader)
+        return trainer_state(
+            self.global_samples, self.lr_scheduler, self.config.to_dict(), self.data_loader
+        )
 
     def load_trainer_state(self, state: TrainerState) -> None:
         """Take a checkpoint's counters and schedule and ``data_loader`` states (None fields: keep ours)."""
@@ -301,8 +348,14 @@ class Engine(Checkpointable):
     def load_rng_state(self, state: RngState) -> None:
         load_rng_state(self.model_chunks(), self.mesh.device, state)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, async_save: bool = False,
-                        keep_last: int | None = None):
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state=None,
+        async_save: bool = False,
+        keep_last: int | None = None,
+    ):
         """Write a sharded, layout-free checkpoint (see ``plait.checkpoint``) as ``save_dir/tag``
         (default tag ``global_step<N>``) and point ``save_dir/latest`` at it; keep only the newest
         ``keep_last`` checkpoints. With ``async_save`` the tensors are copied to host and written in a
@@ -310,18 +363,35 @@ class Engine(Checkpointable):
         with self.guard.startup_timeout():
             return save_engine(self, save_dir, tag, client_state or {}, async_save, keep_last)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, strict: bool = True,
-                        allow_config_change: bool = False):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        strict: bool = True,
+        allow_config_change: bool = False,
+    ):
         """Load a checkpoint saved at any layout. Returns ``(path, client_state)``. Collective.
         A checkpoint of a model whose config computes differently (heads, activation, norm, ...) is
         refused with ``CheckpointError`` unless ``allow_config_change``."""
         with self.guard.startup_timeout():
-            return load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, strict,
-                               allow_config_change)
+            return load_engine(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                strict,
+                allow_config_change,
+            )
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self,
+        save_dir,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """The whole model's weights in the compute dtype as one file from rank 0 (DeepSpeed's method; see
         ``plait.checkpoint.export16``). Returns False under ZeRO-3 unless
         ``stage3_gather_16bit_weights_on_model_save``. Collective."""

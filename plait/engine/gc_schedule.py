@@ -12,6 +12,7 @@ cycle; a cycle made between two collections is freed at the next one. The settin
 the engine. ``N = 0`` (the default) leaves the collector as it is. Independently, a pipeline's step pauses
 the automatic collector for its own duration (``plait.parallel.pipeline.executor``).
 """
+
 from __future__ import annotations
 
 import gc

@@ -11,6 +11,7 @@
 * Hung ranks: after the first applied step the collectives time out after ``comm.timeout_s``; checkpoint
   I/O runs under ``comm.startup_timeout_s`` (``plait.parallel.launch.set_collective_timeout``).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -37,14 +38,23 @@ class RunGuard:
             (``agree``), so ``before_step`` has nothing to agree on.
     """
 
-    def __init__(self, optimizer, config: PlaitConfig, groups, limits: BatchLimits, device: torch.device,
-                 pipelined: bool):
+    def __init__(
+        self,
+        optimizer,
+        config: PlaitConfig,
+        groups,
+        limits: BatchLimits,
+        device: torch.device,
+        pipelined: bool,
+    ):
         self.optimizer, self.config, self.groups = optimizer, config, tuple(groups)
         self.limits, self.device, self.pipelined = limits, device, pipelined
-        self.pending: list = []   # plait.engine.batch verdicts (Verdict, PendingCheck) of this step's micro-batches
-        self.loss: torch.Tensor | None = None   # the last micro-batch's loss (detached; no host sync)
-        self.last_applied: tuple[int, torch.Tensor | None] | None = None   # (global step, its loss)
-        self.scale_before: float | None = None   # the fp16 loss scale the last step ran at
+        self.pending: list = []  # plait.engine.batch verdicts (Verdict, PendingCheck) of this step's micro-batches
+        self.loss: torch.Tensor | None = (
+            None  # the last micro-batch's loss (detached; no host sync)
+        )
+        self.last_applied: tuple[int, torch.Tensor | None] | None = None  # (global step, its loss)
+        self.scale_before: float | None = None  # the fp16 loss scale the last step ran at
 
     def screen(self, batch: dict) -> dict:
         """The batch to compute with (``screen_micro_batch``). Raises TypeError/ValueError at once for a
@@ -94,9 +104,11 @@ class RunGuard:
             try:
                 batch = next(it)
             except StopIteration:
-                raise ValueError(f"the data iterator ran out after {i} of the {n} micro-batches of step "
-                                 f"{step} (gradient_accumulation_steps={n}); "
-                                 "give train_batch an iterator with enough batches (or one that cycles)") from None
+                raise ValueError(
+                    f"the data iterator ran out after {i} of the {n} micro-batches of step "
+                    f"{step} (gradient_accumulation_steps={n}); "
+                    "give train_batch an iterator with enough batches (or one that cycles)"
+                ) from None
             if check:
                 try:
                     batch = check_micro_batch(batch, self.limits)
@@ -112,7 +124,7 @@ class RunGuard:
         if not applied:
             self._check_skips()
             return
-        if self.last_applied is None:   # start-up is over: from now on a hung rank is caught sooner
+        if self.last_applied is None:  # start-up is over: from now on a hung rank is caught sooner
             set_collective_timeout(self.config.comm.timeout_s, self.groups)
         self.last_applied = (global_steps, self.loss)
 
@@ -135,16 +147,24 @@ class RunGuard:
         zero, limit = self.optimizer, self.config.nonfinite_guard.max_consecutive_skips
         stuck = self._stuck_scale()
         if zero.consecutive_skips < limit or (zero.scaler is not None and stuck is None):
-            return   # below the limit, or a dynamic loss scale still falling: it recovers by itself
+            return  # below the limit, or a dynamic loss scale still falling: it recovers by itself
         step, loss = self.last_applied or (0, None)
-        last = (f"the last applied step was {step}" + (f" (loss {float(loss):.6g})" if loss is not None else "")
-                if step else "no step was applied yet")
+        last = (
+            f"the last applied step was {step}"
+            + (f" (loss {float(loss):.6g})" if loss is not None else "")
+            if step
+            else "no step was applied yet"
+        )
         raise NonFiniteError(
             f"{zero.consecutive_skips} optimizer steps in a row (up to step {zero.global_steps + zero.skipped_steps})"
             f" had an inf/nan global gradient norm and were skipped; {last}. "
-            + (stuck or "Look for the source (the batches of those steps, the lr, a layer that overflows) and "
-               "resume from the last checkpoint")
-            + f"; nonfinite_guard.max_consecutive_skips (now {limit}) sets how many skips in a row end the run")
+            + (
+                stuck
+                or "Look for the source (the batches of those steps, the lr, a layer that overflows) and "
+                "resume from the last checkpoint"
+            )
+            + f"; nonfinite_guard.max_consecutive_skips (now {limit}) sets how many skips in a row end the run"
+        )
 
     def _stuck_scale(self) -> str | None:
         """Why the fp16 loss scale cannot end the skips (the fix to name), or None (no scaler, or a dynamic
@@ -153,13 +173,17 @@ class RunGuard:
         if scaler is None or scale is None:
             return None
         if not scaler.dynamic:
-            return (f"fp16 gradients overflow at the static loss scale {scale:g} (fp16.loss_scale), which never "
-                    "changes, so every step is skipped: set fp16.loss_scale to 0 (a dynamic scale, lowered on "
-                    "overflow), or a smaller static fp16.loss_scale, or train in bf16 (bf16.enabled: true)")
+            return (
+                f"fp16 gradients overflow at the static loss scale {scale:g} (fp16.loss_scale), which never "
+                "changes, so every step is skipped: set fp16.loss_scale to 0 (a dynamic scale, lowered on "
+                "overflow), or a smaller static fp16.loss_scale, or train in bf16 (bf16.enabled: true)"
+            )
         if scale <= scaler.min_loss_scale:
-            return (f"fp16 gradients overflow at the dynamic loss scale's floor {scale:g} (fp16.min_loss_scale), "
-                    "below which it cannot fall: lower fp16.min_loss_scale, or train in bf16 (bf16.enabled: true), "
-                    "or look for the source of inf/nan (the lr, the batches)")
+            return (
+                f"fp16 gradients overflow at the dynamic loss scale's floor {scale:g} (fp16.min_loss_scale), "
+                "below which it cannot fall: lower fp16.min_loss_scale, or train in bf16 (bf16.enabled: true), "
+                "or look for the source of inf/nan (the lr, the batches)"
+            )
         return None
 
 
@@ -178,13 +202,17 @@ def agreed_error(problem: Exception | None, device: torch.device) -> Exception |
     if not int(flag.item()):
         return None
     seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, None if problem is None else (type(problem).__name__, str(problem)))
+    dist.all_gather_object(
+        seen, None if problem is None else (type(problem).__name__, str(problem))
+    )
     by_text: dict[tuple[str, str], list[int]] = {}
     for rank, entry in enumerate(seen):
         if entry is not None:
             by_text.setdefault(tuple(entry), []).append(rank)
-    head = (f"a bad micro-batch on {_ranks(sorted(r for rs in by_text.values() for r in rs))} of {len(seen)} "
-            "(every rank stops this step, nothing of it applied, and raises this error)")
+    head = (
+        f"a bad micro-batch on {_ranks(sorted(r for rs in by_text.values() for r in rs))} of {len(seen)} "
+        "(every rank stops this step, nothing of it applied, and raises this error)"
+    )
     if len(by_text) == 1:
         parts = [text for (_, text) in by_text]
     else:

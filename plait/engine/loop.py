@@ -1,6 +1,7 @@
 """One global batch through an ``Engine`` (``plait.engine.core``): its micro-batches pulled and checked
 (``RunGuard.pull``), forward and backward per micro-batch or through the pipeline's schedule, and the step;
 the loss a micro-batch's backward takes. The order is ``docs/architecture.md``'s "One training step"."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,8 +25,10 @@ def micro_backward(engine: Engine, loss, scale_wrt_gas: bool) -> None:
     backward, timed."""
     if not torch.is_tensor(loss) or loss.dim() != 0:
         shape = list(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-        raise ValueError(f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
-                         "no 'labels' returns its logits: put the labels in the batch")
+        raise ValueError(
+            f"engine.backward needs the micro-batch's scalar mean loss, got {shape}; a model given "
+            "no 'labels' returns its logits: put the labels in the batch"
+        )
     if engine.forward_only:
         raise ConfigError(NO_OPTIMIZER)
     engine.guard.loss = loss.detach()
@@ -37,13 +40,17 @@ def micro_backward(engine: Engine, loss, scale_wrt_gas: bool) -> None:
 def model_inputs(engine: Engine, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """What ``Engine.forward`` hands the model: the screened keyword tensors cut to this cp rank's chunks, fp16
     under ``fp16.auto_cast``, and the mixture-of-experts layers' loss scale."""
-    kwargs = shard_batch(engine.guard.screen(kwargs), engine.mesh, args)   # context parallel: this rank's chunks
+    kwargs = shard_batch(
+        engine.guard.screen(kwargs), engine.mesh, args
+    )  # context parallel: this rank's chunks
     engine.optimizer.rebind_views()
     if engine.config.fp16.enabled and engine.config.fp16.auto_cast:
         args, kwargs = to_half(args), to_half(kwargs)
     # mixture-of-experts layers join their losses to the gradient scaled as backward scales the loss
     opt = engine.optimizer
-    return args, engine.experts.forward_kwargs(kwargs, opt.loss_scale / opt.gradient_accumulation_steps)
+    return args, engine.experts.forward_kwargs(
+        kwargs, opt.loss_scale / opt.gradient_accumulation_steps
+    )
 
 
 def optimizer_step(engine: Engine) -> bool:
@@ -62,10 +69,17 @@ def after_step(engine: Engine) -> None:
         engine.experts.after_step()
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()
-    engine.report.after_step(global_steps=engine.global_steps, global_samples=engine.global_samples,
-                             skipped_steps=engine.skipped_steps, lrs=engine.get_lr(), moms=engine.get_mom(),
-                             loss_scale=engine.loss_scale if engine.config.fp16.enabled else None)
-    engine.collections.after_step(engine.global_steps)   # applied and skipped steps, as every rank counts
+    engine.report.after_step(
+        global_steps=engine.global_steps,
+        global_samples=engine.global_samples,
+        skipped_steps=engine.skipped_steps,
+        lrs=engine.get_lr(),
+        moms=engine.get_mom(),
+        loss_scale=engine.loss_scale if engine.config.fp16.enabled else None,
+    )
+    engine.collections.after_step(
+        engine.global_steps
+    )  # applied and skipped steps, as every rank counts
 
 
 def pull(engine: Engine, data_iter, check: bool = False) -> list[dict]:
@@ -101,5 +115,7 @@ def eval_batch(engine: Engine, data_iter) -> torch.Tensor:
     if engine.pipeline is not None:
         return engine.dp_mean(engine.pipeline.eval_batch(iter(batches)))
     device = engine.mesh.device
-    loss = sum(loss_of(engine.forward(**to_device(b, device))).float() for b in batches) / len(batches)
+    loss = sum(loss_of(engine.forward(**to_device(b, device))).float() for b in batches) / len(
+        batches
+    )
     return engine.dp_mean(loss)

@@ -1,5 +1,6 @@
 """What the engine needs to know about the model it wraps, plait's own or a Hugging Face one: the
 loss in its output, the modules ZeRO-3 gathers as units, and activation checkpointing from the config."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,10 @@ def loss_of(output) -> torch.Tensor:
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if not torch.is_tensor(loss):
-        raise TypeError(f"train_batch needs the model to return a loss tensor or an output with .loss; got "
-                        f"{type(output).__name__} (does the batch hold 'labels'?)")
+        raise TypeError(
+            f"train_batch needs the model to return a loss tensor or an output with .loss; got "
+            f"{type(output).__name__} (does the batch hold 'labels'?)"
+        )
     return loss
 
 
@@ -78,10 +81,13 @@ def apply_activation_checkpointing(module: nn.Module, ac) -> None:
         if getattr(ac, key):
             logging.getLogger("plait").warning(
                 "config: activation_checkpointing.%s is accepted: checkpointed activations are kept whole on the "
-                "compute device (the same results, more memory than DeepSpeed's variant)", key)
+                "compute device (the same results, more memory than DeepSpeed's variant)",
+                key,
+            )
     if ac.number_checkpoints is None:
         return
     from plait.layers.block import TransformerBlock
+
     blocks = [m for m in module.modules() if isinstance(m, TransformerBlock)]
     for block in blocks[: ac.number_checkpoints]:
         block.recompute = "full"
@@ -98,8 +104,10 @@ def as_groups(model_parameters) -> list[dict]:
         return items
     if all(isinstance(p, torch.Tensor) for p in items):
         return [{"params": items}]
-    raise TypeError("model_parameters must be an iterable of parameters or of param-group dicts, not a mix of "
-                    + ", ".join(sorted({type(x).__name__ for x in items})))
+    raise TypeError(
+        "model_parameters must be an iterable of parameters or of param-group dicts, not a mix of "
+        + ", ".join(sorted({type(x).__name__ for x in items}))
+    )
 
 
 def on_device(model, device: torch.device):
@@ -115,4 +123,6 @@ def on_device(model, device: torch.device):
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """``batch`` with its tensors on ``device`` (copied without blocking the host)."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }

@@ -8,6 +8,7 @@
   moves from the tokens counted over the step on all data-parallel (x context-parallel) ranks.
 * Statistics for the progress line: the mean auxiliary loss and the load imbalance since the last read.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,15 +37,17 @@ class ExpertLayers:
             logging.getLogger("plait").warning(
                 "the model's forward takes no aux_loss_scale: its mixture-of-experts layers' losses reach the "
                 "gradient unscaled by the loss scale and 1/gradient_accumulation_steps (pass it on to the blocks "
-                "in their batch, as plait.layers.TransformerModel does)")
+                "in their batch, as plait.layers.TransformerModel does)"
+            )
         # whether any pipeline stage holds expert layers (a stage may hold only the head): collective, once
         flag = torch.tensor([float(bool(self.layers))], device=mesh.device)
         if mesh.pp > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.pp_group)
         self.anywhere = bool(flag.item())
         if mesh.ep > 1 and not self.anywhere:
-            logging.getLogger("plait").warning("mesh ep=%d but the model has no plait.layers.MoE layer: ep has no "
-                                               "effect", mesh.ep)
+            logging.getLogger("plait").warning(
+                "mesh ep=%d but the model has no plait.layers.MoE layer: ep has no effect", mesh.ep
+            )
 
     def forward_kwargs(self, kwargs: dict, scale: float) -> dict:
         """``kwargs`` with ``aux_loss_scale=scale`` when there are expert layers and the model takes it."""
@@ -63,7 +66,9 @@ class ExpertLayers:
         if not self.anywhere:
             return None
         out = self._local() if self.layers else torch.zeros(5, device=self.mesh.device)
-        if self.mesh.pp > 1:   # stages hold other layers: sum their losses and counts, the largest imbalance
+        if (
+            self.mesh.pp > 1
+        ):  # stages hold other layers: sum their losses and counts, the largest imbalance
             maxed = out[3:].clone()
             dist.all_reduce(out, group=self.mesh.pp_group)
             dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
@@ -71,16 +76,22 @@ class ExpertLayers:
         aux, dropped, assigned, forwards, imbalance = out.tolist()
         if forwards == 0:
             return None
-        return {"aux_loss": aux, "load_imbalance": imbalance, "dropped": dropped / max(assigned, 1.0)}
+        return {
+            "aux_loss": aux,
+            "load_imbalance": imbalance,
+            "dropped": dropped / max(assigned, 1.0),
+        }
 
     def _local(self) -> torch.Tensor:
         """This stage's ``[aux, dropped, assigned, forwards, imbalance]`` over its dp x cp ranks (collective)."""
-        stats = torch.stack([layer.take_stats() for layer in self.layers])   # [layers, E + 4]
+        stats = torch.stack([layer.take_stats() for layer in self.layers])  # [layers, E + 4]
         group = self.mesh.group("dp_cp")
         if group is not None:
             dist.all_reduce(stats, group=group)
         counts, (balance, z, dropped, forwards) = stats[:, :-4], stats[:, -4:].unbind(1)
-        coefs = torch.tensor([[m.balance_loss_coef, m.z_loss_coef] for m in self.layers], device=stats.device)
+        coefs = torch.tensor(
+            [[m.balance_loss_coef, m.z_loss_coef] for m in self.layers], device=stats.device
+        )
         aux = ((coefs[:, 0] * balance + coefs[:, 1] * z) / forwards.clamp(min=1)).sum()
         imbalance = (counts.amax(1) / counts.mean(1).clamp(min=1e-9)).amax()
         return torch.stack([aux, dropped.sum(), counts.sum(), forwards.amax(), imbalance])

@@ -5,6 +5,7 @@ The CSV monitor is plait's own (a file per event name, ``step,<last part of the 
 layout); TensorBoard and Weights & Biases are written through their own libraries
 (``torch.utils.tensorboard.SummaryWriter`` over the ``tensorboard`` package; ``wandb``).
 """
+
 from __future__ import annotations
 
 import csv
@@ -53,8 +54,10 @@ class TensorBoardMonitor:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
-            raise ConfigError(f"tensorboard.enabled needs the tensorboard package ({err}); pip install "
-                              "tensorboard, or disable the section") from None
+            raise ConfigError(
+                f"tensorboard.enabled needs the tensorboard package ({err}); pip install "
+                "tensorboard, or disable the section"
+            ) from None
         self.writer = SummaryWriter(log_dir=_log_dir(output_path, job_name, "tensorboard"))
 
     def write_events(self, events: list[Event]) -> None:
@@ -71,8 +74,9 @@ class WandbMonitor:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("wandb.enabled needs the wandb package; pip install wandb, or disable the "
-                              "section") from None
+            raise ConfigError(
+                "wandb.enabled needs the wandb package; pip install wandb, or disable the section"
+            ) from None
         self.wandb = wandb
         if wandb.run is None:
             wandb.init(project=project, entity=team, group=group)

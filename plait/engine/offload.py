@@ -1,5 +1,6 @@
 """ZeRO-Offload options from a ds_config, with the combinations the engine refuses, and the optimizer the
 engine builds (which depends on them)."""
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,9 @@ from plait.optim.lamb import Lamb
 from plait.zero.offload import HostOptimizer, OffloadOptions
 
 
-def engine_optimizer(config: PlaitConfig, optimizer, offload: OffloadOptions | None, device_type: str):
+def engine_optimizer(
+    config: PlaitConfig, optimizer, offload: OffloadOptions | None, device_type: str
+):
     """``(factory, kwargs, param groups or None)`` of the engine's optimizer: the user's (``optimizer``), else the
     config's (Lion offloaded: the host kernel), else none at all (``NoOptimizer``: forward only, as DeepSpeed
     builds an engine without an optimizer).
@@ -26,24 +29,35 @@ def engine_optimizer(config: PlaitConfig, optimizer, offload: OffloadOptions | N
     state_dtype = config.optimizer_state_dtype
     if optimizer is not None:
         if state_dtype != "fp32":
-            raise ConfigError(f"optimizer.params.state_dtype = {state_dtype!r} applies to the config's Adam/AdamW, but an "
-                              "optimizer was passed to initialize; remove optimizer= or remove state_dtype")
+            raise ConfigError(
+                f"optimizer.params.state_dtype = {state_dtype!r} applies to the config's Adam/AdamW, but an "
+                "optimizer was passed to initialize; remove optimizer= or remove state_dtype"
+            )
         return optimizer_from_user(optimizer)
     if config.optimizer is None:
         if config.zero_optimization.offload_optimizer.enabled:
-            raise ConfigError("zero_optimization.offload_optimizer is set but there is no optimizer (no "
-                              "'optimizer' section, none passed); remove offload_optimizer or add an optimizer")
+            raise ConfigError(
+                "zero_optimization.offload_optimizer is set but there is no optimizer (no "
+                "'optimizer' section, none passed); remove offload_optimizer or add an optimizer"
+            )
         return NoOptimizer, {}, None
     if offload and offload.optimizer and config.optimizer.type == "Lion":
         params = dict(config.optimizer.params)
-        return functools.partial(HostOptimizer, kind="lion"), {**params, "betas": tuple(params["betas"])}, None
+        return (
+            functools.partial(HostOptimizer, kind="lion"),
+            {**params, "betas": tuple(params["betas"])},
+            None,
+        )
     if state_dtype != "fp32":
         params = dict(config.optimizer.params)
         params.pop("state_dtype", None)
         adamw = params.pop("adam_w_mode", True) or config.optimizer.type == "AdamW"
         kind = "adamw" if adamw else "adam"
-        return (functools.partial(HostOptimizer, kind=kind, state_dtype=state_dtype),
-                {**params, "betas": tuple(params.get("betas", (0.9, 0.999)))}, None)
+        return (
+            functools.partial(HostOptimizer, kind=kind, state_dtype=state_dtype),
+            {**params, "betas": tuple(params.get("betas", (0.9, 0.999)))},
+            None,
+        )
     return (*optimizer_from_config(config.optimizer, device_type), None)
 
 
@@ -64,20 +78,33 @@ def offload_options(config: PlaitConfig, pipeline, optimizer) -> OffloadOptions 
         return None
     if pipeline is not None:
         check_pipeline_offload(z)
-    kind = config.optimizer.type.lower() if optimizer is None and config.optimizer is not None else None
-    if z.offload_optimizer.enabled and (kind == "lamb" or isinstance(optimizer, Lamb) or optimizer is Lamb):
-        raise ConfigError("LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
-                          "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
-                          "offload_optimizer, or LAMB without it")
+    kind = (
+        config.optimizer.type.lower()
+        if optimizer is None and config.optimizer is not None
+        else None
+    )
+    if z.offload_optimizer.enabled and (
+        kind == "lamb" or isinstance(optimizer, Lamb) or optimizer is Lamb
+    ):
+        raise ConfigError(
+            "LAMB cannot run offloaded: its per-tensor trust ratio needs norms summed over the dp "
+            "ranks sharing a tensor, which the CPU kernels do not do; use Adam/AdamW/Lion with "
+            "offload_optimizer, or LAMB without it"
+        )
     threads = os.environ.get("PLAIT_OFFLOAD_THREADS")
     if threads is not None and not threads.isdigit():
-        raise ConfigError(f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)")
-    return OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
-                          pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
-                          num_threads=int(threads) if threads else None,
-                          device_step_fraction=z.offload_optimizer.device_step_fraction,
-                          ratio=z.offload_optimizer.ratio,
-                          final_at_step=pipeline is not None)
+        raise ConfigError(
+            f"PLAIT_OFFLOAD_THREADS={threads!r} must be a positive integer (CPU optimizer threads)"
+        )
+    return OffloadOptions(
+        optimizer=z.offload_optimizer.enabled,
+        param=z.offload_param.enabled,
+        pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory,
+        num_threads=int(threads) if threads else None,
+        device_step_fraction=z.offload_optimizer.device_step_fraction,
+        ratio=z.offload_optimizer.ratio,
+        final_at_step=pipeline is not None,
+    )
 
 
 def check_pipeline_offload(z) -> None:
@@ -93,7 +120,9 @@ def check_pipeline_offload(z) -> None:
     """
     fraction = z.offload_optimizer.device_step_fraction
     if z.offload_optimizer.enabled and fraction not in (None, 0, 0.0):
-        raise ConfigError(f"offload_optimizer.device_step_fraction = {fraction!r} with pipeline parallelism: a "
-                          "pipeline edits the gradients after its schedule (the tied embedding sum), in host memory, "
-                          "which the device share's gradients (kept on the device) would miss; set it to 0 or leave "
-                          "it out")
+        raise ConfigError(
+            f"offload_optimizer.device_step_fraction = {fraction!r} with pipeline parallelism: a "
+            "pipeline edits the gradients after its schedule (the tied embedding sum), in host memory, "
+            "which the device share's gradients (kept on the device) would miss; set it to 0 or leave "
+            "it out"
+        )

@@ -6,6 +6,7 @@ Under ZeRO-Offload (``zero_optimization.offload_optimizer``) stages 2-3 land eac
 shard from a worker thread during backward, so the tied sum first waits for those landings
 (``settle_landings``); the engine builds the offload with ``OffloadOptions(final_at_step=True)``
 (``plait.engine.offload``), so no norm or host step reads a gradient before that sum (``plait.zero.offload``)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,9 @@ from plait.zero import ZeroOptimizer, whole_gradients
 from plait.zero.offload import HostStepper
 
 
-def pipeline_train_step(pipeline: PipelineParallel, zero: ZeroOptimizer, batches: list[dict]) -> torch.Tensor:
+def pipeline_train_step(
+    pipeline: PipelineParallel, zero: ZeroOptimizer, batches: list[dict]
+) -> torch.Tensor:
     """Forward and backward of ``batches`` (``pipeline.m`` micro-batch dicts) through the schedule, each
     micro-batch's loss scaled by ``zero.scale_loss`` and counted by ``zero.note_micro_step``, then the tied
     gradients summed. Collective over the pipeline (and the dp ranks at ZeRO stages 2-3).
@@ -24,8 +27,12 @@ def pipeline_train_step(pipeline: PipelineParallel, zero: ZeroOptimizer, batches
     Returns:
         This dp replica's mean loss over the micro-batches: float32, shape ``[]``, on the device.
     """
-    loss = pipeline.train_batch(iter(batches), scale_loss=zero.scale_loss, on_micro_batch=zero.note_micro_step,
-                                sum_tied=False)
+    loss = pipeline.train_batch(
+        iter(batches),
+        scale_loss=zero.scale_loss,
+        on_micro_batch=zero.note_micro_step,
+        sum_tied=False,
+    )
     sum_tied_gradients(pipeline, zero)
     return loss
 
@@ -55,9 +62,11 @@ def settle_landings(zero: ZeroOptimizer) -> None:
     if not isinstance(stepper, HostStepper) or not zero.policy.gradients:
         return
     if not stepper.options.final_at_step:
-        raise RuntimeError("the ZeRO-Offload gradients are final when they land during backward, so editing them "
-                           "afterwards (a pipeline's tied-embedding sum) would miss their norms and host steps; "
-                           "build the ZeroOptimizer with OffloadOptions(final_at_step=True)")
+        raise RuntimeError(
+            "the ZeRO-Offload gradients are final when they land during backward, so editing them "
+            "afterwards (a pipeline's tied-embedding sum) would miss their norms and host steps; "
+            "build the ZeroOptimizer with OffloadOptions(final_at_step=True)"
+        )
     zero.reducer.wait()
     stepper.drain()
 
@@ -66,11 +75,17 @@ def check_pipeline(pipeline: PipelineParallel, config: PlaitConfig) -> None:
     """ConfigError where the ``PipelineParallel`` the user built disagrees with the config (micro-batches per step,
     schedule costs, CUDA graphs), naming both values and the fix."""
     if pipeline.m != config.gradient_accumulation_steps:
-        raise ConfigError(f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
-                          f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal")
+        raise ConfigError(
+            f"the pipeline runs micro_batches={pipeline.m} per step but the config has "
+            f"gradient_accumulation_steps={config.gradient_accumulation_steps}; make them equal"
+        )
     if config.pipeline.schedule_costs == "measure" and pipeline.schedule_costs != "measure":
-        raise ConfigError("the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
-                          f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'")
+        raise ConfigError(
+            "the config has pipeline.schedule_costs 'measure' but the PipelineParallel was built "
+            f"with schedule_costs={pipeline.schedule_costs!r}; pass schedule_costs='measure'"
+        )
     if config.pipeline.cuda_graphs and not pipeline.cuda_graphs:
-        raise ConfigError("the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
-                          "it; pass cuda_graphs=True")
+        raise ConfigError(
+            "the config has pipeline.cuda_graphs true but the PipelineParallel was built without "
+            "it; pass cuda_graphs=True"
+        )

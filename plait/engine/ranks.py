@@ -10,6 +10,7 @@ wait for each other.
   (``plait.engine.guard``). A timeout the script passed to ``init_distributed`` holds for the whole run
   instead, and the config says so (``comm`` replaced, logged once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,10 @@ from plait.parallel.launch import explicit_timeout_s, set_collective_timeout
 from plait.parallel.mesh import GROUP_NAMES, ParallelMesh
 from plait.parallel.pipeline.parallel import PipelineParallel
 
-SAME_EVERYWHERE = ("start every rank with the same config and the same model (the same ds_config file, "
-                   "script arguments and model code on every node)")
+SAME_EVERYWHERE = (
+    "start every rank with the same config and the same model (the same ds_config file, "
+    "script arguments and model code on every node)"
+)
 
 
 def check_mesh_covers_world(mesh: ParallelMesh | None) -> None:
@@ -39,7 +42,8 @@ def check_mesh_covers_world(mesh: ParallelMesh | None) -> None:
         f"the mesh spans {mesh.world_size} rank(s) (tp x pp x cp x dp = {mesh.tp} x {mesh.pp} x {mesh.cp} x "
         f"{mesh.dp}) but this job has {dist.get_world_size()} ranks: it was made before the process group "
         "started, and every rank would train alone. Call plait.parallel.init_distributed() before "
-        "ParallelMesh(...) (as examples/pretrain_layout.py does), or pass no mesh to plait.initialize")
+        "ParallelMesh(...) (as examples/pretrain_layout.py does), or pass no mesh to plait.initialize"
+    )
 
 
 def check_ranks_agree(config: PlaitConfig, model, mesh: ParallelMesh | None) -> None:
@@ -68,8 +72,11 @@ def model_config(model) -> dict:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
     if hasattr(config, "to_dict"):
-        return {k: v for k, v in config.to_dict().items()
-                if not k.startswith("_") and k not in ("transformers_version", "name_or_path")}
+        return {
+            k: v
+            for k, v in config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "name_or_path")
+        }
     return {}
 
 
@@ -78,14 +85,18 @@ def parameter_facts(model) -> dict[str, str]:
     device is left out: it differs per rank by design)."""
     if isinstance(model, PipelineParallel):
         model = nn.ModuleList(model.stage_modules)
-    return {f"parameter {name}": f"{list(p.shape)} {str(p.dtype).removeprefix('torch.')} "
-                                 f"{'trainable' if p.requires_grad else 'frozen'}"
-            for name, p in model.named_parameters()}
+    return {
+        f"parameter {name}": f"{list(p.shape)} {str(p.dtype).removeprefix('torch.')} "
+        f"{'trainable' if p.requires_grad else 'frozen'}"
+        for name, p in model.named_parameters()
+    }
 
 
 def timeout_groups(mesh: ParallelMesh, pipeline=None) -> tuple:
     """Every process group of the mesh and the pipeline's tied-weights group (None entries possible)."""
-    return tuple({mesh.group(name) for name in GROUP_NAMES} | {getattr(pipeline, "tied_group", None)})
+    return tuple(
+        {mesh.group(name) for name in GROUP_NAMES} | {getattr(pipeline, "tied_group", None)}
+    )
 
 
 def with_script_timeout(config: PlaitConfig, rank: int) -> PlaitConfig:
@@ -99,8 +110,14 @@ def with_script_timeout(config: PlaitConfig, rank: int) -> PlaitConfig:
         logging.getLogger("plait").warning(
             "comm: collectives keep the %g s timeout the script passed to init_distributed for the whole run; "
             "comm.timeout_s (%g s) and comm.startup_timeout_s (%g s) are not applied (call init_distributed "
-            "without a timeout to use them)", seconds, comm.timeout_s, comm.startup_timeout_s)
-    return dataclasses.replace(config, comm=CommConfig(timeout_s=seconds, startup_timeout_s=seconds))
+            "without a timeout to use them)",
+            seconds,
+            comm.timeout_s,
+            comm.startup_timeout_s,
+        )
+    return dataclasses.replace(
+        config, comm=CommConfig(timeout_s=seconds, startup_timeout_s=seconds)
+    )
 
 
 def start_up(config: PlaitConfig, model, mesh: ParallelMesh) -> PlaitConfig:
@@ -116,7 +133,6 @@ def start_up(config: PlaitConfig, model, mesh: ParallelMesh) -> PlaitConfig:
     set_collective_timeout(config.comm.startup_timeout_s, timeout_groups(mesh, pipeline))
     check_ranks_agree(config, model, mesh)
     return config
-
 
 
 def dp_mean(loss: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:

@@ -12,6 +12,7 @@
 
 Lines go to the ``plait`` logger at INFO when logging is configured, otherwise to standard output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,12 +47,23 @@ class StepReport:
         monitors: from ``plait.engine.monitor.build_monitors``.
     """
 
-    def __init__(self, steps_per_print: int, wall_clock_breakdown: bool, rank: int, device: torch.device,
-                 gradient_accumulation_steps: int, monitors: list[Monitor]):
-        self.steps_per_print, self.breakdown, self.rank = steps_per_print, wall_clock_breakdown, rank
+    def __init__(
+        self,
+        steps_per_print: int,
+        wall_clock_breakdown: bool,
+        rank: int,
+        device: torch.device,
+        gradient_accumulation_steps: int,
+        monitors: list[Monitor],
+    ):
+        self.steps_per_print, self.breakdown, self.rank = (
+            steps_per_print,
+            wall_clock_breakdown,
+            rank,
+        )
         self.device, self.gas, self.monitors = device, gradient_accumulation_steps, monitors
-        self.window = dict.fromkeys(PARTS, 0.0)    # ms since the last printed line
-        self.last = dict.fromkeys(PARTS, 0.0)      # ms of the step in progress
+        self.window = dict.fromkeys(PARTS, 0.0)  # ms since the last printed line
+        self.last = dict.fromkeys(PARTS, 0.0)  # ms of the step in progress
         self.step_loss: torch.Tensor | None = None
 
     @contextmanager
@@ -79,17 +91,30 @@ class StepReport:
         if self.monitors:
             self.step_loss = torch.as_tensor(loss).detach().float()
 
-    def after_step(self, *, global_steps: int, global_samples: int, skipped_steps: int, lrs: list,
-                   moms: list, loss_scale: float | None) -> None:
+    def after_step(
+        self,
+        *,
+        global_steps: int,
+        global_samples: int,
+        skipped_steps: int,
+        lrs: list,
+        moms: list,
+        loss_scale: float | None,
+    ) -> None:
         """Report the step that just ended (applied or skipped): monitor events, then the printed lines."""
         if self.monitors and self.rank == 0:
             events = [("Train/Samples/lr", float(lrs[0]), global_samples)]
             if self.step_loss is not None:
-                events.insert(0, ("Train/Samples/train_loss", float(self.step_loss), global_samples))
+                events.insert(
+                    0, ("Train/Samples/train_loss", float(self.step_loss), global_samples)
+                )
             if loss_scale is not None:
                 events.append(("Train/Samples/loss_scale", float(loss_scale), global_samples))
             if self.breakdown:
-                events += [(f"Train/Samples/elapsed_time_ms_{p}", self.last[p], global_samples) for p in PARTS]
+                events += [
+                    (f"Train/Samples/elapsed_time_ms_{p}", self.last[p], global_samples)
+                    for p in PARTS
+                ]
             for monitor in self.monitors:
                 monitor.write_events(events)
         self.step_loss = None

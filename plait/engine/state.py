@@ -3,6 +3,7 @@
 config) and the random-number generators (``plait.checkpoint.RngState``): torch's CPU generator, the current
 CUDA device's, and the tensor-parallel RNG tracker of each model chunk that has one (a plait model's ``rng``,
 ``plait.parallel.random``)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,14 @@ from plait.checkpoint.contract import RngState, TrainerState
 
 def rng_state(chunks: list[nn.Module], device: torch.device) -> RngState:
     """The generators' states now (the CUDA one only when ``device`` is a GPU)."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and device.type == "cuda" else None
-    trackers = {i: chunk.rng.get_states() for i, chunk in enumerate(chunks) if getattr(chunk, "rng", None) is not None}
+    cuda = (
+        torch.cuda.get_rng_state() if torch.cuda.is_available() and device.type == "cuda" else None
+    )
+    trackers = {
+        i: chunk.rng.get_states()
+        for i, chunk in enumerate(chunks)
+        if getattr(chunk, "rng", None) is not None
+    }
     return RngState(torch.get_rng_state(), cuda, trackers)
 
 
@@ -31,8 +38,12 @@ def load_rng_state(chunks: list[nn.Module], device: torch.device, state: RngStat
 def trainer_state(global_samples: int, lr_scheduler, config: dict, data_loader) -> TrainerState:
     """``global_samples``, the schedule's state (or None), ``config`` (the resolved ds_config as a dict), and the
     state of a ``data_loader`` with ``state_dict`` (or None)."""
-    return TrainerState(global_samples, lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                        config, data_loader.state_dict() if hasattr(data_loader, "state_dict") else None)
+    return TrainerState(
+        global_samples,
+        lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        config,
+        data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
+    )
 
 
 def load_trainer_state(state: TrainerState, lr_scheduler, data_loader) -> None:

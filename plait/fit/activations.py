@@ -10,6 +10,7 @@ width ``f``); per token, in bytes::
 
 The term-by-term derivation: ``docs/fit.md``.
 """
+
 from __future__ import annotations
 
 from plait.fit.shape import ModelShape

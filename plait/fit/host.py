@@ -8,6 +8,7 @@ compiled kernels, with ``offload_optimizer``; ``benchmarks/probe_host_runtime.py
 built on the host (``Settings.model_build``), and the plan's host states (``plait.fit.plan``). What each
 term holds, and what is left out (each below 0.1 GiB in the recorded runs): ``docs/fit.md``.
 """
+
 from __future__ import annotations
 
 #: Host bytes of the training process besides its tensors and the CPU optimizer runtime: 15,764,348,928 bytes
@@ -21,15 +22,26 @@ CPU_OPTIMIZER_RUNTIME_BYTES = 79_519_744
 BUILD_BYTES_PER_PARAM = {"none": 0, "fp32": 4}
 
 
-def host_terms(params: int, offload_optimizer: bool, model_build: str) -> tuple[tuple[str, int], ...]:
+def host_terms(
+    params: int, offload_optimizer: bool, model_build: str
+) -> tuple[tuple[str, int], ...]:
     """The terms besides the host states, ``(name, bytes)``: the process, the CPU optimizer runtime and the
     model build copy (module docstring). Raises ValueError: an unknown ``model_build``."""
     if model_build not in BUILD_BYTES_PER_PARAM:
-        raise ValueError(f"model_build={model_build!r} must be one of {sorted(BUILD_BYTES_PER_PARAM)}")
-    return (("process (Python, torch, CUDA libraries)", PROCESS_BASELINE_BYTES),
-            ("CPU optimizer runtime (numba kernels)", CPU_OPTIMIZER_RUNTIME_BYTES if offload_optimizer else 0),
-            (f"model build copy ({model_build}, before the states)",
-             BUILD_BYTES_PER_PARAM[model_build] * params))
+        raise ValueError(
+            f"model_build={model_build!r} must be one of {sorted(BUILD_BYTES_PER_PARAM)}"
+        )
+    return (
+        ("process (Python, torch, CUDA libraries)", PROCESS_BASELINE_BYTES),
+        (
+            "CPU optimizer runtime (numba kernels)",
+            CPU_OPTIMIZER_RUNTIME_BYTES if offload_optimizer else 0,
+        ),
+        (
+            f"model build copy ({model_build}, before the states)",
+            BUILD_BYTES_PER_PARAM[model_build] * params,
+        ),
+    )
 
 
 def host_peak(terms: tuple[tuple[str, int], ...], states: int) -> int:

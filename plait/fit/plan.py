@@ -9,6 +9,7 @@ A run fits when the GPU peak plus :data:`CUDA_CONTEXT_BYTES` and :data:`ALLOCATO
 GPU's memory and the host peak at most the host's. The per-element rows (GPU and host, with and without
 offload, stage 3's gathered units): ``docs/fit.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,15 @@ class Settings:
     bucket_numel: int = 500_000_000
 
     def __post_init__(self):
-        for key in ("gpu_bytes", "host_bytes", "micro_batch", "seq_len", "dp", "gradient_accumulation",
-                    "bucket_numel"):
+        for key in (
+            "gpu_bytes",
+            "host_bytes",
+            "micro_batch",
+            "seq_len",
+            "dp",
+            "gradient_accumulation",
+            "bucket_numel",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a whole number >= 1")
@@ -81,7 +89,9 @@ class Settings:
         if self.state_dtype not in ("fp32", "bf16", "int8"):
             raise ValueError(f"state_dtype={self.state_dtype!r} must be 'fp32', 'bf16' or 'int8'")
         if self.model_build not in BUILD_BYTES_PER_PARAM:
-            raise ValueError(f"model_build={self.model_build!r} must be one of {sorted(BUILD_BYTES_PER_PARAM)}")
+            raise ValueError(
+                f"model_build={self.model_build!r} must be one of {sorted(BUILD_BYTES_PER_PARAM)}"
+            )
 
 
 def moment_bytes(elements: int, state_dtype: str) -> int:
@@ -119,15 +129,21 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu_need <= self.settings.gpu_bytes and self.host_peak <= self.settings.host_bytes
+        return (
+            self.gpu_need <= self.settings.gpu_bytes and self.host_peak <= self.settings.host_bytes
+        )
 
 
 def unit_params(shape: ModelShape, stage: int) -> list[list[int]]:
     """The units of placement in forward order, each as its parameters' elements in registration order:
     ZeRO-3's units (embedding, each block, final norm, head: ``plait.engine.model.stage3_units``), below stage 3
     each parameter a unit of its own."""
-    h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
-        shape.ffn_hidden_size
+    h, q, kv, f = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.ffn_hidden_size,
+    )
     block = [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h, h, h]
     head = [] if shape.tied_embeddings else [[shape.vocab_size * h]]
     units = [[shape.embedding_params]] + [block] * shape.num_layers + [[h]] + head
@@ -194,8 +210,10 @@ def auto_ratio(shape: ModelShape, s: Settings) -> tuple[float, str]:
     for ratio in RATIO_STEPS:
         plan = estimate(shape, replace(s, offload_optimizer=True, ratio=ratio))
         if plan.gpu_need <= s.gpu_bytes:
-            return ratio, (f"planned GPU need {plan.gpu_need / GiB:.1f} of {s.gpu_bytes / GiB:.1f} GiB at "
-                           f"micro-batch {s.micro_batch} x {s.seq_len} tokens")
+            return ratio, (
+                f"planned GPU need {plan.gpu_need / GiB:.1f} of {s.gpu_bytes / GiB:.1f} GiB at "
+                f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
+            )
     return 1.0, f"even every state on the host does not fit {s.gpu_bytes / GiB:.1f} GiB"
 
 
@@ -204,16 +222,34 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
     host = part - res
     g = 2 if s.gradient_accumulation == 1 else 4
     weights = part if s.stage == 3 else shape.params
-    rows = [("weights (bf16)", 0 if s.offload_param else 2 * weights, 2 * weights if s.offload_param else 0)]
+    rows = [
+        (
+            "weights (bf16)",
+            0 if s.offload_param else 2 * weights,
+            2 * weights if s.offload_param else 0,
+        )
+    ]
     if s.stage == 1:
         rows.append(("gradients (bf16, before the step)", 2 * shape.params, 0))
-    rows += [(f"gradient shard ({'bf16' if g == 2 else 'fp32'})", g * res, g * host),
-             ("fp32 master weights", 4 * res, 4 * host),
-             (f"Adam moments ({s.state_dtype})", moment_bytes(res, s.state_dtype), moment_bytes(host, s.state_dtype))]
+    rows += [
+        (f"gradient shard ({'bf16' if g == 2 else 'fp32'})", g * res, g * host),
+        ("fp32 master weights", 4 * res, 4 * host),
+        (
+            f"Adam moments ({s.state_dtype})",
+            moment_bytes(res, s.state_dtype),
+            moment_bytes(host, s.state_dtype),
+        ),
+    ]
     if not s.offload_param:
         rows.append(("bf16 copy-out buffer", 0, 2 * host))
     # bf16/int8 moments are never streamed (``HostStepper._streams_moments``): they step on the host or resident
-    if s.device_share and s.gradient_accumulation == 1 and not s.offload_param and host and s.state_dtype == "fp32":
+    if (
+        s.device_share
+        and s.gradient_accumulation == 1
+        and not s.offload_param
+        and host
+        and s.state_dtype == "fp32"
+    ):
         rows.append(("device share: streamed gradients (at most)", g * host, 0))
     return rows
 
@@ -223,20 +259,29 @@ def estimate(shape: ModelShape, s: Settings) -> Plan:
     part = math.ceil(shape.params / s.dp)
     if s.offload_optimizer:
         if s.stage == 0 or (s.offload_param and s.stage != 3):
-            raise ValueError("offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3; "
-                             f"got stage {s.stage}")
+            raise ValueError(
+                "offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3; "
+                f"got stage {s.stage}"
+            )
         if s.offload_param and s.ratio < 1:
-            raise ValueError(f"offload_optimizer.ratio={s.ratio} keeps optimizer states on the GPU, which "
-                             "offload_param does not allow in plait; set the ratio to 1 or drop offload_param")
+            raise ValueError(
+                f"offload_optimizer.ratio={s.ratio} keeps optimizer states on the GPU, which "
+                "offload_param does not allow in plait; set the ratio to 1 or drop offload_param"
+            )
         rows = _offload_rows(shape, s, part)
     else:
         if s.offload_param:
-            raise ValueError("offload_param needs offload_optimizer in plait (set both, or neither)")
+            raise ValueError(
+                "offload_param needs offload_optimizer in plait (set both, or neither)"
+            )
         e = estimate_model_state_memory(shape.params, s.dp, s.stage, accounting="plait")
-        held = e.gpu.optimizer_states // 12   # elements whose master and moments this rank holds
-        rows = [("weights (bf16)", e.gpu.params, 0), ("gradients", e.gpu.grads, 0),
-                ("fp32 master weights", 4 * held, 0), (f"Adam moments ({s.state_dtype})",
-                                                       moment_bytes(held, s.state_dtype), 0)]
+        held = e.gpu.optimizer_states // 12  # elements whose master and moments this rank holds
+        rows = [
+            ("weights (bf16)", e.gpu.params, 0),
+            ("gradients", e.gpu.grads, 0),
+            ("fp32 master weights", 4 * held, 0),
+            (f"Adam moments ({s.state_dtype})", moment_bytes(held, s.state_dtype), 0),
+        ]
     units = sorted(unit_sizes(shape, 3))[-2:]
     if s.stage == 3 and (s.dp > 1 or s.offload_param or not s.offload_optimizer):
         rows.append(("stage 3: gathered units (bf16)", 2 * sum(units), 0))
@@ -247,7 +292,9 @@ def estimate(shape: ModelShape, s: Settings) -> Plan:
     step = step_bytes(shape, s)
     gpu = sum(r[1] for r in rows) - late + max(acts, late + step)
     terms = host_terms(shape.params, s.offload_optimizer, s.model_build)
-    return Plan(shape, s, tuple(rows), acts, gpu, host_peak(terms, sum(r[2] for r in rows)), terms, step)
+    return Plan(
+        shape, s, tuple(rows), acts, gpu, host_peak(terms, sum(r[2] for r in rows)), terms, step
+    )
 
 
 def largest_fitting(shape: ModelShape, s: Settings) -> ModelShape | None:
@@ -256,7 +303,9 @@ def largest_fitting(shape: ModelShape, s: Settings) -> ModelShape | None:
     if not estimate(shape.with_layers(1), s).fits:
         return None
     low, high = 1, 2
-    while estimate(shape.with_layers(high), s).fits and shape.with_layers(high).params <= MAX_PARAMS:
+    while (
+        estimate(shape.with_layers(high), s).fits and shape.with_layers(high).params <= MAX_PARAMS
+    ):
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
@@ -271,8 +320,10 @@ def fixes(shape: ModelShape, s: Settings) -> list[str]:
         start = s.ratio if s.offload_optimizer else -1.0
         for r in [i / 20 for i in range(21) if i / 20 > start]:
             if estimate(shape, replace(s, offload_optimizer=True, ratio=r)).fits:
-                out.append(f"zero_optimization.offload_optimizer with ratio {r:g} (the share of optimizer states "
-                           "on the host)")
+                out.append(
+                    f"zero_optimization.offload_optimizer with ratio {r:g} (the share of optimizer states "
+                    "on the host)"
+                )
                 break
     if not s.checkpointing and estimate(shape, replace(s, checkpointing=True)).fits:
         out.append("activation checkpointing on (the Trainer's gradient_checkpointing=True)")
@@ -282,7 +333,9 @@ def fixes(shape: ModelShape, s: Settings) -> list[str]:
             break
     if s.stage == 3 and s.offload_optimizer and not s.offload_param:
         if estimate(shape, replace(s, offload_param=True, ratio=1.0)).fits:
-            out.append("zero_optimization.offload_param (weights on the host too; offload_optimizer.ratio 1)")
+            out.append(
+                "zero_optimization.offload_param (weights on the host too; offload_optimizer.ratio 1)"
+            )
     if s.stage < 3 and estimate(shape, replace(s, stage=3)).fits:
         out.append("ZeRO stage 3 (zero_optimization.stage)")
     return out

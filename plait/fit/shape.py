@@ -6,6 +6,7 @@ A block of such a model (Llama, Mistral, Qwen2/3 without experts) holds the q/k/
 projections of width ``ffn_hidden_size``) and two RMSNorm weights; the model adds the embedding, a final norm
 and an output head (tied to the embedding or not).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,11 @@ class ModelShape:
     @property
     def block_params(self) -> int:
         """Parameters of one block: q, o ``[h, heads*d]``, k, v ``[h, kv*d]``, gate/up/down ``[h, ffn]``, two norms."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
         return 2 * h * q + 2 * h * kv + 3 * h * self.ffn_hidden_size + 2 * h
 
     @property
@@ -48,7 +53,9 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """The final norm and the output head (0 elements for a tied head)."""
-        return self.hidden_size + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+        return self.hidden_size + (
+            0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        )
 
     @property
     def params(self) -> int:
@@ -69,36 +76,57 @@ def shape_from_hf(config: Mapping, where: str = "config.json") -> ModelShape:
             hidden size without a ``head_dim``, or more than :data:`MAX_PARAMS` parameters (names the sizes).
     """
     if not isinstance(config, Mapping):
-        raise ValueError(f"{where} must hold a JSON object (the model's config), got {type(config).__name__}")
+        raise ValueError(
+            f"{where} must hold a JSON object (the model's config), got {type(config).__name__}"
+        )
     check_hf_sizes(config, where)
     kind = config.get("model_type")
     if kind not in LLAMA_LIKE or config.get("num_local_experts") or config.get("num_experts"):
-        raise ValueError(f"{where} model_type={kind!r}: plait estimate-memory covers dense Llama-style decoders "
-                         f"(model_type one of {', '.join(LLAMA_LIKE)}, no experts); pass such a config.json")
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        raise ValueError(
+            f"{where} model_type={kind!r}: plait estimate-memory covers dense Llama-style decoders "
+            f"(model_type one of {', '.join(LLAMA_LIKE)}, no experts); pass such a config.json"
+        )
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+    ):
         if config.get(key) is None:
             raise ValueError(f"{where} has no {key}; it is needed to size the model (fix the file)")
     h, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
     if head_dim is None:
         if h % heads:
-            raise ValueError(f"{where} hidden_size={h} is not a multiple of num_attention_heads={heads} and no "
-                             "head_dim is given; fix these keys")
+            raise ValueError(
+                f"{where} hidden_size={h} is not a multiple of num_attention_heads={heads} and no "
+                "head_dim is given; fix these keys"
+            )
         head_dim = h // heads
     shape = ModelShape(
-        name=where, vocab_size=config["vocab_size"], hidden_size=h, num_layers=config["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-        ffn_hidden_size=config["intermediate_size"], tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+        name=where,
+        vocab_size=config["vocab_size"],
+        hidden_size=h,
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        ffn_hidden_size=config["intermediate_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
     return check_shape(shape, where)
 
 
 def check_shape(shape: ModelShape, where: str) -> ModelShape:
     """``shape`` when its parameter count is at most :data:`MAX_PARAMS` (ValueError naming the sizes)."""
     if shape.params > MAX_PARAMS:
-        raise ValueError(f"{where} hidden_size={shape.hidden_size}, num_hidden_layers={shape.num_layers}, "
-                         f"intermediate_size={shape.ffn_hidden_size}, vocab_size={shape.vocab_size} give "
-                         f"{shape.params:.3e} parameters, more than {MAX_PARAMS:.0e}: not a model any machine "
-                         "trains; fix these sizes")
+        raise ValueError(
+            f"{where} hidden_size={shape.hidden_size}, num_hidden_layers={shape.num_layers}, "
+            f"intermediate_size={shape.ffn_hidden_size}, vocab_size={shape.vocab_size} give "
+            f"{shape.params:.3e} parameters, more than {MAX_PARAMS:.0e}: not a model any machine "
+            "trains; fix these sizes"
+        )
     return shape
 
 
@@ -112,8 +140,10 @@ def read_hf_shape(path: str) -> ModelShape:
     if os.path.isdir(path):
         path = inside(path, "config.json", "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no config.json at {path}: pass a Hugging Face config.json, the folder holding "
-                                "it, or a preset name")
+        raise FileNotFoundError(
+            f"no config.json at {path}: pass a Hugging Face config.json, the folder holding "
+            "it, or a preset name"
+        )
     return shape_from_hf(read_json(path, "config.json"), path)
 
 
@@ -123,13 +153,22 @@ def preset_shape(name: str) -> ModelShape:
     Raises:
         ValueError: an unknown preset (lists them) or one that is not a dense Llama (names its arch).
     """
-    from plait.models.registry import preset   # local: the registry imports every family
+    from plait.models.registry import preset  # local: the registry imports every family
 
     c = preset(name)
     if c.arch != "llama" or c.num_experts:
-        raise ValueError(f"preset {name!r} is a {c.arch} model{' with experts' if c.num_experts else ''}; "
-                         "plait estimate-memory covers dense Llama-style presets")
-    return ModelShape(name=f"preset {name}", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                      num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                      head_dim=c.head_dim or c.hidden_size // c.num_heads, ffn_hidden_size=c.ffn_hidden_size,
-                      tied_embeddings=c.tie_embeddings)
+        raise ValueError(
+            f"preset {name!r} is a {c.arch} model{' with experts' if c.num_experts else ''}; "
+            "plait estimate-memory covers dense Llama-style presets"
+        )
+    return ModelShape(
+        name=f"preset {name}",
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim or c.hidden_size // c.num_heads,
+        ffn_hidden_size=c.ffn_hidden_size,
+        tied_embeddings=c.tie_embeddings,
+    )

@@ -4,9 +4,16 @@ working (the config goes to plait's engine). See ``plait.hf.trainer``; ``plait.h
 model whose weights each rank then reads in part (``plait.hf.loading``). Needs transformers (the ``hf``
 extra). ``plait.hf.with_plait_engine(TrainerSubclass)`` (with ``with_plait_arguments(ArgsSubclass)``) gives any
 ``transformers.Trainer`` subclass plait's engine (``plait.hf.subclass``; ``plait.trl`` is made with it)."""
+
 from plait.hf.args import TrainingArguments
 from plait.hf.loading import from_pretrained
 from plait.hf.subclass import with_plait_arguments, with_plait_engine
 from plait.hf.trainer import Trainer
 
-__all__ = ["Trainer", "TrainingArguments", "from_pretrained", "with_plait_arguments", "with_plait_engine"]
+__all__ = [
+    "Trainer",
+    "TrainingArguments",
+    "from_pretrained",
+    "with_plait_arguments",
+    "with_plait_engine",
+]

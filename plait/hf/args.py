@@ -4,6 +4,7 @@
 plait's engine, and transformers' DeepSpeed integration (which needs the deepspeed package) is never
 started. Every other argument is transformers'.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,17 @@ class TrainingArguments(transformers.TrainingArguments):
         ConfigError: both ``plait`` and ``deepspeed`` are given, or the config file cannot be read.
     """
 
-    plait: dict | str | None = field(default=None, metadata={"help": "ds_config for plait's engine (path or dict)"})
+    plait: dict | str | None = field(
+        default=None, metadata={"help": "ds_config for plait's engine (path or dict)"}
+    )
 
     def __post_init__(self):
         if self.deepspeed is not None:
             if self.plait is not None:
-                raise ConfigError("TrainingArguments got both deepspeed= and plait=; they are the same ds_config, "
-                                  "pass one")
+                raise ConfigError(
+                    "TrainingArguments got both deepspeed= and plait=; they are the same ds_config, "
+                    "pass one"
+                )
             self.plait, self.deepspeed = self.deepspeed, None
         super().__post_init__()
 
@@ -47,7 +52,9 @@ class TrainingArguments(transformers.TrainingArguments):
             ConfigError: no config was given, or the file is not JSON.
         """
         if self.plait is None:
-            raise ConfigError("plait.hf.Trainer needs a ds_config: TrainingArguments(deepspeed=...) or plait=...")
+            raise ConfigError(
+                "plait.hf.Trainer needs a ds_config: TrainingArguments(deepspeed=...) or plait=..."
+            )
         if isinstance(self.plait, dict):
             return self.plait
         path = os.fspath(self.plait)

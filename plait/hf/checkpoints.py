@@ -10,6 +10,7 @@ earlier checkpoints as they were and at most a ``.tmp-`` folder, which the next 
 naming an incomplete one is refused). ``rotate`` (``save_total_limit``) counts and deletes complete
 checkpoints only. The save in order: ``docs/hf.md``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,9 @@ log = logging.getLogger("plait")
 
 STATE_NAME = "trainer_state.json"
 PREFIX = "checkpoint"
-_NUMBERED = re.compile(r"^checkpoint-(\d+)$")   # transformers.trainer_utils' rule for a checkpoint folder
+_NUMBERED = re.compile(
+    r"^checkpoint-(\d+)$"
+)  # transformers.trainer_utils' rule for a checkpoint folder
 
 
 def numbered(output_dir: str) -> list[str]:
@@ -39,8 +42,11 @@ def numbered(output_dir: str) -> list[str]:
         names = os.listdir(output_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = sorted((int(m.group(1)), name) for name in names
-                   if (m := _NUMBERED.match(name)) and os.path.isdir(os.path.join(output_dir, name)))
+    found = sorted(
+        (int(m.group(1)), name)
+        for name in names
+        if (m := _NUMBERED.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    )
     return [os.path.join(output_dir, name) for _, name in found]
 
 
@@ -63,7 +69,9 @@ def problem(folder: str) -> str | None:
     except CheckpointError as e:
         return f"its engine checkpoint is missing ({e})"
     if not os.path.isfile(os.path.join(engine_dir, INDEX_FILE)):
-        return f"its engine checkpoint {engine_dir} has no {INDEX_FILE} (a save that did not finish)"
+        return (
+            f"its engine checkpoint {engine_dir} has no {INDEX_FILE} (a save that did not finish)"
+        )
     return None
 
 
@@ -92,20 +100,31 @@ def resume_folder(output_dir: str, resume, warn: bool) -> str:
         found, passed = last_complete(output_dir)
         if found is None:
             seen = "".join(f"; {folder}: {why}" for folder, why in passed)
-            raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-N folder in {output_dir}{seen}. Train "
-                             "without resume_from_checkpoint to start afresh")
+            raise ValueError(
+                f"resume_from_checkpoint=True: no complete checkpoint-N folder in {output_dir}{seen}. Train "
+                "without resume_from_checkpoint to start afresh"
+            )
         for folder, why in passed if warn else ():
-            log.warning("resume_from_checkpoint=True: passing over %s, damaged or incomplete: %s; resuming from %s",
-                        folder, why, found)
+            log.warning(
+                "resume_from_checkpoint=True: passing over %s, damaged or incomplete: %s; resuming from %s",
+                folder,
+                why,
+                found,
+            )
         return found
     folder = os.fspath(resume)
     why = problem(folder)
     if why is None:
         return folder
     last, _ = last_complete(os.path.dirname(os.path.normpath(folder)))
-    instead = (f"Resume from {last} instead (resume_from_checkpoint={last!r}, or True for the newest complete one)"
-               if last else "No complete checkpoint is beside it; train without resume_from_checkpoint to start afresh")
-    raise CheckpointError(f"cannot resume from {folder}: the checkpoint is damaged or incomplete: {why}. {instead}")
+    instead = (
+        f"Resume from {last} instead (resume_from_checkpoint={last!r}, or True for the newest complete one)"
+        if last
+        else "No complete checkpoint is beside it; train without resume_from_checkpoint to start afresh"
+    )
+    raise CheckpointError(
+        f"cannot resume from {folder}: the checkpoint is damaged or incomplete: {why}. {instead}"
+    )
 
 
 def rotate(output_dir: str, limit: int | None, keep: Iterable[str | None]) -> list[str]:
@@ -118,7 +137,7 @@ def rotate(output_dir: str, limit: int | None, keep: Iterable[str | None]) -> li
     wanted = {os.path.normpath(k) for k in (*keep, *complete[-1:]) if k}
     protected = [f for f in complete if os.path.normpath(f) in wanted]
     surplus = len(complete) - max(limit, len(protected))
-    doomed = [f for f in complete if f not in protected][:max(surplus, 0)]
+    doomed = [f for f in complete if f not in protected][: max(surplus, 0)]
     for folder in doomed:
         log.info("save_total_limit=%d: deleting %s", limit, folder)
         delete_dir(output_dir, folder)
@@ -156,7 +175,7 @@ def write_folder(output_dir: str, name: str, write: Callable[[str], None]) -> st
         _fsync_files(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
         error = f"{type(e).__name__}: {e}"
-    errors = _gather(error)                      # every rank has written (or failed) before any rename
+    errors = _gather(error)  # every rank has written (or failed) before any rename
     status = None
     if rank == 0:
         try:
@@ -167,9 +186,11 @@ def write_folder(output_dir: str, name: str, write: Callable[[str], None]) -> st
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             shutil.rmtree(tmp, ignore_errors=True)
             last, _ = last_complete(output_dir)
-            status = (f"saving checkpoint {final} failed: {e if isinstance(e, CheckpointError) else repr(e)}. "
-                      f"Nothing was published; the newest complete checkpoint is still {last}")
-    status = _gather(status)[0]                  # no rank goes on before the folder is in place
+            status = (
+                f"saving checkpoint {final} failed: {e if isinstance(e, CheckpointError) else repr(e)}. "
+                f"Nothing was published; the newest complete checkpoint is still {last}"
+            )
+    status = _gather(status)[0]  # no rank goes on before the folder is in place
     if status is not None:
         raise CheckpointError(status)
     return final

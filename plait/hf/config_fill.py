@@ -7,6 +7,7 @@ hidden size, fp16/bf16) and what plait adds beyond it (missing batch keys, preci
 as the ``comm`` timeouts) are in ``docs/hf.md``; tests/test_hf_config_fill.py checks every key against the
 installed transformers' own code.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,10 @@ def _same(a, b) -> bool:
 def hf_hidden_size(model) -> int | None:
     """The hidden size transformers reads for the ZeRO bucket sizes: ``config.hidden_size``, else the largest
     of ``config.hidden_sizes``, else the same from ``config.text_config``; None when there is none."""
-    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+    for config in (
+        getattr(model, "config", None),
+        getattr(getattr(model, "config", None), "text_config", None),
+    ):
         if getattr(config, "hidden_size", None) is not None:
             return config.hidden_size
         if getattr(config, "hidden_sizes", None):
@@ -53,7 +57,9 @@ def hf_hidden_size(model) -> int | None:
     return None
 
 
-def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: int | None = None) -> dict:
+def fill_from_args(
+    ds_config: dict, args, dp: int, max_steps: int, hidden_size: int | None = None
+) -> dict:
     """A copy of ``ds_config`` with the "auto" values above filled from ``args`` (a ``TrainingArguments``)
     and ``hidden_size`` (the model's, ``hf_hidden_size``; None leaves the bucket sizes to plait's resolver).
 
@@ -67,8 +73,10 @@ def fill_from_args(ds_config: dict, args, dp: int, max_steps: int, hidden_size: 
     mismatches = _fill(config, pairs)
     _script_timeout(config, args)
     if mismatches:
-        raise ConfigError("the ds_config and the TrainingArguments disagree; set these to \"auto\" in the ds_config "
-                          "or make them equal:\n" + "\n".join(mismatches))
+        raise ConfigError(
+            'the ds_config and the TrainingArguments disagree; set these to "auto" in the ds_config '
+            "or make them equal:\n" + "\n".join(mismatches)
+        )
     return config
 
 
@@ -79,24 +87,41 @@ def _pairs(config: dict, args, dp: int, max_steps: int, hidden_size: int | None)
     pairs = [
         ("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", True),
         ("gradient_accumulation_steps", gas, "gradient_accumulation_steps", True),
-        ("train_batch_size", micro * gas * dp, "train_batch_size (per_device_train_batch_size x "
-                                               "gradient_accumulation_steps x dp)", True),
+        (
+            "train_batch_size",
+            micro * gas * dp,
+            "train_batch_size (per_device_train_batch_size x gradient_accumulation_steps x dp)",
+            True,
+        ),
         ("gradient_clipping", args.max_grad_norm, "max_grad_norm", True),
         ("optimizer.params.lr", args.learning_rate, "learning_rate", True),
-        ("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2", True),
+        (
+            "optimizer.params.betas",
+            [args.adam_beta1, args.adam_beta2],
+            "adam_beta1+adam_beta2",
+            True,
+        ),
         ("optimizer.params.eps", args.adam_epsilon, "adam_epsilon", True),
         ("optimizer.params.weight_decay", args.weight_decay, "weight_decay", True),
         ("scheduler.params.warmup_min_lr", 0, None, False),
         ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate", True),
-        ("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(max_steps)), "warmup_steps", True),
+        (
+            "scheduler.params.warmup_num_steps",
+            max(1, args.get_warmup_steps(max_steps)),
+            "warmup_steps",
+            True,
+        ),
         ("scheduler.params.total_num_steps", max_steps, "max_steps (computed)", True),
         ("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval", True),
         ("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval", True),
     ]
     if hidden_size is not None:
         stage3 = config.get("zero_optimization", {}).get("stage") == 3
-        pairs += [(f"zero_optimization.{key}", size, None, False) for key, size in bucket_sizes(hidden_size).items()
-                  if stage3 or not key.startswith("stage3_")]
+        pairs += [
+            (f"zero_optimization.{key}", size, None, False)
+            for key, size in bucket_sizes(hidden_size).items()
+            if stage3 or not key.startswith("stage3_")
+        ]
     return pairs
 
 
@@ -119,11 +144,16 @@ def _fill(config: dict, pairs: list[tuple]) -> list[str]:
         if node is None:
             continue
         # "auto", or a micro-batch / accumulation key the config leaves out (accelerate fills those too)
-        if node.get(key) == "auto" or (node is config and key not in node and
-                                       key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
+        if node.get(key) == "auto" or (
+            node is config
+            and key not in node
+            and key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        ):
             node[key] = value
         elif must_match and key in node and not _same(node[key], value):
-            mismatches.append(f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}")
+            mismatches.append(
+                f"- ds_config {path} = {node[key]!r} vs TrainingArguments {arg} = {value!r}"
+            )
     return mismatches
 
 
@@ -148,9 +178,12 @@ def say_filled(raw: dict, filled: dict, args) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if "gradient_clipping" not in filled and args.max_grad_norm:
-        log.warning("the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "
-                    "TrainingArguments max_grad_norm=%s is not used; add \"gradient_clipping\": \"auto\" to the "
-                    "ds_config to clip at max_grad_norm", args.max_grad_norm)
+        log.warning(
+            "the ds_config has no gradient_clipping key: as under DeepSpeed, gradients are not clipped and "
+            'TrainingArguments max_grad_norm=%s is not used; add "gradient_clipping": "auto" to the '
+            "ds_config to clip at max_grad_norm",
+            args.max_grad_norm,
+        )
     if filled.get("comm") != raw.get("comm"):
         log.info("comm timeouts: %s s from TrainingArguments.ddp_timeout", args.ddp_timeout)
 
@@ -162,4 +195,8 @@ def _script_timeout(config: dict, args) -> None:
     comm = config.get("comm", {})
     if args.ddp_timeout == default or "timeout_s" in comm or "startup_timeout_s" in comm:
         return
-    config["comm"] = {**comm, "timeout_s": float(args.ddp_timeout), "startup_timeout_s": float(args.ddp_timeout)}
+    config["comm"] = {
+        **comm,
+        "timeout_s": float(args.ddp_timeout),
+        "startup_timeout_s": float(args.ddp_timeout),
+    }

@@ -10,6 +10,7 @@ The model is built from the checkpoint's config under ``plait.zero.meta_paramete
 engine then reads its weights from the checkpoint's safetensors files: under ZeRO-3 each rank reads only
 the elements of its own shards (``plait.zero.weights``), so no rank ever holds the whole model.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,15 +42,19 @@ def from_pretrained(model_class, name_or_path: str | os.PathLike, **config_kwarg
 
     from plait.checkpoint.convert import HF_CONFIG, HFWeights, read_hf_config
     from plait.checkpoint.hf import check_hf_sizes
+
     folder = os.fspath(name_or_path)
     if not os.path.isdir(folder):
         from huggingface_hub import snapshot_download
+
         folder = snapshot_download(folder, allow_patterns=WEIGHT_FILES)
     weights = HFWeights(folder)
-    check_hf_sizes({**read_hf_config(folder), **config_kwargs}, os.path.join(folder, HF_CONFIG), weights.nbytes)
+    check_hf_sizes(
+        {**read_hf_config(folder), **config_kwargs}, os.path.join(folder, HF_CONFIG), weights.nbytes
+    )
     config = transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
     with meta_parameters():
-        if hasattr(model_class, "from_config"):   # an auto class
+        if hasattr(model_class, "from_config"):  # an auto class
             model = model_class.from_config(config)
         else:
             model = model_class(config)

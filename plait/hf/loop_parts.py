@@ -1,6 +1,7 @@
 """Pieces of ``plait.hf.Trainer``'s loop: the window of step losses between logs, a batch sampler that skips
 the micro-batches a resumed run already trained, and the steps and ``TrainerState`` of a run, as transformers
 counts them."""
+
 from __future__ import annotations
 
 import itertools
@@ -86,9 +87,12 @@ def new_state(args, max_steps: int, epochs: int) -> TrainerState:
     state = TrainerState()
     state.max_steps, state.num_train_epochs = max_steps, epochs
     state.logging_steps = steps_of(args.logging_steps, max_steps)
-    state.eval_steps = steps_of(args.eval_steps, max_steps) if args.eval_steps is not None else state.logging_steps
+    state.eval_steps = (
+        steps_of(args.eval_steps, max_steps) if args.eval_steps is not None else state.logging_steps
+    )
     state.save_steps = steps_of(args.save_steps, max_steps)
     state.train_batch_size = args.per_device_train_batch_size
-    state.is_local_process_zero = state.is_world_process_zero = not dist.is_initialized() or dist.get_rank() == 0
+    state.is_local_process_zero = state.is_world_process_zero = (
+        not dist.is_initialized() or dist.get_rank() == 0
+    )
     return state
-

@@ -9,6 +9,7 @@ and optimizers whose update reads a whole matrix, which ZeRO's flat master shard
 with its own ``optimizer`` section wins, as in transformers' DeepSpeed integration (a non-default ``optim``
 is then logged once). The name table and how "paged" maps to plait: ``docs/hf.md``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,18 +27,44 @@ FP32 = ("paged_adamw_32bit",)
 ANYPRECISION = "adamw_anyprecision"
 _ANY_DTYPES = {("float32", "float32"): "fp32", ("bfloat16", "bfloat16"): "bf16"}
 
-_LOW_BITS_FIX = ("plait serves low-precision states for AdamW only: use optim=\"adamw_torch_8bit\" (8-bit moments) or "
-                 "a ds_config optimizer of that type")
-_WHOLE_MATRIX_FIX = ("its update reads whole matrices, but plait's ZeRO steps flat shards of them; use "
-                     "optim=\"adamw_torch\" or \"adamw_torch_8bit\" (8-bit moments for less memory), or a ds_config "
-                     "\"optimizer\" section")
+_LOW_BITS_FIX = (
+    'plait serves low-precision states for AdamW only: use optim="adamw_torch_8bit" (8-bit moments) or '
+    "a ds_config optimizer of that type"
+)
+_WHOLE_MATRIX_FIX = (
+    "its update reads whole matrices, but plait's ZeRO steps flat shards of them; use "
+    'optim="adamw_torch" or "adamw_torch_8bit" (8-bit moments for less memory), or a ds_config '
+    '"optimizer" section'
+)
 REFUSED = {
-    "adamw_torch_4bit": "plait has no 4-bit states; use optim=\"adamw_torch_8bit\" (8-bit block-wise moments)",
-    **dict.fromkeys(("lion_8bit", "paged_lion_8bit", "ademamix_8bit", "paged_ademamix_8bit", "rmsprop_bnb_8bit",
-                     "galore_adamw_8bit", "galore_adamw_8bit_layerwise"), _LOW_BITS_FIX),
-    **dict.fromkeys(("adafactor", "galore_adamw", "galore_adafactor", "galore_adamw_layerwise",
-                     "galore_adafactor_layerwise", "apollo_adamw", "apollo_adamw_layerwise", "lomo", "adalomo",
-                     "stable_adamw"), _WHOLE_MATRIX_FIX),
+    "adamw_torch_4bit": 'plait has no 4-bit states; use optim="adamw_torch_8bit" (8-bit block-wise moments)',
+    **dict.fromkeys(
+        (
+            "lion_8bit",
+            "paged_lion_8bit",
+            "ademamix_8bit",
+            "paged_ademamix_8bit",
+            "rmsprop_bnb_8bit",
+            "galore_adamw_8bit",
+            "galore_adamw_8bit_layerwise",
+        ),
+        _LOW_BITS_FIX,
+    ),
+    **dict.fromkeys(
+        (
+            "adafactor",
+            "galore_adamw",
+            "galore_adafactor",
+            "galore_adamw_layerwise",
+            "galore_adafactor_layerwise",
+            "apollo_adamw",
+            "apollo_adamw_layerwise",
+            "lomo",
+            "adalomo",
+            "stable_adamw",
+        ),
+        _WHOLE_MATRIX_FIX,
+    ),
 }
 
 
@@ -57,7 +84,9 @@ def state_dtype_for(args) -> str | None:
     """
     name = _name(args.optim)
     if name in REFUSED:
-        raise ConfigError(f"TrainingArguments(optim={name!r}) is not served by plait: {REFUSED[name]}")
+        raise ConfigError(
+            f"TrainingArguments(optim={name!r}) is not served by plait: {REFUSED[name]}"
+        )
     if name in INT8:
         return "int8"
     if name in FP32:
@@ -67,12 +96,16 @@ def state_dtype_for(args) -> str | None:
     extra = _optim_args(args)
     dtypes = (extra.get("momentum_dtype", "float32"), extra.get("variance_dtype", "float32"))
     if dtypes not in _ANY_DTYPES:
-        raise ConfigError(f"TrainingArguments(optim='adamw_anyprecision', optim_args=...) asks momentum_dtype="
-                          f"{dtypes[0]} and variance_dtype={dtypes[1]}; plait stores both moments in float32 or both "
-                          "in bfloat16: set both to one of them")
+        raise ConfigError(
+            f"TrainingArguments(optim='adamw_anyprecision', optim_args=...) asks momentum_dtype="
+            f"{dtypes[0]} and variance_dtype={dtypes[1]}; plait stores both moments in float32 or both "
+            "in bfloat16: set both to one of them"
+        )
     if extra.get("use_kahan_summation", "False").lower() in ("true", "1", "yes"):
-        _log_once("optim_args use_kahan_summation: not needed under plait, whose fp32 master weights take the "
-                  "update (the moments are stored as asked)")
+        _log_once(
+            "optim_args use_kahan_summation: not needed under plait, whose fp32 master weights take the "
+            "update (the moments are stored as asked)"
+        )
     return _ANY_DTYPES[dtypes]
 
 
@@ -92,16 +125,30 @@ def hf_optimizer(trainer, config: dict) -> tuple[dict, object, list[dict] | None
     if config.get("optimizer"):
         default = next(f.default for f in dataclasses.fields(args) if f.name == "optim")
         if _name(args.optim) != _name(default):
-            _log_once(f"TrainingArguments.optim = {_name(args.optim)} is not used: the ds_config's \"optimizer\" "
-                      f"section ({config['optimizer'].get('type')}) wins, as under DeepSpeed")
+            _log_once(
+                f'TrainingArguments.optim = {_name(args.optim)} is not used: the ds_config\'s "optimizer" '
+                f"section ({config['optimizer'].get('type')}) wins, as under DeepSpeed"
+            )
         return config, None, None
-    if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
-        return config, trainer.create_optimizer(), None   # the script's own optimizer wins over optim, as in HF
+    if (
+        trainer.optimizer is not None
+        or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None
+    ):
+        return (
+            config,
+            trainer.create_optimizer(),
+            None,
+        )  # the script's own optimizer wins over optim, as in HF
     state_dtype = state_dtype_for(args)
     if state_dtype is None:
         return config, trainer.create_optimizer(), None
-    params = {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-              "weight_decay": args.weight_decay, "state_dtype": state_dtype}
+    params = {
+        "lr": args.learning_rate,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "state_dtype": state_dtype,
+    }
     return {**config, "optimizer": {"type": "AdamW", "params": params}}, None, decay_groups(trainer)
 
 
@@ -126,8 +173,10 @@ def decay_groups(trainer) -> list[dict]:
     ``get_decay_parameter_names`` names, 0 on the others; frozen parameters left out."""
     decay = set(trainer.get_decay_parameter_names(trainer.model))
     named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
-              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 

@@ -13,6 +13,7 @@ transformers' saved states (``resume``): every draw falls where it fell in the u
 are stored as JSON (python's ``random``, numpy's, torch's CPU generator, and CUDA's when present): no pickle,
 read back with a size bound from inside the checkpoint folder (``plait.untrusted``).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ def capture() -> dict:
     """The global generators' states (python, numpy, torch CPU, each CUDA device), as JSON-ready values."""
     version, state, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"python": [version, list(state), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-              "torch": torch.get_rng_state().tolist()}
+    states = {
+        "python": [version, list(state), gauss],
+        "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return states
@@ -87,4 +91,6 @@ def load(folder: str, rank: int) -> dict | None:
     """The states ``save`` wrote for ``rank``, or None (a checkpoint without them resumes as transformers)."""
     if not os.path.lexists(os.path.join(folder, FILE.format(rank=rank))):
         return None
-    return read_json(inside(folder, FILE.format(rank=rank), "RNG states"), "RNG states")   # bounded, no links out
+    return read_json(
+        inside(folder, FILE.format(rank=rank), "RNG states"), "RNG states"
+    )  # bounded, no links out

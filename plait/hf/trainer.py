@@ -12,6 +12,7 @@ computes it), checkpoints (``plait.hf.checkpoints``) and ``save_model``. The opt
 from the ds_config (``plait.hf.config_fill``) or from ``args.optim`` (``plait.hf.optim_names``). ZeRO data
 parallelism only (stages 0-3, offload): tp and pp need ``plait.layers``. Details: ``docs/hf.md``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,10 +49,12 @@ class Trainer(transformers.Trainer):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         if not hasattr(self.args, "ds_config"):
-            raise ConfigError("plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
-                              "TrainingArguments) with deepspeed= or plait= set to the ds_config")
+            raise ConfigError(
+                "plait.hf.Trainer needs plait.hf.TrainingArguments (from plait.hf import "
+                "TrainingArguments) with deepspeed= or plait= set to the ds_config"
+            )
         self.engine = None
-        self._read_ahead = None   # the train loader's ReadAheadCollate, while train() runs
+        self._read_ahead = None  # the train loader's ReadAheadCollate, while train() runs
         if self._places_model():
             self._move_model_to_device(self.model, self.args.device)
 
@@ -68,8 +71,12 @@ class Trainer(transformers.Trainer):
         """transformers' rule for moving the model at construction (not a model-parallel or quantized model,
         nor under fp16/bf16 full evaluation without training); a meta model is placed by the engine."""
         args, model = self.args, self.model
-        return not (has_meta_parameters(model) or getattr(self, "is_model_parallel", False) or getattr(model, "is_quantized", False)
-                    or ((args.fp16_full_eval or args.bf16_full_eval) and not args.do_train))
+        return not (
+            has_meta_parameters(model)
+            or getattr(self, "is_model_parallel", False)
+            or getattr(model, "is_quantized", False)
+            or ((args.fp16_full_eval or args.bf16_full_eval) and not args.do_train)
+        )
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """transformers' ``train``. ``resume_from_checkpoint=True``: the newest complete ``checkpoint-N`` in
@@ -81,17 +88,25 @@ class Trainer(transformers.Trainer):
             ValueError: ``True`` and no complete checkpoint in ``output_dir``.
         """
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            resume_from_checkpoint = on_rank0(lambda: resume_folder(self.args.output_dir, resume_from_checkpoint,
-                                                                    warn=True))
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            resume_from_checkpoint = on_rank0(
+                lambda: resume_folder(self.args.output_dir, resume_from_checkpoint, warn=True)
+            )
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
 
     def evaluate(self, *a, **kw):
         """transformers' ``evaluate``; a model from ``plait.hf.from_pretrained`` called before ``train()``
         first gets its engine (which reads its weights), as DeepSpeed builds one for evaluation."""
         if self.engine is None and has_meta_parameters(self.model):
-            self._build_engine(self._plan(self.args)[0] if self.train_dataset is not None else
-                               max(self.args.max_steps, 1))
+            self._build_engine(
+                self._plan(self.args)[0]
+                if self.train_dataset is not None
+                else max(self.args.max_steps, 1)
+            )
         return super().evaluate(*a, **kw)
 
     # ---- the engine ---------------------------------------------------------------------------------------
@@ -99,13 +114,17 @@ class Trainer(transformers.Trainer):
         """Data-parallel ranks: the processes over the config's tensor x pipeline size."""
         raw = self.args.ds_config()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return world // (raw.get("tensor_parallel", {}).get("size", 1) * raw.get("pipeline", {}).get("size", 1))
+        return world // (
+            raw.get("tensor_parallel", {}).get("size", 1) * raw.get("pipeline", {}).get("size", 1)
+        )
 
     def _build_engine(self, max_steps: int):
         """Raises ConfigError: the engine's micro-batch or accumulation differs from the arguments'."""
         args = self.args
         raw = self.args.ds_config()
-        config = fill_from_args(raw, args, dp=self._dp(), max_steps=max_steps, hidden_size=hf_hidden_size(self.model))
+        config = fill_from_args(
+            raw, args, dp=self._dp(), max_steps=max_steps, hidden_size=hf_hidden_size(self.model)
+        )
         say_filled(raw, config, args)
         # TrainingArguments.optim: plait.hf.optim_names
         config, optimizer, groups = hf_optimizer(self, config)
@@ -144,16 +163,25 @@ class Trainer(transformers.Trainer):
         return None
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
-                             ignore_keys_for_eval=None):
+    def _inner_training_loop(
+        self,
+        batch_size=None,
+        args=None,
+        resume_from_checkpoint=None,
+        trial=None,
+        ignore_keys_for_eval=None,
+    ):
         args = args or self.args
         max_steps, epochs, updates_per_epoch = self._plan(args)
         engine = self.engine or self._build_engine(max_steps)
-        first_epoch, skip, resumed = self._start_state(args, engine, max_steps, epochs, updates_per_epoch,
-                                                       resume_from_checkpoint)
+        first_epoch, skip, resumed = self._start_state(
+            args, engine, max_steps, epochs, updates_per_epoch, resume_from_checkpoint
+        )
         loader, sampler, self._read_ahead = train_data.train_loader(self, engine)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        window = LossWindow(torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step)
+        window = LossWindow(
+            torch.zeros((), dtype=torch.float32, device=engine.device), self.state.global_step
+        )
         for epoch in range(first_epoch, epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
@@ -205,28 +233,46 @@ class Trainer(transformers.Trainer):
             raise ValueError("Trainer.train() needs a train_dataset")
         return plan_steps(args, len(self.train_dataset), self._dp())
 
-    def _start_state(self, args, engine, max_steps, epochs, updates_per_epoch, resume) -> tuple[int, int, str | None]:
+    def _start_state(
+        self, args, engine, max_steps, epochs, updates_per_epoch, resume
+    ) -> tuple[int, int, str | None]:
         """A fresh ``TrainerState``, or the checkpoint's (with this run's limits); (first epoch, micro-batches
         of it already trained, the checkpoint folder whose RNG states the loop restores, or None)."""
         self.state = new_state(args, max_steps, epochs)
         if resume is None or resume is False:
             return 0, 0, None
         # a folder (``train`` resolved True to the newest complete checkpoint)
-        first_epoch, skip = self._resume(engine, resume, updates_per_epoch, args.gradient_accumulation_steps)
-        fresh = new_state(args, max_steps, epochs)   # this run's limits and intervals, not the saved run's
-        for key in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                    "train_batch_size", "is_local_process_zero", "is_world_process_zero"):
+        first_epoch, skip = self._resume(
+            engine, resume, updates_per_epoch, args.gradient_accumulation_steps
+        )
+        fresh = new_state(
+            args, max_steps, epochs
+        )  # this run's limits and intervals, not the saved run's
+        for key in (
+            "max_steps",
+            "num_train_epochs",
+            "logging_steps",
+            "eval_steps",
+            "save_steps",
+            "train_batch_size",
+            "is_local_process_zero",
+            "is_world_process_zero",
+        ):
             setattr(self.state, key, getattr(fresh, key))
         return first_epoch, skip, resume
 
-    def _micro_step(self, engine, inputs, i: int, count: int, epoch: int, window: LossWindow, num_items=None) -> bool:
+    def _micro_step(
+        self, engine, inputs, i: int, count: int, epoch: int, window: LossWindow, num_items=None
+    ) -> bool:
         """Micro-batch ``i`` of ``count`` through ``training_step`` (``num_items``: the step's label tokens);
         True when it ended an optimizer step (the state and callbacks then moved on)."""
         args, gas = self.args, self.args.gradient_accumulation_steps
-        last_of_step = (i + 1) % gas == 0 or i + 1 == count   # an epoch's short last accumulation steps too
+        last_of_step = (
+            i + 1
+        ) % gas == 0 or i + 1 == count  # an epoch's short last accumulation steps too
         if i % gas == 0:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            engine.train()   # evaluate() leaves the model in eval mode
+            engine.train()  # evaluate() leaves the model in eval mode
         engine.set_gradient_accumulation_boundary(True if last_of_step else None)
         loss = self.training_step(engine, inputs, num_items_in_batch=num_items)
         window.sum += loss.float()
@@ -243,11 +289,16 @@ class Trainer(transformers.Trainer):
         whole step, as under transformers: the engine then does not divide it by the accumulation steps
         (``scale_wrt_gas=False``, as transformers tells DeepSpeed). Returns the micro-batch's share of the
         step's logged loss, detached (shape ``[]``). Subclasses wrap it as they wrap transformers' (TRL's do)."""
-        loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)   # transformers >= 5 lets a subclass say it
+        loss = self.compute_loss(
+            model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch
+        )
+        scaled = getattr(
+            self, "loss_is_scaled_for_ga", None
+        )  # transformers >= 5 lets a subclass say it
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-                self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         model.backward(loss, scale_wrt_gas=not scaled)
         model.step()
         return loss.detach() if scaled else loss.detach() / self.args.gradient_accumulation_steps
@@ -255,8 +306,13 @@ class Trainer(transformers.Trainer):
     def _log_evaluate_save(self, engine, window: LossWindow, trial, ignore_keys_for_eval) -> None:
         """What the callbacks asked for at a step's or an epoch's end: log, evaluate, save."""
         if self.control.should_log and self.state.global_step > window.logged_at:
-            self.log({"loss": window.drain(engine, self.state.global_step), "grad_norm": engine.grad_norm,
-                      "learning_rate": engine.get_lr()[0]})
+            self.log(
+                {
+                    "loss": window.drain(engine, self.state.global_step),
+                    "grad_norm": engine.grad_norm,
+                    "learning_rate": engine.get_lr()[0],
+                }
+            )
             self.control.should_log = False
         if self.control.should_evaluate:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
@@ -270,6 +326,7 @@ class Trainer(transformers.Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """``output_dir/checkpoint-N``, whole or not at all (``write_folder``), then ``save_total_limit``.
         Raises ``CheckpointError`` on every rank when any rank could not write (nothing is published)."""
+
         def write(tmp: str) -> None:
             self.engine.save_checkpoint(tmp)
             self._write_model(tmp)
@@ -280,7 +337,11 @@ class Trainer(transformers.Trainer):
 
         folder = write_folder(self.args.output_dir, f"{PREFIX}-{self.state.global_step}", write)
         if self._is_rank0():
-            rotate(self.args.output_dir, self.args.save_total_limit, keep=(folder, self.state.best_model_checkpoint))
+            rotate(
+                self.args.output_dir,
+                self.args.save_total_limit,
+                keep=(folder, self.state.best_model_checkpoint),
+            )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         """No-op: the engine loads the checkpoint inside ``train()`` (transformers calls this before)."""

@@ -12,6 +12,7 @@ numba kernel. One step may run bucket by bucket, bit-identical to ``step`` (elem
 Concurrent calls from several Python threads need numba's ``omp`` or ``tbb`` layer. Kernels use no
 ``fastmath`` and ``error_model="numpy"``, so results do not depend on the thread count. More: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,7 +66,11 @@ class FlatOptimizer:
     _state_names: tuple[str, ...] = ()
 
     def __init__(self, params, lr: float, num_threads: int | None = None):
-        numel = params.numel() if isinstance(params, torch.Tensor) else int(getattr(params, "size", params))
+        numel = (
+            params.numel()
+            if isinstance(params, torch.Tensor)
+            else int(getattr(params, "size", params))
+        )
         if numel < 0:
             raise ValueError(f"numel={numel} must be >= 0")
         if lr < 0:
@@ -103,8 +108,15 @@ class FlatOptimizer:
             raise ValueError(f"lr={self._step_lr} must be >= 0")
         return self.step_count
 
-    def step_range(self, params, grads, offset: int = 0, length: int | None = None, lowp_out=None,
-                   grad_coef: float = 1.0) -> None:
+    def step_range(
+        self,
+        params,
+        grads,
+        offset: int = 0,
+        length: int | None = None,
+        lowp_out=None,
+        grad_coef: float = 1.0,
+    ) -> None:
         """Update elements ``[offset, offset + length)`` of the flat buffer for the current step.
 
         Args:
@@ -124,26 +136,34 @@ class FlatOptimizer:
             ValueError: range outside ``[0, numel]``, buffers of another size, bad ``grad_coef``.
         """
         if self._step_lr is None:
-            raise RuntimeError("call begin_step() before step_range(): it advances the step counter once per step")
+            raise RuntimeError(
+                "call begin_step() before step_range(): it advances the step counter once per step"
+            )
         if length is None:
             length = self.numel - offset
         if offset < 0 or length < 0 or offset + length > self.numel:
-            raise ValueError(f"range offset={offset}, length={length} lies outside the buffer of numel={self.numel}")
+            raise ValueError(
+                f"range offset={offset}, length={length} lies outside the buffer of numel={self.numel}"
+            )
         if not (math.isfinite(grad_coef) and grad_coef > 0):
-            raise ValueError(f"grad_coef={grad_coef} must be finite and > 0 (it multiplies the gradient)")
+            raise ValueError(
+                f"grad_coef={grad_coef} must be finite and > 0 (it multiplies the gradient)"
+            )
         self._check_range(offset, length)
         p = self._slice(flat_f32(params, "params"), offset, length, "params")
         g = self._slice(grad_view(grads, "grads"), offset, length, "grads")
         bits, mode = lowp_bits_view(lowp_out)
         if mode != MODE_NONE:
             bits = self._slice(bits, offset, length, "lowp_out")
-        states = [self._state_array(n)[offset:offset + length] for n in self._state_names]
+        states = [self._state_array(n)[offset : offset + length] for n in self._state_names]
         if length == 0:
             return
         with numba_threads(self.num_threads):
             self._run(p, g, states, bits, mode, offset, length, np.float32(grad_coef))
 
-    def step(self, params, grads, lowp_out=None, lr: float | None = None, grad_coef: float = 1.0) -> None:
+    def step(
+        self, params, grads, lowp_out=None, lr: float | None = None, grad_coef: float = 1.0
+    ) -> None:
         """One whole optimizer step over the buffer: ``begin_step(lr)`` then ``step_range`` of all of it.
 
         Shapes as in :meth:`step_range` with ``length == numel``.
@@ -153,7 +173,7 @@ class FlatOptimizer:
 
     def _slice(self, arr: np.ndarray, offset: int, length: int, name: str) -> np.ndarray:
         if arr.shape[0] == self.numel:
-            return arr[offset:offset + length]
+            return arr[offset : offset + length]
         if arr.shape[0] == length:
             return arr
         raise ValueError(
@@ -183,7 +203,12 @@ class FlatOptimizer:
 
     def _moment_hparams(self) -> dict:
         """lr, betas, weight decay and (Adam) eps: what every moment-based optimizer here saves."""
-        out = {"lr": self.lr, "beta1": self.betas[0], "beta2": self.betas[1], "weight_decay": self.weight_decay}
+        out = {
+            "lr": self.lr,
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+            "weight_decay": self.weight_decay,
+        }
         if hasattr(self, "eps"):
             out["eps"] = self.eps
         return out
@@ -195,7 +220,9 @@ class FlatOptimizer:
             ValueError: a negative eps or weight decay, or a beta outside [0, 1).
         """
         if hp["weight_decay"] < 0 or hp.get("eps", 0.0) < 0:
-            raise ValueError(f"eps={hp.get('eps')} and weight_decay={hp['weight_decay']} must be >= 0")
+            raise ValueError(
+                f"eps={hp.get('eps')} and weight_decay={hp['weight_decay']} must be >= 0"
+            )
         self.lr = float(hp["lr"])
         self.betas = (_check_beta("beta1", hp["beta1"]), _check_beta("beta2", hp["beta2"]))
         self.weight_decay = float(hp["weight_decay"])
@@ -220,7 +247,9 @@ class FlatOptimizer:
         """
         for n in self._state_names:
             if n not in sd:
-                raise KeyError(f"state dict has no '{n}' (keys: {sorted(sd)}); was it saved by {type(self).__name__}?")
+                raise KeyError(
+                    f"state dict has no '{n}' (keys: {sorted(sd)}); was it saved by {type(self).__name__}?"
+                )
             t = sd[n]
             if t.numel() != self.numel:
                 raise ValueError(

@@ -12,6 +12,7 @@ Per element ``i`` and step ``t`` (all float32; ``g = grad * grad_coef``)::
 
 Sources and the flat-buffer design: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,19 @@ from plait.kernels.lowp import MODE_BF16, MODE_FP16, as_f32, bf16_bits, fp16_bit
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _adam_elem(w, grad, m, v, hp):
-    beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size, bc2_sqrt, \
-        grad_coef = hp
+    (
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        decay,
+        decoupled,
+        step_size,
+        bc2_sqrt,
+        grad_coef,
+    ) = hp
     grad = grad * grad_coef
     if decoupled:
         w = w * decay
@@ -39,8 +51,26 @@ def _adam_elem(w, grad, m, v, hp):
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                weight_decay, decay, decoupled, step_size, bc2_sqrt, grad_coef):
+def adam_kernel(
+    p,
+    g,
+    m,
+    v,
+    out,
+    mode,
+    nan_bits,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay,
+    decoupled,
+    step_size,
+    bc2_sqrt,
+    grad_coef,
+):
     """One Adam/AdamW step over ``p, g, m, v`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).
 
     Scalars are float32 except ``mode`` (int), ``nan_bits`` (uint16) and ``decoupled`` (bool);
@@ -48,8 +78,19 @@ def adam_kernel(p, g, m, v, out, mode, nan_bits, beta1, one_minus_beta1, beta2, 
     loop body is branch-free and vectorizes.
     """
     n = p.shape[0]
-    hp = (beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, decoupled, step_size,
-          bc2_sqrt, grad_coef)
+    hp = (
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        decay,
+        decoupled,
+        step_size,
+        bc2_sqrt,
+        grad_coef,
+    )
     if mode == MODE_BF16:
         for i in prange(n):
             w, m[i], v[i] = _adam_elem(p[i], as_f32(g[i]), m[i], v[i], hp)
@@ -84,16 +125,36 @@ class CPUAdam(FlatOptimizer):
 
     _state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, adamw_mode: bool = True, bias_correction: bool = True,
-                 num_threads: int | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        num_threads: int | None = None,
+    ):
         super().__init__(params, lr, num_threads)
-        self._set_hparams({"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
-                           "weight_decay": weight_decay, "adamw_mode": adamw_mode,
-                           "bias_correction": bias_correction})
+        self._set_hparams(
+            {
+                "lr": lr,
+                "beta1": betas[0],
+                "beta2": betas[1],
+                "eps": eps,
+                "weight_decay": weight_decay,
+                "adamw_mode": adamw_mode,
+                "bias_correction": bias_correction,
+            }
+        )
 
     def _hparams(self) -> dict:
-        return {**self._moment_hparams(), "adamw_mode": self.adamw_mode, "bias_correction": self.bias_correction}
+        return {
+            **self._moment_hparams(),
+            "adamw_mode": self.adamw_mode,
+            "bias_correction": self.bias_correction,
+        }
 
     def _set_hparams(self, hp: dict) -> None:
         self._set_moment_hparams(hp)
@@ -102,9 +163,26 @@ class CPUAdam(FlatOptimizer):
 
     def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         lr, (b1, b2), t = self._step_lr, self.betas, self.step_count
-        bc1 = 1.0 - b1 ** t if self.bias_correction else 1.0
-        bc2 = 1.0 - b2 ** t if self.bias_correction else 1.0
+        bc1 = 1.0 - b1**t if self.bias_correction else 1.0
+        bc2 = 1.0 - b2**t if self.bias_correction else 1.0
         f = np.float32
-        adam_kernel(p, g, states[0], states[1], bits, mode, self._nan_bits, f(b1), f(1.0 - b1), f(b2), f(1.0 - b2),
-                    f(self.eps), f(self.weight_decay), f(1.0 - lr * self.weight_decay), self.adamw_mode,
-                    f(lr / bc1), f(math.sqrt(bc2)), grad_coef)
+        adam_kernel(
+            p,
+            g,
+            states[0],
+            states[1],
+            bits,
+            mode,
+            self._nan_bits,
+            f(b1),
+            f(1.0 - b1),
+            f(b2),
+            f(1.0 - b2),
+            f(self.eps),
+            f(self.weight_decay),
+            f(1.0 - lr * self.weight_decay),
+            self.adamw_mode,
+            f(lr / bc1),
+            f(math.sqrt(bc2)),
+            grad_coef,
+        )

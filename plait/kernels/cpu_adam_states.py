@@ -7,6 +7,7 @@ bf16/fp16 copy-out of ``CPUAdam``. Blocks are independent, so ``step_range`` ove
 whole step; a range must start and end on a block start (``quant.block_starts``). The per-block pass:
 ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,7 +100,7 @@ def _int8_block(p, g, mq, vq, ms, vs, b, lo, hi, out, mode, nan_bits, hp, tables
     ms[b], vs[b] = am, av
     dm = am if am > 0 else np.float32(1.0)
     dv = av if av > 0 else np.float32(1.0)
-    for j in range(n):   # one loop per moment: each then vectorizes
+    for j in range(n):  # one loop per moment: each then vectorizes
         mq[lo + j] = _code(sstart, smid, mt[j] / dm)
     for j in range(n):
         vq[lo + j] = _code(ustart, umid, vt[j] / dv)
@@ -113,8 +114,22 @@ def adam_int8_kernel(p, g, mq, vq, ms, vs, starts, b0, b1, out, mode, nan_bits, 
     and start tables of ``plait.kernels.quant``."""
     base = starts[b0]
     for b in prange(b0, b1):
-        _int8_block(p, g, mq, vq, ms, vs, b, starts[b] - base, starts[b + 1] - base, out, mode, nan_bits, hp,
-                    tables)
+        _int8_block(
+            p,
+            g,
+            mq,
+            vq,
+            ms,
+            vs,
+            b,
+            starts[b] - base,
+            starts[b + 1] - base,
+            out,
+            mode,
+            nan_bits,
+            hp,
+            tables,
+        )
 
 
 class CPUAdamStates(CPUAdam):
@@ -134,16 +149,28 @@ class CPUAdamStates(CPUAdam):
         ValueError: an unknown ``state_dtype``; a range that does not start and end on a block start.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adamw_mode: bool = True, bias_correction: bool = True, num_threads: int | None = None,
-                 state_dtype: str = "int8", boundaries=(0,)):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        num_threads: int | None = None,
+        state_dtype: str = "int8",
+        boundaries=(0,),
+    ):
         self.state_dtype = check_state_dtype(state_dtype)
         if state_dtype == "fp32":
             raise ValueError("state_dtype='fp32' is plait.kernels.CPUAdam")
         numel = params.numel() if isinstance(params, torch.Tensor) else int(params)
         self.starts = block_starts(numel, boundaries, BLOCK)
         self._torch_tables: dict[str, dict] = {}
-        super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, num_threads
+        )
         if state_dtype == "int8":
             blocks = len(self.starts) - 1
             device = self.exp_avg.device
@@ -165,13 +192,17 @@ class CPUAdamStates(CPUAdam):
 
     def _state_array(self, name):
         t = getattr(self, name)
-        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+        return (
+            t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+        )
 
     def _blocks_of(self, offset: int, length: int) -> tuple[int, int]:
         b0, b1 = np.searchsorted(self.starts, [offset, offset + length])
         if self.starts[b0] != offset or self.starts[b1] != offset + length:
-            raise ValueError(f"range offset={offset}, length={length} does not start and end on a block start of the "
-                             "8-bit moments; step whole segments (blocks start at each boundary given)")
+            raise ValueError(
+                f"range offset={offset}, length={length} does not start and end on a block start of the "
+                "8-bit moments; step whole segments (blocks start at each boundary given)"
+            )
         return int(b0), int(b1)
 
     def _check_range(self, offset, length):
@@ -184,17 +215,42 @@ class CPUAdamStates(CPUAdam):
             adam_bf16_kernel(p, g, states[0], states[1], bits, mode, self._nan_bits, hp)
             return
         b0, b1 = self._blocks_of(offset, length)
-        adam_int8_kernel(p, g, states[0], states[1], self.exp_avg_absmax.numpy(), self.exp_avg_sq_absmax.numpy(),
-                         self.starts, b0, b1, bits, mode, self._nan_bits, hp, _TABLES)
+        adam_int8_kernel(
+            p,
+            g,
+            states[0],
+            states[1],
+            self.exp_avg_absmax.numpy(),
+            self.exp_avg_sq_absmax.numpy(),
+            self.starts,
+            b0,
+            b1,
+            bits,
+            mode,
+            self._nan_bits,
+            hp,
+            _TABLES,
+        )
 
     def _scalars(self, grad_coef) -> tuple:
         """The float32 scalars of ``_adam_elem`` for the current step (as ``CPUAdam._run`` passes them)."""
         lr, (b1, b2), t = self._step_lr, self.betas, self.step_count
-        bc1 = 1.0 - b1 ** t if self.bias_correction else 1.0
-        bc2 = 1.0 - b2 ** t if self.bias_correction else 1.0
+        bc1 = 1.0 - b1**t if self.bias_correction else 1.0
+        bc2 = 1.0 - b2**t if self.bias_correction else 1.0
         f = np.float32
-        return (f(b1), f(1.0 - b1), f(b2), f(1.0 - b2), f(self.eps), f(self.weight_decay),
-                f(1.0 - lr * self.weight_decay), self.adamw_mode, f(lr / bc1), f(math.sqrt(bc2)), f(grad_coef))
+        return (
+            f(b1),
+            f(1.0 - b1),
+            f(b2),
+            f(1.0 - b2),
+            f(self.eps),
+            f(self.weight_decay),
+            f(1.0 - lr * self.weight_decay),
+            self.adamw_mode,
+            f(lr / bc1),
+            f(math.sqrt(bc2)),
+            f(grad_coef),
+        )
 
     # ---- the moments as float32 (checkpoints, conversion between state dtypes) ------------------------------
     def moment(self, name: str) -> torch.Tensor:
@@ -202,19 +258,28 @@ class CPUAdamStates(CPUAdam):
         if self.state_dtype == "bf16":
             return getattr(self, name).float()
         lengths = block_lengths(self.starts, getattr(self, name).device)
-        return dequantize(getattr(self, name), getattr(self, name + "_absmax"), lengths, name == "exp_avg")
+        return dequantize(
+            getattr(self, name), getattr(self, name + "_absmax"), lengths, name == "exp_avg"
+        )
 
     def set_moment(self, name: str, values: torch.Tensor) -> None:
         """Store float32 ``values [numel]`` as moment ``name`` (rounded / quantized to this state dtype)."""
         values = values.reshape(-1).to(torch.float32)
         if values.numel() != self.numel:
-            raise ValueError(f"state '{name}' has {values.numel()} elements but this optimizer has numel={self.numel}")
+            raise ValueError(
+                f"state '{name}' has {values.numel()} elements but this optimizer has numel={self.numel}"
+            )
         if self.state_dtype == "bf16":
             getattr(self, name).copy_(values)
             return
         store = getattr(self, name)
-        quantize_(values.to(store.device), store, getattr(self, name + "_absmax"),
-                  block_lengths(self.starts, store.device), name == "exp_avg")
+        quantize_(
+            values.to(store.device),
+            store,
+            getattr(self, name + "_absmax"),
+            block_lengths(self.starts, store.device),
+            name == "exp_avg",
+        )
 
     def state_dict(self) -> dict:
         """As ``CPUAdam.state_dict``, with the moments as float32 values (copies) and ``state_dtype``."""

@@ -11,6 +11,7 @@ weight decay). Per element, with ``g = grad * grad_coef`` (float32)::
 Lion has no bias correction and no epsilon. The paper suggests an lr 3-10x smaller and a weight
 decay 3-10x larger than AdamW's.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,8 +38,21 @@ def _lion_elem(w, grad, m, hp):
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def lion_kernel(p, g, m, out, mode, nan_bits, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
-                grad_coef):
+def lion_kernel(
+    p,
+    g,
+    m,
+    out,
+    mode,
+    nan_bits,
+    lr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    weight_decay,
+    grad_coef,
+):
     """One Lion step over ``p, g, m`` (float32 ``[n]``), writing ``out`` (uint16 ``[n]`` or ``[0]``).
 
     Scalars are float32 except ``mode`` (int) and ``nan_bits`` (uint16).
@@ -78,10 +92,18 @@ class CPULion(FlatOptimizer):
 
     _state_names = ("exp_avg",)
 
-    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, num_threads: int | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        num_threads: int | None = None,
+    ):
         super().__init__(params, lr, num_threads)
-        self._set_hparams({"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay})
+        self._set_hparams(
+            {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay}
+        )
 
     def _hparams(self) -> dict:
         return self._moment_hparams()
@@ -91,5 +113,18 @@ class CPULion(FlatOptimizer):
 
     def _run(self, p, g, states, bits, mode, offset, length, grad_coef) -> None:
         (b1, b2), f = self.betas, np.float32
-        lion_kernel(p, g, states[0], bits, mode, self._nan_bits, f(self._step_lr), f(b1), f(1.0 - b1), f(b2),
-                    f(1.0 - b2), f(self.weight_decay), grad_coef)
+        lion_kernel(
+            p,
+            g,
+            states[0],
+            bits,
+            mode,
+            self._nan_bits,
+            f(self._step_lr),
+            f(b1),
+            f(1.0 - b1),
+            f(b2),
+            f(1.0 - b2),
+            f(self.weight_decay),
+            grad_coef,
+        )

@@ -7,6 +7,7 @@ same clip coefficient. Widening to float64 first reads 4 and writes 8 bytes per 
 elements into one float64 partial, and the partials are summed by torch (a fixed order for a given
 length, so the result does not vary between runs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,12 +15,13 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:   # CPU-only installs: sum_squares64 keeps its torch path
+except ImportError:  # CPU-only installs: sum_squares64 keeps its torch path
     triton = None
 
 BLOCK = 4096
 
 if triton is not None:
+
     @triton.jit
     def _partial_sums(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -30,8 +32,12 @@ if triton is not None:
 
 def available(x: torch.Tensor) -> bool:
     """Whether ``gpu_sum_squares64`` can take ``x``: a contiguous float32/bf16/fp16 CUDA tensor, Triton present."""
-    return triton is not None and x.is_cuda and x.is_contiguous() and \
-        x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.is_contiguous()
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 def gpu_sum_squares64(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ largest mmap threshold is 32 MiB), and the mark is taken back (``MADV_DOFORK``) 
 garbage-collected, so memory an allocator (jemalloc, tcmalloc) later hands to another allocation is
 inherited as usual. The partial pages at the two ends are left as they are.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,7 +41,11 @@ def keep_from_children(t: torch.Tensor) -> torch.Tensor:
     end = (t.data_ptr() + nbytes) // page * page
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTFORK) != 0:
-        log.debug("madvise(MADV_DONTFORK) of %d bytes refused (errno %d)", end - start, ctypes.get_errno())
+        log.debug(
+            "madvise(MADV_DONTFORK) of %d bytes refused (errno %d)", end - start, ctypes.get_errno()
+        )
         return t
-    weakref.finalize(t, libc.madvise, ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DOFORK)
+    weakref.finalize(
+        t, libc.madvise, ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DOFORK
+    )
     return t

@@ -8,6 +8,7 @@ NaN pattern is torch's, asked by ``torch_bf16_nan_bits``). Also the buffer views
 (``flat_f32``, ``grad_view``) and ``sum_of_squares``. Modes of every kernel: :data:`MODE_NONE`,
 :data:`MODE_BF16`, :data:`MODE_FP16`. The corner cases one by one: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -70,7 +71,9 @@ def fp16_bits(x):
         return np.uint16(sign | np.uint32(0x7C00))
     if a >= np.uint32(0x38800000):  # >= 2^-14: normal half
         b = a - np.uint32(0x38000000)
-        return np.uint16(sign | ((b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)))
+        return np.uint16(
+            sign | ((b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13))
+        )
     if a <= np.uint32(0x33000000):  # <= 2^-25: rounds to (signed) zero, 2^-25 being a tie to even
         return np.uint16(sign)
     e = a >> np.uint32(23)
@@ -152,7 +155,9 @@ def grad_view(x, name: str) -> np.ndarray:
     if not (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16):
         return flat_f32(x, name)
     if x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})")
+        raise ValueError(
+            f"{name} must be a contiguous CPU tensor (device={x.device}, contiguous={x.is_contiguous()})"
+        )
     return x.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
@@ -178,12 +183,18 @@ def lowp_bits_view(out) -> tuple[np.ndarray, int]:
         if out.dtype != np.float16:
             raise TypeError(f"low-precision output must be numpy float16, got {out.dtype}")
         if not out.flags.c_contiguous:
-            raise ValueError("low-precision output array must be C-contiguous; pass np.ascontiguousarray(out)")
+            raise ValueError(
+                "low-precision output array must be C-contiguous; pass np.ascontiguousarray(out)"
+            )
         return out.reshape(-1).view(np.uint16), MODE_FP16
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"low-precision output must be a torch tensor or numpy array, got {type(out).__name__}")
+        raise TypeError(
+            f"low-precision output must be a torch tensor or numpy array, got {type(out).__name__}"
+        )
     if out.dtype not in _U16:
-        raise TypeError(f"low-precision output must be torch.bfloat16 or torch.float16, got {out.dtype}")
+        raise TypeError(
+            f"low-precision output must be torch.bfloat16 or torch.float16, got {out.dtype}"
+        )
     if out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(
             f"low-precision output must be a contiguous CPU tensor (device={out.device}, "
@@ -202,7 +213,9 @@ def copy_to_lowp(src: torch.Tensor, out, nan_bits: int | None = None) -> None:
         ValueError: element counts differ, or ``src`` is not contiguous float32.
     """
     if src.dtype != torch.float32 or not src.is_contiguous():
-        raise ValueError(f"src must be contiguous float32, got dtype={src.dtype}, contiguous={src.is_contiguous()}")
+        raise ValueError(
+            f"src must be contiguous float32, got dtype={src.dtype}, contiguous={src.is_contiguous()}"
+        )
     bits, mode = lowp_bits_view(out)
     if mode == MODE_NONE:
         raise ValueError("out is None: nothing to copy into")

@@ -12,6 +12,7 @@ ICLR 2022, Sec. 2; the maps: Dettmers, ICLR 2016, Sec. 3.
 (``cpu_adam_states``), which pick the same index for the same float32 input. Error bounds and the map
 construction: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -32,20 +33,20 @@ def _dynamic_values(fraction_bits: int) -> np.ndarray:
     out = []
     for e in range(fraction_bits):
         k = fraction_bits - 1 - e
-        edges = np.linspace(0.1, 1.0, 2 ** k + 1)
-        out.append((edges[:-1] + edges[1:]) / 2 * 10.0 ** -e)
+        edges = np.linspace(0.1, 1.0, 2**k + 1)
+        out.append((edges[:-1] + edges[1:]) / 2 * 10.0**-e)
     return np.sort(np.concatenate(out))
 
 
 def _signed_map() -> np.ndarray:
     # 7 bits after the sign: 127 positive values; the smallest gives way to 1.0 so that +-s read back exactly
     pos = np.concatenate([_dynamic_values(7)[1:], [1.0]])
-    return np.concatenate([-pos[::-1], [0.0], pos]).astype(np.float32)     # 255 values, index 127 is 0
+    return np.concatenate([-pos[::-1], [0.0], pos]).astype(np.float32)  # 255 values, index 127 is 0
 
 
 def _unsigned_map() -> np.ndarray:
     # 8 bits, no sign: 255 positive values; the smallest gives way to 1.0, and 0 comes first
-    return np.concatenate([[0.0], _dynamic_values(8)[1:], [1.0]]).astype(np.float32)   # 256 values
+    return np.concatenate([[0.0], _dynamic_values(8)[1:], [1.0]]).astype(np.float32)  # 256 values
 
 
 #: first moment: 255 float32 values in [-1, 1], sorted, symmetric, with 0 (index 127) and +-1
@@ -63,7 +64,9 @@ def _start_table(mid: np.ndarray) -> np.ndarray:
     past the few midpoints inside the range (``cpu_adam_states._code``): a range spans 2^-7 of its value,
     less than the relative spacing of either map, so it holds at most a couple of midpoints."""
     keys = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
-    keys[keys >= np.uint32(0x80000000)] |= np.uint32(0xFFFF)    # negative: the most negative of the range
+    keys[keys >= np.uint32(0x80000000)] |= np.uint32(
+        0xFFFF
+    )  # negative: the most negative of the range
     low = keys.view(np.float32)
     out = np.searchsorted(mid, np.nan_to_num(low, nan=0.0), side="left")
     return out.astype(np.uint8)
@@ -75,7 +78,9 @@ def _one_per_range(mid: np.ndarray) -> bool:
     return len(np.unique(tops)) == len(tops)
 
 
-assert _one_per_range(SIGNED_MID) and _one_per_range(UNSIGNED_MID)   # a property of the maps' spacing
+assert _one_per_range(SIGNED_MID) and _one_per_range(
+    UNSIGNED_MID
+)  # a property of the maps' spacing
 SIGNED_START = _start_table(SIGNED_MID)
 UNSIGNED_START = _start_table(UNSIGNED_MID)
 
@@ -83,8 +88,10 @@ UNSIGNED_START = _start_table(UNSIGNED_MID)
 def check_state_dtype(value, key: str = "optimizer.params.state_dtype") -> str:
     """``value`` if it is one of :data:`STATE_DTYPES`. Raises ValueError naming ``key`` and the choices."""
     if value not in STATE_DTYPES:
-        raise ValueError(f"{key} = {value!r} is not one of {list(STATE_DTYPES)} (fp32: float32 Adam moments; bf16: "
-                         "bfloat16 moments; int8: 8-bit block-wise quantized moments)")
+        raise ValueError(
+            f"{key} = {value!r} is not one of {list(STATE_DTYPES)} (fp32: float32 Adam moments; bf16: "
+            "bfloat16 moments; int8: 8-bit block-wise quantized moments)"
+        )
     return value
 
 
@@ -113,8 +120,13 @@ def _table(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 def device_tables(starts: np.ndarray, device) -> dict[str, torch.Tensor]:
     """The maps (``smap``, ``umap``), midpoints (``smid``, ``umid``) and block ``lengths`` on ``device``: what the
     torch ops need, copied once per optimizer and device instead of at every call."""
-    arrays = {"smap": SIGNED_MAP, "umap": UNSIGNED_MAP, "smid": SIGNED_MID, "umid": UNSIGNED_MID,
-              "lengths": np.diff(starts)}
+    arrays = {
+        "smap": SIGNED_MAP,
+        "umap": UNSIGNED_MAP,
+        "smid": SIGNED_MID,
+        "umid": UNSIGNED_MID,
+        "lengths": np.diff(starts),
+    }
     return {k: torch.from_numpy(v).to(device) for k, v in arrays.items()}
 
 
@@ -123,8 +135,13 @@ def block_lengths(starts: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.diff(starts)).to(device)
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor, signed: bool,
-               table: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    lengths: torch.Tensor,
+    signed: bool,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
     """float32 ``[n]`` values of uint8 ``codes [n]`` with per-block scales ``absmax [blocks]`` (float32) over
     blocks of ``lengths [blocks]`` (summing to n): ``map[code] * absmax[block]``. ``table``: the map already on
     ``codes``' device (None: copied there)."""
@@ -132,12 +149,20 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor,
     return table[codes.long()] * torch.repeat_interleave(absmax, lengths, output_size=codes.numel())
 
 
-def quantize_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lengths: torch.Tensor,
-              signed: bool, mid: torch.Tensor | None = None) -> None:
+def quantize_(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    lengths: torch.Tensor,
+    signed: bool,
+    mid: torch.Tensor | None = None,
+) -> None:
     """Write float32 ``x [n]`` into uint8 ``codes [n]`` and float32 ``absmax [blocks]`` in place: each block's
     scale is its largest ``|x|`` (1 where that is 0), each code the nearest map value of ``x / scale``.
     ``mid``: the map's midpoints already on ``x``'s device (None: copied there)."""
-    amax = torch.segment_reduce(x.abs(), "max", lengths=lengths, unsafe=True) if x.numel() else absmax
+    amax = (
+        torch.segment_reduce(x.abs(), "max", lengths=lengths, unsafe=True) if x.numel() else absmax
+    )
     absmax.copy_(amax)
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = x / torch.repeat_interleave(scale, lengths, output_size=x.numel())

@@ -8,6 +8,7 @@ the first parallel call also starts numba's thread pool). Editing a kernel's sou
 entry. Call :func:`compile_kernels` once at start-up, before timing anything, so the first optimizer
 step is not charged with compilation.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,13 @@ from plait.kernels.cpu_adam_states import CPUAdamStates
 from plait.kernels.cpu_lion import CPULion
 from plait.kernels.lowp import copy_to_lowp
 
-KERNELS = (cpu_adam.adam_kernel, cpu_adam_states.adam_bf16_kernel, cpu_adam_states.adam_int8_kernel,
-           cpu_lion.lion_kernel, lowp._convert)
+KERNELS = (
+    cpu_adam.adam_kernel,
+    cpu_adam_states.adam_bf16_kernel,
+    cpu_adam_states.adam_int8_kernel,
+    cpu_lion.lion_kernel,
+    lowp._convert,
+)
 
 
 @dataclass(frozen=True)
@@ -75,5 +81,9 @@ def compile_kernels(num_threads: int | None = None) -> CompileReport:
     for out in outs[1:]:
         copy_to_lowp(torch.randn(n), out)
     seconds["lowp"] = time.perf_counter() - t0
-    return CompileReport(seconds=seconds, total_s=sum(seconds.values()), compiled=_misses() - before,
-                         cache_dir=str(KERNELS[0].stats.cache_path))
+    return CompileReport(
+        seconds=seconds,
+        total_s=sum(seconds.values()),
+        compiled=_misses() - before,
+        cache_dir=str(KERNELS[0].stats.cache_path),
+    )

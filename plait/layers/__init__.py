@@ -1,5 +1,6 @@
 """Parallel-aware layers and the model builder shared by every family (``plait.models`` builds on these;
 nothing here imports it)."""
+
 from plait.layers.attention import Attention
 from plait.layers.block import TransformerBlock
 from plait.layers.config import TransformerConfig
@@ -14,8 +15,22 @@ from plait.layers.moe import MoE
 from plait.layers.norm import LayerNorm, RMSNorm
 
 __all__ = [
-    "Attention", "TransformerBlock", "TransformerConfig", "vocab_parallel_cross_entropy", "fused_linear_cross_entropy",
+    "Attention",
+    "TransformerBlock",
+    "TransformerConfig",
+    "vocab_parallel_cross_entropy",
+    "fused_linear_cross_entropy",
     "VocabParallelEmbedding",
-    "padded_vocab_size", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear", "MLP", "EmbeddingLayer",
-    "LMHead", "TransformerModel", "LayerNorm", "RMSNorm", "logical_shapes", "MoE",
+    "padded_vocab_size",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ReplicatedLinear",
+    "MLP",
+    "EmbeddingLayer",
+    "LMHead",
+    "TransformerModel",
+    "LayerNorm",
+    "RMSNorm",
+    "logical_shapes",
+    "MoE",
 ]

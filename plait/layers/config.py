@@ -4,15 +4,28 @@ Every field the shared layers build from is here; each family (``plait.models``:
 ``gpt2_config``, ``llama_config``, ``bert_config``, ...) fills them. ``plait.layers`` never imports
 ``plait.models``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
 #: Integer size fields of ``TransformerConfig`` and their least value (checked at construction, by name).
-SIZE_FIELDS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
-               "ffn_hidden_size": 1, "max_position_embeddings": 1, "type_vocab_size": 0, "vocab_alignment": 1,
-               "num_experts": 0, "moe_top_k": 0, "moe_ffn_hidden_size": 1, "moe_shared_ffn_hidden_size": 0}
+SIZE_FIELDS = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "num_layers": 1,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "ffn_hidden_size": 1,
+    "max_position_embeddings": 1,
+    "type_vocab_size": 0,
+    "vocab_alignment": 1,
+    "num_experts": 0,
+    "moe_top_k": 0,
+    "moe_ffn_hidden_size": 1,
+    "moe_shared_ffn_hidden_size": 0,
+}
 
 
 @dataclass
@@ -118,20 +131,36 @@ class TransformerConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_experts < 0 or self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
-            raise ValueError(f"num_experts ({self.num_experts}) must be >= 0 (0: dense MLPs), and moe_top_k "
-                             f"({self.moe_top_k}) in [1, num_experts] when experts are used")
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be >= 0 (0: dense MLPs), and moe_top_k "
+                f"({self.moe_top_k}) in [1, num_experts] when experts are used"
+            )
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
-                                 f"set head_dim to use heads of another width")
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
+                    f"set head_dim to use heads of another width"
+                )
             self.head_dim = self.hidden_size // self.num_heads
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ValueError(f"head_dim must be an int >= 1 (None: hidden_size // num_heads), got {self.head_dim!r}")
+        if (
+            isinstance(self.head_dim, bool)
+            or not isinstance(self.head_dim, int)
+            or self.head_dim < 1
+        ):
+            raise ValueError(
+                f"head_dim must be an int >= 1 (None: hidden_size // num_heads), got {self.head_dim!r}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})")
-        for name, what in (("fused_loss_chunk_tokens", "unfused loss; > 0: tokens per chunk of the fused head + "
-                                                       "loss, e.g. 1024"),
-                           ("mlp_chunk_tokens", "the MLP over the whole sequence; > 0: positions per MLP tile")):
+            raise ValueError(
+                f"num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        for name, what in (
+            (
+                "fused_loss_chunk_tokens",
+                "unfused loss; > 0: tokens per chunk of the fused head + loss, e.g. 1024",
+            ),
+            ("mlp_chunk_tokens", "the MLP over the whole sequence; > 0: positions per MLP tile"),
+        ):
             chunk = getattr(self, name)
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: {what}), got {chunk!r}")
@@ -141,8 +170,12 @@ class TransformerConfig:
         fields still None (derived) are skipped. Runs before anything divides by or allocates from them."""
         for name, least in SIZE_FIELDS.items():
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ValueError(f"TransformerConfig {name} must be an int >= {least}, got {value!r}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < least
+            ):
+                raise ValueError(
+                    f"TransformerConfig {name} must be an int >= {least}, got {value!r}"
+                )
 
     def num_parameters(self) -> int:
         """Logical parameter count (no vocabulary padding; tied weights counted once), from the shapes of the
@@ -150,6 +183,7 @@ class TransformerConfig:
         import math
 
         from plait.layers.model import logical_shapes  # local: the model imports this module
+
         last = self.num_layers + 1
         per_layer = dict.fromkeys((0, 1, last), 0)
         for name, shape in logical_shapes(self, layers=(0, 1, last)).items():
@@ -160,7 +194,9 @@ class TransformerConfig:
         """Parameters each token passes through: ``num_parameters()`` less, in every block, the
         ``num_experts - moe_top_k`` SwiGLU experts (``3 x hidden x moe_ffn`` each) it is not routed to; the count
         a mixture of experts' MFU is taken on (all parameters for a dense model)."""
-        unused = (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        unused = (
+            (self.num_experts - self.moe_top_k) * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        )
         return self.num_parameters() - (self.num_layers * unused if self.num_experts else 0)
 
     def replace(self, **changes) -> "TransformerConfig":
@@ -173,10 +209,12 @@ class TransformerConfig:
             changes["num_kv_heads"] = None
         if "ffn_hidden_size" not in changes and self.ffn_hidden_size == 4 * self.hidden_size:
             changes["ffn_hidden_size"] = None
-        if "moe_ffn_hidden_size" not in changes and self.moe_ffn_hidden_size == self.ffn_hidden_size:
+        if (
+            "moe_ffn_hidden_size" not in changes
+            and self.moe_ffn_hidden_size == self.ffn_hidden_size
+        ):
             changes["moe_ffn_hidden_size"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-

@@ -11,6 +11,7 @@ The gradient w.r.t. the logits is ``softmax - (1 - eps) * onehot(t) - eps / V`` 
 classes and zero on padded ones. Tokens whose label equals ``ignore_index`` get loss 0
 and zero gradient.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,15 @@ import torch.distributed as dist
 from plait.parallel.collectives import group_size
 
 
-def block_statistics(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, vocab_start: int, group,
-                     ignore_index: int, smoothing: float):
+def block_statistics(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    vocab_start: int,
+    group,
+    ignore_index: int,
+    smoothing: float,
+):
     """Per-token loss and softmax of rows of this rank's vocabulary block (the tp reductions above).
 
     Shared by ``vocab_parallel_cross_entropy`` (all rows at once) and
@@ -40,7 +48,7 @@ def block_statistics(logits: torch.Tensor, target: torch.Tensor, vocab_size: int
     z = logits.float()
     width = z.shape[-1]
     cols = torch.arange(vocab_start, vocab_start + width, device=z.device)
-    valid = cols < vocab_size                                    # padded columns excluded
+    valid = cols < vocab_size  # padded columns excluded
     z = z.masked_fill(~valid, float("-inf"))
     zmax = z.max(dim=-1).values
     if group_size(group) > 1:
@@ -63,12 +71,18 @@ def block_statistics(logits: torch.Tensor, target: torch.Tensor, vocab_size: int
         loss = (1.0 - smoothing) * loss + smoothing * (lse - stacked[2] / vocab_size)
     ignored = target == ignore_index
     loss = loss.masked_fill(ignored, 0.0)
-    exp.div_(stacked[0].unsqueeze(-1))                            # softmax, in place
+    exp.div_(stacked[0].unsqueeze(-1))  # softmax, in place
     return loss, exp, (idx, in_block, valid), ignored
 
 
-def logits_gradient_(softmax: torch.Tensor, idx: torch.Tensor, in_block: torch.Tensor, valid: torch.Tensor,
-                     smoothing: float, vocab_size: int) -> torch.Tensor:
+def logits_gradient_(
+    softmax: torch.Tensor,
+    idx: torch.Tensor,
+    in_block: torch.Tensor,
+    valid: torch.Tensor,
+    smoothing: float,
+    vocab_size: int,
+) -> torch.Tensor:
     """In place: ``softmax [T, W]`` float32 -> ``d loss_t / d logits`` of each token's own loss
     (``softmax - (1 - eps) * onehot(t) - eps / V`` on real columns, 0 on padded ones); not yet
     zeroed for ignored tokens nor scaled by the loss gradient. Returns ``softmax``."""
@@ -82,8 +96,9 @@ def logits_gradient_(softmax: torch.Tensor, idx: torch.Tensor, in_block: torch.T
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, vocab_start, group, ignore_index, smoothing):
-        loss, softmax, state, ignored = block_statistics(logits, target, vocab_size, vocab_start, group,
-                                                         ignore_index, smoothing)
+        loss, softmax, state, ignored = block_statistics(
+            logits, target, vocab_size, vocab_start, group, ignore_index, smoothing
+        )
         ctx.save_for_backward(softmax, *state, ignored)
         ctx.smoothing, ctx.vocab_size, ctx.dtype = smoothing, vocab_size, logits.dtype
         return loss
@@ -96,9 +111,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * scale).to(ctx.dtype), None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
-                                 vocab_start: int = 0, group=None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: int,
+    vocab_start: int = 0,
+    group=None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """Per-token cross entropy from this rank's vocabulary block of the logits.
 
     Args:
@@ -119,11 +141,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree "
-                         "on the leading dims")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree "
+            "on the leading dims"
+        )
     if group_size(group) == 1 and vocab_start == 0:
         real = logits[..., :vocab_size].float()
-        return F.cross_entropy(real.reshape(-1, vocab_size), target.reshape(-1), ignore_index=ignore_index,
-                               label_smoothing=label_smoothing, reduction="none").view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, vocab_start, group,
-                                            ignore_index, float(label_smoothing))
+        return F.cross_entropy(
+            real.reshape(-1, vocab_size),
+            target.reshape(-1),
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction="none",
+        ).view(target.shape)
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, vocab_size, vocab_start, group, ignore_index, float(label_smoothing)
+    )

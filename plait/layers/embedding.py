@@ -6,6 +6,7 @@ there, and the partial outputs are summed over tp (all-reduce, or reduce-scatter
 sequence shard with sequence parallelism). Padded rows are initialised to zero, never
 selected by a real token id, and never appear in checkpoints.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,9 @@ from plait.parallel.collectives import group_rank, group_size
 def padded_vocab_size(vocab_size: int, tp: int, alignment: int = 128) -> int:
     """Smallest multiple of ``tp * alignment`` that is >= ``vocab_size`` (rows)."""
     if vocab_size < 1 or tp < 1 or alignment < 1:
-        raise ValueError(f"vocab_size ({vocab_size}), tp ({tp}) and alignment ({alignment}) must be >= 1")
+        raise ValueError(
+            f"vocab_size ({vocab_size}), tp ({tp}) and alignment ({alignment}) must be >= 1"
+        )
     step = tp * alignment
     return math.ceil(vocab_size / step) * step
 
@@ -39,8 +42,18 @@ class VocabParallelEmbedding(nn.Module):
     Attributes ``vocab_start`` / ``vocab_end`` give this rank's row block in padded ids.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, group=None, alignment: int = 128,
-                 sequence_parallel: bool = False, init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        group=None,
+        alignment: int = 128,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = group_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -49,8 +62,16 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = self.padded_vocab // tp
         self.vocab_start = group_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
-        self.weight = sharded_param((vocab_size, hidden_size), 0, group, "normal", init_std,
-                                    padded=self.padded_vocab, device=device, dtype=dtype)
+        self.weight = sharded_param(
+            (vocab_size, hidden_size),
+            0,
+            group,
+            "normal",
+            init_std,
+            padded=self.padded_vocab,
+            device=device,
+            dtype=dtype,
+        )
 
     def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial lookup ``[b, s, h]`` (zeros for ids outside its block), before the sum."""
@@ -65,5 +86,7 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp_region(self.partial(input_ids), self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
-        return (f"vocab={self.vocab_size} (padded {self.padded_vocab}), rows [{self.vocab_start}, "
-                f"{self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+        return (
+            f"vocab={self.vocab_size} (padded {self.padded_vocab}), rows [{self.vocab_start}, "
+            f"{self.vocab_end}), sequence_parallel={self.sequence_parallel}"
+        )

@@ -11,6 +11,7 @@ Under tp, ``hidden`` is the head's input after ``enter_tp_region``, whose backwa
 input gradients. Design: ``docs/layers.md``; memory and time against the unfused head:
 ``benchmarks/results/fused_cross_entropy_1xH100.md``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,15 +33,22 @@ class _Options:
     ignore_index: int
     smoothing: float
     chunk: int
-    summed: bool = False   # the Function returns the sum of the per-token losses (a scalar)
+    summed: bool = False  # the Function returns the sum of the per-token losses (a scalar)
 
 
 def _zeros32(like: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if needed else None
 
 
-def _chunked_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                  o: _Options, need: tuple[bool, bool, bool], token_weight: torch.Tensor | None = None):
+def _chunked_pass(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    o: _Options,
+    need: tuple[bool, bool, bool],
+    token_weight: torch.Tensor | None = None,
+):
     """One pass over the token chunks of ``x [N, h]`` (target ``[N]``).
 
     Returns ``(loss, grad_x, grad_weight, grad_bias)``: the per-token loss ``[N]`` float32 and, for
@@ -58,14 +66,19 @@ def _chunked_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     for start in range(0, n, o.chunk):
         rows = slice(start, min(start + o.chunk, n))
         xc = x[rows]
-        logits = F.linear(xc, weight, bias)                                  # [c, V_pad/tp], x.dtype
+        logits = F.linear(xc, weight, bias)  # [c, V_pad/tp], x.dtype
         loss[rows], softmax, state, ignored = block_statistics(
-            logits, target[rows], o.vocab_size, o.vocab_start, o.group, o.ignore_index, o.smoothing)
+            logits, target[rows], o.vocab_size, o.vocab_start, o.group, o.ignore_index, o.smoothing
+        )
         del logits
         if not any(need):
             continue
-        grad = logits_gradient_(softmax, *state, o.smoothing, o.vocab_size)    # float32
-        scale = (~ignored).float() if token_weight is None else token_weight[rows].masked_fill(ignored, 0.0)
+        grad = logits_gradient_(softmax, *state, o.smoothing, o.vocab_size)  # float32
+        scale = (
+            (~ignored).float()
+            if token_weight is None
+            else token_weight[rows].masked_fill(ignored, 0.0)
+        )
         grad.mul_(scale.unsqueeze(-1))
         if grad_b is not None:
             grad_b.add_(grad.sum(0))
@@ -83,7 +96,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         wants = ctx.needs_input_grad
         need = (wants[0], wants[1], bias is not None and wants[2])
         loss, grad_x, grad_w, grad_b = _chunked_pass(x, weight, bias, target, opts, need)
-        ctx.opts, ctx.need, ctx.dtypes = opts, need, (weight.dtype, None if bias is None else bias.dtype)
+        ctx.opts, ctx.need, ctx.dtypes = (
+            opts,
+            need,
+            (weight.dtype, None if bias is None else bias.dtype),
+        )
         # x, weight and bias only for a token-weighted per-token loss (backward's recomputation);
         # no [N, V] tensor either way.
         kept = (x, weight, bias) if not opts.summed else (None, None, None)
@@ -94,12 +111,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, grad_b, target, x, weight, bias = ctx.saved_tensors
         g = grad_loss.float()
-        if ctx.opts.summed:      # one factor for every token: no check, no host sync
+        if ctx.opts.summed:  # one factor for every token: no check, no host sync
             return _scaled(grad_x, g, grad_w, grad_b, g, ctx.dtypes)
         kept = g[target != ctx.opts.ignore_index]
         if kept.numel() and not bool((kept == kept[0]).all()):
             # Tokens weighted unequally: the forward's gradients (weight 1 per token) do not apply.
-            _, grad_x, grad_w, grad_b = _chunked_pass(x, weight, bias, target, ctx.opts, ctx.need, g)
+            _, grad_x, grad_w, grad_b = _chunked_pass(
+                x, weight, bias, target, ctx.opts, ctx.need, g
+            )
             return _scaled(grad_x, None, grad_w, grad_b, None, ctx.dtypes)
         factor = kept[0] if kept.numel() else g.new_ones(())
         return _scaled(grad_x, g.unsqueeze(-1), grad_w, grad_b, factor, ctx.dtypes)
@@ -124,22 +143,40 @@ def _check(hidden, weight, bias, target, label_smoothing, chunk_tokens, reductio
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on the "
-                         "leading dims; pass hidden [..., h] with target [...]")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on the "
+            "leading dims; pass hidden [..., h] with target [...]"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [V_pad/tp, h] with h = {hidden.shape[-1]} "
-                         f"(hidden {tuple(hidden.shape)})")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be [V_pad/tp, h] with h = {hidden.shape[-1]} "
+            f"(hidden {tuple(hidden.shape)})"
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}], one per weight row")
+        raise ValueError(
+            f"bias {tuple(bias.shape)} must be [{weight.shape[0]}], one per weight row"
+        )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int (tokens per chunk), got {chunk_tokens!r}; "
-                         f"e.g. {DEFAULT_CHUNK_TOKENS}")
+        raise ValueError(
+            f"chunk_tokens must be a positive int (tokens per chunk), got {chunk_tokens!r}; "
+            f"e.g. {DEFAULT_CHUNK_TOKENS}"
+        )
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               target: torch.Tensor, *, vocab_size: int, vocab_start: int = 0, group=None,
-                               ignore_index: int = -100, label_smoothing: float = 0.0,
-                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, reduction: str = "none") -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    vocab_size: int,
+    vocab_start: int = 0,
+    group=None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    reduction: str = "none",
+) -> torch.Tensor:
     """Per-token cross entropy of ``F.linear(hidden, weight, bias)`` without materializing those logits.
 
     Equals ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)`` in value and
@@ -170,17 +207,31 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
             chunk_tokens not a positive int, or reduction not "none" / "sum".
     """
     _check(hidden, weight, bias, target, label_smoothing, chunk_tokens, reduction)
-    opts = _Options(vocab_size, vocab_start, group, ignore_index, float(label_smoothing), chunk_tokens,
-                    reduction == "sum")
+    opts = _Options(
+        vocab_size,
+        vocab_start,
+        group,
+        ignore_index,
+        float(label_smoothing),
+        chunk_tokens,
+        reduction == "sum",
+    )
     loss = _flat_loss(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), opts)
     return loss if opts.summed else loss.reshape(target.shape)
 
 
-def _flat_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor,
-               opts: _Options) -> torch.Tensor:
+def _flat_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    t: torch.Tensor,
+    opts: _Options,
+) -> torch.Tensor:
     """The loss of ``x [n, h]`` against ``t [n]``: through the autograd Function where a gradient is wanted,
     else one forward pass that keeps no gradient sums."""
-    if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (x, weight, bias)):
+    if torch.is_grad_enabled() and any(
+        p is not None and p.requires_grad for p in (x, weight, bias)
+    ):
         return _FusedLinearCrossEntropy.apply(x, weight, bias, t, opts)
     loss = _chunked_pass(x, weight, bias, t, opts, (False, False, False))[0]
     return loss.sum() if opts.summed else loss

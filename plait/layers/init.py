@@ -5,6 +5,7 @@ Each parameter's *whole logical* tensor is drawn from a generator seeded by
 a model built at tp=1 and at tp=4 (or cut into any pipeline stages) starts with identical
 logical weights. Layers declare how to initialize a parameter with ``set_init``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,7 +50,9 @@ def init_parameters(module: nn.Module, seed: int) -> None:
             continue
         kind, std = getattr(param, INIT_ATTR, (None, 0.0))
         if kind is None:
-            raise ValueError(f"parameter {name} has no initializer; call plait.layers.init.set_init on it")
+            raise ValueError(
+                f"parameter {name} has no initializer; call plait.layers.init.set_init on it"
+            )
         for part in logical_parts(getattr(param, TIED_ATTR, name), param):
             _init_part(part.local(param), part.spec, kind, std, seed, part.name)
 
@@ -61,7 +64,9 @@ def _init_part(local: torch.Tensor, spec, kind: str, std: float, seed: int, name
         return
     if kind == "ones":
         # Padding rows (vocab) stay zero: build the logical tensor, then shard it.
-        local.copy_(spec.shard(torch.ones(spec.logical_shape, dtype=local.dtype, device=local.device)))
+        local.copy_(
+            spec.shard(torch.ones(spec.logical_shape, dtype=local.dtype, device=local.device))
+        )
         return
     gen = torch.Generator(device=local.device)
     gen.manual_seed(seed_for(seed, name))

@@ -7,6 +7,7 @@ collective forward and one backward. With ``sequence_parallel`` the replicated i
 instead a sequence shard ``[b, s/tp, h]``: the column layer all-gathers it and the row
 layer reduce-scatters its output (Korthikanti et al., 2022, Sec. 4.2.2).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.layers.init import set_init
-from plait.parallel.collectives import (copy_to_tp, gather_from_sp, gather_from_tp, group_rank,
-                                        group_size, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp)
+from plait.parallel.collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
 from plait.parallel.sharding import FusedShard, TPShard, mark
 
 
@@ -23,8 +32,10 @@ def divide(value: int, tp: int, what: str) -> int:
     """``value // tp``, or ValueError naming both numbers and the valid tp sizes."""
     if value % tp:
         valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-        raise ValueError(f"{what} ({value}) is not divisible by the tensor-parallel size tp={tp}; "
-                         f"choose tp from {valid} or change {what}")
+        raise ValueError(
+            f"{what} ({value}) is not divisible by the tensor-parallel size tp={tp}; "
+            f"choose tp from {valid} or change {what}"
+        )
     return value // tp
 
 
@@ -46,25 +57,45 @@ def _new_param(spec: TPShard | FusedShard, kind: str, std: float, device, dtype)
     return set_init(mark(p, spec), kind, std)
 
 
-def replicated_param(shape: tuple[int, ...], kind: str, std: float = 0.0, device=None,
-                     dtype=None) -> nn.Parameter:
+def replicated_param(
+    shape: tuple[int, ...], kind: str, std: float = 0.0, device=None, dtype=None
+) -> nn.Parameter:
     """A parameter every tp rank holds whole (norm weights, row-parallel bias)."""
     return _new_param(TPShard(tuple(shape)), kind, std, device, dtype)
 
 
-def sharded_param(logical_shape: tuple[int, ...], dim: int, group, kind: str, std: float = 0.0,
-                  padded: int | None = None, device=None, dtype=None, axis: str = "tp") -> nn.Parameter:
+def sharded_param(
+    logical_shape: tuple[int, ...],
+    dim: int,
+    group,
+    kind: str,
+    std: float = 0.0,
+    padded: int | None = None,
+    device=None,
+    dtype=None,
+    axis: str = "tp",
+) -> nn.Parameter:
     """A parameter split along ``dim`` over ``group``, the tp group (or the ep group with ``axis="ep"``),
     padded to ``padded`` rows if given."""
     spec = TPShard(tuple(logical_shape), dim, padded, group_rank(group), group_size(group), axis)
     return _new_param(spec, kind, std, device, dtype)
 
 
-def fused_param(names: tuple[str, ...], logical_shapes: list[tuple[int, ...]], group, kind: str,
-                std: float = 0.0, device=None, dtype=None) -> nn.Parameter:
+def fused_param(
+    names: tuple[str, ...],
+    logical_shapes: list[tuple[int, ...]],
+    group,
+    kind: str,
+    std: float = 0.0,
+    device=None,
+    dtype=None,
+) -> nn.Parameter:
     """One parameter holding the tp shards (split along dim 0) of the logical tensors ``names``,
     stacked along dim 0 in that order (``FusedShard``); initialized part by part under their names."""
-    parts = tuple(TPShard(tuple(shape), 0, None, group_rank(group), group_size(group)) for shape in logical_shapes)
+    parts = tuple(
+        TPShard(tuple(shape), 0, None, group_rank(group), group_size(group))
+        for shape in logical_shapes
+    )
     return _new_param(FusedShard(tuple(names), parts), kind, std, device, dtype)
 
 
@@ -95,27 +126,50 @@ class ColumnParallelLinear(nn.Module):
             ``gather_output``.
     """
 
-    def __init__(self, in_features: int, out_features: int | tuple[int, ...], bias: bool = True, *,
-                 group=None, parts: tuple[str, ...] | None = None, gather_output: bool = False,
-                 sequence_parallel: bool = False, init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | tuple[int, ...],
+        bias: bool = True,
+        *,
+        group=None,
+        parts: tuple[str, ...] | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = group_size(group)
         fused = isinstance(out_features, (tuple, list))
         sizes = tuple(out_features) if fused else (out_features,)
         if fused != (parts is not None) or (fused and (len(parts) != len(sizes) or gather_output)):
-            raise ValueError(f"a fused ColumnParallelLinear takes one name in parts per entry of out_features "
-                             f"and no gather_output; got out_features={out_features}, parts={parts}")
+            raise ValueError(
+                f"a fused ColumnParallelLinear takes one name in parts per entry of out_features "
+                f"and no gather_output; got out_features={out_features}, parts={parts}"
+            )
         names = [f"out_features of {name}" for name in parts] if fused else ["out_features"]
         self.local_sizes = [divide(n, tp, what) for n, what in zip(sizes, names)]
-        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.group, self.gather_output, self.sequence_parallel = (
+            group,
+            gather_output,
+            sequence_parallel,
+        )
         self.in_features, self.out_features, self.parts = in_features, out_features, parts
         kw = dict(device=device, dtype=dtype)
         if parts is None:
-            self.weight = sharded_param((out_features, in_features), 0, group, "normal", init_std, **kw)
+            self.weight = sharded_param(
+                (out_features, in_features), 0, group, "normal", init_std, **kw
+            )
             self.bias = sharded_param((out_features,), 0, group, "zeros", **kw) if bias else None
         else:
-            self.weight = fused_param(parts, [(n, in_features) for n in sizes], group, "normal", init_std, **kw)
-            self.bias = fused_param(parts, [(n,) for n in sizes], group, "zeros", **kw) if bias else None
+            self.weight = fused_param(
+                parts, [(n, in_features) for n in sizes], group, "normal", init_std, **kw
+            )
+            self.bias = (
+                fused_param(parts, [(n,) for n in sizes], group, "zeros", **kw) if bias else None
+            )
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A fused layer's local output ``[..., sum(out_i)/tp]`` as the parts' ``[..., out_i/tp]`` (views)."""
@@ -136,8 +190,10 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         fused = f", parts={self.parts}" if self.parts else ""
-        return (f"in={self.in_features}, out={self.out_features}{fused}, tp={group_size(self.group)}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features}{fused}, tp={group_size(self.group)}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -157,16 +213,33 @@ class RowParallelLinear(nn.Module):
         ValueError: ``in_features`` not divisible by tp.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group=None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         divide(in_features, group_size(group), "in_features")
-        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.group, self.input_is_parallel, self.sequence_parallel = (
+            group,
+            input_is_parallel,
+            sequence_parallel,
+        )
         self.in_features, self.out_features = in_features, out_features
-        self.weight = sharded_param((out_features, in_features), 1, group, "normal", init_std,
-                                    device=device, dtype=dtype)
-        self.bias = replicated_param((out_features,), "zeros", device=device, dtype=dtype) if bias else None
+        self.weight = sharded_param(
+            (out_features, in_features), 1, group, "normal", init_std, device=device, dtype=dtype
+        )
+        self.bias = (
+            replicated_param((out_features,), "zeros", device=device, dtype=dtype) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -184,8 +257,10 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, tp={group_size(self.group)}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={group_size(self.group)}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class ReplicatedLinear(nn.Module):
@@ -195,12 +270,26 @@ class ReplicatedLinear(nn.Module):
     weight gradient is partial, so the weights pass through ``copy_to_tp`` (grads summed over tp).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 sequence_parallel: bool = False, init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = replicated_param((out_features, in_features), "normal", init_std, device, dtype)
-        self.bias = replicated_param((out_features,), "zeros", device=device, dtype=dtype) if bias else None
+        self.weight = replicated_param(
+            (out_features, in_features), "normal", init_std, device, dtype
+        )
+        self.bias = (
+            replicated_param((out_features,), "zeros", device=device, dtype=dtype) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias

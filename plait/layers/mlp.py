@@ -1,5 +1,6 @@
 """Feed-forward block with the hidden dim split over tp: GELU (Hendrycks & Gimpel, 2016) or
 SwiGLU (Shazeer, "GLU Variants Improve Transformer", 2020, Eq. 6)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,22 @@ class MLP(nn.Module):
     (``plait.layers.tiled``). Raises ValueError: ffn_hidden_size not divisible by tp or unknown activation.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", *,
-                 bias: bool = True, group=None, sequence_parallel: bool = False, init_std: float = 0.02,
-                 output_init_std: float | None = None, fused: bool = False, chunk_tokens: int = 0,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "gelu",
+        *,
+        bias: bool = True,
+        group=None,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        output_init_std: float | None = None,
+        fused: bool = False,
+        chunk_tokens: int = 0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; use one of {ACTIVATIONS}")
@@ -35,14 +48,31 @@ class MLP(nn.Module):
         kw = dict(group=group, device=device, dtype=dtype)
         self.fused = fused and activation == "swiglu"
         if self.fused:
-            self.gate_up_proj = ColumnParallelLinear(hidden_size, (ffn_hidden_size, ffn_hidden_size), bias,
-                                                     parts=("gate_proj", "up_proj"), init_std=init_std, **kw)
+            self.gate_up_proj = ColumnParallelLinear(
+                hidden_size,
+                (ffn_hidden_size, ffn_hidden_size),
+                bias,
+                parts=("gate_proj", "up_proj"),
+                init_std=init_std,
+                **kw,
+            )
         else:
-            self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
-            self.gate_proj = (ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
-                              if activation == "swiglu" else None)
-        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
-                                           init_std=output_init_std or init_std, **kw)
+            self.up_proj = ColumnParallelLinear(
+                hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw
+            )
+            self.gate_proj = (
+                ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, init_std=init_std, **kw)
+                if activation == "swiglu"
+                else None
+            )
+        self.down_proj = RowParallelLinear(
+            ffn_hidden_size,
+            hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            init_std=output_init_std or init_std,
+            **kw,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sequence_tiles(self._forward, x, self.chunk_tokens, self)

@@ -7,6 +7,7 @@ only those layers are constructed). Index 0 is the embedding, 1..L the blocks, L
 Every layer is called as ``layer(hidden, batch)`` with ``batch`` a dict of the micro-batch's
 inputs (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, ``token_type_ids``).
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -26,18 +27,30 @@ from plait.parallel.collectives import group_size
 from plait.parallel.random import RNGTracker
 from plait.parallel.sharding import logical_parts
 
+
 def layer_indices(config: TransformerConfig, layers: Iterable[int] | None) -> list[int]:
     """The sorted global indices to build (all of ``0 .. num_layers + 1`` when ``layers`` is None).
     Raises ValueError naming them when one is out of range."""
     total = config.num_layers + 2
     indices = list(range(total)) if layers is None else sorted(set(layers))
     if not indices or indices[0] < 0 or indices[-1] >= total:
-        raise ValueError(f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}")
+        raise ValueError(
+            f"layer indices must lie in [0, {total}) for {config.num_layers} blocks, got {indices}"
+        )
     return indices
 
 
-def build_layers(config: TransformerConfig, indices: list[int], rng: RNGTracker, kw: dict, *, recompute,
-                 cp_group, cp_method: str, ep_group) -> nn.ModuleDict:
+def build_layers(
+    config: TransformerConfig,
+    indices: list[int],
+    rng: RNGTracker,
+    kw: dict,
+    *,
+    recompute,
+    cp_group,
+    cp_method: str,
+    ep_group,
+) -> nn.ModuleDict:
     """Layers ``indices`` keyed by their global index: the embedding (0), the blocks, the head (L+1), the head
     tied to the embedding's weight when both are built here; ``kw``: the tp group, sequence parallelism,
     device and dtype every layer takes."""
@@ -49,8 +62,15 @@ def build_layers(config: TransformerConfig, indices: list[int], rng: RNGTracker,
             tied = out["0"].word_embeddings.weight if config.tie_embeddings and "0" in out else None
             out[str(i)] = LMHead(config, tied_weight=tied, cp_group=cp_group, **kw)
         else:
-            out[str(i)] = TransformerBlock(config, rng=rng, recompute=recompute, cp_group=cp_group,
-                                           cp_method=cp_method, ep_group=ep_group, **kw)
+            out[str(i)] = TransformerBlock(
+                config,
+                rng=rng,
+                recompute=recompute,
+                cp_group=cp_group,
+                cp_method=cp_method,
+                ep_group=ep_group,
+                **kw,
+            )
     return out
 
 
@@ -88,9 +108,19 @@ class TransformerModel(nn.Module):
             that alone need more memory than the device has (``plait.layers.sizes.check_build_fits``).
     """
 
-    def __init__(self, config: TransformerConfig, mesh=None, *, sequence_parallel: bool = False,
-                 layers: Iterable[int] | None = None, seed: int = 1234, recompute: str | None = None,
-                 cp_method: str = "ring", device=None, dtype=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mesh=None,
+        *,
+        sequence_parallel: bool = False,
+        layers: Iterable[int] | None = None,
+        seed: int = 1234,
+        recompute: str | None = None,
+        cp_method: str = "ring",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         group = None if mesh is None else mesh.tp_group
         cp_group = None if mesh is None else mesh.cp_group
@@ -101,18 +131,33 @@ class TransformerModel(nn.Module):
         self.layer_indices = indices = layer_indices(config, layers)
         check_build_fits(config, mesh, indices, device, dtype)
         if config.num_experts and group_size(cp_group) > 1:
-            raise ValueError("num_experts > 0 with context parallelism is not supported yet (each cp rank's "
-                             "balance loss would see only its part of every sequence): use cp 1")
+            raise ValueError(
+                "num_experts > 0 with context parallelism is not supported yet (each cp rank's "
+                "balance loss would see only its part of every sequence): use cp 1"
+            )
         cpu_rng = device is None or torch.device(device).type == "meta"
         rng_device = torch.device("cpu") if cpu_rng else torch.device(device)
         # Dropout streams differ per pipeline chunk (keyed by its first layer, so interleaved chunks on
         # one rank differ too) and per tp rank inside tp-split regions; see plait.parallel.random.
-        cp_rank = 0 if mesh is None else mesh.cp_rank   # cp ranks hold other positions: other dropout masks
-        self.rng = RNGTracker(seed + 100 * indices[0] + 1_000_003 * cp_rank, 0 if mesh is None else mesh.tp_rank,
-                              rng_device)
+        cp_rank = (
+            0 if mesh is None else mesh.cp_rank
+        )  # cp ranks hold other positions: other dropout masks
+        self.rng = RNGTracker(
+            seed + 100 * indices[0] + 1_000_003 * cp_rank,
+            0 if mesh is None else mesh.tp_rank,
+            rng_device,
+        )
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, device=device, dtype=dtype)
-        self.layers = build_layers(config, indices, self.rng, kw, recompute=recompute, cp_group=cp_group,
-                                   cp_method=cp_method, ep_group=ep_group)
+        self.layers = build_layers(
+            config,
+            indices,
+            self.rng,
+            kw,
+            recompute=recompute,
+            cp_group=cp_group,
+            cp_method=cp_method,
+            ep_group=ep_group,
+        )
         init_parameters(self, seed)
 
     @property
@@ -123,14 +168,21 @@ class TransformerModel(nn.Module):
         """``[1, s]`` positions of this rank's tokens when ``position_ids`` is not given: ``0..s-1`` of the
         whole sequence, or under context parallelism those of this rank's chunks."""
         ids = batch.get("input_ids")
-        seq = ids.shape[1] if ids is not None else hidden.shape[1] * (group_size(self.mesh.tp_group)
-                                                                      if self.sequence_parallel else 1)
+        seq = (
+            ids.shape[1]
+            if ids is not None
+            else hidden.shape[1] * (group_size(self.mesh.tp_group) if self.sequence_parallel else 1)
+        )
         cp = 1 if self.mesh is None else self.mesh.cp
         if self.config.rope_theta is None and seq * cp > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {seq * cp} ({seq} on each of cp={cp} ranks) exceeds "
-                             f"max_position_embeddings ({self.config.max_position_embeddings})")
+            raise ValueError(
+                f"sequence length {seq * cp} ({seq} on each of cp={cp} ranks) exceeds "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
         device = ids.device if ids is not None else hidden.device
-        return context.positions(seq * cp, cp, 0 if cp == 1 else self.mesh.cp_rank, device).unsqueeze(0)
+        return context.positions(
+            seq * cp, cp, 0 if cp == 1 else self.mesh.cp_rank, device
+        ).unsqueeze(0)
 
     def _rope_tables(self, batch: dict, hidden):
         """RoPE's ``(cos, sin)`` for every block of this forward, computed once (``[b or 1, 1, s, head_dim]``
@@ -145,15 +197,34 @@ class TransformerModel(nn.Module):
     def head(self) -> LMHead:
         return self.layers[str(self.config.num_layers + 1)]
 
-    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None,
-                token_type_ids=None, hidden=None, aux_loss_scale=None):
-        batch = {k: v for k, v in dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
-                                       position_ids=position_ids, token_type_ids=token_type_ids,
-                                       aux_loss_scale=aux_loss_scale).items()
-                 if v is not None}
-        if "position_ids" not in batch and (self.config.rope_theta is not None or self.mesh is not None
-                                            and self.mesh.cp > 1):
-            batch["position_ids"] = self._positions(batch, hidden)   # learned positions take them too under cp
+    def forward(
+        self,
+        input_ids=None,
+        labels=None,
+        attention_mask=None,
+        position_ids=None,
+        token_type_ids=None,
+        hidden=None,
+        aux_loss_scale=None,
+    ):
+        batch = {
+            k: v
+            for k, v in dict(
+                input_ids=input_ids,
+                labels=labels,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                token_type_ids=token_type_ids,
+                aux_loss_scale=aux_loss_scale,
+            ).items()
+            if v is not None
+        }
+        if "position_ids" not in batch and (
+            self.config.rope_theta is not None or self.mesh is not None and self.mesh.cp > 1
+        ):
+            batch["position_ids"] = self._positions(
+                batch, hidden
+            )  # learned positions take them too under cp
         if self.config.rope_theta is not None and self._has_blocks:
             batch["rope"] = self._rope_tables(batch, hidden)
         for layer in self.layers.values():
@@ -161,10 +232,15 @@ class TransformerModel(nn.Module):
         return hidden
 
 
-def logical_shapes(config: TransformerConfig, layers: Iterable[int] | None = None) -> dict[str, tuple[int, ...]]:
+def logical_shapes(
+    config: TransformerConfig, layers: Iterable[int] | None = None
+) -> dict[str, tuple[int, ...]]:
     """Parameter name -> logical (whole, unpadded) shape of ``config``'s model, or of only the
     global layer indices ``layers``; built on the meta device, so nothing is allocated. A tied
     output weight built with its embedding appears once (under the embedding's name)."""
     model = TransformerModel(config, layers=layers, device="meta")
-    return {part.name: tuple(part.spec.logical_shape) for n, p in model.named_parameters()
-            for part in logical_parts(n, p)}
+    return {
+        part.name: tuple(part.spec.logical_shape)
+        for n, p in model.named_parameters()
+        for part in logical_parts(n, p)
+    }

@@ -12,6 +12,7 @@ Shapes: ``x [..., h]`` -> ``[..., h]``; weights ``gate_proj``/``up_proj`` ``[E, 
 ``[E, h, ffn]`` (each expert a ``Linear`` weight, stacked), ``router.weight`` ``[E, h]``. Design notes:
 ``docs/layers.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 class Routing(NamedTuple):
     """The router's decision for ``T`` tokens: ``weights [T, k]`` float32 (combine weights), ``experts [T, k]``
     int64, ``probs [T, E]`` and ``logits [T, E]`` float32."""
+
     weights: torch.Tensor
     experts: torch.Tensor
     probs: torch.Tensor
@@ -43,6 +45,7 @@ class MoEAux(NamedTuple):
     """What a forward leaves besides its output: ``loss`` (``balance_loss_coef x balance + z_loss_coef x z``,
     a scalar in the autograd graph), ``balance`` and ``z`` (detached scalars), ``tokens_per_expert [E]``
     (assignments routed to each expert, before any drop) and ``dropped`` (assignments over capacity)."""
+
     loss: torch.Tensor
     balance: torch.Tensor
     z: torch.Tensor
@@ -50,8 +53,13 @@ class MoEAux(NamedTuple):
     dropped: torch.Tensor
 
 
-def route(logits: torch.Tensor, k: int, order: str = "softmax_topk", normalize: bool = True,
-          bias: torch.Tensor | None = None) -> Routing:
+def route(
+    logits: torch.Tensor,
+    k: int,
+    order: str = "softmax_topk",
+    normalize: bool = True,
+    bias: torch.Tensor | None = None,
+) -> Routing:
     """Top-k routing of ``logits [T, E]`` (module docstring); ``bias [E]`` shifts only the selection."""
     logits = logits.float()
     probs = logits.softmax(-1)
@@ -69,7 +77,9 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Assignments per expert ``[E]`` (int64) of ``experts [T, k]``; a scatter-add, so no host sync (CUDA's
     ``bincount`` reads the maximum back to size its output)."""
     flat = experts.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -90,15 +100,25 @@ def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int
     return math.ceil(factor * tokens * k / num_experts)
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool = True
+) -> torch.Tensor:
     """``x [M, K]`` whose rows come in ``len(counts)`` consecutive blocks (``counts [E]``, summing to M),
     block e times ``weight[e]^T`` (``weight [E, N, K]``) -> ``[M, N]``. One ``torch._grouped_mm`` where it
     applies (``grouped``; rows 16-byte aligned; on CUDA bf16 on compute capability >= 9), else a matmul per
     block (a host sync for the block sizes)."""
     itemsize = x.element_size()
     aligned = all(n * itemsize % 16 == 0 for n in (x.shape[1], weight.shape[1]))
-    cuda_ok = not x.is_cuda or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0))
-    if grouped and hasattr(torch, "_grouped_mm") and aligned and cuda_ok and x.dtype == weight.dtype:
+    cuda_ok = not x.is_cuda or (
+        x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+    if (
+        grouped
+        and hasattr(torch, "_grouped_mm")
+        and aligned
+        and cuda_ok
+        and x.dtype == weight.dtype
+    ):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     blocks = x.split(counts.tolist())
@@ -145,7 +165,9 @@ def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None):
     return slots[within < capacity], kept, (counts - kept).sum()
 
 
-def check_routing(num_experts: int, top_k: int, router_order: str, capacity_factor: float | None) -> None:
+def check_routing(
+    num_experts: int, top_k: int, router_order: str, capacity_factor: float | None
+) -> None:
     """Raises ValueError naming the value: top_k outside ``[1, num_experts]``, an unknown router_order, or a
     capacity_factor <= 0."""
     if not 1 <= top_k <= num_experts:
@@ -153,7 +175,9 @@ def check_routing(num_experts: int, top_k: int, router_order: str, capacity_fact
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"unknown router_order {router_order!r}; use one of {ROUTER_ORDERS}")
     if capacity_factor is not None and capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
+        raise ValueError(
+            f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}"
+        )
 
 
 class MoE(nn.Module):
@@ -182,11 +206,27 @@ class MoE(nn.Module):
     #: buffers that are training state: checkpoints hold them (``plait.checkpoint.model_io``)
     checkpointed_buffers = ("expert_bias",)
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
-                 router_order: str = "softmax_topk", normalize_topk: bool = True, capacity_factor: float | None = None,
-                 shared_ffn_hidden_size: int = 0, balance_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
-                 bias_update_rate: float = 0.0, init_std: float = 0.02, output_init_std: float | None = None,
-                 grouped_gemm: bool = True, ep_group=None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        router_order: str = "softmax_topk",
+        normalize_topk: bool = True,
+        capacity_factor: float | None = None,
+        shared_ffn_hidden_size: int = 0,
+        balance_loss_coef: float = 0.01,
+        z_loss_coef: float = 0.0,
+        bias_update_rate: float = 0.0,
+        init_std: float = 0.02,
+        output_init_std: float | None = None,
+        grouped_gemm: bool = True,
+        ep_group=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         check_routing(num_experts, top_k, router_order, capacity_factor)
         self.num_experts, self.top_k, self.router_order = num_experts, top_k, router_order
@@ -194,54 +234,100 @@ class MoE(nn.Module):
         self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
         self.bias_update_rate, self.grouped_gemm = bias_update_rate, grouped_gemm
         ep = group_size(ep_group)
-        check_divisible(num_experts, ep, "num_experts", "the expert-parallel size ep",
-                        f"choose ep from {divisors(num_experts)}")
+        check_divisible(
+            num_experts,
+            ep,
+            "num_experts",
+            "the expert-parallel size ep",
+            f"choose ep from {divisors(num_experts)}",
+        )
         self.ep_group = ep_group if ep > 1 else None
         kw = dict(device=device, dtype=dtype)
-        self._build_weights(hidden_size, ffn_hidden_size, shared_ffn_hidden_size, init_std, output_init_std, kw)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
-        self.register_buffer("tokens_seen", torch.zeros(num_experts, dtype=torch.float32, device=device),
-                             persistent=False)
+        self._build_weights(
+            hidden_size, ffn_hidden_size, shared_ffn_hidden_size, init_std, output_init_std, kw
+        )
+        self.register_buffer(
+            "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+        )
+        self.register_buffer(
+            "tokens_seen",
+            torch.zeros(num_experts, dtype=torch.float32, device=device),
+            persistent=False,
+        )
         # training forwards since ``take_stats``: tokens per expert [E], then the sums of balance, z, dropped
         # and the forward count; a recomputed forward counts twice, which leaves every ratio unchanged
-        self.register_buffer("stats", torch.zeros(num_experts + 4, dtype=torch.float32, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "stats",
+            torch.zeros(num_experts + 4, dtype=torch.float32, device=device),
+            persistent=False,
+        )
 
-    def _build_weights(self, hidden_size: int, ffn_hidden_size: int, shared_ffn_hidden_size: int, init_std: float,
-                       output_init_std: float | None, kw: dict) -> None:
+    def _build_weights(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        shared_ffn_hidden_size: int,
+        init_std: float,
+        output_init_std: float | None,
+        kw: dict,
+    ) -> None:
         """The router ``[E, h]`` (replicated), the experts' SwiGLU weights ``[E(/ep), ...]`` split over the ep
         group, and the shared experts' MLP (None without)."""
         num_experts = self.num_experts
         self.router_weight = replicated_param((num_experts, hidden_size), "normal", init_std, **kw)
         experts = dict(dim=0, group=self.ep_group, kind="normal", axis="ep", **kw)
-        self.gate_proj = sharded_param((num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts)
-        self.up_proj = sharded_param((num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts)
-        self.down_proj = sharded_param((num_experts, hidden_size, ffn_hidden_size), std=output_init_std or init_std,
-                                       **experts)
-        self.shared = (MLP(hidden_size, shared_ffn_hidden_size, "swiglu", bias=False, init_std=init_std,
-                           output_init_std=output_init_std, **kw) if shared_ffn_hidden_size else None)
+        self.gate_proj = sharded_param(
+            (num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts
+        )
+        self.up_proj = sharded_param(
+            (num_experts, ffn_hidden_size, hidden_size), std=init_std, **experts
+        )
+        self.down_proj = sharded_param(
+            (num_experts, hidden_size, ffn_hidden_size), std=output_init_std or init_std, **experts
+        )
+        self.shared = (
+            MLP(
+                hidden_size,
+                shared_ffn_hidden_size,
+                "swiglu",
+                bias=False,
+                init_std=init_std,
+                output_init_std=output_init_std,
+                **kw,
+            )
+            if shared_ffn_hidden_size
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.router_weight.float())
         bias = self.expert_bias if self.bias_update_rate > 0 else None
         r = route(logits, self.top_k, self.router_order, self.normalize_topk, bias)
-        capacity = (None if self.capacity_factor is None else
-                    expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor))
+        capacity = (
+            None
+            if self.capacity_factor is None
+            else expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        )
         slots, rows, dropped = dispatch(r.experts, self.num_experts, capacity)
         k = self.top_k
         xs = select_rows(flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[-1]), slots)
-        out = self._experts(xs, rows) if self.ep_group is None else expert_parallel(xs, rows, self._experts,
-                                                                                    self.ep_group)
+        out = (
+            self._experts(xs, rows)
+            if self.ep_group is None
+            else expert_parallel(xs, rows, self._experts, self.ep_group)
+        )
         out = out * r.weights.reshape(-1)[slots].unsqueeze(-1).to(x.dtype)
-        y = flat.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(0, slots, out)   # slot order again
+        y = flat.new_zeros(flat.shape[0] * k, flat.shape[1]).index_copy(
+            0, slots, out
+        )  # slot order again
         y = y.view(-1, k, flat.shape[1]).sum(1).view(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
         counts = expert_counts(r.experts, self.num_experts)
         balance, z = balance_loss(r.probs, r.experts), z_loss(r.logits)
         loss = self.balance_loss_coef * balance + self.z_loss_coef * z
-        if self.training and torch.is_grad_enabled():   # not an evaluation forward in train mode
+        if self.training and torch.is_grad_enabled():  # not an evaluation forward in train mode
             if self.bias_update_rate > 0:
                 self.tokens_seen += counts.float()
             sums = torch.stack([balance.detach(), z.detach(), dropped.float(), torch.ones_like(z)])
@@ -251,7 +337,9 @@ class MoE(nn.Module):
     def _experts(self, xs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """This rank's experts on ``xs [M, h]``, ``rows [E_here]`` consecutive rows per expert -> ``[M, h]``."""
         g = self.grouped_gemm
-        inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(xs, self.up_proj, rows, g)
+        inner = F.silu(grouped_mm(xs, self.gate_proj, rows, g)) * grouped_mm(
+            xs, self.up_proj, rows, g
+        )
         return grouped_mm(inner, self.down_proj, rows, g)
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ so each rank's weight gradient is a partial sum: the weights pass through ``copy
 (identity forward, all-reduce backward), which sums them over tp (Korthikanti et al.,
 2022, Sec. 4.2.2).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,23 @@ from plait.parallel.collectives import copy_to_tp
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, bias: bool, group, sequence_parallel: bool,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        bias: bool,
+        group,
+        sequence_parallel: bool,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.hidden_size, self.eps = hidden_size, eps
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = replicated_param((hidden_size,), "ones", device=device, dtype=dtype)
-        self.bias = replicated_param((hidden_size,), "zeros", device=device, dtype=dtype) if bias else None
+        self.bias = (
+            replicated_param((hidden_size,), "zeros", device=device, dtype=dtype) if bias else None
+        )
 
     def _params(self):
         if not self.sequence_parallel:
@@ -37,8 +48,17 @@ class _Norm(nn.Module):
 class LayerNorm(_Norm):
     """LayerNorm over the last dim (Ba et al., 2016). Shapes: ``[..., h] -> [..., h]``."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, *, group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(hidden_size, eps, bias, group, sequence_parallel, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +77,9 @@ def _normalize_backward(grad_y: torch.Tensor, x: torch.Tensor, rstd: torch.Tenso
     (the one ``F.rms_norm``'s autograd calls); elsewhere its formula in float32,
     ``dx = rstd * (g - y * mean(g * y))`` with ``y = x * rstd``."""
     if x.is_cuda:
-        return torch.ops.aten._fused_rms_norm_backward(grad_y, x, [x.shape[-1]], rstd, None, [True, False])[0]
+        return torch.ops.aten._fused_rms_norm_backward(
+            grad_y, x, [x.shape[-1]], rstd, None, [True, False]
+        )[0]
     y, g = x.float() * rstd, grad_y.float()
     return (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
 
@@ -75,7 +97,9 @@ class _RMSNormWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _RMSNormWeight.plait_gradients(ctx, ctx.saved_tensors, grad, ctx.needs_input_grad) + (None,)
+        return _RMSNormWeight.plait_gradients(
+            ctx, ctx.saved_tensors, grad, ctx.needs_input_grad
+        ) + (None,)
 
     @staticmethod
     def plait_gradients(ctx, saved, grad: torch.Tensor, needs) -> tuple:
@@ -96,8 +120,16 @@ class RMSNorm(_Norm):
     product with ``w``, as Hugging Face's Llama rounds it. Only ``x`` and ``w`` are kept for backward, which
     recomputes the normalization. Shapes: ``[..., h] -> [..., h]``."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(hidden_size, eps, False, group, sequence_parallel, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ device allocates nothing and is never refused; on the host the bound is its phys
 device's total memory (activations, gradients and optimizer states come on top: this catches only sizes no
 run could hold, such as a hidden size of 10**9 in a config from elsewhere).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def build_elements(config, mesh=None, layers: Sequence[int] | None = None, dtype
     Raises:
         ValueError: a tensor of these sizes would have 2**63 bytes or more (names the sizes).
     """
-    from plait.layers.model import TransformerModel   # local: the model calls this module
+    from plait.layers.model import TransformerModel  # local: the model calls this module
 
     last = config.num_layers + 1
     indices = range(last + 1) if layers is None else sorted(set(layers))
@@ -33,10 +34,14 @@ def build_elements(config, mesh=None, layers: Sequence[int] | None = None, dtype
     sample = sorted({i for i in (0, last) if i in indices} | ({first_block} if blocks else set()))
     try:
         model = TransformerModel(config, mesh, layers=sample, device="meta", dtype=dtype)
-    except RuntimeError as e:   # torch: "Storage size calculation overflowed" (a tensor of 2**63 bytes or more)
-        raise ValueError(f"the sizes hidden_size={config.hidden_size}, ffn_hidden_size={config.ffn_hidden_size}, "
-                         f"num_layers={config.num_layers}, vocab_size={config.vocab_size} give a tensor no device "
-                         f"can hold ({e}); fix these sizes") from None
+    except (
+        RuntimeError
+    ) as e:  # torch: "Storage size calculation overflowed" (a tensor of 2**63 bytes or more)
+        raise ValueError(
+            f"the sizes hidden_size={config.hidden_size}, ffn_hidden_size={config.ffn_hidden_size}, "
+            f"num_layers={config.num_layers}, vocab_size={config.vocab_size} give a tensor no device "
+            f"can hold ({e}); fix these sizes"
+        ) from None
     total = 0
     for name, p in model.named_parameters():
         total += p.numel() * (blocks if int(name.split(".")[1]) == first_block else 1)
@@ -73,4 +78,5 @@ def check_build_fits(config, mesh, layers: Sequence[int], device, dtype) -> None
             f"bytes ({elements:.2e} elements of {dtype}), more than the {available:.2e} bytes of memory {device} "
             f"has (hidden_size={config.hidden_size}, num_layers={config.num_layers}, vocab_size="
             f"{config.vocab_size}); fix these sizes, split the model over more ranks (tp, pp), or build it on "
-            f"device='meta'")
+            f"device='meta'"
+        )

@@ -3,6 +3,7 @@
 ``plait.parallel.pipeline.stage.StageChunk`` asks of a pipeline chunk; ``layer_parameter_counts`` weighs the
 layers for ``partition_layers(..., method="parameters")``.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,10 @@ class TransformerStage(TransformerModel):
         if self.sequence_parallel:
             tp = group_size(self.mesh.tp_group)
             if s % tp:
-                raise ValueError(f"sequence length {s} is not divisible by tp ({tp}) under sequence "
-                                 f"parallelism; pad the micro-batch to a multiple of {tp}")
+                raise ValueError(
+                    f"sequence length {s} is not divisible by tp ({tp}) under sequence "
+                    f"parallelism; pad the micro-batch to a multiple of {tp}"
+                )
             s //= tp
         return (b, s, self.config.hidden_size)
 
@@ -56,8 +59,10 @@ class TransformerStage(TransformerModel):
         params = [self.layers["0"].word_embeddings.weight] if first else []
         if head:
             if getattr(self.head.weight, TIED_ATTR, None) is None:
-                raise ValueError("the head chunk has no tied copy of the embedding although the config ties "
-                                 "them; build chunks with build_stage_modules")
+                raise ValueError(
+                    "the head chunk has no tied copy of the embedding although the config ties "
+                    "them; build chunks with build_stage_modules"
+                )
             params.append(self.head.weight)
         return params
 
@@ -78,10 +83,20 @@ def layer_parameter_counts(config) -> list[int]:
     return [count(0)] + [block] * config.num_layers + [count(last)]
 
 
-def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[int] = "uniform", *,
-                        sequence_parallel: bool = False, seed: int = 1234, recompute: str | None = None,
-                        cp_method: str = "ring", device=None, dtype=None,
-                        schedule: str | None = None) -> list[TransformerStage]:
+def build_stage_modules(
+    config,
+    mesh=None,
+    v: int = 1,
+    method: str | Sequence[int] = "uniform",
+    *,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+    recompute: str | None = None,
+    cp_method: str = "ring",
+    device=None,
+    dtype=None,
+    schedule: str | None = None,
+) -> list[TransformerStage]:
     """Build this rank's ``v`` model chunks, each a ``TransformerStage`` with only its layers.
 
     Args:
@@ -108,6 +123,17 @@ def build_stage_modules(config, mesh=None, v: int = 1, method: str | Sequence[in
     n = config.num_layers + 2
     weights = layer_parameter_counts(config) if method == "parameters" else None
     parts = partition_layers(n, p, v, method, weights)
-    return [TransformerStage(config, mesh, sequence_parallel=sequence_parallel, layers=layers, seed=seed,
-                             recompute=recompute, cp_method=cp_method, device=device, dtype=dtype)
-            for layers in stage_layers(parts, p, rank, placement(schedule) if schedule else "loop")]
+    return [
+        TransformerStage(
+            config,
+            mesh,
+            sequence_parallel=sequence_parallel,
+            layers=layers,
+            seed=seed,
+            recompute=recompute,
+            cp_method=cp_method,
+            device=device,
+            dtype=dtype,
+        )
+        for layers in stage_layers(parts, p, rank, placement(schedule) if schedule else "loop")
+    ]

@@ -8,6 +8,7 @@ backward recomputes each tile's forward and takes its gradients right away. At m
 activations exist at a time; the cost is one more forward of the layer, as with activation
 checkpointing of that layer alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,7 +20,11 @@ from torch import nn
 class _SequenceTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tokens: int, x, *params):
-        ctx.fn, ctx.tokens, ctx.params = fn, tokens, params   # parameters: leaves, held by the module anyway
+        ctx.fn, ctx.tokens, ctx.params = (
+            fn,
+            tokens,
+            params,
+        )  # parameters: leaves, held by the module anyway
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([fn(tile) for tile in x.split(tokens, dim=1)], dim=1)
@@ -30,20 +35,27 @@ class _SequenceTiles(torch.autograd.Function):
         params = ctx.params
         dx = torch.empty_like(x)
         dparams = [None] * len(params)
-        for tile, out, dtile in zip(x.split(ctx.tokens, dim=1), grad.split(ctx.tokens, dim=1),
-                                    dx.split(ctx.tokens, dim=1)):
+        for tile, out, dtile in zip(
+            x.split(ctx.tokens, dim=1), grad.split(ctx.tokens, dim=1), dx.split(ctx.tokens, dim=1)
+        ):
             with torch.enable_grad():
                 leaf = tile.detach().requires_grad_(True)
                 grads = torch.autograd.grad(ctx.fn(leaf), (leaf, *params), out, allow_unused=True)
             dtile.copy_(grads[0])
             for i, g in enumerate(grads[1:]):
-                if g is not None:   # summed in float32 over the tiles, rounded once
+                if g is not None:  # summed in float32 over the tiles, rounded once
                     dparams[i] = g.float() if dparams[i] is None else dparams[i].add_(g)
-        return (None, None, dx, *(None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)))
+        return (
+            None,
+            None,
+            dx,
+            *(None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)),
+        )
 
 
-def sequence_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tokens: int,
-                   module: nn.Module) -> torch.Tensor:
+def sequence_tiles(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tokens: int, module: nn.Module
+) -> torch.Tensor:
     """``fn(x)`` for a token-wise ``fn`` (``[b, s, ...] -> [b, s, ...]``), computed over tiles of ``tokens``
     positions along dim 1 and recomputed per tile in backward (module docstring). ``module``: the owner of
     the parameters ``fn`` uses (their gradients are returned through this function, accumulated once).

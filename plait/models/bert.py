@@ -5,6 +5,7 @@ bidirectional attention, MLM head (dense, GELU, LayerNorm, output bias) tied to 
 Hugging Face checkpoints come as ``BertForMaskedLM`` / ``BertForPreTraining`` (names under
 ``bert.``, head under ``cls.predictions.``) or as a bare ``BertModel`` (no prefix, no head).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,26 +14,49 @@ from plait.layers.config import TransformerConfig
 from plait.models.family import ModelFamily
 from plait.models.hf_base import HFClasses, HFLayout, Rule, pairs, require_fields, unsupported
 
-_POSITION_BUFFER = re.compile(r"(^|\.)embeddings\.position_ids$")     # position-id buffer, not a weight
+_POSITION_BUFFER = re.compile(
+    r"(^|\.)embeddings\.position_ids$"
+)  # position-id buffer, not a weight
 _HEAD = "cls.predictions."
 
 
 def bert_config(**overrides) -> TransformerConfig:
     """BERT (Devlin et al., 2019); defaults are BERT-base with its MLM head."""
-    base = dict(arch="bert", vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
-                max_position_embeddings=512, activation="gelu", norm="layernorm", norm_eps=1e-12,
-                bias=True, tie_embeddings=True, causal=False, post_norm=True, type_vocab_size=2,
-                hidden_dropout=0.1, attention_dropout=0.1, embedding_norm=True, head_transform=True, head_bias=True)
+    base = dict(
+        arch="bert",
+        vocab_size=30522,
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        max_position_embeddings=512,
+        activation="gelu",
+        norm="layernorm",
+        norm_eps=1e-12,
+        bias=True,
+        tie_embeddings=True,
+        causal=False,
+        post_norm=True,
+        type_vocab_size=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        embedding_norm=True,
+        head_transform=True,
+        head_bias=True,
+    )
     return TransformerConfig(**{**base, **overrides})
 
 
 def _hf_rules(c: TransformerConfig, lay: HFLayout) -> list[Rule]:
     p, L, wb = lay.prefix, c.num_layers, ("weight", "bias")
     e = f"{p}embeddings"
-    out = [Rule(("layers.0.word_embeddings.weight",), (f"{e}.word_embeddings.weight",)),
-           Rule(("layers.0.position_embeddings",), (f"{e}.position_embeddings.weight",))]
+    out = [
+        Rule(("layers.0.word_embeddings.weight",), (f"{e}.word_embeddings.weight",)),
+        Rule(("layers.0.position_embeddings",), (f"{e}.position_embeddings.weight",)),
+    ]
     if c.type_vocab_size:
-        out.append(Rule(("layers.0.token_type_embeddings",), (f"{e}.token_type_embeddings.weight",)))
+        out.append(
+            Rule(("layers.0.token_type_embeddings",), (f"{e}.token_type_embeddings.weight",))
+        )
     out += pairs("layers.0.norm", f"{e}.LayerNorm", wb)
     for i in range(1, L + 1):
         h, a = f"{p}encoder.layer.{i - 1}", f"layers.{i}.attn"
@@ -58,28 +82,58 @@ def _config_from_hf(c) -> TransformerConfig:
     mt = c.model_type
     if c.hidden_act != "gelu":
         raise unsupported(mt, f"hidden_act {c.hidden_act!r} (plait's BERT uses erf GELU, 'gelu')")
-    if getattr(c, "position_embedding_type", "absolute") != "absolute" or getattr(c, "is_decoder", False):
+    if getattr(c, "position_embedding_type", "absolute") != "absolute" or getattr(
+        c, "is_decoder", False
+    ):
         raise unsupported(mt, "relative position embeddings or is_decoder=True")
-    return bert_config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                       num_heads=c.num_attention_heads, ffn_hidden_size=c.intermediate_size,
-                       max_position_embeddings=c.max_position_embeddings, norm_eps=float(c.layer_norm_eps),
-                       type_vocab_size=c.type_vocab_size, tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-                       hidden_dropout=float(c.hidden_dropout_prob),
-                       attention_dropout=float(c.attention_probs_dropout_prob), init_std=float(c.initializer_range))
+    return bert_config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
+        max_position_embeddings=c.max_position_embeddings,
+        norm_eps=float(c.layer_norm_eps),
+        type_vocab_size=c.type_vocab_size,
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        hidden_dropout=float(c.hidden_dropout_prob),
+        attention_dropout=float(c.attention_probs_dropout_prob),
+        init_std=float(c.initializer_range),
+    )
 
 
 def _config_to_hf(c: TransformerConfig, extra: dict):
     from transformers import BertConfig
 
-    require_fields(c, norm="layernorm", activation="gelu", causal=False, post_norm=True, bias=True,
-                   rope_theta=None, num_kv_heads=c.num_heads, num_experts=0,
-                   head_dim=c.hidden_size // c.num_heads, qk_norm=False)
-    return BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-                      num_attention_heads=c.num_heads, intermediate_size=c.ffn_hidden_size, hidden_act="gelu",
-                      hidden_dropout_prob=c.hidden_dropout, attention_probs_dropout_prob=c.attention_dropout,
-                      max_position_embeddings=c.max_position_embeddings, type_vocab_size=c.type_vocab_size,
-                      layer_norm_eps=c.norm_eps, initializer_range=c.init_std,
-                      tie_word_embeddings=c.tie_embeddings, **extra)
+    require_fields(
+        c,
+        norm="layernorm",
+        activation="gelu",
+        causal=False,
+        post_norm=True,
+        bias=True,
+        rope_theta=None,
+        num_kv_heads=c.num_heads,
+        num_experts=0,
+        head_dim=c.hidden_size // c.num_heads,
+        qk_norm=False,
+    )
+    return BertConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        intermediate_size=c.ffn_hidden_size,
+        hidden_act="gelu",
+        hidden_dropout_prob=c.hidden_dropout,
+        attention_probs_dropout_prob=c.attention_dropout,
+        max_position_embeddings=c.max_position_embeddings,
+        type_vocab_size=c.type_vocab_size,
+        layer_norm_eps=c.norm_eps,
+        initializer_range=c.init_std,
+        tie_word_embeddings=c.tie_embeddings,
+        **extra,
+    )
 
 
 def _detect_layout(hf: HFClasses, hf_names: set[str]) -> HFLayout:
@@ -101,12 +155,20 @@ def _export_layout(hf: HFClasses, config: TransformerConfig, plait_names: set[st
 
 
 FAMILY = ModelFamily(
-    name="bert", hf=HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM"),
+    name="bert",
+    hf=HFClasses("bert", "bert.", "BertModel", "BertForMaskedLM"),
     presets={
         "bert-base": lambda: bert_config(),
-        "bert-tiny": lambda: bert_config(vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4,
-                                         max_position_embeddings=256),
+        "bert-tiny": lambda: bert_config(
+            vocab_size=8192, hidden_size=128, num_layers=4, num_heads=4, max_position_embeddings=256
+        ),
     },
-    make_config=bert_config, hf_rules=_hf_rules, config_from_hf=_config_from_hf, config_to_hf=_config_to_hf,
-    buffers=_POSITION_BUFFER, tied_head=f"{_HEAD}decoder.weight", layout_of=_detect_layout,
-    export_layout_of=_export_layout)
+    make_config=bert_config,
+    hf_rules=_hf_rules,
+    config_from_hf=_config_from_hf,
+    config_to_hf=_config_to_hf,
+    buffers=_POSITION_BUFFER,
+    tied_head=f"{_HEAD}decoder.weight",
+    layout_of=_detect_layout,
+    export_layout_of=_export_layout,
+)

@@ -5,6 +5,7 @@ presets (whose ``TransformerConfig`` carries every field the shared layers build
 Face name rules and its HF config mapping. The registry
 (``plait.models.registry``) finds it by its arch name (``TransformerConfig.arch``).
 """
+
 from __future__ import annotations
 
 import re
@@ -46,7 +47,9 @@ class ModelFamily:
     buffers: re.Pattern
     tied_head: str = "lm_head.weight"
     layout_of: Callable[["HFClasses", set[str]], "HFLayout"] = decoder_layout
-    export_layout_of: Callable[["HFClasses", "TransformerConfig", set[str]], "HFLayout"] = decoder_export_layout
+    export_layout_of: Callable[["HFClasses", "TransformerConfig", set[str]], "HFLayout"] = (
+        decoder_export_layout
+    )
 
     def hf_ignored(self, name: str, config: "TransformerConfig") -> bool:
         """True for HF tensors that carry nothing to convert (buffers, the copy of a tied weight)."""

@@ -11,6 +11,7 @@ fused ``c_attn``, stored ``[h, 3h]`` with q, k, v side by side along the output 
 Imports only torch: the family modules (``plait.models.gpt2`` etc.) and ``plait.checkpoint.hf``
 both build on it.
 """
+
 from __future__ import annotations
 
 import re
@@ -120,7 +121,9 @@ def _unstack(tensors: Tensors) -> list[torch.Tensor]:
 def _stack_pair(tensors: Tensors) -> list[torch.Tensor]:
     """2E tensors ``[out, in]`` (E of the first kind, then E of the second) -> 2 x ``[E, out, in]``."""
     if len(tensors) % 2:
-        raise ValueError(f"stack_pair needs an even number of tensors (E of each of two kinds), got {len(tensors)}")
+        raise ValueError(
+            f"stack_pair needs an even number of tensors (E of each of two kinds), got {len(tensors)}"
+        )
     half = len(tensors) // 2
     return [torch.stack(list(tensors[:half])), torch.stack(list(tensors[half:]))]
 
@@ -182,12 +185,16 @@ def decoder_layout(classes: HFClasses, hf_names: set[str]) -> HFLayout:
     else the base class; the prefix only when the names carry it."""
     prefix = classes.prefix if any(n.startswith(classes.prefix) for n in hf_names) else ""
     has_head = bool(prefix) or "lm_head.weight" in hf_names
-    return HFLayout(classes.model_type, classes.head_class if has_head else classes.base_class, prefix, True)
+    return HFLayout(
+        classes.model_type, classes.head_class if has_head else classes.base_class, prefix, True
+    )
 
 
 def decoder_export_layout(classes: HFClasses, config, plait_names: set[str]) -> HFLayout:
     """Layout a decoder export writes: the head class with the prefix; ``lm_head`` stored unless tied."""
-    return HFLayout(classes.model_type, classes.head_class, classes.prefix, not config.tie_embeddings)
+    return HFLayout(
+        classes.model_type, classes.head_class, classes.prefix, not config.tie_embeddings
+    )
 
 
 def unsupported(model_type: str, what: str) -> ValueError:
@@ -199,8 +206,10 @@ def require_fields(config, **want) -> None:
     """ValueError naming the fields of ``config`` that differ from ``want`` (what HF can express)."""
     bad = {k: getattr(config, k) for k, v in want.items() if getattr(config, k) != v}
     if bad:
-        raise ValueError(f"plait {config.arch} config cannot be written as a Hugging Face {config.arch} model: "
-                         f"it has {bad}, Hugging Face needs {({k: want[k] for k in bad})}")
+        raise ValueError(
+            f"plait {config.arch} config cannot be written as a Hugging Face {config.arch} model: "
+            f"it has {bad}, Hugging Face needs { ({k: want[k] for k in bad}) }"
+        )
 
 
 def rope_theta_of(c, model_type: str) -> float:
@@ -234,8 +243,9 @@ def decoder_rules(c, lay: HFLayout, layer_rules: Callable[[str, str], list[Rule]
     return out
 
 
-def expert_rules(plait: str, per_expert: str, names: tuple[str, str, str], fused: str,
-                 num_experts: int) -> list[Rule]:
+def expert_rules(
+    plait: str, per_expert: str, names: tuple[str, str, str], fused: str, num_experts: int
+) -> list[Rule]:
     """Rules of a mixture of experts' stacked weights ``<plait>.gate_proj``, ``.up_proj`` ``[E, ffn, h]`` and
     ``.down_proj`` ``[E, h, ffn]`` (``plait.layers.MoE``).
 
@@ -245,10 +255,22 @@ def expert_rules(plait: str, per_expert: str, names: tuple[str, str, str], fused
     and ``<fused>.down_proj`` ``[E, h, ffn]``.
     """
     gate, up, down = ([f"{per_expert}.{j}.{n}.weight" for j in range(num_experts)] for n in names)
-    return [Rule((f"{plait}.gate_proj", f"{plait}.up_proj"), tuple(gate + up), "stack_pair",
-                 aliases=((f"{fused}.gate_up_proj",),), alias_kinds=("gate_up",)),
-            Rule((f"{plait}.down_proj",), tuple(down), "stack",
-                 aliases=((f"{fused}.down_proj",),), alias_kinds=("copy",))]
+    return [
+        Rule(
+            (f"{plait}.gate_proj", f"{plait}.up_proj"),
+            tuple(gate + up),
+            "stack_pair",
+            aliases=((f"{fused}.gate_up_proj",),),
+            alias_kinds=("gate_up",),
+        ),
+        Rule(
+            (f"{plait}.down_proj",),
+            tuple(down),
+            "stack",
+            aliases=((f"{fused}.down_proj",),),
+            alias_kinds=("copy",),
+        ),
+    ]
 
 
 def moe_config_fields(c, model_type: str) -> dict:
@@ -260,27 +282,53 @@ def moe_config_fields(c, model_type: str) -> dict:
         ValueError (:func:`unsupported`): ``hidden_act`` other than silu, a ``sliding_window``, rope scaling.
     """
     if c.hidden_act != "silu":
-        raise unsupported(model_type, f"hidden_act {c.hidden_act!r} (plait's experts are SwiGLU with silu)")
+        raise unsupported(
+            model_type, f"hidden_act {c.hidden_act!r} (plait's experts are SwiGLU with silu)"
+        )
     if getattr(c, "sliding_window", None) is not None:
-        raise unsupported(model_type, f"sliding_window {c.sliding_window} (plait attends to the whole causal "
-                                      f"context; set sliding_window to null)")
+        raise unsupported(
+            model_type,
+            f"sliding_window {c.sliding_window} (plait attends to the whole causal "
+            f"context; set sliding_window to null)",
+        )
     heads = c.num_attention_heads
-    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                max_position_embeddings=c.max_position_embeddings, norm_eps=float(c.rms_norm_eps),
-                rope_theta=rope_theta_of(c, model_type), tie_embeddings=bool(c.tie_word_embeddings),
-                attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
-                init_std=float(c.initializer_range), moe_top_k=c.num_experts_per_tok,
-                moe_balance_loss_coef=float(c.router_aux_loss_coef))
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        max_position_embeddings=c.max_position_embeddings,
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=rope_theta_of(c, model_type),
+        tie_embeddings=bool(c.tie_word_embeddings),
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
+        init_std=float(c.initializer_range),
+        moe_top_k=c.num_experts_per_tok,
+        moe_balance_loss_coef=float(c.router_aux_loss_coef),
+    )
 
 
 def require_moe_export(c, **want) -> None:
     """ValueError unless plait config ``c`` is a Llama-style MoE decoder Hugging Face's Mixtral / Qwen3-MoE
     classes compute (RMSNorm, SwiGLU experts, causal, no biases, softmax-then-top-k dropless routing without
     shared experts or a selection bias, RoPE), with the family's own fields ``want`` besides."""
-    require_fields(c, norm="rmsnorm", activation="swiglu", causal=True, post_norm=False, type_vocab_size=0,
-                   bias=False, moe_router_order="softmax_topk", moe_capacity_factor=None,
-                   moe_shared_ffn_hidden_size=0, moe_bias_update_rate=0.0, **want)
+    require_fields(
+        c,
+        norm="rmsnorm",
+        activation="swiglu",
+        causal=True,
+        post_norm=False,
+        type_vocab_size=0,
+        bias=False,
+        moe_router_order="softmax_topk",
+        moe_capacity_factor=None,
+        moe_shared_ffn_hidden_size=0,
+        moe_bias_update_rate=0.0,
+        **want,
+    )
     if c.num_experts < 1 or c.rope_theta is None:
-        raise ValueError(f"plait {c.arch} config with num_experts={c.num_experts}, rope_theta={c.rope_theta} "
-                         f"cannot be written as Hugging Face {c.arch}: it needs num_experts >= 1 and RoPE")
+        raise ValueError(
+            f"plait {c.arch} config with num_experts={c.num_experts}, rope_theta={c.rope_theta} "
+            f"cannot be written as Hugging Face {c.arch}: it needs num_experts >= 1 and RoPE"
+        )

@@ -6,17 +6,36 @@ whose sizes imply far more weights than the folder's safetensors files hold (the
 come only from those files). It runs on the raw ``config.json`` of any model type, before plait maps it
 or transformers builds a model, so nothing is allocated and no loop runs over a bogus layer count.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 #: config.json size keys (any model type uses some of them) and their least allowed value.
 SIZE_KEYS = {
-    "vocab_size": 1, "hidden_size": 1, "n_embd": 1, "d_model": 1, "num_hidden_layers": 1, "n_layer": 1,
-    "num_layers": 1, "num_attention_heads": 1, "n_head": 1, "num_key_value_heads": 1, "head_dim": 1,
-    "intermediate_size": 1, "n_inner": 1, "ffn_dim": 1, "d_ff": 1, "max_position_embeddings": 1, "n_positions": 1,
-    "moe_intermediate_size": 1, "type_vocab_size": 0, "num_local_experts": 0, "num_experts": 0,
-    "num_experts_per_tok": 0, "shared_expert_intermediate_size": 0,
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "n_embd": 1,
+    "d_model": 1,
+    "num_hidden_layers": 1,
+    "n_layer": 1,
+    "num_layers": 1,
+    "num_attention_heads": 1,
+    "n_head": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "intermediate_size": 1,
+    "n_inner": 1,
+    "ffn_dim": 1,
+    "d_ff": 1,
+    "max_position_embeddings": 1,
+    "n_positions": 1,
+    "moe_intermediate_size": 1,
+    "type_vocab_size": 0,
+    "num_local_experts": 0,
+    "num_experts": 0,
+    "num_experts_per_tok": 0,
+    "shared_expert_intermediate_size": 0,
 }
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -42,7 +61,9 @@ def min_parameters(config: Mapping) -> int:
     return (config.get("vocab_size") or 0) * h + (layers[1] if layers else 0) * 2 * h * h
 
 
-def check_hf_sizes(config: Mapping, where: str = "config.json", weight_bytes: int | None = None) -> None:
+def check_hf_sizes(
+    config: Mapping, where: str = "config.json", weight_bytes: int | None = None
+) -> None:
     """Refuse the config.json dict ``config`` (read from ``where``) before anything is built from it.
 
     Args:
@@ -59,13 +80,19 @@ def check_hf_sizes(config: Mapping, where: str = "config.json", weight_bytes: in
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{where} {key}={value!r}: must be a whole number >= {least}; fix the file (or pass "
-                             f"the right value as an override)")
+            raise ValueError(
+                f"{where} {key}={value!r}: must be a whole number >= {least}; fix the file (or pass "
+                f"the right value as an override)"
+            )
     params = min_parameters(config)
     if weight_bytes is not None and params > SLACK * weight_bytes:
         named = [k for k in (_first(config, HIDDEN_KEYS), _first(config, LAYER_KEYS)) if k]
-        named += [("vocab_size", config["vocab_size"])] if config.get("vocab_size") is not None else []
+        named += (
+            [("vocab_size", config["vocab_size"])] if config.get("vocab_size") is not None else []
+        )
         sizes = ", ".join(f"{k}={v}" for k, v in named)
-        raise ValueError(f"{where} {sizes}: the model would need at least {params:.2e} parameters ({4 * params:.2e} "
-                         f"bytes of float32 weights), but its safetensors files hold {weight_bytes} bytes; fix "
-                         f"these keys, or use the config.json the weights were saved with")
+        raise ValueError(
+            f"{where} {sizes}: the model would need at least {params:.2e} parameters ({4 * params:.2e} "
+            f"bytes of float32 weights), but its safetensors files hold {weight_bytes} bytes; fix "
+            f"these keys, or use the config.json the weights were saved with"
+        )

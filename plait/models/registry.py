@@ -4,6 +4,7 @@ of every family.
 Adding a family (e.g. Mistral) means writing ``plait/models/mistral.py`` with a ``FAMILY = ModelFamily(...)``
 and adding that object to :data:`FAMILIES` here.
 """
+
 from __future__ import annotations
 
 from plait.layers.config import TransformerConfig
@@ -11,8 +12,9 @@ from plait.models import bert, gpt2, llama, mixtral, qwen3_moe
 from plait.models.family import ModelFamily
 
 #: arch name -> family (constant).
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, bert.FAMILY, mixtral.FAMILY,
-                                                         qwen3_moe.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (llama.FAMILY, gpt2.FAMILY, bert.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY)
+}
 #: The arch names ``TransformerConfig.arch`` accepts.
 ARCHES = tuple(FAMILIES)
 #: Hugging Face model_type -> family (constant).
@@ -31,8 +33,10 @@ def get_family(arch: str) -> ModelFamily:
 def family_for_model_type(model_type: str) -> ModelFamily:
     """The family converting Hugging Face ``model_type`` (ValueError naming the supported ones)."""
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"Hugging Face model_type {model_type!r} is not supported by plait's converter; "
-                         f"supported: {list(HF_MODEL_TYPES)}")
+        raise ValueError(
+            f"Hugging Face model_type {model_type!r} is not supported by plait's converter; "
+            f"supported: {list(HF_MODEL_TYPES)}"
+        )
     return HF_MODEL_TYPES[model_type]
 
 

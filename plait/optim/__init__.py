@@ -6,6 +6,7 @@
 * ``plait.optim.factory``: ``optimizer.type`` / ``scheduler.type`` (or a user's optimizer) to what
   ``ZeroOptimizer`` builds over the fp32 master shards.
 """
+
 from plait.optim.lamb import Lamb
 from plait.optim.schedulers import SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR
 

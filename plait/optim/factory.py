@@ -13,6 +13,7 @@ A user may instead pass a torch optimizer *class* or factory ``f(param_groups, *
 optimizer instance (its class and hyper-parameters are reused: ZeRO builds the real optimizer
 over the master shards, so the instance's own state is not used).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -24,9 +25,11 @@ from plait.optim.lamb import Lamb
 from plait.optim.schedulers import SCHEDULERS
 
 
-NO_OPTIMIZER = ("this engine was built without an optimizer (no 'optimizer' section in the config and none passed "
-                "to initialize), for forward passes only; add \"optimizer\": {\"type\": \"AdamW\", \"params\": "
-                "{\"lr\": ...}} or pass optimizer= to train")
+NO_OPTIMIZER = (
+    "this engine was built without an optimizer (no 'optimizer' section in the config and none passed "
+    'to initialize), for forward passes only; add "optimizer": {"type": "AdamW", "params": '
+    '{"lr": ...}} or pass optimizer= to train'
+)
 
 
 class NoOptimizer(torch.optim.Optimizer):
@@ -49,18 +52,26 @@ def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
     """``(factory, kwargs)`` for ``ZeroOptimizer`` from a resolved ``OptimizerConfig``. Raises ConfigError
     for a type plait cannot build, and for no optimizer at all (a learning rate is never guessed)."""
     if opt_cfg is None:
-        raise ConfigError("the config has no 'optimizer' section and no optimizer was passed: add "
-                          '"optimizer": {"type": "AdamW", "params": {"lr": ...}} or pass optimizer= to initialize')
+        raise ConfigError(
+            "the config has no 'optimizer' section and no optimizer was passed: add "
+            '"optimizer": {"type": "AdamW", "params": {"lr": ...}} or pass optimizer= to initialize'
+        )
     params = dict(opt_cfg.params)
     kind = opt_cfg.type.lower()
     fused = {"fused": True} if device_type == "cuda" else {}
     if kind in ("adam", "adamw"):
-        if params.pop("state_dtype", "fp32") != "fp32":   # served by HostOptimizer: plait.engine.offload
-            raise ConfigError("optimizer.params.state_dtype other than fp32 is built by plait.engine.offload."
-                              "engine_optimizer (the HostOptimizer kernels)")
+        if (
+            params.pop("state_dtype", "fp32") != "fp32"
+        ):  # served by HostOptimizer: plait.engine.offload
+            raise ConfigError(
+                "optimizer.params.state_dtype other than fp32 is built by plait.engine.offload."
+                "engine_optimizer (the HostOptimizer kernels)"
+            )
         if not params.pop("bias_correction", True):
-            raise ConfigError("optimizer.params.bias_correction = false is not supported by torch's Adam; "
-                              "remove it")
+            raise ConfigError(
+                "optimizer.params.bias_correction = false is not supported by torch's Adam; "
+                "remove it"
+            )
         adamw = params.pop("adam_w_mode", True) or kind == "adamw"
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
         return cls, {**params, "betas": tuple(params.get("betas", (0.9, 0.999))), **fused}
@@ -68,8 +79,10 @@ def optimizer_from_config(opt_cfg, device_type: str = "cpu"):
         return torch.optim.SGD, params
     if kind == "lamb":
         return Lamb, {**params, "betas": tuple(params.get("betas", (0.9, 0.999)))}
-    raise ConfigError(f"optimizer.type {opt_cfg.type!r} is not available in the engine; use Adam, AdamW, SGD "
-                      "or LAMB, or pass a torch optimizer class to plait.initialize(optimizer=...)")
+    raise ConfigError(
+        f"optimizer.type {opt_cfg.type!r} is not available in the engine; use Adam, AdamW, SGD "
+        "or LAMB, or pass a torch optimizer class to plait.initialize(optimizer=...)"
+    )
 
 
 def _constructor_kwargs(cls, defaults: dict) -> dict:
@@ -88,7 +101,9 @@ def optimizer_from_user(optimizer):
         return type(optimizer), _constructor_kwargs(type(optimizer), optimizer.defaults), groups
     if callable(optimizer):
         return optimizer, {}, None
-    raise TypeError(f"optimizer must be a torch optimizer, its class or a factory, got {type(optimizer).__name__}")
+    raise TypeError(
+        f"optimizer must be a torch optimizer, its class or a factory, got {type(optimizer).__name__}"
+    )
 
 
 def scheduler_from_config(sched_cfg, optimizer):
@@ -109,8 +124,12 @@ def scheduler_from_user(lr_scheduler, optimizer):
     """
     if lr_scheduler is None:
         return None
-    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer"):   # an instance, not a factory
-        raise TypeError("pass lr_scheduler as a factory, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10): "
-                        "ZeRO steps its own optimizer over the master shards, so an instance bound to another "
-                        "optimizer would change nothing")
+    if hasattr(lr_scheduler, "step") and hasattr(
+        lr_scheduler, "optimizer"
+    ):  # an instance, not a factory
+        raise TypeError(
+            "pass lr_scheduler as a factory, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10): "
+            "ZeRO steps its own optimizer over the master shards, so an instance bound to another "
+            "optimizer would change nothing"
+        )
     return lr_scheduler(optimizer)

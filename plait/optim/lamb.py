@@ -12,6 +12,7 @@ Over whole parameters each parameter is one tensor; over ZeRO's flat fp32 shards
 (``plait.optim.lamb_segments``) maps shard elements to logical tensors, so the ratio equals one process's.
 Not offered with ``offload_optimizer``. The clipped ratio against Algorithm 2's ``phi``: ``docs/optim.md``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,13 +21,31 @@ import torch
 class Lamb(torch.optim.Optimizer):
     """LAMB over per-tensor parameters. ``bias_correction=False`` drops the ``1 - b^t`` factors."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, bias_correction: bool = True, min_coeff: float = 0.01,
-                 max_coeff: float = 10.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        min_coeff: float = 0.01,
+        max_coeff: float = 10.0,
+    ):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr}, betas={betas}, eps={eps}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff))
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                bias_correction=bias_correction,
+                min_coeff=min_coeff,
+                max_coeff=max_coeff,
+            ),
+        )
 
     def set_segments(self, segments: dict, num_tensors: int, reduce) -> None:
         """Switch to per-tensor trust ratios over flat buffers.
@@ -51,9 +70,11 @@ class Lamb(torch.optim.Optimizer):
                     continue
                 w, update = self._moments(p, group)
                 w_norm, u_norm = w.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0),
-                                    (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
-                                    torch.ones_like(w_norm))
+                trust = torch.where(
+                    (w_norm > 0) & (u_norm > 0),
+                    (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
+                    torch.ones_like(w_norm),
+                )
                 p.copy_((w - group["lr"] * trust * update).to(p.dtype))
         return loss
 
@@ -70,7 +91,7 @@ class Lamb(torch.optim.Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        c1, c2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+        c1, c2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
         w = p.float()
         update = (m / c1) / ((v / c2).sqrt() + group["eps"])
         if group["weight_decay"]:
@@ -87,16 +108,21 @@ class Lamb(torch.optim.Optimizer):
                     continue
                 w, update = self._moments(p, group)
                 for offset, length, index in self._segments[id(p)]:
-                    sq[0, index] += w[offset:offset + length].double().square().sum()
-                    sq[1, index] += update[offset:offset + length].double().square().sum()
+                    sq[0, index] += w[offset : offset + length].double().square().sum()
+                    sq[1, index] += update[offset : offset + length].double().square().sum()
                 work.append((p, group, w, update))
         norms = self._reduce(sq).sqrt()
         ok = (norms[0] > 0) & (norms[1] > 0)
         trust = torch.ones(self._num_tensors, dtype=torch.float64, device=norms.device)
         for p, group, w, update in work:
-            ratio = torch.where(ok, (norms[0] / norms[1].clamp_min(1e-300)).clamp(group["min_coeff"],
-                                                                                group["max_coeff"]), trust)
-            scale = torch.zeros_like(w)                      # padding elements stay put
+            ratio = torch.where(
+                ok,
+                (norms[0] / norms[1].clamp_min(1e-300)).clamp(
+                    group["min_coeff"], group["max_coeff"]
+                ),
+                trust,
+            )
+            scale = torch.zeros_like(w)  # padding elements stay put
             for offset, length, index in self._segments[id(p)]:
-                scale[offset:offset + length] = ratio[index]
+                scale[offset : offset + length] = ratio[index]
             p.copy_((w - group["lr"] * scale * update).to(p.dtype))

@@ -1,5 +1,6 @@
 """LAMB over ZeRO's flat master shards: which elements belong to which logical tensor, and how the
 per-tensor squared norms are summed over the ranks that share a tensor (see ``Lamb.set_segments``)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -16,7 +17,9 @@ if TYPE_CHECKING:
     from plait.zero import ZeroOptimizer
 
 
-def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mesh: ParallelMesh) -> None:
+def attach_lamb_segments(
+    lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mesh: ParallelMesh
+) -> None:
     """Give ``lamb`` the logical tensor of every piece of ZeRO's flat master shards, and a reduction
     that sums the ``[2, num_tensors]`` float64 per-tensor squared norms over dp (pieces of one tensor on
     several dp ranks, stages 1-3) and over tp (tensor-parallel shards; replicated tensors counted once).
@@ -29,15 +32,26 @@ def attach_lamb_segments(lamb: Lamb, zero: ZeroOptimizer, module: nn.Module, mes
         mesh: the ``ParallelMesh`` (dp and tp groups, device).
     """
     parts = {n: logical_parts(n, p) for n, p in module.named_parameters() if p.requires_grad}
-    flat = [part for ps in parts.values() for part in ps]          # a fused parameter's logical tensors each
+    flat = [
+        part for ps in parts.values() for part in ps
+    ]  # a fused parameter's logical tensors each
     index = {part.name: i for i, part in enumerate(flat)}
-    tp_split = torch.tensor([part.spec.tp_split for part in flat], dtype=torch.float64, device=mesh.device)
-    segments = {id(master): [(pc.shard_offset + pos, n, index[part.name]) for pc in group.pieces()
-                             for part, _, n, pos in split_flat(parts[pc.slot.name], pc.start, pc.length)]
-                for group, master in zip(zero.groups, zero.masters)}
+    tp_split = torch.tensor(
+        [part.spec.tp_split for part in flat], dtype=torch.float64, device=mesh.device
+    )
+    segments = {
+        id(master): [
+            (pc.shard_offset + pos, n, index[part.name])
+            for pc in group.pieces()
+            for part, _, n, pos in split_flat(parts[pc.slot.name], pc.start, pc.length)
+        ]
+        for group, master in zip(zero.groups, zero.masters)
+    }
 
     def reduce(sq: torch.Tensor) -> torch.Tensor:
-        if zero.stage > 0 and zero.dp_size > 1:   # the shards' ranks: dp, or dp x cp under context parallelism
+        if (
+            zero.stage > 0 and zero.dp_size > 1
+        ):  # the shards' ranks: dp, or dp x cp under context parallelism
             dist.all_reduce(sq, group=zero.dp_group)
         if mesh.tp > 1:
             split = sq * tp_split

@@ -12,6 +12,7 @@ Facts that must agree only among some ranks (the parameters a pipeline stage hol
 data-parallel replicas, not on the other stages) are passed as ``scoped`` facts with a ``scope`` label:
 they are compared among the ranks that pass the same label.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-SHOWN_KEYS = 4   # keys named in the message; the rest are counted
+SHOWN_KEYS = 4  # keys named in the message; the rest are counted
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -40,8 +41,14 @@ def digest(facts: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def agree(facts: Mapping[str, Any], fix: str, group=None, scoped: Mapping[str, Any] | None = None,
-          scope: Any = None, error: type[Exception] = ValueError) -> None:
+def agree(
+    facts: Mapping[str, Any],
+    fix: str,
+    group=None,
+    scoped: Mapping[str, Any] | None = None,
+    scope: Any = None,
+    error: type[Exception] = ValueError,
+) -> None:
     """Collective over ``group`` (default: the world): return when every rank holds the same ``facts``, and
     the same ``scoped`` facts as every rank with the same ``scope``; else raise ``error`` on every rank
     with one message naming up to four keys (values, ranks; a missing key is "unset") and ending in ``fix``.
@@ -83,7 +90,10 @@ def differences(tables: list[Mapping[str, Any]], ranks: list[int]) -> list[str]:
         for rank, table in zip(ranks, tables):
             holders.setdefault(shown(table[key]) if key in table else "unset", []).append(rank)
         if len(holders) > 1:
-            parts = [f"{value} on {'rank' if len(r) == 1 else 'ranks'} {rank_list(r)}" for value, r in holders.items()]
+            parts = [
+                f"{value} on {'rank' if len(r) == 1 else 'ranks'} {rank_list(r)}"
+                for value, r in holders.items()
+            ]
             lines.append(f"{key} (" + "; ".join(parts) + ")")
     return lines
 
@@ -91,7 +101,7 @@ def differences(tables: list[Mapping[str, Any]], ranks: list[int]) -> list[str]:
 def shown(value: Any, limit: int = 60) -> str:
     """A value as a short text (JSON; cut at ``limit`` characters)."""
     text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -102,4 +112,6 @@ def rank_list(ranks: list[int]) -> str:
             runs[-1][1] = r
         else:
             runs.append([r, r])
-    return ",".join(f"{a}-{b}" if b - a >= 2 else ",".join(map(str, range(a, b + 1))) for a, b in runs)
+    return ",".join(
+        f"{a}-{b}" if b - a >= 2 else ",".join(map(str, range(a, b + 1))) for a, b in runs
+    )

@@ -10,6 +10,7 @@ sequence parallelism): ``copy_to_tp`` / ``reduce_from_tp`` (identity <-> all-red
 ``group=None`` (or a group of size 1) makes every function the identity, so the same layer code runs in a
 single process. Activations are ``[batch, seq, ...]``; the sequence dim is 1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,10 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if world == 1:
         return x
     if x.shape[dim] % world:
-        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not divisible "
-                         f"by the tensor-parallel size ({world})")
+        raise ValueError(
+            f"dim {dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not divisible "
+            f"by the tensor-parallel size ({world})"
+        )
     return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
@@ -65,8 +68,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if world == 1:
         return x
     if x.shape[dim] % world:
-        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not divisible "
-                         f"by the tensor-parallel size ({world})")
+        raise ValueError(
+            f"dim {dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not divisible "
+            f"by the tensor-parallel size ({world})"
+        )
     chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
     out = torch.empty_like(chunks[0])
     reduce_scatter_flat(out, torch.cat(chunks, dim=0), group=group)

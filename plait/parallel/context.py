@@ -13,13 +13,21 @@ Shapes: ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` (GQA when ``k
 rank's two chunks side by side; the output is shaped as ``q``. ``group`` None (or one rank) is plain
 attention. Design: ``docs/context-parallel.md``.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.parallel.attention_block import _block_backward, _block_forward, _cuda_kernel, _expand, _fold, _merge
+from plait.parallel.attention_block import (
+    _block_backward,
+    _block_forward,
+    _cuda_kernel,
+    _expand,
+    _fold,
+    _merge,
+)
 from plait.parallel.collectives import all_gather_flat, group_size
 from plait.parallel.experts import inverse_permutation
 
@@ -34,9 +42,11 @@ def check_sequence(seq: int, cp: int) -> int:
     """Chunk length ``seq / (2 cp)``. Raises ValueError (naming the numbers) when it does not divide."""
     if seq % (2 * cp):
         pad = -seq % (2 * cp)
-        raise ValueError(f"sequence length {seq} is not a multiple of 2 x cp = {2 * cp} (context parallelism "
-                         f"splits it into 2 x cp equal chunks); pad each sequence by {pad} tokens (to "
-                         f"{seq + pad}) or choose a cp that divides it")
+        raise ValueError(
+            f"sequence length {seq} is not a multiple of 2 x cp = {2 * cp} (context parallelism "
+            f"splits it into 2 x cp equal chunks); pad each sequence by {pad} tokens (to "
+            f"{seq + pad}) or choose a cp that divides it"
+        )
     return seq // (2 * cp)
 
 
@@ -82,8 +92,10 @@ def _shift(t: torch.Tensor, group):
     returns ``(requests, received)``."""
     cp, rank = group_size(group), dist.get_rank(group)
     recv = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + 1) % cp), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + 1) % cp), group),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % cp), group),
+    ]
     return dist.batch_isend_irecv(ops), recv
 
 
@@ -94,7 +106,9 @@ def _arrive(posted) -> torch.Tensor:
     return received
 
 
-def forward_step(q, kv, out, lse, rank: int, source: int, causal: bool, scale: float, keep=None) -> None:
+def forward_step(
+    q, kv, out, lse, rank: int, source: int, causal: bool, scale: float, keep=None
+) -> None:
     """One ring step of the forward: this rank's queries ``q`` (``[b, heads, 2c, d]``, contiguous) against
     the K/V ``kv`` (``[2, b, kv_heads, 2c, d]``) of rank ``source`` (one block, ``_step_rows``), merged into
     ``out``/``lse`` (float32, ``[b, heads, 2c, d]`` / ``[b, heads, 2c]``); ``keep [b, 2c]``: rank ``source``'s
@@ -102,29 +116,38 @@ def forward_step(q, kv, out, lse, rank: int, source: int, causal: bool, scale: f
     rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
     qr = _rows(q, rows)
     k, v = _block_kv(qr, kv, cols, diagonal, scale, keep)
-    part, part_lse = _block_forward(qr, k, v, diagonal, scale, None if keep is None else keep[:, cols])
+    part, part_lse = _block_forward(
+        qr, k, v, diagonal, scale, None if keep is None else keep[:, cols]
+    )
     _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
 
-def backward_step(dout, q, out, lse, kv, dq, dkv, rank: int, source: int, causal: bool, scale: float,
-                  keep=None) -> None:
+def backward_step(
+    dout, q, out, lse, kv, dq, dkv, rank: int, source: int, causal: bool, scale: float, keep=None
+) -> None:
     """One ring step of the backward: adds the block's gradients into ``dq`` (float32, shaped as ``q``) and
     ``dkv`` (``[2, b, kv_heads, 2c, d]`` float32, the gradients of rank ``source``'s K/V); ``dout``, ``q``,
     ``out``, ``lse`` whole and contiguous; ``keep`` as in ``forward_step``."""
     rows, cols, diagonal = _step_rows(rank, source, causal, q.shape[2])
     d, qr, o, m = (_rows(t, rows) for t in (dout, q, out, lse))
     k, v = _block_kv(qr, kv, cols, diagonal, scale, keep)
-    gq, gk, gv = _block_backward(d, qr, k, v, o, m, diagonal, scale, None if keep is None else keep[:, cols])
+    gq, gk, gv = _block_backward(
+        d, qr, k, v, o, m, diagonal, scale, None if keep is None else keep[:, cols]
+    )
     dq[:, :, rows].add_(gq)
     dkv[0][:, :, cols].add_(_fold(gk.float(), kv.shape[2]))
     dkv[1][:, :, cols].add_(_fold(gv.float(), kv.shape[2]))
 
 
-def _block_kv(q, kv, cols: slice, causal: bool, scale: float, keep) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_kv(
+    q, kv, cols: slice, causal: bool, scale: float, keep
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's K and V (rows ``cols`` of ``kv``), contiguous: with their own kv heads where SDPA's
     kernel for them takes grouped-query attention as it is (cuDNN, flash), else repeated to q's heads."""
     k, v = (t[:, :, cols] for t in kv)
-    native = q.is_cuda and keep is None and _cuda_kernel(q, k, v, causal, scale) in ("cudnn", "flash")
+    native = (
+        q.is_cuda and keep is None and _cuda_kernel(q, k, v, causal, scale) in ("cudnn", "flash")
+    )
     return tuple(t.contiguous() if native else _expand(t, q.shape[1]).contiguous() for t in (k, v))
 
 
@@ -142,13 +165,25 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         qc, kv = q.contiguous(), torch.stack([k, v])
         for t in range(cp):
-            posted = _shift(kv, group) if t < cp - 1 else None   # next K/V travel while this block computes
+            posted = (
+                _shift(kv, group) if t < cp - 1 else None
+            )  # next K/V travel while this block computes
             source = (rank - t) % cp
-            forward_step(qc, kv, out, lse, rank, source, causal, scale, None if keep is None else keeps[source])
+            forward_step(
+                qc,
+                kv,
+                out,
+                lse,
+                rank,
+                source,
+                causal,
+                scale,
+                None if keep is None else keeps[source],
+            )
             if posted is not None:
                 kv = _arrive(posted)
         out = out.to(q.dtype)
-        if keep is not None:   # a sequence of padding only: its rows' gradients are 0, not nan
+        if keep is not None:  # a sequence of padding only: its rows' gradients are 0, not nan
             lse.masked_fill_(lse == -torch.inf, 0.0)
         ctx.save_for_backward(q, k, v, out, lse, keeps)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
@@ -162,13 +197,29 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         whole = (dout.contiguous(), q.contiguous(), out, lse)
-        travelling = None   # the K/V gradients travel with their K/V, one step behind; after cp moves, home
+        travelling = (
+            None  # the K/V gradients travel with their K/V, one step behind; after cp moves, home
+        )
         for t in range(cp):
             posted = _shift(kv, group) if t < cp - 1 else None
             source = (rank - t) % cp
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # this rank's part for source's K/V
-            backward_step(*whole, kv, dq, dkv, rank, source, causal, scale, None if keeps is None else keeps[source])
-            if travelling is not None:   # the other ranks' part for source's K/V arrived during the blocks
+            dkv = torch.zeros(
+                kv.shape, dtype=torch.float32, device=q.device
+            )  # this rank's part for source's K/V
+            backward_step(
+                *whole,
+                kv,
+                dq,
+                dkv,
+                rank,
+                source,
+                causal,
+                scale,
+                None if keeps is None else keeps[source],
+            )
+            if (
+                travelling is not None
+            ):  # the other ranks' part for source's K/V arrived during the blocks
                 dkv.add_(_arrive(travelling))
             travelling = _shift(dkv, group)
             if posted is not None:
@@ -180,7 +231,9 @@ class _RingAttention(torch.autograd.Function):
 def _gather(keep: torch.Tensor, group) -> torch.Tensor:
     """Every cp rank's key padding mask ``[cp, b, s/cp]`` (bool) from this rank's ``keep [b, s/cp]``."""
     cp = group_size(group)
-    out = torch.empty((cp * keep.shape[0],) + tuple(keep.shape[1:]), dtype=torch.uint8, device=keep.device)
+    out = torch.empty(
+        (cp * keep.shape[0],) + tuple(keep.shape[1:]), dtype=torch.uint8, device=keep.device
+    )
     all_gather_flat(out, keep.to(torch.uint8).contiguous(), group=group)
     return out.view((cp,) + tuple(keep.shape)).bool()
 
@@ -189,15 +242,26 @@ def _check_mask(keep, q, causal: bool):
     if keep is None:
         return
     if causal:
-        raise ValueError("key_padding_mask is for bidirectional attention (causal=False); a causal model "
-                         "never attends to the padding at the end of a sequence")
+        raise ValueError(
+            "key_padding_mask is for bidirectional attention (causal=False); a causal model "
+            "never attends to the padding at the end of a sequence"
+        )
     if tuple(keep.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"key_padding_mask has shape {list(keep.shape)}; it must be [b, s/cp] = "
-                         f"{[q.shape[0], q.shape[2]]}, this rank's part of the batch's attention_mask")
+        raise ValueError(
+            f"key_padding_mask has shape {list(keep.shape)}; it must be [b, s/cp] = "
+            f"{[q.shape[0], q.shape[2]]}, this rank's part of the batch's attention_mask"
+        )
 
 
-def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q,
+    k,
+    v,
+    group,
+    causal: bool = True,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of this rank's query chunks over the whole sequence's keys (module docstring).
     ``key_padding_mask [b, s/cp]`` (bool, True: attend; this rank's part of the batch's attention mask,
     bidirectional only): every rank's part is all-gathered once (``b x s`` bytes) and each block masks the
@@ -212,17 +276,28 @@ def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = No
     _check_mask(key_padding_mask, q, causal)
     keep = None if key_padding_mask is None else key_padding_mask.bool()
     if group_size(group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :],
-                                              is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if keep is None else keep[:, None, None, :],
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
     if q.shape[2] % 2:
-        raise ValueError(f"local sequence length {q.shape[2]} is odd: each cp rank holds two equal chunks "
-                         "(plait.parallel.context.shard_sequence)")
+        raise ValueError(
+            f"local sequence length {q.shape[2]} is odd: each cp rank holds two equal chunks "
+            "(plait.parallel.context.shard_sequence)"
+        )
     return _RingAttention.apply(q, k, v, group, causal, scale, keep)
 
 
 def _check_heads(q, k) -> None:
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
+        )
 
 
 # ---- all-to-all (Ulysses) ---------------------------------------------------------------------------
@@ -248,8 +323,16 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
-def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                         key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+def all_to_all_attention(
+    q,
+    k,
+    v,
+    group,
+    causal: bool = True,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Attention with heads scattered and the sequence gathered over the cp group (module docstring).
     ``key_padding_mask [b, s/cp]`` as in ``ring_attention`` (all-gathered into the whole sequence's mask);
     ``dropout_p``: attention dropout, drawn from the caller's RNG state (each rank holds other heads).
@@ -264,18 +347,35 @@ def all_to_all_attention(q, k, v, group, causal: bool = True, scale: float | Non
     gqa = q.shape[1] != k.shape[1]
     keep = None if key_padding_mask is None else key_padding_mask.bool()
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if keep is None else keep[:, None, None, :],
-                                              dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if keep is None else keep[:, None, None, :],
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
     for name, n in (("heads", q.shape[1]), ("kv heads", k.shape[1])):
         if n % cp:
-            raise ValueError(f"all-to-all context parallelism scatters attention heads over cp ranks: this "
-                             f"rank's {name} ({n}) do not divide by cp ({cp}); use method 'ring' or a cp that "
-                             f"divides {n}")
+            raise ValueError(
+                f"all-to-all context parallelism scatters attention heads over cp ranks: this "
+                f"rank's {name} ({n}) do not divide by cp ({cp}); use method 'ring' or a cp that "
+                f"divides {n}"
+            )
     seq = q.shape[2] * cp
-    order = torch.cat([positions(seq, cp, r, q.device) for r in range(cp)])   # gathered slot -> token
+    order = torch.cat(
+        [positions(seq, cp, r, q.device) for r in range(cp)]
+    )  # gathered slot -> token
     natural = inverse_permutation(order)
     q, k, v = (_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
-    mask = None if keep is None else unshard_sequence(list(_gather(keep, group).unbind(0)))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=scale, enable_gqa=gqa)
+    mask = (
+        None
+        if keep is None
+        else unshard_sequence(list(_gather(keep, group).unbind(0)))[:, None, None, :]
+    )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
     return _AllToAll.apply(out.index_select(2, order), group, 2, 1)

@@ -5,6 +5,7 @@ variable split sizes (GShard, Lepikhin et al., 2020, Sec. 2.2; the token dispatc
 With ``P`` ep ranks and ``E`` experts, ep rank ``j`` holds experts ``[j*E/P, (j+1)*E/P)``. A rank's
 assignments, sorted by expert (``plait.layers.moe.dispatch``), are already grouped by destination rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,9 @@ def stable_order(ids: torch.Tensor, bound: int) -> torch.Tensor:
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[order[i]] = i`` (equal to ``torch.argsort(order)`` for a permutation ``order [N]``)
     by one scatter instead of a sort."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device,
-                                                                     dtype=order.dtype))
+    return torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    )
 
 
 def expert_parallel(xs: torch.Tensor, rows: torch.Tensor, experts, group) -> torch.Tensor:
@@ -77,16 +79,21 @@ def expert_parallel(xs: torch.Tensor, rows: torch.Tensor, experts, group) -> tor
     whose sizes the host reads: one device sync).
     """
     ranks = group_size(group)
-    send = rows.view(ranks, -1)                               # [P, E/P]: my assignments per rank, per its expert
+    send = rows.view(ranks, -1)  # [P, E/P]: my assignments per rank, per its expert
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)   # [P, E/P]: what each rank sends my experts
+    dist.all_to_all_single(
+        recv, send.contiguous(), group=group
+    )  # [P, E/P]: what each rank sends my experts
     sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()
     send_sizes, recv_sizes = sizes[0], sizes[1]
     got = _AllToAll.apply(xs, recv_sizes, send_sizes, group)  # rows by (source rank, my expert)
     local = send.shape[1]
-    expert_of = torch.arange(local, device=xs.device).repeat(ranks).repeat_interleave(
-        recv.reshape(-1), output_size=sum(recv_sizes))
-    order = stable_order(expert_of, local)                   # by my expert, then by source rank
+    expert_of = (
+        torch.arange(local, device=xs.device)
+        .repeat(ranks)
+        .repeat_interleave(recv.reshape(-1), output_size=sum(recv_sizes))
+    )
+    order = stable_order(expert_of, local)  # by my expert, then by source rank
     out = experts(select_rows(got, order), recv.sum(0))
-    back = select_rows(out, inverse_permutation(order))     # (source rank, my expert) order again
+    back = select_rows(out, inverse_permutation(order))  # (source rank, my expert) order again
     return _AllToAll.apply(back, send_sizes, recv_sizes, group)

@@ -5,6 +5,7 @@ a CUDA device for each of its ranks and gloo (CPU ranks) otherwise, binds the lo
 GPU, and initializes the default process group. It returns the rank facts; the process group itself lives in
 torch.distributed, and plait code reaches it only through a ``ParallelMesh``.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,9 @@ class LaunchInfo:
     local_rank: int
     master_addr: str
     master_port: int
-    local_world_size: int = 1   # processes on this node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)
+    local_world_size: int = (
+        1  # processes on this node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)
+    )
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -67,9 +70,15 @@ def launch_info(env: dict | None = None) -> LaunchInfo:
     port = int(env.get("MASTER_PORT", 29500))
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, world size {world})")
-    per_node = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
-        or env.get("SLURM_NTASKS_PER_NODE") or "0"
-    per_node = int(re.match(r"\d*", per_node).group() or 0)   # SLURM writes "4(x2)" for 4 on each of 2 nodes
+    per_node = (
+        env.get("LOCAL_WORLD_SIZE")
+        or env.get("SLURM_STEP_TASKS_PER_NODE")
+        or env.get("SLURM_NTASKS_PER_NODE")
+        or "0"
+    )
+    per_node = int(
+        re.match(r"\d*", per_node).group() or 0
+    )  # SLURM writes "4(x2)" for 4 on each of 2 nodes
     return LaunchInfo(rank, world, local, addr, port, max(per_node, local + 1))
 
 
@@ -82,11 +91,17 @@ def launcher_world_size(env: dict | None = None) -> int:
     return int(env.get("SLURM_NTASKS", 1)) if "SLURM_PROCID" in env else 1
 
 
-STARTUP_TIMEOUT_S = 600.0   # until an engine applies its config's comm timeouts (comm.startup_timeout_s's default)
-SCRIPT_TIMEOUT_KEY = "plait/script_timeout_s/{rank}"   # in the group's store: a timeout the script chose
+STARTUP_TIMEOUT_S = (
+    600.0  # until an engine applies its config's comm timeouts (comm.startup_timeout_s's default)
+)
+SCRIPT_TIMEOUT_KEY = (
+    "plait/script_timeout_s/{rank}"  # in the group's store: a timeout the script chose
+)
 
 
-def choose_backend(info: LaunchInfo, device_count: int, backend: str | None = None) -> tuple[str, str | None]:
+def choose_backend(
+    info: LaunchInfo, device_count: int, backend: str | None = None
+) -> tuple[str, str | None]:
     """The process-group backend for this node's ranks, and a one-line notice for rank 0 (or None).
 
     NCCL when the node has a CUDA device for each of its ``info.local_world_size`` ranks, gloo (CPU ranks)
@@ -105,11 +120,15 @@ def choose_backend(info: LaunchInfo, device_count: int, backend: str | None = No
         return "nccl", None
     fit = _fitting_launch(device_count)
     if backend == "nccl":
-        message = (f"plait: backend 'nccl' needs a CUDA device per rank, but this node runs {ranks} rank(s) on "
-                   f"{device_count} device(s); {fit}, or leave the backend unset for CPU ranks (gloo)")
+        message = (
+            f"plait: backend 'nccl' needs a CUDA device per rank, but this node runs {ranks} rank(s) on "
+            f"{device_count} device(s); {fit}, or leave the backend unset for CPU ranks (gloo)"
+        )
         raise SystemExit(message if info.local_rank == 0 else 1)
-    return "gloo", (f"plait: {ranks} ranks on this node but {device_count} CUDA device(s): all ranks run on CPU "
-                    f"(gloo); to train on the GPUs, {fit}")
+    return "gloo", (
+        f"plait: {ranks} ranks on this node but {device_count} CUDA device(s): all ranks run on CPU "
+        f"(gloo); to train on the GPUs, {fit}"
+    )
 
 
 def _fitting_launch(devices: int) -> str:
@@ -120,8 +139,12 @@ def _fitting_launch(devices: int) -> str:
     return f"launch torchrun --nproc-per-node {devices} (examples: --tp {tp} --pp {pp})"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None,
-                     env: dict | None = None, device_count: int | None = None) -> LaunchInfo:
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    env: dict | None = None,
+    device_count: int | None = None,
+) -> LaunchInfo:
     """Initialize the default process group from the launcher's environment; return when every rank has
     joined it (so no rank can leave while another is still connecting).
 
@@ -153,8 +176,11 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     timeout = timedelta(seconds=STARTUP_TIMEOUT_S if timeout_s is None else timeout_s)
     _start_group(backend, info, os.environ if env is None else env, env is None, timeout)
     store = dist.distributed_c10d._get_default_store()
-    store.set(SCRIPT_TIMEOUT_KEY.format(rank=info.rank), "none" if timeout_s is None else repr(float(timeout_s)))
-    if info.world_size > 1:   # the last rank to join releases the others
+    store.set(
+        SCRIPT_TIMEOUT_KEY.format(rank=info.rank),
+        "none" if timeout_s is None else repr(float(timeout_s)),
+    )
+    if info.world_size > 1:  # the last rank to join releases the others
         if store.add("plait/joined", 1) == info.world_size:
             store.set("plait/all_joined", "1")
         store.wait(["plait/all_joined"], timeout)
@@ -165,22 +191,38 @@ def _start_group(backend: str, info: LaunchInfo, source, own_env: bool, timeout:
     if info.world_size == 1 and "MASTER_PORT" not in source:
         # one process and no launcher (DeepSpeed's init_distributed in a plain script): an in-memory store,
         # so no port is taken and a later group in the same process can start again
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         return
     attempt = int(source.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if own_env and attempt > 0 and source.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A worker group restarted by ``torchrun --max-restarts`` meets in the elastic agent's store,
         # which still holds the previous attempt's addresses: keep each attempt's keys apart.
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
-                              timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"plait/attempt{attempt}", store),
-                                rank=info.rank, world_size=info.world_size, timeout=timeout)
+        store = dist.TCPStore(
+            info.master_addr, info.master_port, info.world_size, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"plait/attempt{attempt}", store),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+        )
         return
     # Under torchrun, env:// lets torch reuse the elastic agent's store; elsewhere rank 0 hosts one.
-    init_method = ("env://" if own_env and "RANK" in source and "MASTER_ADDR" in source
-                   else f"tcp://{info.master_addr}:{info.master_port}")
-    dist.init_process_group(backend, init_method=init_method, rank=info.rank,
-                            world_size=info.world_size, timeout=timeout)
+    init_method = (
+        "env://"
+        if own_env and "RANK" in source and "MASTER_ADDR" in source
+        else f"tcp://{info.master_addr}:{info.master_port}"
+    )
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+    )
 
 
 def explicit_timeout_s() -> float | None:
@@ -235,7 +277,7 @@ def set_collective_timeout(seconds: float, groups=()) -> None:
     if not dist.is_initialized():
         return
     from torch.distributed.distributed_c10d import _set_pg_timeout
+
     timeout = timedelta(seconds=seconds)
     for group in {None, *(g for g in groups if g is not None)}:
         _set_pg_timeout(timeout, group)
-

@@ -11,6 +11,7 @@ The mesh is an ordinary object passed explicitly to every layer, optimizer and s
 plait keeps no module-level process-group state. Why this order and these groups:
 ``docs/tensor-parallel.md``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,32 +70,48 @@ class ParallelMesh:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         split = self.tp * self.pp * self.cp
-        check_divisible(world, split, "world size", f"tp x pp x cp = {self.tp} x {self.pp} x {self.cp}",
-                        "launch a multiple of tp*pp*cp processes or change tp/pp/cp")
+        check_divisible(
+            world,
+            split,
+            "world size",
+            f"tp x pp x cp = {self.tp} x {self.pp} x {self.cp}",
+            "launch a multiple of tp*pp*cp processes or change tp/pp/cp",
+        )
         inferred = world // split
         if self.dp is None:
             self.dp = inferred
         elif self.dp != inferred:
             raise ValueError(
                 f"tp x pp x cp x dp = {self.tp} x {self.pp} x {self.cp} x {self.dp} = {split * self.dp} "
-                f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it")
-        check_divisible(self.dp, self.ep, "dp", "ep", f"expert parallelism splits the dp ranks: choose ep from "
-                        f"{divisors(self.dp)}")
-        if not dist.is_initialized():   # one process, no group: compute where a GPU is, as DeepSpeed does
+                f"but the world size is {world}; set dp={inferred} or leave dp unset to infer it"
+            )
+        check_divisible(
+            self.dp,
+            self.ep,
+            "dp",
+            "ep",
+            f"expert parallelism splits the dp ranks: choose ep from {divisors(self.dp)}",
+        )
+        if (
+            not dist.is_initialized()
+        ):  # one process, no group: compute where a GPU is, as DeepSpeed does
             if self.device_type is None:
                 self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
             return
         if self.device_type is None:
             self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         from torch.distributed.device_mesh import init_device_mesh
+
         if self.ep == 1:
             self.device_mesh = init_device_mesh(
-                self.device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=DIM_NAMES)
+                self.device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=DIM_NAMES
+            )
             dp = ("dp",)
-        else:   # dp split into (edp, ep), ep fastest; "dp" is their flattening
+        else:  # dp split into (edp, ep), ep fastest; "dp" is their flattening
             shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
-            self.device_mesh = init_device_mesh(self.device_type, shape,
-                                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            self.device_mesh = init_device_mesh(
+                self.device_type, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp")
+            )
             dp = ("edp", "ep")
             self.device_mesh[dp]._flatten("dp")
         if self.cp > 1:
@@ -113,8 +130,15 @@ class ParallelMesh:
         return self.device_mesh.get_group(dim)
 
     def size(self, dim: str) -> int:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "dp_cp": self.dp * self.cp,
-                "ep": self.ep, "edp": self.dp // self.ep}[dim]
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "cp": self.cp,
+            "dp_cp": self.dp * self.cp,
+            "ep": self.ep,
+            "edp": self.dp // self.ep,
+        }[dim]
 
     def rank(self, dim: str) -> int:
         """This process's coordinate along ``dim`` (``dp_cp``: ``dp_rank * cp + cp_rank``; ``dp``:
@@ -190,5 +214,7 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return (f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}{ep}, rank={self.global_rank}, "
-                f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, cp={self.cp_rank}, tp={self.tp_rank}))")
+        return (
+            f"ParallelMesh(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}{ep}, rank={self.global_rank}, "
+            f"coords=(pp={self.pp_rank}, dp={self.dp_rank}, cp={self.cp_rank}, tp={self.tp_rank}))"
+        )

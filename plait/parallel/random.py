@@ -10,6 +10,7 @@ that also rewinds the tracker's streams, so recomputed dropout masks equal the o
 The tracker is an ordinary object owned by the model; there is no global registry. Which dropout uses
 which stream: ``docs/tensor-parallel.md``.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -11,6 +11,7 @@ A fused parameter (q/k/v as one column-parallel weight, SwiGLU's gate and up as 
 reads or writes logical tensors goes through ``logical_parts``, so checkpoints, initialization and
 Hugging Face conversion keep the logical names (``q_proj.weight``...) whatever the module holds.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +76,9 @@ class TPShard:
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole logical tensor (padding rows zero-filled)."""
         if tuple(full.shape) != tuple(self.logical_shape):
-            raise ValueError(f"expected a tensor of logical shape {self.logical_shape}, "
-                             f"got {tuple(full.shape)}")
+            raise ValueError(
+                f"expected a tensor of logical shape {self.logical_shape}, got {tuple(full.shape)}"
+            )
         if self.dim is None:
             return full
         start, stop = self.logical_range()
@@ -111,17 +113,23 @@ class FusedShard:
 
     names: tuple[str, ...]
     parts: tuple[TPShard, ...]
-    dim = 0                     # class constants, not fields: the stacked dim, split over tp
+    dim = 0  # class constants, not fields: the stacked dim, split over tp
     axis = "tp"
     tp_split = True
 
     def __post_init__(self):
         trailing = {tuple(p.local_shape[1:]) for p in self.parts}
         groups = {(p.rank, p.world) for p in self.parts}
-        if len(self.names) != len(self.parts) or len(trailing) != 1 or len(groups) != 1 or \
-                any(p.dim != 0 for p in self.parts):
-            raise ValueError(f"a fused parameter stacks tp shards split along dim 0 over one tp group, with "
-                             f"equal trailing dims; got {list(zip(self.names, self.parts))}")
+        if (
+            len(self.names) != len(self.parts)
+            or len(trailing) != 1
+            or len(groups) != 1
+            or any(p.dim != 0 for p in self.parts)
+        ):
+            raise ValueError(
+                f"a fused parameter stacks tp shards split along dim 0 over one tp group, with "
+                f"equal trailing dims; got {list(zip(self.names, self.parts))}"
+            )
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -173,7 +181,9 @@ def _parts(name: str, spec: TPShard | FusedShard) -> list[LogicalPart]:
     return out
 
 
-def split_flat(parts: list[LogicalPart], start: int, length: int) -> Iterator[tuple[LogicalPart, int, int, int]]:
+def split_flat(
+    parts: list[LogicalPart], start: int, length: int
+) -> Iterator[tuple[LogicalPart, int, int, int]]:
     """Split the flattened local elements ``[start, start + length)`` of one parameter over its parts:
     yields ``(part, part_start, n, pos)``: ``n`` elements from ``part_start`` in the part's own flat
     order, found at ``pos`` from ``start``."""
@@ -194,13 +204,17 @@ def shard_of(param: torch.Tensor) -> TPShard | FusedShard:
 def mark(param: torch.Tensor, spec: TPShard | FusedShard) -> torch.Tensor:
     """Attach ``spec`` to ``param`` after checking the local shape matches it."""
     if tuple(param.shape) != spec.local_shape:
-        raise ValueError(f"parameter shape {tuple(param.shape)} does not match its shard "
-                         f"{spec.local_shape} ({spec})")
+        raise ValueError(
+            f"parameter shape {tuple(param.shape)} does not match its shard "
+            f"{spec.local_shape} ({spec})"
+        )
     setattr(param, ATTR, spec)
     return param
 
 
-def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group, ep_group=None) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, spec: TPShard | FusedShard, group, ep_group=None
+) -> torch.Tensor:
     """All-gather a tp shard over the tp ``group`` (an expert shard, ``axis="ep"``, over ``ep_group``) into the
     whole logical tensor (padding removed). Collective over that group. A ``FusedShard`` gives its whole
     logical tensors concatenated along dim 0 (``gather_logical`` names them).
@@ -212,24 +226,33 @@ def gather_full(local: torch.Tensor, spec: TPShard | FusedShard, group, ep_group
     if spec.axis != "tp":
         group = ep_group
     if spec.dim is not None and group_size(group) != spec.world:
-        raise ValueError(f"a shard split over {spec.world} {spec.axis} ranks cannot be gathered over a group of "
-                         f"{group_size(group)}; pass the mesh's {spec.axis} group")
+        raise ValueError(
+            f"a shard split over {spec.world} {spec.axis} ranks cannot be gathered over a group of "
+            f"{group_size(group)}; pass the mesh's {spec.axis} group"
+        )
     if spec.dim is None or group_size(group) == 1:
         return spec.unpad(local) if spec.dim is not None else local
     moved = local.detach().movedim(spec.dim, 0).contiguous()
-    out = torch.empty((spec.world * moved.shape[0],) + tuple(moved.shape[1:]),
-                      dtype=moved.dtype, device=moved.device)
+    out = torch.empty(
+        (spec.world * moved.shape[0],) + tuple(moved.shape[1:]),
+        dtype=moved.dtype,
+        device=moved.device,
+    )
     all_gather_flat(out, moved, group=group)
     full = out.movedim(0, spec.dim)
     return full.narrow(spec.dim, 0, spec.logical_shape[spec.dim]).contiguous()
 
 
-def gather_logical(name: str, param: torch.Tensor, group, tensor: torch.Tensor | None = None,
-                   ep_group=None) -> dict:
+def gather_logical(
+    name: str, param: torch.Tensor, group, tensor: torch.Tensor | None = None, ep_group=None
+) -> dict:
     """``{logical name: whole tensor}`` of what ``param`` (registered as ``name``) holds, or of
     ``tensor`` laid out like it (e.g. ``param.grad``). Collective over tp (and ep, ``gather_full``)."""
     local = param.detach() if tensor is None else tensor
-    return {p.name: gather_full(p.local(local), p.spec, group, ep_group) for p in logical_parts(name, param)}
+    return {
+        p.name: gather_full(p.local(local), p.spec, group, ep_group)
+        for p in logical_parts(name, param)
+    }
 
 
 def gather_logical_state(module, group=None, grads: bool = False, ep_group=None) -> dict:
@@ -248,5 +271,8 @@ def gather_logical_state(module, group=None, grads: bool = False, ep_group=None)
 def logical_numel(module) -> int:
     """Elements of the logical tensors of ``module``'s parameters (no vocabulary padding, any tp
     layout or fusion; a parameter shared by several modules counted once). Works on the meta device."""
-    return sum(math.prod(part.spec.logical_shape) for name, p in module.named_parameters()
-               for part in logical_parts(name, p))
+    return sum(
+        math.prod(part.spec.logical_shape)
+        for name, p in module.named_parameters()
+        for part in logical_parts(name, p)
+    )

@@ -9,6 +9,7 @@ checkpoints); the swap must run before ``torch.compile`` and before ZeRO collect
 ``plait.engine`` calls it first. Sources (torchao's ``Float8LinearConfig``; Micikevicius et al., "FP8
 Formats for Deep Learning", 2022) and the reasons for each rule: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,9 @@ from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
 MIN_CAPABILITY = (8, 9)
 
 
-def check_float8_device(device_type: str, capability: tuple[int, int] | None = None, name: str = "") -> bool:
+def check_float8_device(
+    device_type: str, capability: tuple[int, int] | None = None, name: str = ""
+) -> bool:
     """Whether float8 runs emulated (a CPU) or on the hardware (a CUDA GPU of compute capability >= 8.9).
 
     Raises:
@@ -36,12 +39,16 @@ def check_float8_device(device_type: str, capability: tuple[int, int] | None = N
     if device_type == "cpu":
         return True
     if device_type != "cuda":
-        raise ConfigError(f"fp8.enabled: float8 training runs on CUDA GPUs (or emulated on a CPU), not on "
-                          f"{device_type!r}; set fp8.enabled false")
+        raise ConfigError(
+            f"fp8.enabled: float8 training runs on CUDA GPUs (or emulated on a CPU), not on "
+            f"{device_type!r}; set fp8.enabled false"
+        )
     if capability is not None and tuple(capability) < MIN_CAPABILITY:
-        raise ConfigError(f"fp8.enabled: {name or 'this GPU'} (compute capability {capability[0]}.{capability[1]}) "
-                          "has no float8 matmuls; float8 training needs compute capability 8.9 or higher (Ada, "
-                          "Hopper, Blackwell): set fp8.enabled false")
+        raise ConfigError(
+            f"fp8.enabled: {name or 'this GPU'} (compute capability {capability[0]}.{capability[1]}) "
+            "has no float8 matmuls; float8 training needs compute capability 8.9 or higher (Ada, "
+            "Hopper, Blackwell): set fp8.enabled false"
+        )
     return False
 
 
@@ -49,6 +56,7 @@ def torchao_config(recipe: str, emulate: bool):
     """torchao's ``Float8LinearConfig`` of ``recipe`` ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     emulated (float32 matmuls of the float8 values) when ``emulate``."""
     from torchao.float8 import Float8LinearConfig
+
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
@@ -63,8 +71,14 @@ def excluded(name: str, patterns) -> str | None:
     return None
 
 
-def convert_to_float8(module: nn.Module, fp8: FP8Config, device: torch.device, *, capability=None,
-                      device_name: str = "") -> dict[str, list[str]]:
+def convert_to_float8(
+    module: nn.Module,
+    fp8: FP8Config,
+    device: torch.device,
+    *,
+    capability=None,
+    device_name: str = "",
+) -> dict[str, list[str]]:
     """Swap ``module``'s linear layers for float8 ones in place (see the module docstring).
 
     Args:
@@ -80,24 +94,36 @@ def convert_to_float8(module: nn.Module, fp8: FP8Config, device: torch.device, *
         ConfigError: a GPU without float8 (``check_float8_device``), or torchao not installed.
     """
     if device.type == "cuda" and capability is None:
-        capability, device_name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+        capability, device_name = (
+            torch.cuda.get_device_capability(device),
+            torch.cuda.get_device_name(device),
+        )
     emulate = check_float8_device(device.type, capability, device_name)
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as err:
-        raise ConfigError(f"fp8.enabled needs torchao's float8 training (pip install 'torchao>=0.18'): {err}") from None
+        raise ConfigError(
+            f"fp8.enabled needs torchao's float8 training (pip install 'torchao>=0.18'): {err}"
+        ) from None
     config = torchao_config(fp8.recipe, emulate)
     from torchao.float8.float8_linear import Float8Linear
     from plait.precision.float8_layers import Float8ColumnParallelLinear, Float8RowParallelLinear
-    plait_layers = {ColumnParallelLinear: Float8ColumnParallelLinear, RowParallelLinear: Float8RowParallelLinear}
+
+    plait_layers = {
+        ColumnParallelLinear: Float8ColumnParallelLinear,
+        RowParallelLinear: Float8RowParallelLinear,
+    }
     wanted = _Selection(fp8.exclude, (Float8Linear, *plait_layers.values()))
     for name, child in list(module.named_modules()):
         for attr, sub in list(child.named_children()):
             full = f"{name}.{attr}" if name else attr
             if type(sub) in plait_layers and wanted(sub, full):
                 setattr(child, attr, plait_layers[type(sub)](sub, config))
-    convert_to_float8_training(module, config=config,
-                               module_filter_fn=lambda m, fqn: type(m) is nn.Linear and wanted(m, fqn))
+    convert_to_float8_training(
+        module,
+        config=config,
+        module_filter_fn=lambda m, fqn: type(m) is nn.Linear and wanted(m, fqn),
+    )
     _log(fp8, wanted.report, emulate, wanted.matched)
     return wanted.report
 
@@ -132,13 +158,26 @@ def _log(fp8: FP8Config, report: dict, emulate: bool, matched: set) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     log = logging.getLogger("plait")
-    where = "emulated on the CPU (torchao's float32 matmuls of float8 values: numerics, not speed)" if emulate \
+    where = (
+        "emulated on the CPU (torchao's float32 matmuls of float8 values: numerics, not speed)"
+        if emulate
         else "on the GPU's float8 matmuls"
-    log.warning("fp8: %d linear layer(s) compute in float8 (torchao recipe %r), %s; %d excluded by fp8.exclude, %d "
-                "left in high precision because a weight dimension is not a multiple of 16%s",
-                len(report["converted"]), fp8.recipe, where, len(report["excluded"]), len(report["unaligned"]),
-                f" ({', '.join(report['unaligned'][:4])}...)" if report["unaligned"] else "")
+    )
+    log.warning(
+        "fp8: %d linear layer(s) compute in float8 (torchao recipe %r), %s; %d excluded by fp8.exclude, %d "
+        "left in high precision because a weight dimension is not a multiple of 16%s",
+        len(report["converted"]),
+        fp8.recipe,
+        where,
+        len(report["excluded"]),
+        len(report["unaligned"]),
+        f" ({', '.join(report['unaligned'][:4])}...)" if report["unaligned"] else "",
+    )
     for pattern in fp8.exclude:
         if pattern not in matched and pattern not in DEFAULT_EXCLUDE:
-            log.warning("fp8.exclude pattern %r matches no linear layer of this model (or this pipeline stage); "
-                        "module names look like %r", pattern, (report["converted"] or ["?"])[0])
+            log.warning(
+                "fp8.exclude pattern %r matches no linear layer of this model (or this pipeline stage); "
+                "module names look like %r",
+                pattern,
+                (report["converted"] or ["?"])[0],
+            )

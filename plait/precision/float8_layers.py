@@ -8,33 +8,49 @@ float8 value as at tp=1 (column products equal tp=1's; row partial sums differ b
 order only). Tensorwise scaling only: rowwise recipes run at tp 1 (``plait.config`` refuses them).
 Why and which operands: ``docs/kernels.md``.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig, ScaledMMConfig,
-                                                   hp_tensor_and_scale_to_float8)
+from torchao.float8.float8_training_tensor import (
+    GemmInputRole,
+    LinearMMConfig,
+    ScaledMMConfig,
+    hp_tensor_and_scale_to_float8,
+)
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
 from plait.parallel.collectives import group_size
 
-_TP_GROUP = object()   # default of ``amax_group``: the layer's own tp group
+_TP_GROUP = object()  # default of ``amax_group``: the layer's own tp group
 
 
 def mm_config(config: Float8LinearConfig) -> LinearMMConfig:
     """The scaled-matmul settings of torchao's ``Float8Linear`` for ``config`` (output, grad_input,
     grad_weight gemms)."""
+
     def one(gemm) -> ScaledMMConfig:
         return ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
-    return LinearMMConfig(one(config.gemm_config_output), one(config.gemm_config_grad_input),
-                          one(config.gemm_config_grad_weight))
+
+    return LinearMMConfig(
+        one(config.gemm_config_output),
+        one(config.gemm_config_grad_input),
+        one(config.gemm_config_grad_weight),
+    )
 
 
-def cast_global(x: torch.Tensor, dtype: torch.dtype, linear_mm: LinearMMConfig, role: GemmInputRole,
-                group, round_pow2: bool = False):
+def cast_global(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    linear_mm: LinearMMConfig,
+    role: GemmInputRole,
+    group,
+    round_pow2: bool = False,
+):
     """``x`` as a torchao float8 tensor scaled tensorwise by the amax of the whole logical tensor: this shard's
     amax all-reduced (MAX) over ``group`` (None: this shard's own). Differentiable: the gradient passes to ``x``
     unchanged, as torchao's casts."""
@@ -58,8 +74,14 @@ class _GradToFloat8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         c = ctx.config
-        fp8 = cast_global(grad, c.cast_config_grad_output.target_dtype, ctx.linear_mm, GemmInputRole.GRAD_OUTPUT,
-                          ctx.group, c.round_scales_to_power_of_2)
+        fp8 = cast_global(
+            grad,
+            c.cast_config_grad_output.target_dtype,
+            ctx.linear_mm,
+            GemmInputRole.GRAD_OUTPUT,
+            ctx.group,
+            c.round_scales_to_power_of_2,
+        )
         return fp8, None, None, None
 
 
@@ -73,8 +95,12 @@ class _Float8Matmul:
 
     def _cast(self, x: torch.Tensor, role: GemmInputRole):
         c = self.fp8_config
-        dtype = (c.cast_config_weight if role is GemmInputRole.WEIGHT else c.cast_config_input).target_dtype
-        return cast_global(x, dtype, self.linear_mm, role, self.amax_group, c.round_scales_to_power_of_2)
+        dtype = (
+            c.cast_config_weight if role is GemmInputRole.WEIGHT else c.cast_config_input
+        ).target_dtype
+        return cast_global(
+            x, dtype, self.linear_mm, role, self.amax_group, c.round_scales_to_power_of_2
+        )
 
     def _mm(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         return matmul_with_hp_or_float8_args.apply(x, weight_t, self.linear_mm, self.fp8_config)
@@ -91,18 +117,34 @@ class Float8ColumnParallelLinear(_Float8Matmul, ColumnParallelLinear):
             None scales each shard by its own amax (differs from tp=1; for tests that show the difference).
     """
 
-    def __init__(self, linear: ColumnParallelLinear, config: Float8LinearConfig, *, amax_group=_TP_GROUP):
+    def __init__(
+        self, linear: ColumnParallelLinear, config: Float8LinearConfig, *, amax_group=_TP_GROUP
+    ):
         sizes = linear.out_features
-        super().__init__(linear.in_features, tuple(sizes) if linear.parts else sizes, linear.bias is not None,
-                         group=linear.group, parts=linear.parts, gather_output=linear.gather_output,
-                         sequence_parallel=linear.sequence_parallel, device="meta", dtype=linear.weight.dtype)
+        super().__init__(
+            linear.in_features,
+            tuple(sizes) if linear.parts else sizes,
+            linear.bias is not None,
+            group=linear.group,
+            parts=linear.parts,
+            gather_output=linear.gather_output,
+            sequence_parallel=linear.sequence_parallel,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
         self.weight, self.bias = linear.weight, linear.bias
         self._setup(config, amax_group)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sharded:   # x is whole (replicated or all-gathered); the weight and the output gradient are not
-            y = _GradToFloat8.apply(self._mm(x, self._cast(self.weight.t(), GemmInputRole.WEIGHT)),
-                                    self.fp8_config, self.linear_mm, self.amax_group)
+        if (
+            self.sharded
+        ):  # x is whole (replicated or all-gathered); the weight and the output gradient are not
+            y = _GradToFloat8.apply(
+                self._mm(x, self._cast(self.weight.t(), GemmInputRole.WEIGHT)),
+                self.fp8_config,
+                self.linear_mm,
+                self.amax_group,
+            )
         else:
             y = self._mm(x, self.weight.t())
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -113,14 +155,28 @@ class Float8RowParallelLinear(_Float8Matmul, RowParallelLinear):
     parameters, names, shapes ``[b, s, in/tp] -> [b, s, out]`` and collectives. Args as
     ``Float8ColumnParallelLinear``'s."""
 
-    def __init__(self, linear: RowParallelLinear, config: Float8LinearConfig, *, amax_group=_TP_GROUP):
-        super().__init__(linear.in_features, linear.out_features, linear.bias is not None, group=linear.group,
-                         input_is_parallel=linear.input_is_parallel, sequence_parallel=linear.sequence_parallel,
-                         device="meta", dtype=linear.weight.dtype)
+    def __init__(
+        self, linear: RowParallelLinear, config: Float8LinearConfig, *, amax_group=_TP_GROUP
+    ):
+        super().__init__(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=linear.group,
+            input_is_parallel=linear.input_is_parallel,
+            sequence_parallel=linear.sequence_parallel,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
         self.weight, self.bias = linear.weight, linear.bias
         self._setup(config, amax_group)
 
     def local_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sharded:   # the input and the weight are shards; the output gradient is whole on every rank
-            return self._mm(self._cast(x, GemmInputRole.INPUT), self._cast(self.weight.t(), GemmInputRole.WEIGHT))
+        if (
+            self.sharded
+        ):  # the input and the weight are shards; the output gradient is whole on every rank
+            return self._mm(
+                self._cast(x, GemmInputRole.INPUT),
+                self._cast(self.weight.t(), GemmInputRole.WEIGHT),
+            )
         return self._mm(x, self.weight.t())

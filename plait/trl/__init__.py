@@ -12,9 +12,10 @@ DeepSpeed's engine). DPO's reference model gets a forward-only engine (``plait.t
 served is refused by name: GRPO (its sampler and generation), vLLM, Liger, PEFT, activation offloading, the
 reference-model sync and precomputed reference log-probabilities. Needs TRL (``pip install trl``).
 """
+
 try:
     import trl
-except ImportError as err:   # pragma: no cover - the message is the point
+except ImportError as err:  # pragma: no cover - the message is the point
     raise ImportError("plait.trl needs TRL: pip install trl (or pip install 'plait[trl]')") from err
 
 from plait.hf.subclass import with_plait_arguments, with_plait_engine
@@ -29,5 +30,14 @@ DPOConfig = with_plait_arguments(trl.DPOConfig, __name__)
 RewardConfig = with_plait_arguments(trl.RewardConfig, __name__)
 GRPOConfig = with_plait_arguments(trl.GRPOConfig, __name__)
 
-__all__ = ["SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig",
-           "GRPOTrainer", "GRPOConfig", "TRLTrainer"]
+__all__ = [
+    "SFTTrainer",
+    "SFTConfig",
+    "DPOTrainer",
+    "DPOConfig",
+    "RewardTrainer",
+    "RewardConfig",
+    "GRPOTrainer",
+    "GRPOConfig",
+    "TRLTrainer",
+]

@@ -12,6 +12,7 @@ then plait's Trainer, then transformers'. This class
   with ``GatheredParameters``): the head is whole from the model's forward through its backward;
 * refuses, by name and with the reason, the TRL features plait's Trainer does not serve (``_UNSERVED``).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -30,10 +31,12 @@ _UNSERVED = {
     "sync_ref_model": "TRL's reference-model sync reads DeepSpeed's or accelerate's parameters, not plait's shards",
     "precompute_ref_log_probs": "TRL precomputes through accelerate's DeepSpeed engine before the Trainer's engine exists",
 }
-_GRPO_REASON = ("TRL's GRPOTrainer draws its batches from its own sampler (each prompt repeated num_generations "
-                "times per generation batch) and generates through accelerate's unwrap_model, while plait's Trainer "
-                "loop draws from its DistributedSampler and its engine is not a model accelerate can unwrap (under "
-                "ZeRO-3 the parameters are shards): neither is served yet. Train GRPO with trl.GRPOTrainer")
+_GRPO_REASON = (
+    "TRL's GRPOTrainer draws its batches from its own sampler (each prompt repeated num_generations "
+    "times per generation batch) and generates through accelerate's unwrap_model, while plait's Trainer "
+    "loop draws from its DistributedSampler and its engine is not a model accelerate can unwrap (under "
+    "ZeRO-3 the parameters are shards): neither is served yet. Train GRPO with trl.GRPOTrainer"
+)
 
 
 class TRLTrainer(Trainer):
@@ -55,8 +58,11 @@ class TRLTrainer(Trainer):
         if "forward" not in vars(model) or not hasattr(model, "get_output_embeddings"):
             return None
         head = model.get_output_embeddings()
-        units = stage3_units(model) or [m for m in model.modules()
-                                        if m is not model and any(True for _ in m.parameters(recurse=False))]
+        units = stage3_units(model) or [
+            m
+            for m in model.modules()
+            if m is not model and any(True for _ in m.parameters(recurse=False))
+        ]
         return [m for m in units if m is not head]
 
     def _build_engine(self, max_steps: int):
@@ -68,8 +74,13 @@ class TRLTrainer(Trainer):
 
     def _reference_engine(self, model: nn.Module, max_steps: int):
         """A forward-only engine for the frozen ``model`` (module docstring), in eval mode."""
-        config = fill_from_args(self.args.ds_config(), self.args, dp=self._dp(), max_steps=max_steps,
-                                hidden_size=hf_hidden_size(model))
+        config = fill_from_args(
+            self.args.ds_config(),
+            self.args,
+            dp=self._dp(),
+            max_steps=max_steps,
+            hidden_size=hf_hidden_size(model),
+        )
         config.pop("optimizer", None)
         config.pop("scheduler", None)
         zero = dict(config.get("zero_optimization", {}))
@@ -84,13 +95,18 @@ class TRLTrainer(Trainer):
 
 def _refuse_unserved(cls, args, model) -> None:
     import trl
+
     if issubclass(cls, trl.GRPOTrainer):
         raise ConfigError(f"plait.trl.GRPOTrainer: {_GRPO_REASON}")
     for name, why in _UNSERVED.items():
         if getattr(args, name, False):
-            raise ConfigError(f"{cls.__name__} with {name}=True: {why}; set {name}=False in the "
-                              f"{type(args).__name__} to train on plait")
+            raise ConfigError(
+                f"{cls.__name__} with {name}=True: {why}; set {name}=False in the "
+                f"{type(args).__name__} to train on plait"
+            )
     if model is not None and hasattr(model, "peft_config"):
-        raise ConfigError(f"{cls.__name__} with a PEFT model (peft_config=...): plait's ZeRO trains every "
-                          "parameter of the model and is not tested with frozen base weights; train without "
-                          "peft_config, or with trl's own trainer")
+        raise ConfigError(
+            f"{cls.__name__} with a PEFT model (peft_config=...): plait's ZeRO trains every "
+            "parameter of the model and is not tested with frozen base weights; train without "
+            "peft_config, or with trl's own trainer"
+        )

@@ -9,6 +9,7 @@ elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, Lion...). Optimizers that need 
 norms see a flat shard that mixes and splits parameters: LAMB is told the tensors' pieces afterwards
 (``plait.optim.lamb_segments``); LARS and Adafactor's factored moments are not supported.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,21 +30,29 @@ def check_experts(groups, stage: int, offload, comms) -> None:
     the group of the ``dp / ep`` ranks holding the same experts (``ParallelMesh.group("edp")``): over another
     group the reduction would add different experts' gradients (no group, or context parallelism, whose cp
     ranks hold the same experts on other tokens)."""
-    experts = [slot.param for g in groups if g.key.experts for seg in g.segments for slot in seg.slots]
+    experts = [
+        slot.param for g in groups if g.key.experts for seg in g.segments for slot in seg.slots
+    ]
     if not experts:
         return
     if offload is not None or stage == 0:
-        raise ValueError(f"expert-parallel weights (ep > 1) need ZeRO stage 1, 2 or 3 without offload for now; "
-                         f"got stage {stage}, offload {offload is not None}")
+        raise ValueError(
+            f"expert-parallel weights (ep > 1) need ZeRO stage 1, 2 or 3 without offload for now; "
+            f"got stage {stage}, offload {offload is not None}"
+        )
     ep, dp = shard_of(experts[0]).world, comms.dp.size
     if comms.experts.size * ep != dp:
-        raise ValueError(f"expert weights split over ep={ep} ranks must be reduced over the {dp} // {ep} ranks "
-                         f"holding the same experts, but the expert group has {comms.experts.size} of the {dp} "
-                         "data-parallel ranks: pass expert_group=mesh.group('edp') (expert parallelism with "
-                         "context parallelism is not supported)")
+        raise ValueError(
+            f"expert weights split over ep={ep} ranks must be reduced over the {dp} // {ep} ranks "
+            f"holding the same experts, but the expert group has {comms.experts.size} of the {dp} "
+            "data-parallel ranks: pass expert_group=mesh.group('edp') (expert parallelism with "
+            "context parallelism is not supported)"
+        )
 
 
-def check_arguments(policy: StagePolicy, gradient_accumulation_steps: int, offload, options: dict) -> None:
+def check_arguments(
+    policy: StagePolicy, gradient_accumulation_steps: int, offload, options: dict
+) -> None:
     """``ZeroOptimizer``'s argument checks. ``options``: name -> (value, its option class); ``offload``: the
     ``OffloadOptions`` or None.
 
@@ -53,18 +62,30 @@ def check_arguments(policy: StagePolicy, gradient_accumulation_steps: int, offlo
     """
     for name, (value, cls) in options.items():
         if value is not None and not isinstance(value, cls):
-            raise ValueError(f"ZeroOptimizer({name}={value!r}) must be a {cls.__name__} or None; "
-                             f"pass {name}={cls.__name__}(...)")
-    if offload is not None and (offload.optimizer and not policy.optimizer_states or
-                                offload.param and not policy.parameters):
-        raise ValueError(f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {policy.stage} "
-                         f"with optimizer={offload.optimizer}, param={offload.param}; change the stage")
+            raise ValueError(
+                f"ZeroOptimizer({name}={value!r}) must be a {cls.__name__} or None; "
+                f"pass {name}={cls.__name__}(...)"
+            )
+    if offload is not None and (
+        offload.optimizer and not policy.optimizer_states or offload.param and not policy.parameters
+    ):
+        raise ValueError(
+            f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3, got stage {policy.stage} "
+            f"with optimizer={offload.optimizer}, param={offload.param}; change the stage"
+        )
     if gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        raise ValueError(
+            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+        )
 
 
-def grad_dtypes(host: bool, gradient_accumulation_steps: int, groups: list[FlatGroup], world: int,
-                reduce_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def grad_dtypes(
+    host: bool,
+    gradient_accumulation_steps: int,
+    groups: list[FlatGroup],
+    world: int,
+    reduce_dtype: torch.dtype,
+) -> tuple[torch.dtype, torch.dtype]:
     """``(gradient shard dtype, dtype reduced gradients land in)``.
 
     ZeRO-Offload (``host``) with bf16 weights and no accumulation: the reduced gradient is bf16 already (one
@@ -72,8 +93,12 @@ def grad_dtypes(host: bool, gradient_accumulation_steps: int, groups: list[FlatG
     half the bytes over PCIe and in host memory, read as is by the CPU optimizer, and exact. Else fp32
     shards, landing in ``reduce_dtype``.
     """
-    compact = host and gradient_accumulation_steps == 1 and all(g.key.dtype == torch.bfloat16 for g in groups) \
+    compact = (
+        host
+        and gradient_accumulation_steps == 1
+        and all(g.key.dtype == torch.bfloat16 for g in groups)
         and (world == 1 or reduce_dtype == torch.bfloat16)
+    )
     return (torch.bfloat16, torch.bfloat16) if compact else (torch.float32, reduce_dtype)
 
 
@@ -84,7 +109,10 @@ def weight_decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     for _, p in module.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
@@ -101,22 +129,36 @@ def resolve_groups(named, param_groups) -> tuple[list[dict], dict[int, int]]:
             if not p.requires_grad:
                 continue
             if id(p) not in names:
-                raise ValueError(f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                 "trainable parameter of the module; build groups from module.parameters()")
+                raise ValueError(
+                    f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "trainable parameter of the module; build groups from module.parameters()"
+                )
             if id(p) in group_of:
-                raise ValueError(f"parameter {names[id(p)]} is in param groups {group_of[id(p)]} and {i}; "
-                                 "list each parameter once")
+                raise ValueError(
+                    f"parameter {names[id(p)]} is in param groups {group_of[id(p)]} and {i}; "
+                    "list each parameter once"
+                )
             group_of[id(p)] = i
         opts.append({k: v for k, v in g.items() if k != "params"})
     missing = [n for n, p in named if id(p) not in group_of]
     if missing:
-        raise ValueError(f"{len(missing)} trainable parameters are in no param group (first: {missing[:4]}); "
-                         "add them to a group or set requires_grad=False")
+        raise ValueError(
+            f"{len(missing)} trainable parameters are in no param group (first: {missing[:4]}); "
+            "add them to a group or set requires_grad=False"
+        )
     return opts, group_of
 
 
-def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, policy: StagePolicy,
-                   persistence_threshold: int, units, host_ratio: float = 1.0) -> tuple[list[Entry], list[Unit]]:
+def layout_entries(
+    module: nn.Module,
+    named,
+    group_of: dict[int, int],
+    dtype,
+    policy: StagePolicy,
+    persistence_threshold: int,
+    units,
+    host_ratio: float = 1.0,
+) -> tuple[list[Entry], list[Unit]]:
     """Layout entries in packing order and the stage-3 units (empty below stage 3).
 
     ``host_ratio`` < 1 (offload, ``OffloadOptions.ratio``): the parameters ``placement.resident_params`` keeps
@@ -131,9 +173,16 @@ def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, po
 
     def key(p, persistent=False, unit=None):
         spec = shard_of(p)
-        experts = spec.axis == "ep" and spec.world > 1    # expert weights split over ep ranks
-        return GroupKey(group_of[id(p)], dtype or p.dtype, not spec.tp_split, persistent, unit, experts,
-                        id(p) in resident)
+        experts = spec.axis == "ep" and spec.world > 1  # expert weights split over ep ranks
+        return GroupKey(
+            group_of[id(p)],
+            dtype or p.dtype,
+            not spec.tp_split,
+            persistent,
+            unit,
+            experts,
+            id(p) in resident,
+        )
 
     if not policy.parameters:
         if host_ratio < 1:
@@ -147,43 +196,59 @@ def layout_entries(module: nn.Module, named, group_of: dict[int, int], dtype, po
     for u in built:
         for p in u.params:
             owner.setdefault(id(p), u.index)
-    entries = sorted((Entry(n, p, key(p, unit=owner[id(p)]), owner[id(p)]) for n, p in named if id(p) in owner),
-                     key=lambda e: e.unit)
+    entries = sorted(
+        (Entry(n, p, key(p, unit=owner[id(p)]), owner[id(p)]) for n, p in named if id(p) in owner),
+        key=lambda e: e.unit,
+    )
     entries += [Entry(n, p, key(p, True)) for n, p in reversed(named) if id(p) in persistent]
     return entries, built
 
 
-def materialize(group: FlatGroup, policy: StagePolicy, device: torch.device, master_device: torch.device,
-                host_params: bool, pin: bool, weights=None) -> nn.Parameter:
+def materialize(
+    group: FlatGroup,
+    policy: StagePolicy,
+    device: torch.device,
+    master_device: torch.device,
+    host_params: bool,
+    pin: bool,
+    weights=None,
+) -> nn.Parameter:
     """The fp32 master shard ``[shard_numel]`` of ``group`` on ``master_device``; its parameters are pointed
     at flat storage (compute dtype, on ``device``; stage-3 shards in ``seg.local``, on the host with
     ``host_params``). Values from the parameters, or from ``weights`` (a ``WeightSource``: only this
     rank's shard of stage-3 segments is read). The masters are filled in place, segment by segment: no second
     fp32 copy of the group is ever held."""
     sharded = policy.parameters and not group.key.persistent
-    master = torch.empty(sum(seg.shard_size for seg in group.segments), dtype=torch.float32, device=master_device)
+    master = torch.empty(
+        sum(seg.shard_size for seg in group.segments), dtype=torch.float32, device=master_device
+    )
     at = 0
     for seg in group.segments:
         for slot in seg.slots:
             slot.param.grad = None
         if weights is not None and sharded:
             shard32 = read_shard(seg, weights, device)
-            master[at:at + seg.shard_size].copy_(shard32)
+            master[at : at + seg.shard_size].copy_(shard32)
             own = shard32.to(group.key.dtype)
         else:
-            get = (lambda s: s.param.detach()) if weights is None else \
-                (lambda s: weights.read(s.name, 0, s.numel).to(device))
+            get = (
+                (lambda s: s.param.detach())
+                if weights is None
+                else (lambda s: weights.read(s.name, 0, s.numel).to(device))
+            )
             full32 = seg.pack(get, torch.float32, device=device)
-            master[at:at + seg.shard_size].copy_(full32[seg.lo:seg.lo + seg.shard_size])
-            full = full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
-            own = full[seg.lo:seg.lo + seg.shard_size]
+            master[at : at + seg.shard_size].copy_(full32[seg.lo : seg.lo + seg.shard_size])
+            full = (
+                full32.to(group.key.dtype) if group.key.dtype != torch.float32 else full32.clone()
+            )
+            own = full[seg.lo : seg.lo + seg.shard_size]
         if sharded:
             seg.local = to_host(own, pin) if host_params else own.clone()
             seg.free()
         else:
             seg.set_views(full)
         at += seg.shard_size
-    return keep_from_children(nn.Parameter(master))   # host masters: not copied into forked workers
+    return keep_from_children(nn.Parameter(master))  # host masters: not copied into forked workers
 
 
 def derive_shards(groups: list[FlatGroup], masters) -> None:
@@ -193,7 +258,7 @@ def derive_shards(groups: list[FlatGroup], masters) -> None:
     for group, master in zip(groups, masters):
         for seg in group.segments:
             if seg.local is not None and seg.local.device == master.device:
-                seg.source = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
+                seg.source = master.detach()[seg.shard_offset : seg.shard_offset + seg.shard_size]
                 seg.drop_shard()
 
 
@@ -202,11 +267,15 @@ def read_shard(seg, weights, device: torch.device) -> torch.Tensor:
     out = torch.zeros(seg.shard_size, dtype=torch.float32, device=device)
     for piece in seg.pieces():
         at = piece.shard_offset - seg.shard_offset
-        out[at:at + piece.length] = weights.read(piece.slot.name, piece.start, piece.length).to(device)
+        out[at : at + piece.length] = weights.read(piece.slot.name, piece.start, piece.length).to(
+            device
+        )
     return out
 
 
-def optimizer_groups(group_opts: list[dict], groups: list[FlatGroup], masters) -> tuple[list[dict], list[int]]:
+def optimizer_groups(
+    group_opts: list[dict], groups: list[FlatGroup], masters
+) -> tuple[list[dict], list[int]]:
     """Torch param groups over the master shards (one per user group that has any) and, per flat group,
     the index of its master in the optimizer's flattened parameter order (checkpoints use it)."""
     opt_groups = []
@@ -227,7 +296,9 @@ def block_boundaries(groups: list[FlatGroup], masters) -> dict:
     for group, master in zip(groups, masters):
         starts = {seg.shard_offset for seg in group.segments}
         starts |= {seg.shard_offset + seg.shard_size for seg in group.segments}
-        starts |= {pc.shard_offset for pc in group.pieces()} | {pc.shard_offset + pc.length for pc in group.pieces()}
+        starts |= {pc.shard_offset for pc in group.pieces()} | {
+            pc.shard_offset + pc.length for pc in group.pieces()
+        }
         out[master] = sorted(starts)
     return out
 
@@ -236,5 +307,9 @@ def unit_segments(units: list[Unit], groups: list[FlatGroup]) -> None:
     """Stage 3: fill each unit's ``segments`` (the sharded segments holding one of its parameters)."""
     for u in units:
         wanted = {id(p) for p in u.params}
-        u.segments = [s for g in groups for s in g.segments
-                      if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)]
+        u.segments = [
+            s
+            for g in groups
+            for s in g.segments
+            if not s.key.persistent and any(id(sl.param) in wanted for sl in s.slots)
+        ]

@@ -7,6 +7,7 @@ counts every shard, a tp-replicated one only on tp rank 0. A parameter duplicate
 stages (tied embeddings) must be passed by one stage only. ``sum_squares64`` (float64 partial sums) and
 ``clip_coefficient`` are the pieces the steppers use. Details: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,13 @@ class NormGroups:
     pp: object = None
 
 
-def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dp_group=None, tp_group=None,
-                     pp_group=None, norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(
+    pieces: Iterable[tuple[torch.Tensor, bool]],
+    dp_group=None,
+    tp_group=None,
+    pp_group=None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
     """The ``norm_type``-norm of the whole model's gradient, identical on every rank.
 
     Args:
@@ -84,14 +90,16 @@ def sum_squares64(x: torch.Tensor, excluded=(), chunk: int = 1 << 23) -> torch.T
     float64 scalar on ``x``'s device. Every square is exact and the sum is float64, so any two summation
     orders agree to ~1e-16 relative. On a GPU one read of ``x`` (``plait.kernels.gpu_norm``, Triton);
     elsewhere at most ``chunk`` elements at a time are widened to float64 (8 bytes each)."""
+
     def part(t: torch.Tensor) -> torch.Tensor:
-        if gpu_norm.available(t):        # one read of t, widened in registers (plait.kernels.gpu_norm)
+        if gpu_norm.available(t):  # one read of t, widened in registers (plait.kernels.gpu_norm)
             return gpu_norm.gpu_sum_squares64(t)
         total = torch.zeros((), dtype=torch.float64, device=t.device)
         for a in range(0, t.numel(), chunk):
-            w = t[a:a + chunk].to(torch.float64)
+            w = t[a : a + chunk].to(torch.float64)
             total += torch.dot(w, w)
         return total
+
     total = part(x)
     for a, b in excluded:
         total = total - part(x[a:b])

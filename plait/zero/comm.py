@@ -4,6 +4,7 @@ reduce-scatters, and ``publish_segments``, which hands updated parameter shards 
 Every function here is collective over the process group it is given: all ranks call it with
 segments of the same sizes in the same order.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,7 +53,10 @@ class Comms(NamedTuple):
 
     def split(self, segments) -> list[tuple[ShardComm, list]]:
         """``segments`` by their comm (dp first), order kept within each: collectives run per comm."""
-        parts = [(c, [s for s in segments if self.of(s) == c]) for c in dict.fromkeys((self.dp, self.experts))]
+        parts = [
+            (c, [s for s in segments if self.of(s) == c])
+            for c in dict.fromkeys((self.dp, self.experts))
+        ]
         return [(c, segs) for c, segs in parts if segs]
 
 
@@ -61,8 +65,10 @@ def make_comms(dp_group, expert_group=None) -> Comms:
     expert-data-parallel ranks, ``ParallelMesh.group("edp")``; default ``dp_group``), divided by the dp size."""
     dp = group_size(dp_group)
     experts = dp_group if expert_group is None else expert_group
-    return Comms(ShardComm(dp_group, dp, group_rank(dp_group), dp),
-                 ShardComm(experts, group_size(experts), group_rank(experts), dp))
+    return Comms(
+        ShardComm(dp_group, dp, group_rank(dp_group), dp),
+        ShardComm(experts, group_size(experts), group_rank(experts), dp),
+    )
 
 
 class Pending:
@@ -86,8 +92,14 @@ class Pending:
         self.done = True
 
 
-def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, world: int,
-                    bucket_numel: int, async_op: bool = False) -> list[tuple[Pending, list[int]]]:
+def gather_segments(
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    group,
+    world: int,
+    bucket_numel: int,
+    async_op: bool = False,
+) -> list[tuple[Pending, list[int]]]:
     """All-gather ``inputs[k]`` (``[S_k]``, this rank's slice) into ``outputs[k]`` (``[world*S_k]``).
 
     Consecutive segments are coalesced into one collective while their total padded size stays
@@ -127,7 +139,7 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
             per_rank = buf.view(world, -1)
             col = 0
             for k, s in zip(run, sizes):
-                outputs[k].view(world, s).copy_(per_rank[:, col:col + s])
+                outputs[k].view(world, s).copy_(per_rank[:, col : col + s])
                 col += s
 
         p = Pending([work] if async_op else [], finish, keep=[staged])
@@ -137,9 +149,16 @@ def gather_segments(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
     return pendings
 
 
-def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dtype,
-                         release: bool, async_op: bool, out: torch.Tensor | None = None,
-                         divisor: int | None = None) -> tuple[Pending, torch.Tensor]:
+def reduce_segment_grads(
+    seg: Segment,
+    group,
+    world: int,
+    reduce_dtype: torch.dtype,
+    release: bool,
+    async_op: bool,
+    out: torch.Tensor | None = None,
+    divisor: int | None = None,
+) -> tuple[Pending, torch.Tensor]:
     """Sum the gradients of ``seg``'s parameters over the ``world`` ranks of ``group``, divided by ``divisor``
     (the dp ranks' mean; ``ShardComm``).
 
@@ -153,7 +172,9 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     ``reduce_dtype``, or None) receives the result in place: with ``world == 1`` the gradients are packed
     straight into it (``[padded]``), else the reduce-scatter writes it (``[S]``; not for stage 0).
     """
-    buf = seg.pack(lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None, batched=True)
+    buf = seg.pack(
+        lambda s: s.param.grad, reduce_dtype, out=out if world == 1 else None, batched=True
+    )
     if release:
         for slot in seg.slots:
             slot.param.grad = None
@@ -161,11 +182,15 @@ def reduce_segment_grads(seg: Segment, group, world: int, reduce_dtype: torch.dt
     if divisor > 1:
         buf.div_(divisor)
     if world == 1:
-        return Pending(), buf if seg.world == 1 else buf[seg.lo:seg.lo + seg.shard_size]
+        return Pending(), buf if seg.world == 1 else buf[seg.lo : seg.lo + seg.shard_size]
     if seg.world == 1:
         work = dist.all_reduce(buf, group=group, async_op=async_op)
         return Pending([work] if async_op else [], keep=[buf]), buf
-    out = out if out is not None else torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
+    out = (
+        out
+        if out is not None
+        else torch.empty(seg.shard_size, dtype=reduce_dtype, device=buf.device)
+    )
     work = reduce_scatter_flat(out, buf, group=group, async_op=async_op)
     return Pending([work] if async_op else [], keep=[buf]), out
 
@@ -188,11 +213,15 @@ def publish_segments(segments, comms: Comms, bucket_numel: int, async_op: bool =
                 if seg.full is not None:
                     outs.append(seg.full)
                     ins.append(seg.shard().to(seg.full.device))
-                    made += [seg] if seg.full is not seg.local else []    # one rank: the shard is the buffer
+                    made += (
+                        [seg] if seg.full is not seg.local else []
+                    )  # one rank: the shard is the buffer
             elif seg.world > 1:
                 outs.append(seg.full)
-                ins.append(seg.full[seg.lo:seg.lo + seg.shard_size].clone())
-        for pending, _ in gather_segments(outs, ins, comm.group, comm.size, bucket_numel, async_op=async_op):
+                ins.append(seg.full[seg.lo : seg.lo + seg.shard_size].clone())
+        for pending, _ in gather_segments(
+            outs, ins, comm.group, comm.size, bucket_numel, async_op=async_op
+        ):
             pending.wait()
     for seg in made:
         seg.drop_shard()

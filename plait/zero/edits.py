@@ -10,6 +10,7 @@ elements of its own slice that differ from its master weights (rounded to the co
 master shard, so unedited fp32 master weights keep their bits, and, under stage 3, the slice into its
 local shard.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-OWNER_ATTR = "_plait_zero_owner"   # on each trained parameter: a weak reference to its ZeroOptimizer
+OWNER_ATTR = "_plait_zero_owner"  # on each trained parameter: a weak reference to its ZeroOptimizer
 
 
 def mark_owner(params, opt) -> None:
@@ -60,20 +61,28 @@ def adopt_edits(opt, modifier_rank: int) -> None:
         ValueError: ``modifier_rank`` is not a dp rank (0 <= r < dp size).
     """
     if not 0 <= modifier_rank < opt.dp_size:
-        raise ValueError(f"modifier_rank {modifier_rank} is not a data-parallel rank (dp size {opt.dp_size}); "
-                         f"pass 0 to {opt.dp_size - 1}")
+        raise ValueError(
+            f"modifier_rank {modifier_rank} is not a data-parallel rank (dp size {opt.dp_size}); "
+            f"pass 0 to {opt.dp_size - 1}"
+        )
     opt.synchronize()
     for group, master in zip(opt.groups, opt.masters):
         for seg in group.segments:
             if seg.full is None:
-                raise RuntimeError("adopt_edits needs whole parameters: call it inside gathered_parameters()")
-            comm = opt.comms.of(seg)    # expert weights: from the modifier's expert-data-parallel rank
+                raise RuntimeError(
+                    "adopt_edits needs whole parameters: call it inside gathered_parameters()"
+                )
+            comm = opt.comms.of(
+                seg
+            )  # expert weights: from the modifier's expert-data-parallel rank
             if comm.size > 1:
                 src = dist.get_global_rank(comm.group, comm.source(modifier_rank, opt.dp_size))
                 dist.broadcast(seg.full, src=src, group=comm.group)
-            own = seg.full[seg.lo:seg.lo + seg.shard_size]
-            mine = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
-            edited = own != mine.to(own.dtype)   # elements the edit changed: the rest keep their fp32 bits
+            own = seg.full[seg.lo : seg.lo + seg.shard_size]
+            mine = master.detach()[seg.shard_offset : seg.shard_offset + seg.shard_size]
+            edited = own != mine.to(
+                own.dtype
+            )  # elements the edit changed: the rest keep their fp32 bits
             mine[edited] = own[edited].to(mine.dtype)
             if seg.local is not None and seg.source is None:
                 seg.local.copy_(own)

@@ -9,6 +9,7 @@ masters and optimizer state. ``build_layout`` builds them; ``plait.zero.slices``
 states for checkpoints. No process groups here (``plait.zero.comm``). Layout in
 detail: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,14 +22,20 @@ import torch
 class GroupKey(NamedTuple):
     """What parameters must share to live in one flat group (and one master tensor)."""
 
-    param_group: int          # index of the optimizer param group (lr, weight decay, ...)
-    dtype: torch.dtype        # compute dtype of the model parameters
-    tp_replicated: bool       # ``plait_shard.dim is None``: counted once over tp in the grad norm
+    param_group: int  # index of the optimizer param group (lr, weight decay, ...)
+    dtype: torch.dtype  # compute dtype of the model parameters
+    tp_replicated: bool  # ``plait_shard.dim is None``: counted once over tp in the grad norm
     persistent: bool = False  # stage 3: kept whole on every rank (numel < persistence threshold)
-    unit: int | None = None   # stage 3: the unit holding these parameters (one flat group, master and
+    unit: int | None = (
+        None  # stage 3: the unit holding these parameters (one flat group, master and
+    )
     #                           gradient shard per unit, as FSDP2 keeps one per fully_shard module)
-    experts: bool = False     # expert weights split over ep ranks: sharded over the expert-data-parallel ranks
-    resident: bool = False    # offload: master and optimizer state in device memory (``offload.placement``)
+    experts: bool = (
+        False  # expert weights split over ep ranks: sharded over the expert-data-parallel ranks
+    )
+    resident: bool = (
+        False  # offload: master and optimizer state in device memory (``offload.placement``)
+    )
 
 
 @dataclass(eq=False)
@@ -69,8 +76,8 @@ class Segment:
     numel: int
     world: int
     rank: int
-    group: int = 0           # index of the flat group in the layout
-    shard_offset: int = 0    # where this rank's slice starts in the flat group's shard
+    group: int = 0  # index of the flat group in the layout
+    shard_offset: int = 0  # where this rank's slice starts in the flat group's shard
     unit: int | None = None  # stage 3: index of the unit that owns these parameters
     full: torch.Tensor | None = field(default=None, repr=False)
     local: torch.Tensor | None = field(default=None, repr=False)
@@ -99,9 +106,14 @@ class Segment:
                 out.append(Piece(slot, a - slot.offset, b - a, self.shard_offset + a - lo))
         return out
 
-    def pack(self, get: Callable[[Slot], torch.Tensor | None], dtype: torch.dtype,
-             out: torch.Tensor | None = None, device: torch.device | None = None,
-             batched: bool = False) -> torch.Tensor:
+    def pack(
+        self,
+        get: Callable[[Slot], torch.Tensor | None],
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+        device: torch.device | None = None,
+        batched: bool = False,
+    ) -> torch.Tensor:
         """A ``[padded]`` tensor of ``dtype`` holding ``get(slot)`` for each slot, zero elsewhere
         (``None``: zero), on ``device`` (default: the first parameter's). Written into ``out`` when given;
         only the gaps are zero-filled, so each element is written once. ``batched``: one
@@ -114,9 +126,9 @@ class Segment:
         pos, dests, values = 0, [], []
         for slot in self.slots:
             if slot.offset > pos:
-                out[pos:slot.offset].zero_()
+                out[pos : slot.offset].zero_()
             value = get(slot)
-            dest = out[slot.offset:slot.offset + slot.numel]
+            dest = out[slot.offset : slot.offset + slot.numel]
             if value is None:
                 dest.zero_()
             elif batched:
@@ -149,7 +161,7 @@ class Segment:
         """Point every parameter's ``.data`` at its place in ``full`` (``[padded]``)."""
         self.full = full
         for slot in self.slots:
-            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def free(self) -> None:
         """Drop the full buffer; parameters become empty ``[0]`` tensors (storage released) of the compute
@@ -183,8 +195,13 @@ class Entry:
     unit: int | None = None
 
 
-def build_layout(entries: list[Entry], world: int, rank: int, bucket_numel: int,
-                 experts: tuple[int, int] | None = None) -> list[FlatGroup]:
+def build_layout(
+    entries: list[Entry],
+    world: int,
+    rank: int,
+    bucket_numel: int,
+    experts: tuple[int, int] | None = None,
+) -> list[FlatGroup]:
     """Pack ``entries`` (in the given order) into flat groups of segments, split over ``world`` ranks (this
     one ``rank``), those of ``GroupKey.experts`` over ``experts = (world, rank)`` (default the same).
 

@@ -1,6 +1,7 @@
 """Whole gradients of chosen parameters, whatever the ZeRO stage: for code that must combine the
 gradients of several parameters after backward (a pipeline summing the tied embedding and its head
 copy on two stages) without knowing where the stage keeps them; and the weak gradient hook."""
+
 from __future__ import annotations
 
 import math
@@ -43,14 +44,26 @@ def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[tor
     zero.reducer.wait()
     fulls, where = [], []
     if any(shard_of(p).axis == "ep" and shard_of(p).world > 1 for p in params):
-        raise ValueError("whole_gradients sums over the dp ranks, which hold other experts' weights under expert "
-                         "parallelism: pass no expert weights")
+        raise ValueError(
+            "whole_gradients sums over the dp ranks, which hold other experts' weights under expert "
+            "parallelism: pass no expert weights"
+        )
     for param in params:
-        full = torch.zeros(math.prod(shard_of(param).local_shape), dtype=torch.float32,   # numel is 0 at stage 3
-                           device=zero.device)
-        pieces = [(pc, gi) for gi, g in enumerate(zero.groups) for pc in g.pieces() if pc.slot.param is param]
+        full = torch.zeros(
+            math.prod(shard_of(param).local_shape),
+            dtype=torch.float32,  # numel is 0 at stage 3
+            device=zero.device,
+        )
+        pieces = [
+            (pc, gi)
+            for gi, g in enumerate(zero.groups)
+            for pc in g.pieces()
+            if pc.slot.param is param
+        ]
         for pc, gi in pieces:
-            full[pc.start:pc.start + pc.length] = zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length]
+            full[pc.start : pc.start + pc.length] = zero.grad_shards[gi][
+                pc.shard_offset : pc.shard_offset + pc.length
+            ]
         if zero.dp_size > 1:
             dist.all_reduce(full, group=zero.dp_group)
         fulls.append(full)
@@ -58,7 +71,9 @@ def whole_gradients(zero, params: list[torch.nn.Parameter]) -> Iterator[list[tor
     yield fulls
     for full, pieces in zip(fulls, where):
         for pc, gi in pieces:
-            zero.grad_shards[gi][pc.shard_offset:pc.shard_offset + pc.length] = full[pc.start:pc.start + pc.length]
+            zero.grad_shards[gi][pc.shard_offset : pc.shard_offset + pc.length] = full[
+                pc.start : pc.start + pc.length
+            ]
 
 
 def weak_hook(method):
@@ -71,4 +86,5 @@ def weak_hook(method):
         bound = ref()
         if bound is not None:
             bound(*args)
+
     return call

@@ -13,6 +13,7 @@ activations, buckets, fragmentation. Entry points: ``estimate_model_state_memory
 ``estimate_all_stages``, ``estimate_for_model``, ``format_memory_table``, ``held_bytes`` (measured).
 Derivation and exceptions: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,10 +61,18 @@ class MemoryEstimate:
         return "opt+param" if self.offload_param else "opt" if self.offload_optimizer else "-"
 
 
-def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offload_optimizer: bool = False,
-                                offload_param: bool = False, mixed_precision: bool = True,
-                                num_gpus_per_node: int = 8, optimizer_states: int = 2,
-                                largest_layer_params: int = 0, accounting: str = "paper") -> MemoryEstimate:
+def estimate_model_state_memory(
+    num_params: int,
+    dp_size: int,
+    stage: int,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    mixed_precision: bool = True,
+    num_gpus_per_node: int = 8,
+    optimizer_states: int = 2,
+    largest_layer_params: int = 0,
+    accounting: str = "paper",
+) -> MemoryEstimate:
     """Bytes of weights, gradients and optimizer states per GPU and per host (formulas in the module doc).
 
     Args:
@@ -87,24 +96,59 @@ def estimate_model_state_memory(num_params: int, dp_size: int, stage: int, offlo
         ValueError: negative sizes, dp_size < 1, stage outside 0..3, offload_optimizer with stage 0,
             offload_param without stage 3.
     """
-    gpu, host = _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision,
-                              num_gpus_per_node, optimizer_states, largest_layer_params, accounting)
+    gpu, host = _placed_bytes(
+        num_params,
+        dp_size,
+        stage,
+        offload_optimizer,
+        offload_param,
+        mixed_precision,
+        num_gpus_per_node,
+        optimizer_states,
+        largest_layer_params,
+        accounting,
+    )
     ranks_per_host = min(num_gpus_per_node, dp_size)
     return MemoryEstimate(
-        num_params=num_params, dp_size=dp_size, stage=stage, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, mixed_precision=mixed_precision, num_gpus_per_node=num_gpus_per_node,
-        gpu=MemoryBreakdown(*gpu), cpu=MemoryBreakdown(*(b * ranks_per_host for b in host)))
+        num_params=num_params,
+        dp_size=dp_size,
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        mixed_precision=mixed_precision,
+        num_gpus_per_node=num_gpus_per_node,
+        gpu=MemoryBreakdown(*gpu),
+        cpu=MemoryBreakdown(*(b * ranks_per_host for b in host)),
+    )
 
 
-def _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, mixed_precision, num_gpus_per_node,
-                  optimizer_states, largest_layer_params, accounting) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _placed_bytes(
+    num_params,
+    dp_size,
+    stage,
+    offload_optimizer,
+    offload_param,
+    mixed_precision,
+    num_gpus_per_node,
+    optimizer_states,
+    largest_layer_params,
+    accounting,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """((params, grads, optimizer states) bytes on one GPU, the same on the host for one rank), after checking
     the arguments (:func:`_check`)."""
-    _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
-           largest_layer_params)
-    low = 2 if mixed_precision else 4                      # bytes per weight / gradient element
+    _check(
+        num_params,
+        dp_size,
+        stage,
+        offload_optimizer,
+        offload_param,
+        num_gpus_per_node,
+        optimizer_states,
+        largest_layer_params,
+    )
+    low = 2 if mixed_precision else 4  # bytes per weight / gradient element
     k_gpu = 4 * optimizer_states + (4 if mixed_precision else 0)
-    k_host = 4 * optimizer_states + 4                      # the host step needs an fp32 master copy
+    k_host = 4 * optimizer_states + 4  # the host step needs an fp32 master copy
     full, part = num_params, math.ceil(num_params / dp_size)
 
     if accounting not in ("paper", "plait"):
@@ -114,7 +158,7 @@ def _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, 
     if accounting == "plait" and stage >= 1:
         gpu_grads = part * 4 + (full * low if stage == 1 else 0)
     if accounting == "plait" and stage == 3 and not offload_optimizer:
-        gpu_params = 0                                     # cast from the fp32 master at each gather
+        gpu_params = 0  # cast from the fp32 master at each gather
     gpu_optim = (part if stage >= 1 else full) * k_gpu
     host_params = host_grads = host_optim = 0
     if offload_optimizer:
@@ -129,28 +173,58 @@ def _placed_bytes(num_params, dp_size, stage, offload_optimizer, offload_param, 
     return (gpu_params, gpu_grads, gpu_optim), (host_params, host_grads, host_optim)
 
 
-def _check(num_params, dp_size, stage, offload_optimizer, offload_param, num_gpus_per_node, optimizer_states,
-           largest_layer_params) -> None:
-    for name, value, low in (("num_params", num_params, 0), ("dp_size", dp_size, 1),
-                             ("num_gpus_per_node", num_gpus_per_node, 1), ("optimizer_states", optimizer_states, 0),
-                             ("largest_layer_params", largest_layer_params, 0)):
+def _check(
+    num_params,
+    dp_size,
+    stage,
+    offload_optimizer,
+    offload_param,
+    num_gpus_per_node,
+    optimizer_states,
+    largest_layer_params,
+) -> None:
+    for name, value, low in (
+        ("num_params", num_params, 0),
+        ("dp_size", dp_size, 1),
+        ("num_gpus_per_node", num_gpus_per_node, 1),
+        ("optimizer_states", optimizer_states, 0),
+        ("largest_layer_params", largest_layer_params, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload_optimizer and stage == 0:
-        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (the host holds one rank's partition); "
-                         "got stage 0")
+        raise ValueError(
+            "offload_optimizer needs ZeRO stage 1, 2 or 3 (the host holds one rank's partition); "
+            "got stage 0"
+        )
     if offload_param and stage != 3:
-        raise ValueError(f"offload_param needs ZeRO stage 3 (parameter partitioning), got stage {stage}")
+        raise ValueError(
+            f"offload_param needs ZeRO stage 3 (parameter partitioning), got stage {stage}"
+        )
 
 
-def estimate_all_stages(num_params: int, dp_size: int, offload_optimizer: bool = False,
-                        offload_param: bool = False, **kwargs) -> list[MemoryEstimate]:
+def estimate_all_stages(
+    num_params: int,
+    dp_size: int,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    **kwargs,
+) -> list[MemoryEstimate]:
     """Estimates for stages 0-3; each offload option is applied only to the stages that support it
     (optimizer offload: 1-3; parameter offload: 3). ``kwargs`` go to :func:`estimate_model_state_memory`."""
-    return [estimate_model_state_memory(num_params, dp_size, stage, offload_optimizer and stage >= 1,
-                                        offload_param and stage == 3, **kwargs) for stage in range(4)]
+    return [
+        estimate_model_state_memory(
+            num_params,
+            dp_size,
+            stage,
+            offload_optimizer and stage >= 1,
+            offload_param and stage == 3,
+            **kwargs,
+        )
+        for stage in range(4)
+    ]
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
@@ -180,13 +254,32 @@ def format_memory_table(estimates: Iterable[MemoryEstimate], unit: str = "GiB") 
     head = ("stage", "offload", "GPU params", "GPU grads", "GPU optim", "GPU total", "host total")
     rows = [head]
     for e in estimates:
-        rows.append((str(e.stage), e.offload, *(f"{b / scale:.2f}" for b in (
-            e.gpu.params, e.gpu.grads, e.gpu.optimizer_states, e.gpu.total, e.cpu.total))))
+        rows.append(
+            (
+                str(e.stage),
+                e.offload,
+                *(
+                    f"{b / scale:.2f}"
+                    for b in (
+                        e.gpu.params,
+                        e.gpu.grads,
+                        e.gpu.optimizer_states,
+                        e.gpu.total,
+                        e.cpu.total,
+                    )
+                ),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + f"\n(model states only, in {unit}; GPU columns are per GPU, host per node)"
+    return (
+        "\n".join(lines)
+        + f"\n(model states only, in {unit}; GPU columns are per GPU, host per node)"
+    )
 
 
 def held_bytes(opt) -> dict[str, int]:
@@ -201,11 +294,19 @@ def held_bytes(opt) -> dict[str, int]:
                     params += t.untyped_storage().nbytes()
     out = {
         "params": params,
-        "grads": sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None),
-        "grad_shards": sum(g.untyped_storage().nbytes() for g in opt.grad_shards),   # 0 between steps on the device
+        "grads": sum(
+            p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None
+        ),
+        "grad_shards": sum(
+            g.untyped_storage().nbytes() for g in opt.grad_shards
+        ),  # 0 between steps on the device
         "master": sum(m.numel() * m.element_size() for m in opt.masters),
-        "optimizer_state": sum(v.numel() * v.element_size() for st in opt.optimizer.state.values()
-                               for v in st.values() if torch.is_tensor(v)),
+        "optimizer_state": sum(
+            v.numel() * v.element_size()
+            for st in opt.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        ),
     }
     out["total"] = sum(out.values())
     return out

@@ -8,6 +8,7 @@ schedules) multiplies its loss by ``scale_loss``, calls ``note_micro_step()`` pe
 at the end. The bytes held per stage and the lifecycle: ``docs/design.md`` ("ZeroOptimizer");
 ``memory_bytes()`` measures them.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,16 @@ import torch
 from torch import nn
 
 from plait.parallel.collectives import group_rank, group_size
-from plait.zero.assemble import (gatherer_of, layout_of, masters_of, optimizer_of, readiness_of, reducer_of,
-                                 shard_set_of, stepper_of)
+from plait.zero.assemble import (
+    gatherer_of,
+    layout_of,
+    masters_of,
+    optimizer_of,
+    readiness_of,
+    reducer_of,
+    shard_set_of,
+    stepper_of,
+)
 from plait.zero.build import check_arguments, weight_decay_groups
 from plait.zero.clip import clip_coefficient
 from plait.zero.comm import make_comms
@@ -32,7 +41,14 @@ from plait.zero.policy import ClipOptions, CommOptions, PrecisionOptions, StageP
 from plait.zero.precision import LossScaler, log_skipped_step
 from plait.zero.stepper import Stepper, write_back
 
-__all__ = ["ClipOptions", "CommOptions", "PrecisionOptions", "StagePolicy", "ZeroOptimizer", "weight_decay_groups"]
+__all__ = [
+    "ClipOptions",
+    "CommOptions",
+    "PrecisionOptions",
+    "StagePolicy",
+    "ZeroOptimizer",
+    "weight_decay_groups",
+]
 
 
 class ZeroOptimizer:
@@ -73,47 +89,94 @@ class ZeroOptimizer:
         ValueError: bad stage, sizes, param groups or option groups (message names the values and the fix).
     """
 
-    def __init__(self, module: nn.Module, dp_group=None, *, expert_group=None, stage: int = 1,
-                 optimizer=torch.optim.AdamW, optimizer_kwargs: dict | None = None,
-                 param_groups: list[dict] | None = None, precision: PrecisionOptions | None = None,
-                 clip: ClipOptions | None = None, comm: CommOptions | None = None, units: list[nn.Module] | None = None,
-                 gradient_accumulation_steps: int = 1, offload: OffloadOptions | None = None, weights=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group=None,
+        *,
+        expert_group=None,
+        stage: int = 1,
+        optimizer=torch.optim.AdamW,
+        optimizer_kwargs: dict | None = None,
+        param_groups: list[dict] | None = None,
+        precision: PrecisionOptions | None = None,
+        clip: ClipOptions | None = None,
+        comm: CommOptions | None = None,
+        units: list[nn.Module] | None = None,
+        gradient_accumulation_steps: int = 1,
+        offload: OffloadOptions | None = None,
+        weights=None,
+    ):
         self.policy = StagePolicy.of(stage)
-        check_arguments(self.policy, gradient_accumulation_steps, offload, {
-            "precision": (precision, PrecisionOptions), "clip": (clip, ClipOptions), "comm": (comm, CommOptions),
-            "offload": (offload, OffloadOptions)})
-        self.module, self.stage, self.dp_group, self.comm = module, stage, dp_group, comm or CommOptions()
+        check_arguments(
+            self.policy,
+            gradient_accumulation_steps,
+            offload,
+            {
+                "precision": (precision, PrecisionOptions),
+                "clip": (clip, ClipOptions),
+                "comm": (comm, CommOptions),
+                "offload": (offload, OffloadOptions),
+            },
+        )
+        self.module, self.stage, self.dp_group, self.comm = (
+            module,
+            stage,
+            dp_group,
+            comm or CommOptions(),
+        )
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.comms = make_comms(dp_group, expert_group)
         self.offload_options, self._host = offload, offload is not None and offload.optimizer
         self.precision, self.clip = precision or PrecisionOptions(), clip or ClipOptions()
         self.gradient_accumulation_steps = gradient_accumulation_steps
         layout = layout_of(self, param_groups, self.precision.param_dtype, units)
-        self.groups, self.units, self.params, self.device = layout.groups, layout.units, layout.params, layout.device
+        self.groups, self.units, self.params, self.device = (
+            layout.groups,
+            layout.units,
+            layout.params,
+            layout.device,
+        )
         self.masters, self.grad_shards, self._land_dtype = masters_of(self, weights)
-        self.optimizer, self._opt_index = optimizer_of(self, optimizer, optimizer_kwargs, layout.group_opts)
+        self.optimizer, self._opt_index = optimizer_of(
+            self, optimizer, optimizer_kwargs, layout.group_opts
+        )
         fp16 = any(g.key.dtype == torch.float16 for g in self.groups)
-        self.scaler = self.precision.loss_scaler if self.precision.loss_scaler is not None else \
-            (LossScaler() if fp16 else None)
+        self.scaler = (
+            self.precision.loss_scaler
+            if self.precision.loss_scaler is not None
+            else (LossScaler() if fp16 else None)
+        )
         self._reset_counters()
         self._build_communication()
 
     def _reset_counters(self) -> None:
         self._in_backward = False
-        self.micro_steps = 0       # micro-steps since the last optimizer step
-        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary (DeepSpeed API)
-        self.global_steps = 0      # optimizer steps applied
-        self.skipped_steps = 0     # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
+        self.micro_steps = 0  # micro-steps since the last optimizer step
+        self.boundary_override: bool | None = (
+            None  # set_gradient_accumulation_boundary (DeepSpeed API)
+        )
+        self.global_steps = 0  # optimizer steps applied
+        self.skipped_steps = (
+            0  # optimizer steps skipped for a non-finite gradient norm (fp16 overflow)
+        )
         self.consecutive_skips = 0  # of them, in a row up to the last step
-        self.grad_norm: float | None = None  # global norm (unscaled, before clipping) of the last step
+        self.grad_norm: float | None = (
+            None  # global norm (unscaled, before clipping) of the last step
+        )
 
     def _build_communication(self) -> None:
         """Stage-3 gatherer, gradient hooks, the stepper and the gradient reducer (``plait.zero.assemble``)."""
         ready = readiness_of(self)
         self.gatherer = gatherer_of(self, ready)
-        on_grad = weak_hook(self._on_grad)   # a bound method in a C++ hook would keep this optimizer alive
-        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params] \
-            if self.policy.gradients else []
+        on_grad = weak_hook(
+            self._on_grad
+        )  # a bound method in a C++ hook would keep this optimizer alive
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
+            if self.policy.gradients
+            else []
+        )
         self.shards = shard_set_of(self)
         self.stepper: Stepper = stepper_of(self, ready)
         self.reducer = reducer_of(self)
@@ -138,7 +201,9 @@ class ZeroOptimizer:
             return loss.float() * self.loss_scale
         return loss.float() * (self.loss_scale / self.gradient_accumulation_steps)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> None:
         """Backward of one micro-batch's loss (mean over the micro-batch on this rank).
 
         Scales by the loss scale and 1/GAS; gradients are averaged over dp by the reduction, so the
@@ -159,10 +224,17 @@ class ZeroOptimizer:
         ``boundary_override`` says otherwise (DeepSpeed's ``set_gradient_accumulation_boundary``)."""
         if self.boundary_override is not None:
             return self.boundary_override
-        return self.gradient_accumulation_steps == 1 or self.micro_steps >= self.gradient_accumulation_steps
+        return (
+            self.gradient_accumulation_steps == 1
+            or self.micro_steps >= self.gradient_accumulation_steps
+        )
 
-    def _last_micro_step(self) -> bool:   # during backward: whether this micro-step's gradients are final
-        return self.micro_steps + 1 >= self.gradient_accumulation_steps or bool(self.boundary_override)
+    def _last_micro_step(
+        self,
+    ) -> bool:  # during backward: whether this micro-step's gradients are final
+        return self.micro_steps + 1 >= self.gradient_accumulation_steps or bool(
+            self.boundary_override
+        )
 
     def _note_backward(self) -> None:
         if not self._in_backward:
@@ -204,18 +276,18 @@ class ZeroOptimizer:
             return False
         self.synchronize()  # a previous overlapped host step (plait.zero.offload) is finished
         if self.policy.gradients:
-            self.reducer.wait()          # stages 2-3 reduced during backward
+            self.reducer.wait()  # stages 2-3 reduced during backward
         else:
-            self.reducer.reduce_all()    # stages 0-1 reduce at the boundary
+            self.reducer.reduce_all()  # stages 0-1 reduce at the boundary
         self.micro_steps = 0
         scale = self.loss_scale
-        norm = self.stepper.grad_norm() / scale   # all-reduced: the same on every rank
+        norm = self.stepper.grad_norm() / scale  # all-reduced: the same on every rank
         if math.isfinite(norm):
             coef = clip_coefficient(norm, self.clip.max_grad_norm) / scale
         elif self.precision.skip_nonfinite or self.scaler is not None:
             return self.skip_step(norm)  # inf/nan anywhere (fp16 overflow)
         else:
-            coef = 1.0                   # applied as is (no scaler here: the scale is 1)
+            coef = 1.0  # applied as is (no scaler here: the scale is 1)
         self.grad_norm = norm
         self.stepper.apply(coef)
         self.reducer.zero()
@@ -236,7 +308,9 @@ class ZeroOptimizer:
         self.consecutive_skips += 1
         if self.scaler is not None:
             self.scaler.update(True)
-        if self.scaler is None or not self.scaler.dynamic:   # a dynamic scale's overflows are routine
+        if (
+            self.scaler is None or not self.scaler.dynamic
+        ):  # a dynamic scale's overflows are routine
             log_skipped_step(self.global_steps + self.skipped_steps, norm, self.consecutive_skips)
         return False
 
@@ -251,7 +325,13 @@ class ZeroOptimizer:
         """Copy the fp32 masters into the model parameters (compute dtype); all-gather over dp
         where every rank holds whole parameters. Collective."""
         self.synchronize()
-        write_back(self.groups, self.masters, self.comms, self.comm.allgather_bucket_size, self.comm.overlap_comm)
+        write_back(
+            self.groups,
+            self.masters,
+            self.comms,
+            self.comm.allgather_bucket_size,
+            self.comm.overlap_comm,
+        )
 
     def rebind_views(self) -> None:
         """Point parameters back at their flat buffers where something replaced their ``.data``.

@@ -11,6 +11,7 @@ tensor is garbage-collected (views that outlive it keep valid, merely pageable, 
 buffers keep using the caching allocator, whose rounding costs little there. Large buffers are not
 inherited by forked processes (``plait.kernels.host_memory``).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -19,7 +20,9 @@ import torch
 
 from plait.kernels.host_memory import keep_from_children
 
-REGISTER_MIN_BYTES = 64 * 2**20   # below this, torch's caching pinned allocator (power-of-two rounding)
+REGISTER_MIN_BYTES = (
+    64 * 2**20
+)  # below this, torch's caching pinned allocator (power-of-two rounding)
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -51,9 +54,11 @@ def pin_existing(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
-                           f"{cudart.cudaGetErrorString(err)}; free host memory, raise the locked-memory limit "
-                           "(ulimit -l), or set offload pin_memory false")
+        raise RuntimeError(
+            f"cudaHostRegister of a {nbytes / 2**30:.2f} GiB host buffer failed: "
+            f"{cudart.cudaGetErrorString(err)}; free host memory, raise the locked-memory limit "
+            "(ulimit -l), or set offload pin_memory false"
+        )
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
 
 

@@ -5,6 +5,7 @@ Rajbhandari et al., "ZeRO", SC'20, Sec. 5: stage 1 (P_os) partitions the optimiz
 the fp32 master weights) over the N_d data-parallel ranks, stage 2 (P_os+g) also the gradients,
 stage 3 (P_os+g+p) also the parameters; stage 0 is plain data parallelism.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,12 +111,18 @@ class PrecisionOptions:
             try:
                 object.__setattr__(self, "param_dtype", resolve_dtype(self.param_dtype))
             except ValueError as err:
-                raise ValueError(f"PrecisionOptions(param_dtype={self.param_dtype!r}): {err}") from None
+                raise ValueError(
+                    f"PrecisionOptions(param_dtype={self.param_dtype!r}): {err}"
+                ) from None
         if self.loss_scaler is not None and not isinstance(self.loss_scaler, LossScaler):
-            raise ValueError(f"PrecisionOptions(loss_scaler={self.loss_scaler!r}) must be a plait.zero.LossScaler "
-                             "or None (fp16 then gets a dynamic one); pass LossScaler(...)")
+            raise ValueError(
+                f"PrecisionOptions(loss_scaler={self.loss_scaler!r}) must be a plait.zero.LossScaler "
+                "or None (fp16 then gets a dynamic one); pass LossScaler(...)"
+            )
         if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"PrecisionOptions(skip_nonfinite={self.skip_nonfinite!r}) must be True or False")
+            raise ValueError(
+                f"PrecisionOptions(skip_nonfinite={self.skip_nonfinite!r}) must be True or False"
+            )
 
 
 @dataclass(frozen=True)
@@ -141,21 +148,31 @@ class ClipOptions:
 
     def __post_init__(self):
         clip = self.max_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                 or not math.isfinite(clip) or clip < 0):
-            raise ValueError(f"ClipOptions(max_grad_norm={clip!r}) must be a finite number >= 0; "
-                             "0 or None turns clipping off")
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, (int, float))
+            or not math.isfinite(clip)
+            or clip < 0
+        ):
+            raise ValueError(
+                f"ClipOptions(max_grad_norm={clip!r}) must be a finite number >= 0; "
+                "0 or None turns clipping off"
+            )
         object.__setattr__(self, "max_grad_norm", float(clip or 0.0))
         if self.norm_groups is None:
             object.__setattr__(self, "norm_groups", NormGroups())
         if not isinstance(self.norm_groups, NormGroups):
-            raise ValueError(f"ClipOptions(norm_groups={self.norm_groups!r}) must be a plait.zero.NormGroups; "
-                             "pass NormGroups(tp=mesh.tp_group, pp=mesh.pp_group)")
+            raise ValueError(
+                f"ClipOptions(norm_groups={self.norm_groups!r}) must be a plait.zero.NormGroups; "
+                "pass NormGroups(tp=mesh.tp_group, pp=mesh.pp_group)"
+            )
         try:
             exclude = frozenset(self.norm_exclude or ())
         except TypeError:
             exclude = None
         if exclude is None or not all(isinstance(i, int) for i in exclude):
-            raise ValueError(f"ClipOptions(norm_exclude={self.norm_exclude!r}) must be a collection of parameter "
-                             "ids (ints), e.g. {id(p) for p in tied_copies}")
+            raise ValueError(
+                f"ClipOptions(norm_exclude={self.norm_exclude!r}) must be a collection of parameter "
+                "ids (ints), e.g. {id(p) for p in tied_copies}"
+            )
         object.__setattr__(self, "norm_exclude", exclude)

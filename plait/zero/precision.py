@@ -6,6 +6,7 @@ loss scaled up so small values survive (ibid. Sec. 3.2); ``LossScaler`` follows 
 ``fp16`` config semantics (``loss_scale``, ``initial_scale_power``, ``loss_scale_window``,
 ``hysteresis``, ``min_loss_scale``) so a DeepSpeed config means the same here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,10 @@ def resolve_dtype(value) -> torch.dtype:
     """
     if isinstance(value, torch.dtype):
         if value not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"dtype {value} is not a floating dtype plait trains in; "
-                             "use torch.float32, torch.bfloat16 or torch.float16")
+            raise ValueError(
+                f"dtype {value} is not a floating dtype plait trains in; "
+                "use torch.float32, torch.bfloat16 or torch.float16"
+            )
         return value
     return dtype_from_name(value)
 
@@ -46,7 +49,11 @@ def log_skipped_step(step: int, norm: float, in_a_row: int) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("plait").warning(
             "optimizer step %d skipped on every rank: global gradient norm is %s (%d in a row); the weights are "
-            "those of the step before", step, norm, in_a_row)
+            "those of the step before",
+            step,
+            norm,
+            in_a_row,
+        )
 
 
 @dataclass
@@ -83,9 +90,13 @@ class LossScaler:
         if self.loss_scale < 0:
             raise ValueError(f"loss_scale must be 0 (dynamic) or positive, got {self.loss_scale}")
         if self.loss_scale_window < 1 or self.hysteresis < 1 or self.min_loss_scale <= 0:
-            raise ValueError(f"need loss_scale_window >= 1 ({self.loss_scale_window}), hysteresis >= 1 "
-                             f"({self.hysteresis}) and min_loss_scale > 0 ({self.min_loss_scale})")
-        self.scale = float(self.loss_scale) if self.loss_scale > 0 else float(2 ** self.initial_scale_power)
+            raise ValueError(
+                f"need loss_scale_window >= 1 ({self.loss_scale_window}), hysteresis >= 1 "
+                f"({self.hysteresis}) and min_loss_scale > 0 ({self.min_loss_scale})"
+            )
+        self.scale = (
+            float(self.loss_scale) if self.loss_scale > 0 else float(2**self.initial_scale_power)
+        )
         self._hysteresis_left = self.hysteresis
         self._clean_steps = 0
 
@@ -109,7 +120,8 @@ class LossScaler:
                     f"fp16 gradients overflow at the minimum loss scale {self.scale:g} (min_loss_scale="
                     f"{self.min_loss_scale:g}, {self.overflows} overflows so far): the gradients are inf/nan "
                     "even unscaled. Train in bf16 (no loss scaling needed), lower min_loss_scale to let the "
-                    "scale fall further, or look for the source of inf/nan (learning rate, bad data)")
+                    "scale fall further, or look for the source of inf/nan (learning rate, bad data)"
+                )
             self.scale = max(self.scale / 2.0, float(self.min_loss_scale))
             return
         self._clean_steps += 1
@@ -120,8 +132,12 @@ class LossScaler:
             self.scale *= 2.0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "overflows": self.overflows,
-                "hysteresis_left": self._hysteresis_left, "clean_steps": self._clean_steps}
+        return {
+            "scale": self.scale,
+            "overflows": self.overflows,
+            "hysteresis_left": self._hysteresis_left,
+            "clean_steps": self._clean_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

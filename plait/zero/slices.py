@@ -3,6 +3,7 @@ parameter's flattened elements with its fp32 master and optimizer state), ``Shar
 per-group scalars and counters), ``shard_state`` / ``load_shard_state`` (a ``ZeroOptimizer``'s, at any dp
 size and stage), and ``slices_reader`` (a ``read`` over saved slices). Layout: ``plait.zero.flat``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,27 +60,51 @@ class ShardState:
 def shard_state(opt) -> ShardState:
     """``opt.shard_state()``: build a ``ShardState`` of a ``ZeroOptimizer`` (views, no copies)."""
     slices, groups = [], {}
-    export = getattr(opt.optimizer, "checkpoint_state", None)   # moments stored in bf16/int8: as float32
+    export = getattr(
+        opt.optimizer, "checkpoint_state", None
+    )  # moments stored in bf16/int8: as float32
     state_dtype = getattr(opt.optimizer, "state_dtype", "fp32")
     for group, master in zip(opt.groups, opt.masters):
         st = export(master) if export is not None else opt.optimizer.state.get(master, {})
         elem = {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == master.shape}
-        info = groups.setdefault(group.key.param_group, {"hyper": {}, "scalars": {}, "elementwise": sorted(elem),
-                                                         "state_dtype": state_dtype})
+        info = groups.setdefault(
+            group.key.param_group,
+            {"hyper": {}, "scalars": {}, "elementwise": sorted(elem), "state_dtype": state_dtype},
+        )
         info["scalars"].update({k: float(v) for k, v in st.items() if k not in elem})
         for piece in group.pieces():
             sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
-            slices.append(ParamSlice(piece.slot.name, tuple(piece.slot.shape), piece.start, piece.length,
-                                     master.detach()[sl], {k: v[sl] for k, v in elem.items()}))
+            slices.append(
+                ParamSlice(
+                    piece.slot.name,
+                    tuple(piece.slot.shape),
+                    piece.start,
+                    piece.length,
+                    master.detach()[sl],
+                    {k: v[sl] for k, v in elem.items()},
+                )
+            )
     for pg in opt.optimizer.param_groups:
-        index = next(g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is pg["params"][0])
+        index = next(
+            g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is pg["params"][0]
+        )
         groups[index]["hyper"] = {k: v for k, v in pg.items() if k != "params"}
     scaler = opt.scaler.state_dict() if opt.scaler is not None else None
-    return ShardState(slices, groups, scaler, opt.global_steps, opt.skipped_steps, opt.stage,
-                      opt.dp_size, opt.dp_rank)
+    return ShardState(
+        slices,
+        groups,
+        scaler,
+        opt.global_steps,
+        opt.skipped_steps,
+        opt.stage,
+        opt.dp_size,
+        opt.dp_rank,
+    )
 
 
-def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], state: ShardState | None) -> None:
+def load_shard_state(
+    opt, read: Callable[[str, str, int, int], torch.Tensor], state: ShardState | None
+) -> None:
     """Fill ``opt``'s master and optimizer-state shards from a checkpoint saved at any dp size/stage.
 
     Args:
@@ -97,7 +122,9 @@ def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], st
     for group, master, index in zip(opt.groups, opt.masters, opt._opt_index):
         info = state.groups.get(group.key.param_group, {}) if state is not None else {}
         keys = info.get("elementwise", [])
-        if keys and info.get("state_dtype", "fp32") != getattr(opt.optimizer, "state_dtype", "fp32"):
+        if keys and info.get("state_dtype", "fp32") != getattr(
+            opt.optimizer, "state_dtype", "fp32"
+        ):
             converted.add(info.get("state_dtype", "fp32"))
         new_master = torch.zeros_like(master, requires_grad=False)
         bufs = {k: torch.zeros_like(new_master) for k in keys}
@@ -109,12 +136,16 @@ def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], st
                 bufs[k][sl] = read(name, k, piece.start, piece.length)
         master.data.copy_(new_master)
         if keys or info.get("scalars"):
-            scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in info.get("scalars", {}).items()}
+            scalars = {
+                k: torch.tensor(v, dtype=torch.float32) for k, v in info.get("scalars", {}).items()
+            }
             per_index[index] = {**scalars, **bufs}
     if state is not None:
         current = opt.optimizer.state_dict()
         for pg, live in zip(current["param_groups"], opt.optimizer.param_groups):
-            index = next(g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is live["params"][0])
+            index = next(
+                g.key.param_group for g, m in zip(opt.groups, opt.masters) if m is live["params"][0]
+            )
             pg.update(state.groups.get(index, {}).get("hyper", {}))
         opt.optimizer.load_state_dict({"state": per_index, "param_groups": current["param_groups"]})
         if opt.scaler is not None and state.loss_scaler is not None:
@@ -123,7 +154,10 @@ def load_shard_state(opt, read: Callable[[str, str, int, int], torch.Tensor], st
     if converted and opt.dp_rank == 0:
         logging.getLogger("plait").warning(
             "optimizer states saved as %s are loaded by name into state_dtype %s (values as saved, stored in the "
-            "new precision)", "/".join(sorted(converted)), getattr(opt.optimizer, "state_dtype", "fp32"))
+            "new precision)",
+            "/".join(sorted(converted)),
+            getattr(opt.optimizer, "state_dtype", "fp32"),
+        )
     opt.write_back()
 
 
@@ -140,7 +174,9 @@ def slices_reader(slices) -> Callable[[str, str, int, int], torch.Tensor]:
 
     def read(name: str, kind: str, start: int, length: int) -> torch.Tensor:
         if name not in index:
-            raise KeyError(f"no saved slices for parameter {name!r} (saved: {len(index)} parameters)")
+            raise KeyError(
+                f"no saved slices for parameter {name!r} (saved: {len(index)} parameters)"
+            )
         out = torch.zeros(length, dtype=torch.float32)
         covered = torch.zeros(length, dtype=torch.bool)
         for s in index[name]:
@@ -148,12 +184,14 @@ def slices_reader(slices) -> Callable[[str, str, int, int], torch.Tensor]:
             if a >= b:
                 continue
             src = s.master if kind == "master" else s.state[kind]
-            out[a - start:b - start] = src[a - s.start:b - s.start]
-            covered[a - start:b - start] = True
+            out[a - start : b - start] = src[a - s.start : b - s.start]
+            covered[a - start : b - start] = True
         if not bool(covered.all()):
             gap = int((~covered).nonzero()[0]) + start
-            raise ValueError(f"saved slices of {name!r} do not cover element {gap} of the requested "
-                             f"[{start}, {start + length}); the checkpoint is missing a rank's shard")
+            raise ValueError(
+                f"saved slices of {name!r} do not cover element {gap} of the requested "
+                f"[{start}, {start + length}); the checkpoint is missing a rank's shard"
+            )
         return out
 
     return read

@@ -8,6 +8,7 @@ each parameter's post-accumulate-grad hook reduces a segment once all its gradie
 at the end of backward reduces the rest; with ``overlap`` asynchronously. All dp ranks must run the
 same autograd graph, as with DistributedDataParallel. Details: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,11 @@ def gives_back(device: torch.device, host: bool, per_unit: bool) -> bool:
         return False
     if device.type == "cpu" or per_unit:
         return True
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    conf = (
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        + ","
+        + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    )
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
@@ -54,9 +59,23 @@ class GradReducer:
         give_back: free the grad shards' storage between steps (``zero``); see ``gives_back``.
     """
 
-    def __init__(self, groups: list[FlatGroup], grad_shards: list[torch.Tensor], comms: Comms,
-                 reduce_dtype: torch.dtype, overlap: bool, eager: bool, land=None, give_back: bool = False):
-        self.groups, self.grad_shards, self.land, self.give_back = groups, grad_shards, land, give_back
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        grad_shards: list[torch.Tensor],
+        comms: Comms,
+        reduce_dtype: torch.dtype,
+        overlap: bool,
+        eager: bool,
+        land=None,
+        give_back: bool = False,
+    ):
+        self.groups, self.grad_shards, self.land, self.give_back = (
+            groups,
+            grad_shards,
+            land,
+            give_back,
+        )
         self.comms = comms
         self.reduce_dtype, self.overlap, self.eager = reduce_dtype, overlap, eager
         self.segments: list[Segment] = [seg for g in groups for seg in g.segments]
@@ -77,15 +96,18 @@ class GradReducer:
         self._launched.clear()
 
     def _slice(self, seg: Segment) -> torch.Tensor:
-        return self.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
+        return self.grad_shards[seg.group][seg.shard_offset : seg.shard_offset + seg.shard_size]
 
     def _direct(self, seg: Segment) -> torch.Tensor | None:
         """The grad-shard slice the reduction may write in place: the first of the step (nothing to add
         to), in the shard's dtype and on its device; with several ranks, a reduce-scatter (stages 1-3) to a
         device stepper (no ``land``). None otherwise."""
         shard = self.grad_shards[seg.group]
-        if id(seg) not in self._fresh or self.reduce_dtype != shard.dtype or \
-                shard.device != seg.slots[0].param.device:
+        if (
+            id(seg) not in self._fresh
+            or self.reduce_dtype != shard.dtype
+            or shard.device != seg.slots[0].param.device
+        ):
             return None
         if self.comms.of(seg).size > 1 and (seg.world == 1 or self.land is not None):
             return None
@@ -94,13 +116,23 @@ class GradReducer:
     def _launch(self, seg: Segment) -> None:
         self._launched.add(id(seg))
         shard = self.grad_shards[seg.group]
-        if shard.untyped_storage().nbytes() == 0:    # given back after the last step; every slice lands anew
+        if (
+            shard.untyped_storage().nbytes() == 0
+        ):  # given back after the last step; every slice lands anew
             shard.untyped_storage().resize_(shard.numel() * shard.element_size())
         direct, comm = self._direct(seg), self.comms.of(seg)
-        pending, out = reduce_segment_grads(seg, comm.group, comm.size, self.reduce_dtype, release=True,
-                                            async_op=self.overlap, out=direct, divisor=comm.divisor)
+        pending, out = reduce_segment_grads(
+            seg,
+            comm.group,
+            comm.size,
+            self.reduce_dtype,
+            release=True,
+            async_op=self.overlap,
+            out=direct,
+            divisor=comm.divisor,
+        )
         if direct is not None:
-            self._fresh.discard(id(seg))       # written in place: landing adds nothing
+            self._fresh.discard(id(seg))  # written in place: landing adds nothing
             if comm.size == 1:
                 if self.land is not None:
                     self.land(seg, None, True)
@@ -115,7 +147,7 @@ class GradReducer:
         pending, out, seg = self._in_flight.popleft()
         pending.wait()
         if out is None:
-            return                             # reduce-scattered into the grad shard itself
+            return  # reduce-scattered into the grad shard itself
         if self.land is not None:
             fresh = id(seg) in self._fresh
             self._fresh.discard(id(seg))
@@ -170,7 +202,11 @@ class GradReducer:
         ``give_back`` the grad shards free their memory until then (their storage is resized to 0 bytes, as
         ``zero_grad(set_to_none=True)`` frees gradients; the first landing of the next backward restores
         it)."""
-        for pending, _, _ in self._in_flight:   # a backward that raised: its reductions write nowhere later
+        for (
+            pending,
+            _,
+            _,
+        ) in self._in_flight:  # a backward that raised: its reductions write nowhere later
             pending.wait()
         self._in_flight.clear()
         self._reset_counts()

@@ -13,6 +13,7 @@ Limits (not detected): a parameter read outside the forward of every unit holdin
 a unit whose outputs are not tensors cannot re-gather for backward. Units, buffers, prefetch, split
 backward in detail: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -43,15 +44,27 @@ class ParamGatherer:
             and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
     """
 
-    def __init__(self, root: nn.Module, units: list[Unit], comms: Comms, allgather_bucket_size: int,
-                 prefetch_bucket_size: int, on_backward: Callable[[], None], gate=None,
-                 reshard_after_forward: bool = True, device: torch.device | None = None):
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        comms: Comms,
+        allgather_bucket_size: int,
+        prefetch_bucket_size: int,
+        on_backward: Callable[[], None],
+        gate=None,
+        reshard_after_forward: bool = True,
+        device: torch.device | None = None,
+    ):
         self.root, self.units = root, units
         self.reshard_after_forward = reshard_after_forward
-        self.device = device          # where gathered buffers live (None: beside each shard)
-        self.buffers: dict[int, torch.Tensor] = {}   # id(segment) -> its [padded] gather buffer
+        self.device = device  # where gathered buffers live (None: beside each shard)
+        self.buffers: dict[int, torch.Tensor] = {}  # id(segment) -> its [padded] gather buffer
         self.comms, self.on_backward = comms, on_backward
-        self.allgather_bucket_size, self.prefetch_bucket_size = allgather_bucket_size, prefetch_bucket_size
+        self.allgather_bucket_size, self.prefetch_bucket_size = (
+            allgather_bucket_size,
+            prefetch_bucket_size,
+        )
         self.refs: dict[int, int] = {}
         self.in_flight: dict[int, tuple[Pending, list[Segment], list[torch.Tensor]]] = {}
         self.units_of: dict[int, list[Unit]] = {}
@@ -59,16 +72,29 @@ class ParamGatherer:
             for p in u.params:
                 self.units_of.setdefault(id(p), []).append(u)
         self.params = list({id(p): p for u in units for p in u.params}.values())
-        self.task = (-1, False)        # (autograd graph task, whether it computes input gradients only)
-        self.input_pass: tuple[int, set[int]] = (-1, set())   # (that task, units it held for their weight pass)
-        self.hold_groups: list[set[int]] = []   # per input pass whose weight pass is to come: the units it held
+        self.task = (-1, False)  # (autograd graph task, whether it computes input gradients only)
+        self.input_pass: tuple[int, set[int]] = (
+            -1,
+            set(),
+        )  # (that task, units it held for their weight pass)
+        self.hold_groups: list[
+            set[int]
+        ] = []  # per input pass whose weight pass is to come: the units it held
         self.fwd, self.bwd, self.gate = UnitOrder(), UnitOrder(), gate
-        self.stats = {"fetched": 0, "prefetched": 0, "prefetched_in_backward": 0}  # segments gathered
-        self.handles = [root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
-                        root.register_forward_hook(self._root_post_forward, always_call=True)]
+        self.stats = {
+            "fetched": 0,
+            "prefetched": 0,
+            "prefetched_in_backward": 0,
+        }  # segments gathered
+        self.handles = [
+            root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
+            root.register_forward_hook(self._root_post_forward, always_call=True),
+        ]
         for u in units:
             self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
-            self.handles.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
+            self.handles.append(
+                u.module.register_forward_hook(self._make_post(u), always_call=True)
+            )
         self._reset_counts()
 
     # ---- gather / release ----------------------------------------------------------------
@@ -85,10 +111,12 @@ class ParamGatherer:
         """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank)."""
         device = self.device if self.device is not None else seg.local.device
         if self.comms.of(seg).size == 1 and seg.local.device == device:
-            return seg.local            # filled by _sources: the gather is the shard itself
+            return seg.local  # filled by _sources: the gather is the shard itself
         buf = self.buffers.get(id(seg))
         if buf is None:
-            buf = self.buffers[id(seg)] = torch.empty(seg.padded, dtype=seg.local.dtype, device=device)
+            buf = self.buffers[id(seg)] = torch.empty(
+                seg.padded, dtype=seg.local.dtype, device=device
+            )
         elif buf.untyped_storage().nbytes() == 0:
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         return buf
@@ -100,7 +128,7 @@ class ParamGatherer:
         seg.free()
         buf = self.buffers.get(id(seg))
         if buf is None:
-            seg.drop_shard()            # one rank: the shard was the buffer
+            seg.drop_shard()  # one rank: the shard was the buffer
             return
         if buf.untyped_storage().resizable():
             buf.untyped_storage().resize_(0)
@@ -127,7 +155,9 @@ class ParamGatherer:
             self.stats["prefetched_in_backward"] += len(segs)
         for comm, part in self.comms.split(segs):
             outs, ins = [self._buffer(s) for s in part], self._sources(part)
-            launched = gather_segments(outs, ins, comm.group, comm.size, self.allgather_bucket_size, async_op=async_op)
+            launched = gather_segments(
+                outs, ins, comm.group, comm.size, self.allgather_bucket_size, async_op=async_op
+            )
             if not async_op or not launched:
                 self._gathered(part, outs)
                 continue
@@ -176,9 +206,16 @@ class ParamGatherer:
     def _prefetch(self, upcoming: list[int]) -> None:
         """All-gather ahead what the bound takes of ``upcoming`` (``stage3_units.ahead``)."""
         if self.prefetch_bucket_size > 0:
-            self._fetch([seg for seg in ahead(self.units, upcoming, self.prefetch_bucket_size)
-                         if seg.full is None and id(seg) not in self.in_flight
-                         and (self.gate is None or self.gate.consumed(seg))], async_op=True)
+            self._fetch(
+                [
+                    seg
+                    for seg in ahead(self.units, upcoming, self.prefetch_bucket_size)
+                    if seg.full is None
+                    and id(seg) not in self.in_flight
+                    and (self.gate is None or self.gate.consumed(seg))
+                ],
+                async_op=True,
+            )
 
     def _free_unheld(self) -> None:
         for seg in list(self._segments()):
@@ -195,28 +232,38 @@ class ParamGatherer:
         self.fwd.stop_recording()
         self._free_unheld()
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self._prefetch(self.bwd.order)    # the backward's first units, while the forward's tail runs
+            self._prefetch(
+                self.bwd.order
+            )  # the backward's first units, while the forward's tail runs
 
     def _make_pre(self, u: Unit):
         def pre_forward(module, args):
-            if torch._C._current_graph_task_id() != -1:   # recomputed in backward: its backward is next
-                self._pre_backward(u)   # (reentrant checkpointing recomputes before the output hooks fire)
+            if (
+                torch._C._current_graph_task_id() != -1
+            ):  # recomputed in backward: its backward is next
+                self._pre_backward(
+                    u
+                )  # (reentrant checkpointing recomputes before the output hooks fire)
                 return
             self.gather(u)
             self._prefetch(self.fwd.advance(u.index))
+
         return pre_forward
 
     def _keeps_after_forward(self, u: Unit) -> bool:
         """Whether ``u`` stays gathered when its forward ends (``docs/zero.md``, "Reshard after forward")."""
         if torch._C._current_graph_task_id() != -1:
-            return True            # recomputed inside backward: the unit's backward comes next
+            return True  # recomputed inside backward: the unit's backward comes next
         if not torch.is_grad_enabled():
             return False
         return not self.reshard_after_forward or u.module is self.root
 
     def _make_post(self, u: Unit):
         def post_forward(module, args, output):
-            hooked, held = False, [False]   # ``held``: this forward's hold for a weight-gradient pass is taken
+            hooked, held = (
+                False,
+                [False],
+            )  # ``held``: this forward's hold for a weight-gradient pass is taken
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
@@ -225,6 +272,7 @@ class ParamGatherer:
             # no output to re-gather from (a custom object, a leaf, a side loss): keep it until its gradients
             if not self._keeps_after_forward(u) and (hooked or not torch.is_grad_enabled()):
                 self.release(u)
+
         return post_forward
 
     def _pre_backward(self, u: Unit, held: list[bool] | None = None) -> None:
@@ -326,7 +374,7 @@ class ParamGatherer:
         for seg in self._segments():
             if seg.full is not None and seg.full is seg.local and seg.source is not None:
                 seg.local = seg.local.new_empty(seg.local.shape)
-                seg.drop_shard()          # one segment at a time: no second copy of the model
+                seg.drop_shard()  # one segment at a time: no second copy of the model
         for u in self.units:
             self.release(u)
             self._drop_deferred(u, every=True)

@@ -1,6 +1,7 @@
 """Stage-3 units: the modules whose parameters ``plait.zero.stage3.ParamGatherer`` gathers together, the
 recorded order they run in (for prefetch), and whether a backward pass accumulates into their parameters
 (the zero-bubble split). See ``plait.zero.stage3`` for how units are gathered and released."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,9 +22,11 @@ class Unit:
     module: nn.Module
     params: list[nn.Parameter]
     segments: list[Segment] = field(default_factory=list)
-    gathered: bool = False   # held by a forward or a backward now (``ParamGatherer.gather``)
-    remaining: int = 0       # gradients still to arrive in this backward pass
-    deferred: int = 0        # input-gradient passes (zero-bubble BI) whose weight-gradient pass is still to come
+    gathered: bool = False  # held by a forward or a backward now (``ParamGatherer.gather``)
+    remaining: int = 0  # gradients still to arrive in this backward pass
+    deferred: int = (
+        0  # input-gradient passes (zero-bubble BI) whose weight-gradient pass is still to come
+    )
 
 
 def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | None) -> list[Unit]:
@@ -34,13 +37,18 @@ def build_units(root: nn.Module, sharded: set[int], units: list[nn.Module] | Non
     """
     names = {id(m): n for n, m in root.named_modules()}
     if units is None:
-        chosen = [m for _, m in root.named_modules()
-                  if any(id(p) in sharded for p in m.parameters(recurse=False))]
+        chosen = [
+            m
+            for _, m in root.named_modules()
+            if any(id(p) in sharded for p in m.parameters(recurse=False))
+        ]
     else:
         missing = [type(m).__name__ for m in units if id(m) not in names]
         if missing:
-            raise ValueError(f"stage-3 units {missing} are not submodules of the model; pass modules "
-                             "from model.modules() (e.g. the transformer blocks)")
+            raise ValueError(
+                f"stage-3 units {missing} are not submodules of the model; pass modules "
+                "from model.modules() (e.g. the transformer blocks)"
+            )
         chosen = list(units) + ([root] if all(m is not root for m in units) else [])
     chosen_ids = {id(m) for m in chosen}
     params: dict[int, list[nn.Parameter]] = {id(m): [] for m in chosen}
@@ -91,15 +99,15 @@ class UnitOrder:
             if index not in self.order:
                 self.order.append(index)
                 return []
-            self.recording, self.cursor = False, 0   # a unit ran again: the first pass is over
+            self.recording, self.cursor = False, 0  # a unit ran again: the first pass is over
         if 0 <= self.cursor < len(self.order) and self.order[self.cursor] == index:
             self.cursor += 1
-        elif self.order[0] == index:   # a new pass from the first unit, without start()
+        elif self.order[0] == index:  # a new pass from the first unit, without start()
             self.cursor = 1
         else:
             self.cursor = -1  # off the recorded path: no more prefetch this pass
             return []
-        return self.order[self.cursor:]
+        return self.order[self.cursor :]
 
 
 def ahead(units: list[Unit], upcoming: list[int], bound: int) -> list:
@@ -130,6 +138,8 @@ def accumulates(params: list[nn.Parameter]) -> bool:
         try:
             if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
                 return True
-        except RuntimeError:   # "a leaf node was passed ... running autograd.grad()": captured, not accumulated
+        except (
+            RuntimeError
+        ):  # "a leaf node was passed ... running autograd.grad()": captured, not accumulated
             continue
     return False

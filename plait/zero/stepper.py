@@ -9,6 +9,7 @@
 ``write_back`` publishes the weights; ``plait.zero.offload.HostStepper`` steps them on the host. Both
 get a ``ShardSet`` and plain constructor arguments, and apply the coefficient they are given.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +77,9 @@ class Stepper(Protocol):
 def folds_grad_scale(optimizer) -> bool:
     """Whether ``optimizer`` is torch's Adam or AdamW with ``fused=True`` in every group: its ``step``
     then divides each gradient by ``optimizer.grad_scale`` (a 0-dim tensor) inside the update kernel."""
-    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and \
-        all(g.get("fused") for g in optimizer.param_groups)
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
 
 
 def write_back(groups, masters, comms, bucket_numel: int, async_op: bool) -> None:
@@ -89,9 +91,9 @@ def write_back(groups, masters, comms, bucket_numel: int, async_op: bool) -> Non
         for seg in group.segments:
             segments.append(seg)
             if seg.source is not None:
-                continue                  # its shard is cast from the master at the next gather
-            src = master.detach()[seg.shard_offset:seg.shard_offset + seg.shard_size]
-            own = seg.local if seg.local is not None else seg.full[seg.lo:seg.lo + seg.shard_size]
+                continue  # its shard is cast from the master at the next gather
+            src = master.detach()[seg.shard_offset : seg.shard_offset + seg.shard_size]
+            own = seg.local if seg.local is not None else seg.full[seg.lo : seg.lo + seg.shard_size]
             own.copy_(src)
     publish_segments(segments, comms, bucket_numel, async_op=async_op)
 
@@ -113,15 +115,24 @@ class DeviceStepper:
     def grad_norm(self) -> float:
         groups = self.shards.norm_groups
         # float64 sum of float32 squares: finite for any finite gradient, inf/nan for any inf/nan element
-        return float(global_grad_norm(self._norm_pieces(), self.norm_dp_group, groups.tp, groups.pp))
+        return float(
+            global_grad_norm(self._norm_pieces(), self.norm_dp_group, groups.tp, groups.pp)
+        )
 
     def _norm_pieces(self) -> list[tuple[torch.Tensor, bool]]:
         """``(grad view, tp_replicated)`` pieces for the global norm, leaving out parameters in
         ``norm_exclude`` (a tied copy whose twin on another pipeline stage is already counted)."""
         out, exclude = [], self.shards.norm_exclude
         for g, grp in zip(self.shards.grad_shards, self.shards.groups):
-            skip = sorted((pc.shard_offset, pc.shard_offset + pc.length) for pc in grp.pieces()
-                          if id(pc.slot.param) in exclude) if exclude else []
+            skip = (
+                sorted(
+                    (pc.shard_offset, pc.shard_offset + pc.length)
+                    for pc in grp.pieces()
+                    if id(pc.slot.param) in exclude
+                )
+                if exclude
+                else []
+            )
             pos = 0
             for a, b in skip + [(g.numel(), g.numel())]:
                 if a > pos:
@@ -133,13 +144,20 @@ class DeviceStepper:
         shards = self.shards
         # torch's fused Adam/AdamW divide the gradient by ``grad_scale`` inside their kernel (the protocol
         # GradScaler uses): the clip coefficient rides along instead of a separate pass over every gradient
-        folded = coef != 1.0 and folds_grad_scale(shards.optimizer) and coef > 0 and math.isfinite(1.0 / coef)
+        folded = (
+            coef != 1.0
+            and folds_grad_scale(shards.optimizer)
+            and coef > 0
+            and math.isfinite(1.0 / coef)
+        )
         for master, grad in zip(shards.masters, shards.grad_shards):
             if coef != 1.0 and not folded:
                 grad.mul_(coef)
             master.grad = grad
         if folded:
-            shards.optimizer.grad_scale = torch.full((), 1.0 / coef, device=shards.masters[0].device)
+            shards.optimizer.grad_scale = torch.full(
+                (), 1.0 / coef, device=shards.masters[0].device
+            )
         try:
             shards.optimizer.step()
         finally:
@@ -147,7 +165,13 @@ class DeviceStepper:
                 shards.optimizer.grad_scale = None
         for master in shards.masters:
             master.grad = None
-        write_back(shards.groups, shards.masters, self.comms, self.comm.allgather_bucket_size, self.comm.overlap_comm)
+        write_back(
+            shards.groups,
+            shards.masters,
+            self.comms,
+            self.comm.allgather_bucket_size,
+            self.comm.overlap_comm,
+        )
 
     def discard(self) -> None:
         pass

@@ -10,6 +10,7 @@ shard of each segment (and the small persistent parameters whole); under stages 
 ``SafetensorsWeights`` reads a Hugging Face checkpoint folder through safetensors' lazy slices.
 More: ``docs/zero.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,28 +50,34 @@ class SafetensorsWeights:
 
     def _file(self, name: str) -> str:
         if name not in self.files:
-            raise KeyError(f"parameter {name!r} is not in the checkpoint {self.path} ({len(self.files)} tensors)")
+            raise KeyError(
+                f"parameter {name!r} is not in the checkpoint {self.path} ({len(self.files)} tensors)"
+            )
         return self.files[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The checkpoint's shape of ``name``. Raises KeyError for a tensor it does not hold."""
         from safetensors import safe_open
+
         with safe_open(self._file(name), "pt") as f:
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str, start: int, length: int) -> torch.Tensor:
         from safetensors import safe_open
+
         with safe_open(self._file(name), "pt") as f:
             part = f.get_slice(name)
             shape = part.get_shape()
             if len(shape) == 0:
-                flat = f.get_tensor(name).reshape(-1)[start:start + length]
+                flat = f.get_tensor(name).reshape(-1)[start : start + length]
             elif len(shape) == 1:
-                flat = part[start:start + length]
+                flat = part[start : start + length]
             else:
                 row = math.prod(shape[1:])
                 first, last = start // row, -(-(start + length) // row)
-                flat = part[first:last].reshape(-1)[start - first * row:start - first * row + length]
+                flat = part[first:last].reshape(-1)[
+                    start - first * row : start - first * row + length
+                ]
         self.elements_read += length
         return flat.to(torch.float32).reshape(-1)
 
@@ -119,7 +126,9 @@ def place_meta_parameters(module: nn.Module, device: torch.device, source: Weigh
                 data = source.read(full, 0, p.numel()).to(device, p.dtype).reshape(p.shape)
             new = nn.Parameter(data, requires_grad=p.requires_grad)
             new.__dict__.update(p.__dict__)
-            torch.utils.swap_tensors(p, new)   # the same Parameter object: optimizers and ties built on it hold
+            torch.utils.swap_tensors(
+                p, new
+            )  # the same Parameter object: optimizers and ties built on it hold
             placed += 1
         for name, b in list(sub._buffers.items()):
             if b is not None and b.device != device:
@@ -130,8 +139,10 @@ def place_meta_parameters(module: nn.Module, device: torch.device, source: Weigh
 def _check_shape(source, name: str, shape: torch.Size) -> None:
     want = getattr(source, "shape", None)
     if want is not None and tuple(want(name)) != tuple(shape):
-        raise ValueError(f"parameter {name!r} is {tuple(shape)} in the model but {tuple(want(name))} in the "
-                         f"checkpoint; build the model with the checkpoint's config")
+        raise ValueError(
+            f"parameter {name!r} is {tuple(shape)} in the model but {tuple(want(name))} in the "
+            f"checkpoint; build the model with the checkpoint's config"
+        )
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
@@ -152,12 +163,16 @@ def prepare_weights(model: nn.Module, weights, device: torch.device):
     meta = has_meta_parameters(model)
     if weights is None:
         if meta:
-            raise ValueError("the model's parameters are on the meta device (built under meta_parameters() or "
-                             "torch.device('meta')): pass weights= (a Hugging Face checkpoint folder) to initialize")
+            raise ValueError(
+                "the model's parameters are on the meta device (built under meta_parameters() or "
+                "torch.device('meta')): pass weights= (a Hugging Face checkpoint folder) to initialize"
+            )
         return None
     if not meta:
-        raise ValueError("weights= fills a model built under plait.zero.meta_parameters() (parameters on the meta "
-                         "device); this model's parameters hold values already: drop weights=")
+        raise ValueError(
+            "weights= fills a model built under plait.zero.meta_parameters() (parameters on the meta "
+            "device); this model's parameters hold values already: drop weights="
+        )
     source = SafetensorsWeights(weights) if isinstance(weights, (str, os.PathLike)) else weights
     place_meta_parameters(model, device, source)
     return source

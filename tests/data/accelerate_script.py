@@ -15,6 +15,7 @@ optimizer steps of 2 micro-batches per epoch and process. Writes OUT/result.json
 micro-batch's loss per process, the gradient norms, learning rates, evaluation accuracy/loss per epoch
 (``gather_for_metrics``), and a checksum of ``get_state_dict``.
 """
+
 import argparse
 import json
 import os
@@ -40,7 +41,7 @@ args = cli.parse_args()
 if args.plain:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
-else:   # was: from accelerate import Accelerator, DeepSpeedPlugin; from accelerate.utils import DummyOptim, DummyScheduler
+else:  # was: from accelerate import Accelerator, DeepSpeedPlugin; from accelerate.utils import DummyOptim, DummyScheduler
     from plait.accelerate import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler
 
 LR, BATCH, EVAL_BATCH, MICRO_PER_EPOCH = 2e-3, 4, 8, 10
@@ -58,36 +59,60 @@ class Pairs(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(16, dtype=torch.long), "labels": self.labels[i]}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(16, dtype=torch.long),
+            "labels": self.labels[i],
+        }
 
 
 def main():
     plugin = DeepSpeedPlugin(hf_ds_config=args.ds_config) if args.ds_config else None
     # the seedable sampler: the data order from (seed, epoch), so that a resumed run draws the same order
     # (accelerate's checkpoint does not hold the default sampler's generator at several processes)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gas, deepspeed_plugin=plugin,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gas,
+        deepspeed_plugin=plugin,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     set_seed(42)
     train = Pairs(BATCH * MICRO_PER_EPOCH * accelerator.num_processes, seed=1)
     train_dataloader = DataLoader(train, shuffle=True, batch_size=BATCH)
     eval_dataloader = DataLoader(Pairs(13, seed=2), shuffle=False, batch_size=EVAL_BATCH)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
-    steps = len(train_dataloader) * args.epochs // args.gas   # before prepare, as nlp_example: all processes' batches
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1,
+        )
+    )
+    steps = (
+        len(train_dataloader) * args.epochs // args.gas
+    )  # before prepare, as nlp_example: all processes' batches
     ds = accelerator.state.deepspeed_plugin
-    if ds is not None and "optimizer" in ds.deepspeed_config:     # deepspeed_with_config_support.py's choice
+    if (
+        ds is not None and "optimizer" in ds.deepspeed_config
+    ):  # deepspeed_with_config_support.py's choice
         optimizer = DummyOptim(model.parameters(), lr=LR)
         lr_scheduler = DummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=0)
     elif args.warmup_lr_reference:
         optimizer = torch.optim.AdamW(params=model.parameters(), lr=LR, weight_decay=0.0)
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda count: 0.0 if count < 2 * accelerator.num_processes else 1.0)
+            optimizer, lambda count: 0.0 if count < 2 * accelerator.num_processes else 1.0
+        )
     else:
         optimizer = torch.optim.AdamW(params=model.parameters(), lr=LR)
-        lr_scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=steps)
+        lr_scheduler = get_linear_schedule_with_warmup(
+            optimizer, num_warmup_steps=1, num_training_steps=steps
+        )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     if args.resume:
         accelerator.load_state(args.resume)
 
@@ -129,7 +154,9 @@ def evaluate(accelerator, model, eval_dataloader):
     for batch in eval_dataloader:
         with torch.no_grad():
             outputs = model(**batch)
-        predictions, references = accelerator.gather_for_metrics((outputs.logits.argmax(dim=-1), batch["labels"]))
+        predictions, references = accelerator.gather_for_metrics(
+            (outputs.logits.argmax(dim=-1), batch["labels"])
+        )
         correct += int((predictions == references).sum())
         seen += len(references)
         losses.append(accelerator.gather_for_metrics(outputs.loss.detach()[None]).mean().item())

@@ -14,14 +14,21 @@ into blocks of ``--block_size`` tokens, ``Trainer(...).train()``, ``save_model``
 DeepSpeed would run it, for a machine without DeepSpeed). Everything else is left at its default, the
 warm-up included. The losses are in ``OUT/trainer_state.json`` (``log_history``), as in any Trainer run.
 """
+
 import argparse
 import random
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-from transformers import (CONFIG_MAPPING, AutoModelForCausalLM, HfArgumentParser, PreTrainedTokenizerFast,
-                          default_data_collator, set_seed)
+from transformers import (
+    CONFIG_MAPPING,
+    AutoModelForCausalLM,
+    HfArgumentParser,
+    PreTrainedTokenizerFast,
+    default_data_collator,
+    set_seed,
+)
 
 pick = argparse.ArgumentParser(add_help=False)
 pick.add_argument("--framework", choices=["plait", "transformers", "ds_reference"], default="plait")
@@ -36,10 +43,16 @@ else:
 
 @dataclass
 class ModelArguments:
-    model_type: str = field(default="gpt2", metadata={"help": "the config class to build the model from"})
-    config_overrides: str = field(default="n_embd=32,n_layer=2,n_head=4,n_positions=64",
-                                  metadata={"help": "config values, as 'key=value,key=value'"})
-    tokenizer_file: str = field(default=None, metadata={"help": "a tokenizer.json (no hub download)"})
+    model_type: str = field(
+        default="gpt2", metadata={"help": "the config class to build the model from"}
+    )
+    config_overrides: str = field(
+        default="n_embd=32,n_layer=2,n_head=4,n_positions=64",
+        metadata={"help": "config values, as 'key=value,key=value'"},
+    )
+    tokenizer_file: str = field(
+        default=None, metadata={"help": "a tokenizer.json (no hub download)"}
+    )
 
 
 @dataclass
@@ -52,10 +65,26 @@ class DataTrainingArguments:
 def corpus(n: int) -> list[str]:
     """``n`` short English sentences, the same on every rank and every run."""
     rng = random.Random(0)
-    who = ["The farmer", "A child", "The old king", "My sister", "The river", "A traveller", "The teacher"]
+    who = [
+        "The farmer",
+        "A child",
+        "The old king",
+        "My sister",
+        "The river",
+        "A traveller",
+        "The teacher",
+    ]
     did = ["walked to", "looked at", "spoke about", "dreamed of", "carried water to", "sang about"]
-    what = ["the city by the sea", "a field of wheat", "the mountain", "his brother", "the morning light",
-            "a house of stone", "the quiet garden", "the market"]
+    what = [
+        "the city by the sea",
+        "a field of wheat",
+        "the mountain",
+        "his brother",
+        "the morning light",
+        "a house of stone",
+        "the quiet garden",
+        "the market",
+    ]
     return [f"{rng.choice(who)} {rng.choice(did)} {rng.choice(what)}." for _ in range(n)]
 
 
@@ -64,24 +93,34 @@ def main():
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     set_seed(training_args.seed)
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=model_args.tokenizer_file, eos_token="<|endoftext|>",
-                                        pad_token="[PAD]")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=model_args.tokenizer_file, eos_token="<|endoftext|>", pad_token="[PAD]"
+    )
     config = CONFIG_MAPPING[model_args.model_type]()
     config.update_from_string(model_args.config_overrides)
     config.vocab_size = len(tokenizer)
     model = AutoModelForCausalLM.from_config(config)
 
-    tokenized = [tokenizer(t + tokenizer.eos_token)["input_ids"] for t in corpus(data_args.num_texts)]
+    tokenized = [
+        tokenizer(t + tokenizer.eos_token)["input_ids"] for t in corpus(data_args.num_texts)
+    ]
     ids = list(chain.from_iterable(tokenized))
     block = data_args.block_size
-    blocks = [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]   # the remainder is dropped
+    blocks = [
+        ids[i : i + block] for i in range(0, len(ids) - block + 1, block)
+    ]  # the remainder is dropped
     samples = [{"input_ids": b, "attention_mask": [1] * block, "labels": list(b)} for b in blocks]
     n_eval = len(samples) * data_args.validation_split_percentage // 100
     train_dataset, eval_dataset = samples[n_eval:], samples[:n_eval]
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset if training_args.do_train else None,
-                      eval_dataset=eval_dataset if training_args.do_eval else None, processing_class=tokenizer,
-                      data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=eval_dataset if training_args.do_eval else None,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()

@@ -7,13 +7,14 @@ checkpoint with ``client_state``, trains 2 more; with ``--resume`` it loads that
 first 3 steps. Rank 0 writes DIR/result[-resumed].json: the losses it saw, the client state, global_steps and
 a checksum of the weights.
 """
+
 import argparse
 import json
 
 import torch
 import transformers
 
-import plait.deepspeed as deepspeed   # was: import deepspeed
+import plait.deepspeed as deepspeed  # was: import deepspeed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -24,12 +25,22 @@ args = parser.parse_args()
 
 deepspeed.init_distributed()
 torch.manual_seed(0)
-model = transformers.BertForMaskedLM(transformers.BertConfig(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+model = transformers.BertForMaskedLM(
+    transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+)
 data = [torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(i)) for i in range(40)]
-engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                    training_data=data)
+engine, optimizer, loader, _ = deepspeed.initialize(
+    args=args, model=model, model_parameters=model.parameters(), training_data=data
+)
 losses, client = [], None
 if args.resume:
     _, client = engine.load_checkpoint(f"{args.out}/ckpt")
@@ -37,7 +48,7 @@ batches = iter(loader)
 for step in range(5):
     ids = next(batches).to(engine.device)
     if args.resume and step < 3:
-        continue                                   # trained before the checkpoint
+        continue  # trained before the checkpoint
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
@@ -49,5 +60,13 @@ with engine.gathered_parameters():
 if deepspeed.comm.get_rank() == 0:
     name = "result-resumed" if args.resume else "result"
     with open(f"{args.out}/{name}.json", "w") as f:
-        json.dump({"losses": losses, "client_state": client, "global_steps": engine.global_steps,
-                   "dp": engine.dp_world_size, "checksum": checksum}, f)
+        json.dump(
+            {
+                "losses": losses,
+                "client_state": client,
+                "global_steps": engine.global_steps,
+                "dp": engine.dp_world_size,
+                "checksum": checksum,
+            },
+            f,
+        )

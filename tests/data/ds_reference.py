@@ -12,6 +12,7 @@ warmup_num_steps)``; "auto" values filled as transformers fills them: ``min 0``,
 
 Written from DeepSpeed's documented semantics, independently of plait's schedulers.
 """
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ class TrainingArguments(transformers.TrainingArguments):
     ds_config: str = field(default=None, metadata={"help": "the ds_config (given as --deepspeed)"})
 
     def __post_init__(self):
-        self.ds_config, self.deepspeed = self.deepspeed, None   # DeepSpeed itself is not started
+        self.ds_config, self.deepspeed = self.deepspeed, None  # DeepSpeed itself is not started
         super().__post_init__()
 
 
@@ -38,7 +39,9 @@ class Trainer(transformers.Trainer):
         _check_optimizer(config.get("optimizer", {}), self.args)
         section = config.get("scheduler", {})
         if section.get("type") != "WarmupLR":
-            raise ValueError(f"ds_reference serves the WarmupLR scheduler only, not {section.get('type')!r}")
+            raise ValueError(
+                f"ds_reference serves the WarmupLR scheduler only, not {section.get('type')!r}"
+            )
         params = section.get("params", {})
 
         def value(key, auto):
@@ -46,11 +49,13 @@ class Trainer(transformers.Trainer):
 
         lr = self.args.learning_rate
         low, high = value("warmup_min_lr", 0.0), value("warmup_max_lr", lr)
-        steps = max(2, value("warmup_num_steps", max(1, self.args.get_warmup_steps(num_training_steps))))
+        steps = max(
+            2, value("warmup_num_steps", max(1, self.args.get_warmup_steps(num_training_steps)))
+        )
         if high != lr:
             raise ValueError(f"warmup_max_lr {high} differs from learning_rate {lr}")
 
-        def factor(n):   # the lr after n scheduler steps, over the optimizer's lr (= warmup_max_lr)
+        def factor(n):  # the lr after n scheduler steps, over the optimizer's lr (= warmup_max_lr)
             t = n - 1
             frac = 0.0 if t < 0 else (math.log(t + 1) / math.log(steps) if t < steps else 1.0)
             return (low + (high - low) * frac) / high
@@ -65,11 +70,17 @@ def _check_optimizer(section: dict, args) -> None:
     if section.get("type", "AdamW") not in ("AdamW", "adamw"):
         raise ValueError(f"ds_reference serves AdamW only, not {section.get('type')!r}")
     params = section.get("params", {})
-    ours = {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-            "weight_decay": args.weight_decay}
+    ours = {
+        "lr": args.learning_rate,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+    }
     for key, want in ours.items():
         got = params.get(key, "auto")
         if got != "auto" and got != want:
             raise ValueError(f"optimizer.params.{key} = {got!r} but the arguments give {want!r}")
     if args.weight_decay != 0.0:
-        raise ValueError("ds_reference needs weight_decay 0 (the Trainer's AdamW and DeepSpeed's differ on decay)")
+        raise ValueError(
+            "ds_reference needs weight_decay 0 (the Trainer's AdamW and DeepSpeed's differ on decay)"
+        )

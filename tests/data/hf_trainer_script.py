@@ -7,6 +7,7 @@ Writes OUT/losses.jsonl (the logged loss of every step, rank 0) and OUT/result.j
 difference between the trained model's logits and those of ``from_pretrained(OUT/final)``, and the
 evaluation losses).
 """
+
 import argparse
 import json
 
@@ -14,7 +15,10 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-from plait.hf import Trainer, TrainingArguments   # was: from transformers import Trainer, TrainingArguments
+from plait.hf import (
+    Trainer,
+    TrainingArguments,
+)  # was: from transformers import Trainer, TrainingArguments
 
 cli = argparse.ArgumentParser()
 cli.add_argument("out")
@@ -28,12 +32,30 @@ opt = cli.parse_args()
 
 torch.manual_seed(0)
 if opt.model == "llama":
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 else:
-    model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                       attention_probs_dropout_prob=0.0))
+    model = BertForMaskedLM(
+        BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -52,11 +74,25 @@ class LossFile(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
 
 
-args = TrainingArguments(output_dir=opt.out, deepspeed=opt.ds_config, per_device_train_batch_size=2,
-                         gradient_accumulation_steps=opt.gas, learning_rate=1e-3, max_steps=opt.max_steps,
-                         logging_steps=1, save_steps=3, eval_strategy="steps", eval_steps=3, report_to=[], seed=7,
-                         use_cpu=True, bf16=opt.bf16)   # warm-up left at its default (0 steps)
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[LossFile()])
+args = TrainingArguments(
+    output_dir=opt.out,
+    deepspeed=opt.ds_config,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=opt.gas,
+    learning_rate=1e-3,
+    max_steps=opt.max_steps,
+    logging_steps=1,
+    save_steps=3,
+    eval_strategy="steps",
+    eval_steps=3,
+    report_to=[],
+    seed=7,
+    use_cpu=True,
+    bf16=opt.bf16,
+)  # warm-up left at its default (0 steps)
+trainer = Trainer(
+    model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[LossFile()]
+)
 trainer.train(resume_from_checkpoint=opt.resume)
 trainer.save_model(f"{opt.out}/final")
 
@@ -64,10 +100,19 @@ ids = Tokens()[0]["input_ids"][None]
 with trainer.engine.gathered_parameters(), torch.no_grad():
     trained = trainer.engine.module(input_ids=ids).logits.float()
 if dist.get_rank() == 0:
-    reloaded = type(trainer.engine.module).from_pretrained(f"{opt.out}/final", dtype=trainer.engine.module.dtype)
+    reloaded = type(trainer.engine.module).from_pretrained(
+        f"{opt.out}/final", dtype=trainer.engine.module.dtype
+    )
     with torch.no_grad():
         again = reloaded(input_ids=ids).logits.float()
     with open(f"{opt.out}/result.json", "w") as f:
-        json.dump({"max_logit_diff": (trained - again).abs().max().item(),
-                   "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
-                   "global_step": trainer.state.global_step}, f)
+        json.dump(
+            {
+                "max_logit_diff": (trained - again).abs().max().item(),
+                "eval_losses": [
+                    h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h
+                ],
+                "global_step": trainer.state.global_step,
+            },
+            f,
+        )

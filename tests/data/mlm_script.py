@@ -15,14 +15,21 @@ into blocks of ``--block_size`` tokens, masked by ``DataCollatorForLanguageModel
 DeepSpeed would run it, for a machine without DeepSpeed). Everything else is left at its default, the
 warm-up included. The losses are in ``OUT/trainer_state.json`` (``log_history``), as in any Trainer run.
 """
+
 import argparse
 import random
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-from transformers import (CONFIG_MAPPING, AutoModelForMaskedLM, HfArgumentParser, PreTrainedTokenizerFast,
-                          DataCollatorForLanguageModeling, set_seed)
+from transformers import (
+    CONFIG_MAPPING,
+    AutoModelForMaskedLM,
+    HfArgumentParser,
+    PreTrainedTokenizerFast,
+    DataCollatorForLanguageModeling,
+    set_seed,
+)
 
 pick = argparse.ArgumentParser(add_help=False)
 pick.add_argument("--framework", choices=["plait", "transformers", "ds_reference"], default="plait")
@@ -37,11 +44,17 @@ else:
 
 @dataclass
 class ModelArguments:
-    model_type: str = field(default="bert", metadata={"help": "the config class to build the model from"})
-    config_overrides: str = field(default="hidden_size=32,num_hidden_layers=2,num_attention_heads=4,"
-                                          "intermediate_size=64,max_position_embeddings=64",
-                                  metadata={"help": "config values, as 'key=value,key=value'"})
-    tokenizer_file: str = field(default=None, metadata={"help": "a tokenizer.json (no hub download)"})
+    model_type: str = field(
+        default="bert", metadata={"help": "the config class to build the model from"}
+    )
+    config_overrides: str = field(
+        default="hidden_size=32,num_hidden_layers=2,num_attention_heads=4,"
+        "intermediate_size=64,max_position_embeddings=64",
+        metadata={"help": "config values, as 'key=value,key=value'"},
+    )
+    tokenizer_file: str = field(
+        default=None, metadata={"help": "a tokenizer.json (no hub download)"}
+    )
 
 
 @dataclass
@@ -55,10 +68,26 @@ class DataTrainingArguments:
 def corpus(n: int) -> list[str]:
     """``n`` short English sentences, the same on every rank and every run."""
     rng = random.Random(0)
-    who = ["The farmer", "A child", "The old king", "My sister", "The river", "A traveller", "The teacher"]
+    who = [
+        "The farmer",
+        "A child",
+        "The old king",
+        "My sister",
+        "The river",
+        "A traveller",
+        "The teacher",
+    ]
     did = ["walked to", "looked at", "spoke about", "dreamed of", "carried water to", "sang about"]
-    what = ["the city by the sea", "a field of wheat", "the mountain", "his brother", "the morning light",
-            "a house of stone", "the quiet garden", "the market"]
+    what = [
+        "the city by the sea",
+        "a field of wheat",
+        "the mountain",
+        "his brother",
+        "the morning light",
+        "a house of stone",
+        "the quiet garden",
+        "the market",
+    ]
     return [f"{rng.choice(who)} {rng.choice(did)} {rng.choice(what)}." for _ in range(n)]
 
 
@@ -67,24 +96,43 @@ def main():
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     set_seed(training_args.seed)
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=model_args.tokenizer_file, pad_token="[PAD]",
-                                        mask_token="[MASK]", cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=model_args.tokenizer_file,
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        unk_token="[UNK]",
+    )
     config = CONFIG_MAPPING[model_args.model_type]()
     config.update_from_string(model_args.config_overrides)
     config.vocab_size = len(tokenizer)
     model = AutoModelForMaskedLM.from_config(config)
 
-    tokenized = [tokenizer(t)["input_ids"] + [tokenizer.sep_token_id] for t in corpus(data_args.num_texts)]
+    tokenized = [
+        tokenizer(t)["input_ids"] + [tokenizer.sep_token_id] for t in corpus(data_args.num_texts)
+    ]
     ids = list(chain.from_iterable(tokenized))
     block = data_args.block_size
-    blocks = [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]   # the remainder is dropped
-    samples = [{"input_ids": b, "attention_mask": [1] * block} for b in blocks]   # the collator masks and labels
+    blocks = [
+        ids[i : i + block] for i in range(0, len(ids) - block + 1, block)
+    ]  # the remainder is dropped
+    samples = [
+        {"input_ids": b, "attention_mask": [1] * block} for b in blocks
+    ]  # the collator masks and labels
     n_eval = len(samples) * data_args.validation_split_percentage // 100
     train_dataset, eval_dataset = samples[n_eval:], samples[:n_eval]
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset if training_args.do_train else None,
-                      eval_dataset=eval_dataset if training_args.do_eval else None, processing_class=tokenizer,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=data_args.mlm_probability))
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=eval_dataset if training_args.do_eval else None,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(
+            tokenizer, mlm_probability=data_args.mlm_probability
+        ),
+    )
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()

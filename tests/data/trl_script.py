@@ -8,6 +8,7 @@ OUT/result-RANK.json (the bytes of the reference model's parameters this rank ho
 model's bytes). The Trainer's defaults otherwise: max_grad_norm=1.0 (clipping on where the ds_config's
 "gradient_clipping" is "auto", as under DeepSpeed).
 """
+
 import argparse
 import json
 
@@ -17,7 +18,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
-from plait.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer   # was: from trl import ...
+from plait.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # was: from trl import ...
 
 cli = argparse.ArgumentParser()
 cli.add_argument("task", choices=["sft", "dpo"])
@@ -35,8 +36,9 @@ WORDS = [f"w{i}" for i in range(16380)]
 vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
 core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
 core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                    unk_token="<unk>")
+tokenizer = PreTrainedTokenizerFast(
+    tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+)
 
 
 def words(i, n, salt=0):
@@ -45,9 +47,21 @@ def words(i, n, salt=0):
 
 
 torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                     attention_dropout=opt.dropout, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+model = LlamaForCausalLM(
+    LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=opt.dropout,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+)
 whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -58,29 +72,65 @@ class LossFile(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and "loss" in logs:
             with open(f"{opt.out}/losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.global_step, **{k: logs.get(k) for k in LOGGED}}) + "\n")
+                f.write(
+                    json.dumps({"step": state.global_step, **{k: logs.get(k) for k in LOGGED}})
+                    + "\n"
+                )
 
 
-common = dict(output_dir=opt.out, deepspeed=None if opt.ds_config == "none" else opt.ds_config,
-              per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
-              max_steps=opt.max_steps, logging_steps=1, save_steps=5, report_to=[], seed=7, use_cpu=True, bf16=False)
+common = dict(
+    output_dir=opt.out,
+    deepspeed=None if opt.ds_config == "none" else opt.ds_config,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-3,
+    max_steps=opt.max_steps,
+    logging_steps=1,
+    save_steps=5,
+    report_to=[],
+    seed=7,
+    use_cpu=True,
+    bf16=False,
+)
 if opt.task == "sft":
     dataset = Dataset.from_dict({"text": [words(i, 8) for i in range(64)]})
-    trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[LossFile()])
+    trainer = SFTTrainer(
+        model=model,
+        args=SFTConfig(**common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[LossFile()],
+    )
 else:
-    dataset = Dataset.from_dict({"prompt": [words(i, 4) for i in range(64)],
-                                 "chosen": [words(i, 4, 1) for i in range(64)],
-                                 "rejected": [words(i, 4, 2) for i in range(64)]})
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [words(i, 4) for i in range(64)],
+            "chosen": [words(i, 4, 1) for i in range(64)],
+            "rejected": [words(i, 4, 2) for i in range(64)],
+        }
+    )
     torch.manual_seed(0)
     ref_model = LlamaForCausalLM(model.config)
     ref_model.load_state_dict(model.state_dict())
-    trainer = DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**common), train_dataset=dataset,
-                         processing_class=tokenizer, callbacks=[LossFile()])
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=DPOConfig(**common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[LossFile()],
+    )
 trainer.train(resume_from_checkpoint=opt.resume)
 
 rank = dist.get_rank() if dist.is_initialized() else 0
 ref = getattr(trainer, "ref_model", None)
 held = ref.optimizer.memory_bytes()["params"] if hasattr(ref, "optimizer") else None
 with open(f"{opt.out}/result-{rank}.json", "w") as f:
-    json.dump({"ref_params_bytes": held, "whole_bytes": whole_bytes, "global_step": trainer.state.global_step}, f)
+    json.dump(
+        {
+            "ref_params_bytes": held,
+            "whole_bytes": whole_bytes,
+            "global_step": trainer.state.global_step,
+        },
+        f,
+    )

@@ -15,6 +15,7 @@
    bitwise equal (the same fused kernels), float32 and bfloat16.
 Prints one line per check; exit 1 on failure.
 """
+
 import contextlib
 import os
 import sys
@@ -30,15 +31,21 @@ from test_context_parallel import emulate_ring, key_mask
 from plait.layers.norm import _RMSNormWeight
 
 
-def ring_check(cp: int, dtype, causal: bool, masked: bool = False, efficient: bool = False) -> tuple[bool, str]:
+def ring_check(
+    cp: int, dtype, causal: bool, masked: bool = False, efficient: bool = False
+) -> tuple[bool, str]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 1024, 64, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
     up = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
     keep = key_mask(1024).cuda() if masked else None
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, attn_mask=None if keep is None else keep[:, None, None, :],
-                                         is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        *leaves,
+        attn_mask=None if keep is None else keep[:, None, None, :],
+        is_causal=causal,
+        enable_gqa=True,
+    )
     out.backward(up.float())
     want = [out.detach()] + [t.grad for t in leaves]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if efficient else contextlib.nullcontext():
@@ -46,8 +53,10 @@ def ring_check(cp: int, dtype, causal: bool, masked: bool = False, efficient: bo
     errs = [rel_err(a.float(), b) for a, b in zip(got, want)]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = max(errs) <= tol
-    return ok, (f"ring cp={cp} {dtype} causal={causal} masked={masked} efficient={efficient}: out/dq/dk/dv rel err "
-                f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}")
+    return ok, (
+        f"ring cp={cp} {dtype} causal={causal} masked={masked} efficient={efficient}: out/dq/dk/dv rel err "
+        f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}"
+    )
 
 
 def norm_check(dtype) -> tuple[bool, str]:
@@ -56,21 +65,35 @@ def norm_check(dtype) -> tuple[bool, str]:
     w0 = (0.5 + torch.rand(1024, device="cuda", generator=g)).to(dtype)
     up = torch.randn(x0.shape, device="cuda", generator=g).to(dtype)
     results = []
-    for fn in (lambda x, w: F.rms_norm(x, (1024,), None, 1e-6) * w, lambda x, w: _RMSNormWeight.apply(x, w, 1e-6)):
+    for fn in (
+        lambda x, w: F.rms_norm(x, (1024,), None, 1e-6) * w,
+        lambda x, w: _RMSNormWeight.apply(x, w, 1e-6),
+    ):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         out = fn(x, w)
         out.backward(up)
         results.append((out.detach(), x.grad, w.grad))
     ok = all(torch.equal(a, b) for a, b in zip(*results))
-    return ok, f"RMSNorm {dtype}: output, dx, dw bitwise equal to F.rms_norm(x) * w: {'ok' if ok else 'FAILED'}"
+    return (
+        ok,
+        f"RMSNorm {dtype}: output, dx, dw bitwise equal to F.rms_norm(x) * w: {'ok' if ok else 'FAILED'}",
+    )
 
 
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     lines, failures = [], 0
-    checks = [(ring_check, (cp, dtype, causal)) for cp in (2, 4) for dtype in (torch.float32, torch.bfloat16)
-              for causal in (True, False)]
-    checks += [(ring_check, (cp, dtype, False, True)) for cp in (2, 4) for dtype in (torch.float32, torch.bfloat16)]
+    checks = [
+        (ring_check, (cp, dtype, causal))
+        for cp in (2, 4)
+        for dtype in (torch.float32, torch.bfloat16)
+        for causal in (True, False)
+    ]
+    checks += [
+        (ring_check, (cp, dtype, False, True))
+        for cp in (2, 4)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
     checks += [(ring_check, (2, torch.bfloat16, causal, False, True)) for causal in (True, False)]
     checks += [(norm_check, (dtype,)) for dtype in (torch.float32, torch.bfloat16)]
     for fn, args in checks:

@@ -15,6 +15,7 @@ bidirectional with a key padding mask (``test_context_parallel.key_mask``). Unli
 ring's steps emulated in one process) the K/V and their gradients really travel between the GPUs.
 Rank 0 prints one line per check; every rank exits 1 on any failure. Not collected by pytest (needs GPUs).
 """
+
 import os
 import sys
 
@@ -27,7 +28,12 @@ from helpers import rel_err  # noqa: E402
 from test_context_parallel import key_mask  # noqa: E402
 
 from plait.parallel import init_distributed  # noqa: E402
-from plait.parallel.context import all_to_all_attention, ring_attention, shard_sequence, unshard_sequence  # noqa: E402
+from plait.parallel.context import (
+    all_to_all_attention,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)  # noqa: E402
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 8, 2, 2048, 64
 METHODS = {"ring": ring_attention, "all_to_all": all_to_all_attention}
@@ -37,16 +43,22 @@ def inputs(dtype, device) -> list[torch.Tensor]:
     """q, k, v and the output's gradient, in ``dtype``, the same on every rank."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, device=device, generator=g)
-    k, v = (torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, device=device, generator=g) for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, device=device, generator=g) for _ in range(2)
+    )
     up = torch.randn(q.shape, device=device, generator=g)
     return [t.to(dtype) for t in (q, k, v, up)]
 
 
 def reference(q, k, v, up, causal: bool, keep=None) -> list[torch.Tensor]:
     """Output and q/k/v gradients of float32 attention over the whole sequence (``keep [b, s]``: keys)."""
-    leaves = [t.to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)]   # copies: q, k, v stay as they are
+    leaves = [
+        t.to(torch.float32, copy=True).requires_grad_() for t in (q, k, v)
+    ]  # copies: q, k, v stay as they are
     mask = None if keep is None else keep[:, None, None, :]
-    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal, enable_gqa=HEADS != KV_HEADS)
+    out = F.scaled_dot_product_attention(
+        *leaves, attn_mask=mask, is_causal=causal, enable_gqa=HEADS != KV_HEADS
+    )
     out.backward(up.float())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -58,7 +70,9 @@ def gathered(t: torch.Tensor, group) -> torch.Tensor:
     return unshard_sequence(parts, dim=2)
 
 
-def check(method: str, dtype, causal: bool, group, device, masked: bool = False) -> tuple[bool, str]:
+def check(
+    method: str, dtype, causal: bool, group, device, masked: bool = False
+) -> tuple[bool, str]:
     """One method against ``reference``; ``masked``: bidirectional with ``key_mask``'s padding (sequence 0
     all padding past its first 2 tokens: rank 1's K/V hold none of its keys)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -73,8 +87,10 @@ def check(method: str, dtype, causal: bool, group, device, masked: bool = False)
     errs = [rel_err(a.float(), b) for a, b in zip(got, want)]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = max(errs) <= tol
-    return ok, (f"{method} cp={cp} {dtype} causal={causal} masked={masked}: out/dq/dk/dv rel err "
-                f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}")
+    return ok, (
+        f"{method} cp={cp} {dtype} causal={causal} masked={masked}: out/dq/dk/dv rel err "
+        f"{' '.join(f'{e:.1e}' for e in errs)} (tol {tol:.0e}) {'ok' if ok else 'FAILED'}"
+    )
 
 
 def main() -> int:

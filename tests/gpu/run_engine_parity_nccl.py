@@ -5,6 +5,7 @@
 Model on CUDA in float32 (TF32 off); rank 0 compares every whole weight after 5 steps and the loss
 curve with the single-process CPU AdamW reference (1e-6 / 1e-5 relative) and prints one line.
 """
+
 import argparse
 import os
 import sys
@@ -32,8 +33,11 @@ def main() -> int:
         ref_weights, ref_losses = reference(dp)
         try:
             check_engine_results(results, ref_weights, ref_losses, args.tp, dp)
-            print(f"nccl engine parity tp={args.tp} dp={dp}: ZeRO stages 0-3 match the reference "
-                  f"(weights 1e-6, losses 1e-5) ok", flush=True)
+            print(
+                f"nccl engine parity tp={args.tp} dp={dp}: ZeRO stages 0-3 match the reference "
+                f"(weights 1e-6, losses 1e-5) ok",
+                flush=True,
+            )
         except AssertionError as err:
             print(f"nccl engine parity tp={args.tp} dp={dp} FAILED: {err}", flush=True)
             status = 1

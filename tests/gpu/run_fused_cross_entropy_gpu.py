@@ -11,6 +11,7 @@
 3. A tiny Llama in bf16 with ``fused_loss_chunk_tokens`` on and off: the same loss to bf16 rounding.
 Prints one line per check; exit 1 on failure.
 """
+
 import sys
 import time
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from plait.layers import TransformerModel, fused_linear_cross_entropy, vocab_parallel_cross_entropy
 from plait.models import preset
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def rel(a, b):
@@ -62,11 +63,13 @@ def check_fp32(failures):
     b = torch.randn(w.shape[0], device="cuda", generator=g) * 0.1
     t = torch.randint(0, 3000, (1000,), device="cuda", generator=g)
     t[::7] = -100
-    ref = step(False, x, w, b, t, 0, vocab=3000)          # rows >= 3000 are padding
+    ref = step(False, x, w, b, t, 0, vocab=3000)  # rows >= 3000 are padding
     got = step(True, x, w, b, t, 300, vocab=3000)
     errs = [rel(a, r) for a, r in zip([got[0]] + got[1], [ref[0]] + ref[1])]
     ok = max(errs) <= 1e-6
-    print(f"fp32 parity (loss, hidden, weight, bias): {['%.1e' % e for e in errs]} {'ok' if ok else 'FAIL'}")
+    print(
+        f"fp32 parity (loss, hidden, weight, bias): {['%.1e' % e for e in errs]} {'ok' if ok else 'FAIL'}"
+    )
     if not ok:
         failures.append("fp32 parity")
 
@@ -78,9 +81,13 @@ def check_bf16_large(failures):
     t = torch.randint(0, VOCAB, (8192,), device="cuda", generator=g)
     t[:100] = -100
     results = {}
-    for name, fused, chunk in [("unfused", False, 0), ("fused-1024", True, 1024), ("fused-2048", True, 2048),
-                               ("fused-4096", True, 4096)]:
-        step(fused, x, w, None, t, chunk)               # warm-up
+    for name, fused, chunk in [
+        ("unfused", False, 0),
+        ("fused-1024", True, 1024),
+        ("fused-2048", True, 2048),
+        ("fused-4096", True, 4096),
+    ]:
+        step(fused, x, w, None, t, chunk)  # warm-up
         times = []
         for _ in range(5):
             torch.cuda.synchronize()
@@ -88,34 +95,53 @@ def check_bf16_large(failures):
             out = step(fused, x, w, None, t, chunk)
             times.append(time.perf_counter() - t0)
         results[name] = out
-        print(f"bf16 8192x4096 -> V {VOCAB}: {name}: held fwd->bwd {out[2] / MIB:.0f} MiB, peak {out[3] / MIB:.0f} "
-              f"MiB, fwd+bwd {1e3 * sorted(times)[2]:.1f} ms (median of 5)")
+        print(
+            f"bf16 8192x4096 -> V {VOCAB}: {name}: held fwd->bwd {out[2] / MIB:.0f} MiB, peak {out[3] / MIB:.0f} "
+            f"MiB, fwd+bwd {1e3 * sorted(times)[2]:.1f} ms (median of 5)"
+        )
     ref = results["unfused"]
     for name in ("fused-1024", "fused-2048", "fused-4096"):
         got = results[name]
         errs = [rel(a, r) for a, r in zip([got[0]] + got[1], [ref[0]] + ref[1])]
         # Held from forward to backward: only the gradients it computed, the hidden one in bf16 and the weight's
         # float32 sum over chunks (kept float32 until backward scales it: commit 0ab7085; 2 B/element before).
-        ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2 and got[2] <= w.numel() * 4 + x.numel() * 2 + 4 * MIB
-        print(f"  {name} vs unfused (loss, hidden, weight): {['%.1e' % e for e in errs]} {'ok' if ok else 'FAIL'}")
+        ok = (
+            errs[0] < 1e-3
+            and max(errs[1:]) < 1e-2
+            and got[2] <= w.numel() * 4 + x.numel() * 2 + 4 * MIB
+        )
+        print(
+            f"  {name} vs unfused (loss, hidden, weight): {['%.1e' % e for e in errs]} {'ok' if ok else 'FAIL'}"
+        )
         if not ok:
             failures.append(name)
 
 
 def check_model(failures):
-    cfg = preset("llama-tiny", vocab_size=1001, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=96, label_smoothing=0.1)
+    cfg = preset(
+        "llama-tiny",
+        vocab_size=1001,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        label_smoothing=0.1,
+    )
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 1001, (2, 65), generator=g).cuda()
     losses = []
     for chunk in (0, 48):
-        model = TransformerModel(cfg.replace(fused_loss_chunk_tokens=chunk), seed=4, device="cuda",
-                                 dtype=torch.bfloat16)
+        model = TransformerModel(
+            cfg.replace(fused_loss_chunk_tokens=chunk), seed=4, device="cuda", dtype=torch.bfloat16
+        )
         loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
         loss.backward()
         losses.append(loss.float().item())
     ok = abs(losses[0] - losses[1]) <= 1e-2 * abs(losses[0])
-    print(f"tiny llama bf16 loss unfused {losses[0]:.5f} fused {losses[1]:.5f} {'ok' if ok else 'FAIL'}")
+    print(
+        f"tiny llama bf16 loss unfused {losses[0]:.5f} fused {losses[1]:.5f} {'ok' if ok else 'FAIL'}"
+    )
     if not ok:
         failures.append("model")
 

@@ -15,6 +15,7 @@ Checks, printed one line each (exit status 1 on any failure):
   tests/test_offload.py), losses to 1e-6; with ``offload_optimizer.ratio`` < 1 each resident group's
   master and Adam moments are in device memory and every other group's in host memory.
 """
+
 import os
 import sys
 
@@ -44,7 +45,9 @@ def check_pinned() -> str:
     grew = rss_bytes() - before
     want = numel * 2
     assert t.is_pinned(), "host_empty(pin=True) returned pageable memory"
-    assert abs(grew - want) <= 0.05 * want, f"resident set grew {grew / 2**30:.2f} GiB for {want / 2**30:.2f} GiB"
+    assert abs(grew - want) <= 0.05 * want, (
+        f"resident set grew {grew / 2**30:.2f} GiB for {want / 2**30:.2f} GiB"
+    )
     src = torch.arange(numel, dtype=torch.float32, device="cuda").to(torch.bfloat16)
     t.copy_(src, non_blocking=True)
     back = t.to("cuda", non_blocking=True)
@@ -57,6 +60,7 @@ def check_device_update() -> str:
     """``adam_update_`` on CUDA is bit-identical to the numba CPU kernel (IEEE sqrt and division on CUDA)."""
     from plait.kernels import CPUAdam
     from plait.zero.offload.device_share import adam_update_
+
     g0 = torch.Generator().manual_seed(0)
     n, bad = 1 << 20, 0
     for adamw in (True, False):
@@ -72,9 +76,15 @@ def check_device_update() -> str:
         k.step_range(w_cpu, g, 0, n, grad_coef=0.4813)
         w, m, v = p.cuda(), m0.cuda(), v0.cuda()
         adam_update_(w, g.cuda(), m, v, k, 0.4813)
-        bad += int((w.cpu() != w_cpu).sum()) + int((m.cpu() != k.exp_avg).sum()) + int((v.cpu() != k.exp_avg_sq).sum())
+        bad += (
+            int((w.cpu() != w_cpu).sum())
+            + int((m.cpu() != k.exp_avg).sum())
+            + int((v.cpu() != k.exp_avg_sq).sum())
+        )
     assert bad == 0, f"{bad} elements differ between the CUDA update and the CPU kernel"
-    return "device update: bit-identical to the CPU kernel on CUDA (Adam and AdamW, 2^20 elements) ok"
+    return (
+        "device update: bit-identical to the CPU kernel on CUDA (Adam and AdamW, 2^20 elements) ok"
+    )
 
 
 def check_default_share() -> str:
@@ -84,8 +94,10 @@ def check_default_share() -> str:
     auto = train(ds_config(2, offload=True, gas=1, device_step=None), STEPS, device="cuda")
     bad = sum(int((auto["masters"][k].cpu() != m.cpu()).sum()) for k, m in host["masters"].items())
     ok = bad == 0 and auto["split_history"] and max(auto["split_history"]) > 0
-    return (f"default device share on CUDA: segments on the device per step {auto['split_history']}, "
-            f"{bad} master elements differ from the all-host step {'ok' if ok else 'FAILED'}")
+    return (
+        f"default device share on CUDA: segments on the device per step {auto['split_history']}, "
+        f"{bad} master elements differ from the all-host step {'ok' if ok else 'FAILED'}"
+    )
 
 
 def main() -> int:
@@ -106,20 +118,41 @@ def main() -> int:
         if info.rank != 0:
             continue
         stepped_on_device = "device step" in case or "ratio" in case
-        tol = 1e-4 if case.startswith("bf16") else 1e-5 if stepped_on_device else 1e-6   # as test_offload
+        tol = (
+            1e-4 if case.startswith("bf16") else 1e-5 if stepped_on_device else 1e-6
+        )  # as test_offload
         mtol = 1e-5 if stepped_on_device else 1e-6
-        w_err = max(rel_err(got["weights"][n].cpu(), w.cpu(), floor=1e-12) for n, w in ref["weights"].items())
-        m_err = max(rel_err(got["masters"][k].cpu(), m.cpu(), floor=1e-12) for k, m in ref["masters"].items())
+        w_err = max(
+            rel_err(got["weights"][n].cpu(), w.cpu(), floor=1e-12)
+            for n, w in ref["weights"].items()
+        )
+        m_err = max(
+            rel_err(got["masters"][k].cpu(), m.cpu(), floor=1e-12)
+            for k, m in ref["masters"].items()
+        )
         l_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
         # the placement: a resident group's master and moments in device memory, every other group's on the host
-        misplaced = [p for p in got["placed"] if p[2:] != (("cuda", "cuda") if p[0] else ("cpu", "cpu"))] \
-            if "offload_optimizer" in off_cfg["zero_optimization"] else []
-        resident = sum(n for on_device, n, *_ in got["placed"] if on_device) / sum(n for _, n, *_ in got["placed"])
-        ok = w_err <= tol and m_err <= mtol and l_err <= 1e-6 and got["steps"] == STEPS and not misplaced
+        misplaced = (
+            [p for p in got["placed"] if p[2:] != (("cuda", "cuda") if p[0] else ("cpu", "cpu"))]
+            if "offload_optimizer" in off_cfg["zero_optimization"]
+            else []
+        )
+        resident = sum(n for on_device, n, *_ in got["placed"] if on_device) / sum(
+            n for _, n, *_ in got["placed"]
+        )
+        ok = (
+            w_err <= tol
+            and m_err <= mtol
+            and l_err <= 1e-6
+            and got["steps"] == STEPS
+            and not misplaced
+        )
         failures += not ok
-        lines.append(f"{case} dp={info.world_size}: weights {w_err:.1e} (tol {tol:.0e}), masters {m_err:.1e}, "
-                     f"losses {l_err:.1e}, host grads {got['grad_dtype']}, states on the GPU {resident:.0%}"
-                     f"{', misplaced ' + str(misplaced) if misplaced else ''} {'ok' if ok else 'FAILED'}")
+        lines.append(
+            f"{case} dp={info.world_size}: weights {w_err:.1e} (tol {tol:.0e}), masters {m_err:.1e}, "
+            f"losses {l_err:.1e}, host grads {got['grad_dtype']}, states on the GPU {resident:.0%}"
+            f"{', misplaced ' + str(misplaced) if misplaced else ''} {'ok' if ok else 'FAILED'}"
+        )
     lines.append(check_default_share())
     failures += "FAILED" in lines[-1]
     if info.rank == 0:

@@ -18,6 +18,7 @@ Also checks: a second capture only when shapes change; through ``engine.train_ba
 clipping 1.0), ZeRO-1 and ZeRO-2 graphed against eager with the same tolerance, and ZeRO-3 refused.
 Not collected by pytest (needs GPUs).
 """
+
 import os
 import sys
 
@@ -32,8 +33,15 @@ from plait.parallel.pipeline.parallel import PipelineParallel  # noqa: E402
 import plait.parallel.pipeline.graphs as pipeline_graphs  # noqa: E402
 
 M, MBS, SEQ, STEPS = 4, 2, 128, 3
-CFG = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=688,
-           max_position_embeddings=SEQ)
+CFG = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=688,
+    max_position_embeddings=SEQ,
+)
 
 
 def batches(step: int, device, seq: int = SEQ) -> list[dict]:
@@ -45,8 +53,15 @@ def batches(step: int, device, seq: int = SEQ) -> list[dict]:
 def train(mesh, schedule: str, graphs: bool, seq: int = SEQ):
     """Losses of each step, the final gradients and parameters (by name), and the pipeline."""
     v = 2 if schedule in ("interleaved", "zb-v") else 1
-    chunks = build_stage_modules(preset("llama-886m", **CFG), mesh, v=v, seed=0, device=mesh.device,
-                                 dtype=torch.float32, schedule=schedule)
+    chunks = build_stage_modules(
+        preset("llama-886m", **CFG),
+        mesh,
+        v=v,
+        seed=0,
+        device=mesh.device,
+        dtype=torch.float32,
+        schedule=schedule,
+    )
     pipe = PipelineParallel(chunks, mesh, schedule=schedule, micro_batches=M, cuda_graphs=graphs)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3)
     losses = []
@@ -81,8 +96,12 @@ def compare(mesh, schedule: str, failures: list, expect_equal: bool = True) -> N
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     ok = (errs.item() <= 1e-6) == expect_equal
     what = "graphs = eager" if expect_equal else "negative control differs"
-    check(f"{schedule} p={mesh.pp}", ok, f"{what}: worst relative difference {errs.item():.2e} (losses {got[0]})",
-          failures)
+    check(
+        f"{schedule} p={mesh.pp}",
+        ok,
+        f"{what}: worst relative difference {errs.item():.2e} (losses {got[0]})",
+        failures,
+    )
 
 
 def engine_losses(mesh, stage: int, graphs: bool):
@@ -90,12 +109,19 @@ def engine_losses(mesh, stage: int, graphs: bool):
     the final parameters."""
     import plait
 
-    chunks = build_stage_modules(preset("llama-886m", **CFG), mesh, v=1, seed=0, device=mesh.device,
-                                 dtype=torch.float32)
+    chunks = build_stage_modules(
+        preset("llama-886m", **CFG), mesh, v=1, seed=0, device=mesh.device, dtype=torch.float32
+    )
     pipe = PipelineParallel(chunks, mesh, schedule="1f1b", micro_batches=M, cuda_graphs=graphs)
-    config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": M, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
-              "steps_per_print": 10 ** 9, "pipeline": {"size": mesh.pp, "schedule": "1f1b"}}
+    config = {
+        "train_micro_batch_size_per_gpu": MBS,
+        "gradient_accumulation_steps": M,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "pipeline": {"size": mesh.pp, "schedule": "1f1b"},
+    }
     engine = plait.initialize(pipe, config, mesh=mesh)
     losses = [engine.train_batch(iter(batches(step, mesh.device))).item() for step in range(STEPS)]
     return losses, {n: p.detach().clone() for n, p in pipe.named_parameters()}
@@ -109,14 +135,20 @@ def engine_checks(mesh, failures: list) -> None:
         err = max(max(abs(a - b) / abs(a) for a, b in zip(ref[0], got[0])), worst(ref[1], got[1]))
         errs = torch.tensor([err], device=mesh.device)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-        check(f"engine ZeRO-{stage} p={mesh.pp}", errs.item() <= 1e-6,
-              f"graphs = eager: worst relative difference {errs.item():.2e} (losses {got[0]})", failures)
+        check(
+            f"engine ZeRO-{stage} p={mesh.pp}",
+            errs.item() <= 1e-6,
+            f"graphs = eager: worst relative difference {errs.item():.2e} (losses {got[0]})",
+            failures,
+        )
     try:
         engine_losses(mesh, 3, True)
         message = "no error"
     except ValueError as e:
         message = str(e)
-    check("engine ZeRO-3 refused", "ZeRO-3" in message and "hooks" in message, message[:160], failures)
+    check(
+        "engine ZeRO-3 refused", "ZeRO-3" in message and "hooks" in message, message[:160], failures
+    )
 
 
 def recapture(mesh, failures: list) -> None:
@@ -126,8 +158,12 @@ def recapture(mesh, failures: list) -> None:
     pipe.train_batch(iter(batches(9, mesh.device, SEQ // 2)))
     pipe.train_batch(iter(batches(10, mesh.device, SEQ // 2)))
     after = pipe.executor.graphs.captures
-    check("recapture", before == 1 and after == 2, f"captures after {STEPS} steps {before}, after two steps of "
-          f"a new sequence length {after}", failures)
+    check(
+        "recapture",
+        before == 1 and after == 2,
+        f"captures after {STEPS} steps {before}, after two steps of a new sequence length {after}",
+        failures,
+    )
 
 
 def main() -> int:
@@ -140,8 +176,11 @@ def main() -> int:
     engine_checks(mesh, failures)
     copy_batch = pipeline_graphs.ActionGraphs.forward
 
-    def stale_forward(self, chunk, mb, x, batch):   # broken on purpose: the slot keeps the capture's tokens
+    def stale_forward(
+        self, chunk, mb, x, batch
+    ):  # broken on purpose: the slot keeps the capture's tokens
         return copy_batch(self, chunk, mb, x, {})
+
     pipeline_graphs.ActionGraphs.forward = stale_forward
     compare(mesh, "1f1b", failures, expect_equal=False)
     pipeline_graphs.ActionGraphs.forward = copy_batch

@@ -6,6 +6,7 @@ Runs every (arch, sequence parallel) case at tp = world size with the model on C
 (TF32 off) and prints one line per case with the loss and worst gradient relative errors against
 the float64 CPU reference; exits non-zero on any failure. Not collected by pytest (needs GPUs).
 """
+
 import os
 import sys
 
@@ -28,11 +29,17 @@ def main() -> int:
             try:
                 result = parity_body(arch, info.world_size, sp, device="cuda")
                 if info.rank == 0:
-                    print(f"nccl tp={info.world_size} {arch:5s} sp={sp!s:5s} loss rel err {result[0]:.2e} "
-                          f"worst grad rel err {result[1]:.2e} (tol {RTOL:g}) ok", flush=True)
+                    print(
+                        f"nccl tp={info.world_size} {arch:5s} sp={sp!s:5s} loss rel err {result[0]:.2e} "
+                        f"worst grad rel err {result[1]:.2e} (tol {RTOL:g}) ok",
+                        flush=True,
+                    )
             except AssertionError as err:
                 failures += 1
-                print(f"rank {info.rank} nccl tp={info.world_size} {arch} sp={sp} FAILED: {err}", flush=True)
+                print(
+                    f"rank {info.rank} nccl tp={info.world_size} {arch} sp={sp} FAILED: {err}",
+                    flush=True,
+                )
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -11,6 +11,7 @@ gradient hooks fire as in a plain backward. A graph the cut does not fit falls b
 whole backward in BW (correct, at the cost of a full B). The walk, costs, memory and fallback:
 ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ def _analyse(root, target, root_slot: int):
             if parent not in on_path:
                 on_path.add(parent)
                 frontier.append(parent)
-    weight: dict = {}      # weight node -> None, in a deterministic order
+    weight: dict = {}  # weight node -> None, in a deterministic order
     simple = True
     for child, plist in parents.items():
         if child in on_path:
@@ -96,7 +97,9 @@ def _analyse(root, target, root_slot: int):
             weight.update(dict.fromkeys(hits))
     weight_nodes = []
     for node in weight:
-        side = [(i, c, k) for i, (c, k) in enumerate(kids[node]) if c is not None and c not in on_path]
+        side = [
+            (i, c, k) for i, (c, k) in enumerate(kids[node]) if c is not None and c not in on_path
+        ]
         slots = {root_slot} if node is root else set()
         for parent in dict.fromkeys(parents[node]):
             slots.update(k for c, k in kids[parent] if c is node)
@@ -104,8 +107,9 @@ def _analyse(root, target, root_slot: int):
     return weight_nodes, simple
 
 
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
-                   stage_input: torch.Tensor | None) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+def backward_input(
+    output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None
+) -> tuple[torch.Tensor | None, PendingWeightGrad]:
     """BI: the gradient w.r.t. ``stage_input`` only; returns it and the state BW needs.
 
     Args:
@@ -126,7 +130,9 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
         return grad, PendingWeightGrad(output, grad_output)
     deferred, early = [], []
     for node, ks, side in found[0]:
-        (deferred if type(node).__name__ in GEMM_NODES and ks == [0] else early).append((node, ks, side))
+        (deferred if type(node).__name__ in GEMM_NODES and ks == [0] else early).append(
+            (node, ks, side)
+        )
     # Formulas for BW, set up before the engine frees anything: when every deferred node has one
     # (reading plain saved tensors now), BI need not retain the graph and its other activations
     # (attention, activation functions, norms) are freed here instead of after BW.
@@ -134,15 +140,16 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
     retain = not all(p is not None and p[1] for p in plans)
     edges = [GradientEdge(n, k) for n, ks, _ in deferred for k in ks]
     tails = [GradientEdge(c, k) for _, _, side in early for _, c, k in side]
-    grads = torch.autograd.grad(output, [stage_input, *edges, *tails], grad_output, retain_graph=retain,
-                                allow_unused=True)
-    it = iter(grads[1:1 + len(edges)])
+    grads = torch.autograd.grad(
+        output, [stage_input, *edges, *tails], grad_output, retain_graph=retain, allow_unused=True
+    )
+    it = iter(grads[1 : 1 + len(edges)])
     nodes = []
     for (node, ks, side), p in zip(deferred, plans):
         captured = [(k, g) for k in ks if (g := next(it)) is not None]
         if captured:
             nodes.append((node, captured, side, None if p is None else p[0]))
-    ready = [(e, g) for e, g in zip(tails, grads[1 + len(edges):]) if g is not None]
+    ready = [(e, g) for e, g in zip(tails, grads[1 + len(edges) :]) if g is not None]
     return grads[0], PendingWeightGrad(nodes=nodes, ready=ready, split=True)
 
 
@@ -165,19 +172,27 @@ def _in_exec_group(fn):
     group = getattr(_checkpoint, "GraphExecGroup", None)
     if group is None or torch._C._get_graph_exec_group() is not None:
         return fn()
-    with group():  # a checkpointed region is recomputed once for all of BW, not once per saved tensor
+    with (
+        group()
+    ):  # a checkpointed region is recomputed once for all of BW, not once per saved tensor
         return fn()
 
 
 def _weight_halves(pending: PendingWeightGrad) -> tuple[list, list]:
     tails, tail_grads = [e for e, _ in pending.ready], [g for _, g in pending.ready]
     for node, captured, side, fn in pending.nodes:
-        if fn is not None:  # plait.parallel.pipeline.weight_grad: the autograd formula on the saved tensors
+        if (
+            fn is not None
+        ):  # plait.parallel.pipeline.weight_grad: the autograd formula on the saved tensors
             grads = fn(captured[0][1])
         else:  # any other node: run it alone through the engine (the graph was retained)
             outs = [GradientEdge(node, k) for k, _ in captured]
-            grads = torch.autograd.grad(outs, [GradientEdge(c, k) for _, c, k in side],
-                                        [g for _, g in captured], allow_unused=True)
+            grads = torch.autograd.grad(
+                outs,
+                [GradientEdge(c, k) for _, c, k in side],
+                [g for _, g in captured],
+                allow_unused=True,
+            )
         for (_, child, k), g in zip(side, grads):
             if g is not None:
                 child, k, g = _past_transpose(child, k, g)
@@ -192,7 +207,7 @@ def _past_transpose(child, k: int, grad: torch.Tensor):
     gradient directly, the same ``.t()`` view the engine's ``TBackward0`` would pass on (one node less to run
     per GEMM weight; ``.grad`` and its hooks are unchanged)."""
     if type(child).__name__ == "TBackward0":
-        (acc, j), = child.next_functions
+        ((acc, j),) = child.next_functions
         if acc is not None and type(acc).__name__ == "AccumulateGrad":
             return acc, j, grad.t()
     return child, k, grad
@@ -212,4 +227,12 @@ def run_tails(edges: list, grads: list, keep_graph: bool = False) -> None:
     if run is None:
         torch.autograd.backward(edges, grads, retain_graph=keep_graph)
     else:
-        run(tuple(edges), tuple(grads), keep_graph, False, (), allow_unreachable=True, accumulate_grad=True)
+        run(
+            tuple(edges),
+            tuple(grads),
+            keep_graph,
+            False,
+            (),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )

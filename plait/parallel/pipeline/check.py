@@ -1,8 +1,16 @@
 """Validation of per-rank pipeline action lists (``plait.parallel.pipeline.schedules``): completeness and each
 rank's local dependency order; cross-rank deadlock freedom is ``plait.parallel.pipeline.simulate``'s check."""
+
 from __future__ import annotations
 
-from plait.parallel.pipeline.schedules import Action, Schedule, check_sizes, crosses_ranks, rank_chunk_of, stage_of
+from plait.parallel.pipeline.schedules import (
+    Action,
+    Schedule,
+    check_sizes,
+    crosses_ranks,
+    rank_chunk_of,
+    stage_of,
+)
 
 
 def _fail(rank: int, index: int, action: Action, problem: str, fix: str) -> None:
@@ -32,13 +40,19 @@ def check_schedule(lists: Schedule, p: int, m: int, v: int = 1, shape: str = "lo
     _check_complete(seen, p, m, last, shape)
     if set(sends) != set(recvs):
         missing = sorted(set(sends) ^ set(recvs))[:3]
-        raise ValueError(f"unmatched sends/receives (direction, micro-batch, receiving stage) "
-                         f"{missing}; every SEND needs one RECV on the peer stage")
+        raise ValueError(
+            f"unmatched sends/receives (direction, micro-batch, receiving stage) "
+            f"{missing}; every SEND needs one RECV on the peer stage"
+        )
 
 
-def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool, shape: str) -> tuple[
-        dict[tuple[str, int, int], tuple[int, int]], dict[tuple[str, int, int], int],
-        dict[tuple[str, int, int], int]]:
+def _scan_actions(
+    lists: Schedule, p: int, m: int, v: int, last: int, comm: bool, shape: str
+) -> tuple[
+    dict[tuple[str, int, int], tuple[int, int]],
+    dict[tuple[str, int, int], int],
+    dict[tuple[str, int, int], int],
+]:
     """Check every action in rank order; return (seen, sends, recvs) for the global checks.
 
     ``seen`` maps (kind, micro-batch, stage) to (rank, index); ``sends`` and ``recvs`` map
@@ -52,18 +66,35 @@ def _scan_actions(lists: Schedule, p: int, m: int, v: int, last: int, comm: bool
             if not isinstance(a, Action):
                 raise ValueError(f"rank {r}, item #{i} is {a!r}, not an Action")
             if a.microbatch >= m or a.chunk >= v:
-                _fail(r, i, a, f"micro-batch must be < m={m} and chunk < v={v}",
-                      "fix the index or pass the right m and v")
+                _fail(
+                    r,
+                    i,
+                    a,
+                    f"micro-batch must be < m={m} and chunk < v={v}",
+                    "fix the index or pass the right m and v",
+                )
             s = stage_of(r, a.chunk, p, shape)
             key = (a.kind, a.microbatch, s)
             if key in seen:
-                _fail(r, i, a, f"duplicate (first at rank {seen[key][0]} #{seen[key][1]})",
-                      "each (micro-batch, stage) runs each kind once")
+                _fail(
+                    r,
+                    i,
+                    a,
+                    f"duplicate (first at rank {seen[key][0]} #{seen[key][1]})",
+                    "each (micro-batch, stage) runs each kind once",
+                )
             seen[key] = (r, i)
             _check_order(r, i, a, s, last, comm and _remote(a, s, p, v, shape), seen)
-            if not a.is_compute and not _remote(a, s, p, v, shape):   # out-of-range peers failed above
-                _fail(r, i, a, "a transfer to a stage on this same rank", "drop it: the executor hands the "
-                      "tensor over directly (use with_communication)")
+            if not a.is_compute and not _remote(
+                a, s, p, v, shape
+            ):  # out-of-range peers failed above
+                _fail(
+                    r,
+                    i,
+                    a,
+                    "a transfer to a stage on this same rank",
+                    "drop it: the executor hands the tensor over directly (use with_communication)",
+                )
             if a.kind in ("SEND_F", "SEND_B"):
                 sends[(a.kind[-1], a.microbatch, s + (1 if a.kind == "SEND_F" else -1))] = r
             if a.kind in ("RECV_F", "RECV_B"):
@@ -80,8 +111,15 @@ def _remote(a: Action, s: int, p: int, v: int, shape: str) -> bool:
     return a.kind not in PEER_STEP or crosses_ranks(s, s + PEER_STEP[a.kind], p, v, shape)
 
 
-def _check_order(r: int, i: int, a: Action, s: int, last: int, comm: bool,
-                 seen: dict[tuple[str, int, int], tuple[int, int]]) -> None:
+def _check_order(
+    r: int,
+    i: int,
+    a: Action,
+    s: int,
+    last: int,
+    comm: bool,
+    seen: dict[tuple[str, int, int], tuple[int, int]],
+) -> None:
     """Raise if action a (#i on rank r, stage s) is out of order with its rank's earlier ones."""
     has = lambda k: (k, a.microbatch, s) in seen  # noqa: E731 - earlier on this rank
     if a.kind in ("B", "BI") and not has("F"):
@@ -99,15 +137,26 @@ def _check_order(r: int, i: int, a: Action, s: int, last: int, comm: bool,
     if a.kind == "SEND_B" and (s == 0 or not (has("B") or has("BI"))):
         _fail(r, i, a, "SEND_B on stage 0 or before its backward", "send after the backward")
     if comm and a.kind == "F" and s > 0 and not has("RECV_F"):
-        _fail(r, i, a, "forward without an earlier RECV_F in a list with communication",
-              "insert RECV_F before it (use with_communication)")
+        _fail(
+            r,
+            i,
+            a,
+            "forward without an earlier RECV_F in a list with communication",
+            "insert RECV_F before it (use with_communication)",
+        )
     if comm and a.kind in ("B", "BI") and s < last and not has("RECV_B"):
-        _fail(r, i, a, "backward without an earlier RECV_B in a list with communication",
-              "insert RECV_B before it (use with_communication)")
+        _fail(
+            r,
+            i,
+            a,
+            "backward without an earlier RECV_B in a list with communication",
+            "insert RECV_B before it (use with_communication)",
+        )
 
 
-def _check_complete(seen: dict[tuple[str, int, int], tuple[int, int]], p: int, m: int,
-                    last: int, shape: str) -> None:
+def _check_complete(
+    seen: dict[tuple[str, int, int], tuple[int, int]], p: int, m: int, last: int, shape: str
+) -> None:
     """Raise unless every (micro-batch, stage) has one F and one B or a BI plus a BW."""
     for mb in range(m):
         for s in range(last + 1):

@@ -1,13 +1,16 @@
 """The send and receive actions of a schedule: compute lists in, lists with SEND_*/RECV_* out (what the
 executor posts as non-blocking transfers, ``plait.parallel.pipeline.p2p``).
 """
+
 from __future__ import annotations
 
 from plait.parallel.pipeline.schedules import Action, Schedule, crosses_ranks, rank_of, stage_of
 from plait.parallel.pipeline.simulate import simulate
 
 
-def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, shape: str = "loop") -> Schedule:
+def with_communication(
+    lists: Schedule, p: int, v: int = 1, lookahead: int = 0, shape: str = "loop"
+) -> Schedule:
     """Return new lists with SEND_*/RECV_* actions for the executor's non-blocking transfers.
 
     Placement (``plait.parallel.pipeline.p2p``: sends never block, a receive blocks only the action reading it):
@@ -48,12 +51,14 @@ def with_communication(lists: Schedule, p: int, v: int = 1, lookahead: int = 0, 
 def _sends(compute: Schedule, p: int, v: int, shape: str):
     """Per rank, the SEND after each compute action whose output crosses to another rank (``after[r][j]``),
     and the index of each message's producer on its sender (``sent_at[(direction, microbatch, stage)]``)."""
-    sent_at: dict[tuple[str, int, int], int] = {}     # message -> index of its producer on the sender
+    sent_at: dict[tuple[str, int, int], int] = {}  # message -> index of its producer on the sender
     after: list[dict[int, Action]] = [{} for _ in range(p)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
-            if a.kind in ("F", "B", "BI") and crosses_ranks(s, s + (1 if a.kind == "F" else -1), p, v, shape):
+            if a.kind in ("F", "B", "BI") and crosses_ranks(
+                s, s + (1 if a.kind == "F" else -1), p, v, shape
+            ):
                 direction = "F" if a.kind == "F" else "B"
                 sent_at[(direction, a.microbatch, s)] = j
                 after[r][j] = Action("SEND_" + direction, a.microbatch, a.chunk)
@@ -64,14 +69,17 @@ def _receives(compute: Schedule, sent_at: dict, p: int, v: int, shape: str, look
     """Per rank, the RECVs to post before compute action ``j`` (``before[r][j]``: ``(k, RECV)``, ``k`` the
     receive's place in its channel's send order): ``lookahead`` actions before the reader, earlier where
     the channel's posting order needs it."""
-    reads: dict[tuple[int, int], list] = {}           # channel -> [(send index, reader index, RECV)]
+    reads: dict[tuple[int, int], list] = {}  # channel -> [(send index, reader index, RECV)]
     for r, acts in enumerate(compute):
         for j, a in enumerate(acts):
             s = stage_of(r, a.chunk, p, shape)
-            if a.kind in ("F", "B", "BI") and crosses_ranks(s, s + (-1 if a.kind == "F" else 1), p, v, shape):
+            if a.kind in ("F", "B", "BI") and crosses_ranks(
+                s, s + (-1 if a.kind == "F" else 1), p, v, shape
+            ):
                 msg = ("F", a.microbatch, s - 1) if a.kind == "F" else ("B", a.microbatch, s + 1)
                 reads.setdefault((rank_of(msg[2], p, shape), r), []).append(
-                    (sent_at[msg], j, Action("RECV_" + msg[0], a.microbatch, a.chunk)))
+                    (sent_at[msg], j, Action("RECV_" + msg[0], a.microbatch, a.chunk))
+                )
     before: list[dict[int, list]] = [{} for _ in range(p)]
     for (_, r), items in sorted(reads.items()):
         post = len(compute[r])

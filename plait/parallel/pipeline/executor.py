@@ -12,6 +12,7 @@ Memory: inputs, outputs and received gradients are dropped after their last use,
 activations of the micro-batches in flight plus receives posted ahead. ``time_compute = True`` records a
 per-action ``timeline`` (``ActionTime``). More: ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -64,10 +65,21 @@ class PipelineExecutor:
     carried (``b*s*h`` whole, ``ceil(b*s*h / tp)`` with ``tp_slices``).
     """
 
-    def __init__(self, chunks: list, p2p: StageP2P, p: int, rank: int,
-                 activation_shape: Callable[[dict], tuple], dtype: torch.dtype, device: torch.device,
-                 grads_ready: Callable[[int], None] | None = None, *, tp_slices: TPSlices | None = None,
-                 shape: str = "loop", cuda_graphs: bool = False):
+    def __init__(
+        self,
+        chunks: list,
+        p2p: StageP2P,
+        p: int,
+        rank: int,
+        activation_shape: Callable[[dict], tuple],
+        dtype: torch.dtype,
+        device: torch.device,
+        grads_ready: Callable[[int], None] | None = None,
+        *,
+        tp_slices: TPSlices | None = None,
+        shape: str = "loop",
+        cuda_graphs: bool = False,
+    ):
         self.chunks, self.p2p, self.p, self.rank, self.shape = chunks, p2p, p, rank, shape
         self.tp_slices = tp_slices
         self._takes_scale = [takes_keyword(chunk, "aux_loss_scale") for chunk in chunks]
@@ -79,8 +91,13 @@ class PipelineExecutor:
         # Set ``time_compute = True`` to time each compute action: after ``run``, ``timeline`` holds an
         # ``ActionTime`` per action and ``busy_seconds`` their summed duration (for bubble measurements).
         self.time_compute, self.busy_seconds, self.timeline = False, 0.0, []
-        self.peak_in_flight, self.sent_elements = 0, {}   # of the last ``run`` (class docstring)
-        self._compute = {"F": self._do_F, "B": self._do_B, "BI": self._do_BI, "BW": self._do_BW}   # by Action.kind
+        self.peak_in_flight, self.sent_elements = 0, {}  # of the last ``run`` (class docstring)
+        self._compute = {
+            "F": self._do_F,
+            "B": self._do_B,
+            "BI": self._do_BI,
+            "BW": self._do_BW,
+        }  # by Action.kind
 
     def stage(self, chunk: int) -> int:
         return stage_of(self.rank, chunk, self.p, self.shape)
@@ -91,9 +108,15 @@ class PipelineExecutor:
         return chunk if rank == self.rank else None
 
     # ---- one step ---------------------------------------------------------------------------
-    def run(self, actions: list[Action], microbatches: list[dict], train: bool = True, *,
-            scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            on_micro_batch: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        actions: list[Action],
+        microbatches: list[dict],
+        train: bool = True,
+        *,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_micro_batch: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
         """Run ``actions`` on ``microbatches`` (m dicts of tensors on ``device``).
 
         Args:
@@ -115,11 +138,15 @@ class PipelineExecutor:
         """
         self._begin(actions, microbatches, train, scale_loss, on_micro_batch)
         if self._graphed:
-            self.graphs.prepare(actions, [self._model_inputs(mb) for mb in range(self._m)],
-                                [None if self.stage(c) == 0 else self._shape(0) for c in range(self.v)], self.dtype,
-                                self._aux_scale)
+            self.graphs.prepare(
+                actions,
+                [self._model_inputs(mb) for mb in range(self._m)],
+                [None if self.stage(c) == 0 else self._shape(0) for c in range(self.v)],
+                self.dtype,
+                self._aux_scale,
+            )
         collecting = gc.isenabled()
-        gc.disable()   # no cyclic-GC pause inside the step (module docstring); reference counting still frees
+        gc.disable()  # no cyclic-GC pause inside the step (module docstring); reference counting still frees
         try:
             spans = self._run_actions(actions)
         finally:
@@ -155,7 +182,9 @@ class PipelineExecutor:
         self._graphed = train and self.graphs is not None
         m = self._m
         self._scale_loss = scale_loss or (lambda loss: loss * (1.0 / m))
-        self._aux_scale = float(self._scale_loss(torch.ones(())))   # d scaled / d loss, for the chunks' own losses
+        self._aux_scale = float(
+            self._scale_loss(torch.ones(()))
+        )  # d scaled / d loss, for the chunks' own losses
         self._on_micro_batch, self._mb_left = on_micro_batch, dict.fromkeys(range(m), self.v)
         self._inputs, self._saved, self._grad_out, self._grad_in = {}, {}, {}, {}
         self._to_send, self._pending, self._losses, self._sends = {}, {}, {}, []
@@ -163,12 +192,23 @@ class PipelineExecutor:
         self.peak_in_flight, self.sent_elements = 0, {}
 
     def _check_empty(self) -> None:
-        left = {name: sorted(d) for name, d in (("inputs", self._inputs), ("saved", self._saved),
-                                                 ("grad_out", self._grad_out), ("grad_in", self._grad_in),
-                                                 ("to_send", self._to_send), ("pending BW", self._pending)) if d}
+        left = {
+            name: sorted(d)
+            for name, d in (
+                ("inputs", self._inputs),
+                ("saved", self._saved),
+                ("grad_out", self._grad_out),
+                ("grad_in", self._grad_in),
+                ("to_send", self._to_send),
+                ("pending BW", self._pending),
+            )
+            if d
+        }
         if left:
-            raise RuntimeError(f"pipeline rank {self.rank}: state left after the step {left}; the action "
-                               f"list is incomplete (run check_schedule on it)")
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: state left after the step {left}; the action "
+                f"list is incomplete (run check_schedule on it)"
+            )
 
     def _weight_actions(self, actions: list[Action]) -> dict[int, int]:
         count: dict[int, int] = {}
@@ -179,8 +219,10 @@ class PipelineExecutor:
 
     def _take(self, store: dict, key, what: str):
         if key not in store:
-            raise RuntimeError(f"pipeline rank {self.rank}: {what} of micro-batch {key[0]}, chunk {key[1]} "
-                               f"is missing; the action list runs it too early (run check_schedule)")
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {what} of micro-batch {key[0]}, chunk {key[1]} "
+                f"is missing; the action list runs it too early (run check_schedule)"
+            )
         return store.pop(key)
 
     # ---- communication ----------------------------------------------------------------------
@@ -190,8 +232,11 @@ class PipelineExecutor:
         key, s = (a.microbatch, a.chunk), self.stage(a.chunk)
         if a.kind in ("SEND_F", "SEND_B"):
             forward = a.kind == "SEND_F"
-            tensor = (self._take(self._to_send, key, "output to send") if forward
-                      else self._take(self._grad_in, key, "input gradient"))
+            tensor = (
+                self._take(self._to_send, key, "output to send")
+                if forward
+                else self._take(self._grad_in, key, "input gradient")
+            )
             if self.tp_slices is not None:
                 tensor = self.tp_slices.part(tensor)
             transfer = Transfer(a.kind[-1], a.microbatch, s)
@@ -220,7 +265,9 @@ class PipelineExecutor:
         if a.kind in ("B", "BI") and s < self.last:
             store = self._grad_out
         entry = None if store is None else store.get((a.microbatch, a.chunk))
-        if entry is not None and entry[1] is not None:   # a posted receive (local hand-overs have no work)
+        if (
+            entry is not None and entry[1] is not None
+        ):  # a posted receive (local hand-overs have no work)
             buf, work = entry
             work.wait()
             if self.tp_slices is not None:
@@ -241,7 +288,9 @@ class PipelineExecutor:
         x = None if s == 0 else self._take(self._inputs, key, "input activation")[0]
         batch = self._model_inputs(mb)
         if self._graphed:
-            out = self.graphs.forward(chunk, mb, x, batch)   # the slot's static output, kept until its backward
+            out = self.graphs.forward(
+                chunk, mb, x, batch
+            )  # the slot's static output, kept until its backward
             x = None
         else:
             x = None if x is None else x.requires_grad_(self._train)
@@ -251,11 +300,15 @@ class PipelineExecutor:
                 out = self.chunks[chunk](hidden=x, **batch)
         if s == self.last:
             if out.dim() != 0:
-                raise ValueError(f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
-                                 f"loss; give every micro-batch 'labels'")
+                raise ValueError(
+                    f"the last pipeline stage returned shape {tuple(out.shape)}, not a scalar "
+                    f"loss; give every micro-batch 'labels'"
+                )
             self._losses[mb] = out.detach().clone() if self._graphed else out.detach()
             out = None if self._graphed else self._scale_loss(out)
-        elif (nxt := self._local_chunk(s + 1)) is not None:   # a chunk of this same rank: hand over directly
+        elif (
+            nxt := self._local_chunk(s + 1)
+        ) is not None:  # a chunk of this same rank: hand over directly
             self._inputs[(mb, nxt)] = (out.detach(), None)
         else:
             self._to_send[key] = out.detach()
@@ -274,8 +327,11 @@ class PipelineExecutor:
 
     def _backward_inputs(self, mb: int, chunk: int):
         out, x = self._take(self._saved, (mb, chunk), "saved forward")
-        grad = None if self.stage(chunk) == self.last else self._take(self._grad_out, (mb, chunk),
-                                                                     "output gradient")[0]
+        grad = (
+            None
+            if self.stage(chunk) == self.last
+            else self._take(self._grad_out, (mb, chunk), "output gradient")[0]
+        )
         return out, grad, x
 
     def _weights_done(self, mb: int, chunk: int) -> None:
@@ -300,7 +356,10 @@ class PipelineExecutor:
     def _do_BI(self, mb: int, chunk: int) -> None:
         out, grad, x = self._backward_inputs(mb, chunk)
         if self._graphed:
-            gx, self._pending[(mb, chunk)] = self.graphs.backward("BI", chunk, mb, grad, self._aux_scale), None
+            gx, self._pending[(mb, chunk)] = (
+                self.graphs.backward("BI", chunk, mb, grad, self._aux_scale),
+                None,
+            )
         else:
             gx, self._pending[(mb, chunk)] = backward_input(out, grad, x)
         del out, grad, x

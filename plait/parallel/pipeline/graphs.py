@@ -12,6 +12,7 @@ hooks (so no ZeRO-3 or parameter offload); every micro-batch of a step with the 
 A step whose shapes, slots, parameters or modes changed captures again. Why, capture details and
 memory: ``docs/pipeline.md``; measured: ``benchmarks/results/pipeline_graphs_H100.md``.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -47,16 +48,20 @@ def backward_kinds(actions, v: int) -> list[str | None]:
         if a.kind in ("B", "BI", "BW"):
             kinds[a.chunk].add("B" if a.kind == "B" else "BI/BW")
     if any(len(k) > 1 for k in kinds):
-        raise ValueError("cuda_graphs captures one backward per chunk, but this action list runs a chunk with "
-                         "both B and BI/BW; use the eager executor (cuda_graphs=False) for this list")
+        raise ValueError(
+            "cuda_graphs captures one backward per chunk, but this action list runs a chunk with "
+            "both B and BI/BW; use the eager executor (cuda_graphs=False) for this list"
+        )
     return [next(iter(k)) if k else None for k in kinds]
 
 
 def check_device(device: torch.device) -> None:
     """Raise ValueError unless ``device`` is a CUDA device."""
     if device.type != "cuda":
-        raise ValueError(f"cuda_graphs needs the pipeline on a CUDA device, not {device}; pass cuda_graphs=False "
-                         f"on CPU")
+        raise ValueError(
+            f"cuda_graphs needs the pipeline on a CUDA device, not {device}; pass cuda_graphs=False "
+            f"on CPU"
+        )
 
 
 def check_same_shapes(batches: list[dict]) -> None:
@@ -64,9 +69,11 @@ def check_same_shapes(batches: list[dict]) -> None:
     first = _shapes(batches[0])
     for i, other in enumerate(batches):
         if _shapes(other) != first:
-            raise ValueError(f"cuda_graphs replays one shape per step, but micro-batch {i} has {_shapes(other)} and "
-                             f"micro-batch 0 {first}; give the micro-batches of a step the same keys and pad them to "
-                             f"one shape, or pass cuda_graphs=False")
+            raise ValueError(
+                f"cuda_graphs replays one shape per step, but micro-batch {i} has {_shapes(other)} and "
+                f"micro-batch 0 {first}; give the micro-batches of a step the same keys and pad them to "
+                f"one shape, or pass cuda_graphs=False"
+            )
 
 
 def check_capturable(chunks: list) -> None:
@@ -75,26 +82,48 @@ def check_capturable(chunks: list) -> None:
     and dropout in training (plait's ``config.hidden_dropout`` / ``attention_dropout``)."""
     from torch.nn.modules import module as nn_module
 
-    if any(getattr(nn_module, name) for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
-                                                 "_global_backward_pre_hooks", "_global_backward_hooks")):
-        raise ValueError("cuda_graphs cannot capture chunks while global module hooks are registered; remove them "
-                         "or pass cuda_graphs=False")
+    if any(
+        getattr(nn_module, name)
+        for name in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
+        )
+    ):
+        raise ValueError(
+            "cuda_graphs cannot capture chunks while global module hooks are registered; remove them "
+            "or pass cuda_graphs=False"
+        )
     for c, chunk in enumerate(chunks):
         for name, mod in chunk.named_modules():
-            if mod._forward_pre_hooks or mod._forward_hooks or mod._backward_hooks or mod._backward_pre_hooks:
-                raise ValueError(f"cuda_graphs: chunk {c}'s module {name or '<chunk>'} has module hooks (ZeRO-3 and "
-                                 f"parameter offload gather and free parameters in them); a graph would run them "
-                                 f"once, at capture. Use ZeRO stage 0-2 without offload_param, or cuda_graphs=False")
+            if (
+                mod._forward_pre_hooks
+                or mod._forward_hooks
+                or mod._backward_hooks
+                or mod._backward_pre_hooks
+            ):
+                raise ValueError(
+                    f"cuda_graphs: chunk {c}'s module {name or '<chunk>'} has module hooks (ZeRO-3 and "
+                    f"parameter offload gather and free parameters in them); a graph would run them "
+                    f"once, at capture. Use ZeRO stage 0-2 without offload_param, or cuda_graphs=False"
+                )
         for name, p in chunk.named_parameters():
             if p._backward_hooks:
-                raise ValueError(f"cuda_graphs: parameter {name} of chunk {c} has a gradient hook (register_hook), "
-                                 f"which a graph would run only at capture; use register_post_accumulate_grad_hook, "
-                                 f"or cuda_graphs=False")
+                raise ValueError(
+                    f"cuda_graphs: parameter {name} of chunk {c} has a gradient hook (register_hook), "
+                    f"which a graph would run only at capture; use register_post_accumulate_grad_hook, "
+                    f"or cuda_graphs=False"
+                )
         config = getattr(chunk, "config", None)
-        drop = max(getattr(config, "hidden_dropout", 0.0), getattr(config, "attention_dropout", 0.0))
+        drop = max(
+            getattr(config, "hidden_dropout", 0.0), getattr(config, "attention_dropout", 0.0)
+        )
         if chunk.training and drop > 0:
-            raise ValueError(f"cuda_graphs: chunk {c} trains with dropout {drop} (its RNG state is set per call, "
-                             f"which a capture cannot do); set the dropouts to 0 or pass cuda_graphs=False")
+            raise ValueError(
+                f"cuda_graphs: chunk {c} trains with dropout {drop} (its RNG state is set per call, "
+                f"which a capture cannot do); set the dropouts to 0 or pass cuda_graphs=False"
+            )
 
 
 @dataclass
@@ -129,12 +158,14 @@ class ActionGraphs:
         self.chunks, self.device, self._takes_scale = chunks, device, takes_scale
         self.captures = 0
         self._slots: list[list[_Slot]] = [[] for _ in chunks]
-        self._held: dict = {}   # (micro-batch, chunk) -> its slot, from F to its last backward action
+        self._held: dict = {}  # (micro-batch, chunk) -> its slot, from F to its last backward action
         self._key = None
         self._stream = torch.cuda.Stream(device)
 
     # ---- capture ------------------------------------------------------------------------------
-    def prepare(self, actions, batches: list[dict], x_shapes: list, dtype: torch.dtype, aux_scale: float) -> None:
+    def prepare(
+        self, actions, batches: list[dict], x_shapes: list, dtype: torch.dtype, aux_scale: float
+    ) -> None:
         """Capture the slots ``actions`` needs for the step's micro-batches ``batches`` (model inputs only) and,
         per chunk, stage inputs of ``x_shapes[c]`` (None: the first stage) and ``dtype``, unless they are
         captured already. ``aux_scale`` is passed as ``aux_loss_scale`` to the chunks whose forward takes it.
@@ -150,18 +181,31 @@ class ActionGraphs:
         slots, kinds = slots_needed(actions, v), backward_kinds(actions, v)
         params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
         scaled = [dict(aux_loss_scale=aux_scale) if takes else {} for takes in self._takes_scale]
-        key = (_shapes(batch), tuple(x_shapes), dtype,
-               aux_scale if any(self._takes_scale) else None, tuple(slots), tuple(kinds),
-               tuple(chunk.training for chunk in self.chunks), tuple(p.data_ptr() for ps in params for p in ps))
-        self._held = {}   # a step that raised may have left slots taken
+        key = (
+            _shapes(batch),
+            tuple(x_shapes),
+            dtype,
+            aux_scale if any(self._takes_scale) else None,
+            tuple(slots),
+            tuple(kinds),
+            tuple(chunk.training for chunk in self.chunks),
+            tuple(p.data_ptr() for ps in params for p in ps),
+        )
+        self._held = {}  # a step that raised may have left slots taken
         if key == self._key:
             return
         check_capturable(self.chunks)
         self._slots, self._key = [[] for _ in range(v)], None
         for c, chunk in enumerate(self.chunks):
-            x = None if x_shapes[c] is None else torch.zeros(x_shapes[c], dtype=dtype, device=self.device)
+            x = (
+                None
+                if x_shapes[c] is None
+                else torch.zeros(x_shapes[c], dtype=dtype, device=self.device)
+            )
             self._warm_up(chunk, x, {**batch, **scaled[c]}, params[c])
-            self._slots[c] = [self._capture(c, kinds[c], x, batch, params[c], scaled[c]) for _ in range(slots[c])]
+            self._slots[c] = [
+                self._capture(c, kinds[c], x, batch, params[c], scaled[c]) for _ in range(slots[c])
+            ]
         self._key = key
         self.captures += 1
 
@@ -172,38 +216,53 @@ class ActionGraphs:
         with torch.cuda.stream(self._stream):
             inp = None if x is None else x.detach().clone().requires_grad_()
             out = chunk(hidden=inp, **batch)
-            torch.autograd.grad(out, ([] if inp is None else [inp]) + params, torch.ones_like(out),
-                                allow_unused=True)
+            torch.autograd.grad(
+                out,
+                ([] if inp is None else [inp]) + params,
+                torch.ones_like(out),
+                allow_unused=True,
+            )
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     @contextmanager
     def _graph(self, slot: _Slot, kind: str):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=slot.pool, stream=self._stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=slot.pool, stream=self._stream, capture_error_mode="thread_local"
+        ):
             yield
         slot.graphs[kind] = graph
 
-    def _capture(self, c: int, kind: str | None, x, batch: dict, params: list, extra: dict) -> _Slot:
-        slot = _Slot(pool=torch.cuda.graph_pool_handle(), batch={k: t.clone() for k, t in batch.items()},
-                     x=None if x is None else x.clone().requires_grad_())
+    def _capture(
+        self, c: int, kind: str | None, x, batch: dict, params: list, extra: dict
+    ) -> _Slot:
+        slot = _Slot(
+            pool=torch.cuda.graph_pool_handle(),
+            batch={k: t.clone() for k, t in batch.items()},
+            x=None if x is None else x.clone().requires_grad_(),
+        )
         with self._graph(slot, "F"):
             out = self.chunks[c](hidden=slot.x, **slot.batch, **extra)
         slot.out = out.detach()
         slot.grad = torch.ones_like(out) if out.dim() == 0 else torch.zeros_like(out)
         inputs = [] if slot.x is None else [slot.x]
-        if kind == "B" or (kind is not None and slot.x is None):   # first stage: BI is empty, BW the whole backward
+        if kind == "B" or (
+            kind is not None and slot.x is None
+        ):  # first stage: BI is empty, BW the whole backward
             with self._graph(slot, "B" if kind == "B" else "BW"):
                 grads = torch.autograd.grad(out, inputs + params, slot.grad, allow_unused=True)
             slot.gx = grads[0] if inputs else None
-            slot.tails = _param_tails(params, grads[len(inputs):])
+            slot.tails = _param_tails(params, grads[len(inputs) :])
         elif kind is not None:
             with self._graph(slot, "BI"):
                 slot.gx, pending = backward_input(out, slot.grad, slot.x)
             with self._graph(slot, "BW"):
                 if pending.split:
                     slot.tails = weight_gradients(pending)
-                else:   # the cut's fallback: BW is the whole backward (pipeline_backward)
-                    grads = torch.autograd.grad(pending.output, params, pending.grad_output, allow_unused=True)
+                else:  # the cut's fallback: BW is the whole backward (pipeline_backward)
+                    grads = torch.autograd.grad(
+                        pending.output, params, pending.grad_output, allow_unused=True
+                    )
                     slot.tails = _param_tails(params, grads)
         return slot
 
@@ -216,8 +275,10 @@ class ActionGraphs:
         taken = {id(s) for s in self._held.values()}
         slot = next((s for s in self._slots[chunk] if id(s) not in taken), None)
         if slot is None:
-            raise RuntimeError(f"cuda_graphs: no free slot of chunk {chunk} for micro-batch {mb}; the action list "
-                               f"differs from the one prepare() captured for")
+            raise RuntimeError(
+                f"cuda_graphs: no free slot of chunk {chunk} for micro-batch {mb}; the action list "
+                f"differs from the one prepare() captured for"
+            )
         self._held[(mb, chunk)] = slot
         with torch.no_grad():
             if slot.x is not None:
@@ -240,7 +301,7 @@ class ActionGraphs:
         if kind in slot.graphs:
             slot.graphs[kind].replay()
         if kind != "BI":
-            run_tails(*slot.tails, keep_graph=True)   # the same tail nodes run again at every replay
+            run_tails(*slot.tails, keep_graph=True)  # the same tail nodes run again at every replay
             del self._held[(mb, chunk)]
         if kind != "BW" and slot.gx is not None:
             return slot.gx.clone()

@@ -12,6 +12,7 @@ Megatron-LM", SC'21, Sec. 4.1): with tp > 1 and no sequence parallelism each tp 
 ``1/tp`` part and the receiver all-gathers the whole tensor over its tp group. Channels and NCCL's
 ordering in detail: ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,16 +66,24 @@ class StageP2P:
         shape: the stage placement (``plait.parallel.pipeline.schedules.stage_of``): "loop" or "v".
     """
 
-    def __init__(self, pp_ranks: list[int], groups: tuple, num_stages: int, pp_rank: int = 0,
-                 shape: str = "loop"):
+    def __init__(
+        self,
+        pp_ranks: list[int],
+        groups: tuple,
+        num_stages: int,
+        pp_rank: int = 0,
+        shape: str = "loop",
+    ):
         self.pp_ranks, self.groups, self.num_stages = list(pp_ranks), groups, num_stages
         self.p, self.pp_rank, self.shape = len(self.pp_ranks), pp_rank, shape
 
     def peer_rank(self, stage: int) -> int:
         """Pipeline rank holding virtual stage ``stage``."""
         if not 0 <= stage < self.num_stages:
-            raise ValueError(f"virtual stage {stage} outside [0, {self.num_stages}); "
-                             f"p={self.p} ranks x v={self.num_stages // self.p} chunks")
+            raise ValueError(
+                f"virtual stage {stage} outside [0, {self.num_stages}); "
+                f"p={self.p} ranks x v={self.num_stages // self.p} chunks"
+            )
         return rank_of(stage, self.p, self.shape)
 
     def _op(self, fn, tensor: torch.Tensor, src: int, dst: int, transfer: Transfer):
@@ -86,8 +95,13 @@ class StageP2P:
         """Post ``tensor`` (a contiguous copy when it is not contiguous, held by the work) to
         ``transfer.dst_stage``'s rank; returns the work: do not modify ``tensor`` until it completes. Raises
         ValueError for a peer stage outside ``[0, p*v)``."""
-        return self._op(dist.isend, tensor.contiguous(), self.pp_rank, self.peer_rank(transfer.dst_stage),
-                        transfer)
+        return self._op(
+            dist.isend,
+            tensor.contiguous(),
+            self.pp_rank,
+            self.peer_rank(transfer.dst_stage),
+            transfer,
+        )
 
     def recv(self, transfer: Transfer, buf: torch.Tensor):
         """Post a receive into the contiguous ``buf`` (shape and dtype of the sender's tensor) from
@@ -105,7 +119,9 @@ class StageP2P:
         if self.p == 1:
             return
         p, me = self.p, self.pp_rank
-        wraps = self.num_stages > p and p > 2 and self.shape == "loop"   # loop: stage p-1 -> p is rank p-1 -> 0
+        wraps = (
+            self.num_stages > p and p > 2 and self.shape == "loop"
+        )  # loop: stage p-1 -> p is rank p-1 -> 0
         pairs = [(a, a + 1) for a in range(p - 1)] + ([(0, p - 1)] if wraps else [])
         works, keep = [], []
         for up, group in ((True, self.groups[0]), (False, self.groups[1])):
@@ -152,7 +168,7 @@ class TPSlices:
         contiguous tensor, unless zero padding completes the last parts)."""
         flat = tensor.reshape(-1)
         k = self.part_numel(flat.numel())
-        piece = flat[self.rank * k:(self.rank + 1) * k]
+        piece = flat[self.rank * k : (self.rank + 1) * k]
         if piece.numel() < k:
             piece = torch.cat([piece, piece.new_zeros(k - piece.numel())])
         return piece

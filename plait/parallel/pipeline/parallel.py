@@ -11,6 +11,7 @@ no optimizer steps (the engine and ZeRO do). ``grads_ready(chunk)`` fires when a
 final, except the ``tied_parameters``, which change once more in ``sum_tied_gradients``. Engine use and
 hooks: ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -33,8 +34,10 @@ def measures_costs(schedule_costs, schedule: str) -> bool:
     raises ValueError for another string or schedule."""
     measure = isinstance(schedule_costs, str)
     if measure and (schedule_costs != "measure" or schedule != "zb-v"):
-        raise ValueError(f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
-                         f"measured costs, and the string form is 'measure'")
+        raise ValueError(
+            f"schedule_costs={schedule_costs!r} with schedule {schedule!r}: only 'zb-v' plans for "
+            f"measured costs, and the string form is 'measure'"
+        )
     return measure
 
 
@@ -103,10 +106,20 @@ class PipelineParallel:
             ``cuda_graphs`` off a CUDA device or with tp, cp or ep > 1.
     """
 
-    def __init__(self, stage_modules: list, mesh=None, schedule: str = "1f1b", micro_batches: int = 1,
-                 virtual_stages: int | None = None, *, activation_shape: Callable[[dict], tuple] | None = None,
-                 grads_ready: Callable[[int], None] | None = None, slice_tp: bool | None = None,
-                 schedule_costs: dict | str | None = None, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        stage_modules: list,
+        mesh=None,
+        schedule: str = "1f1b",
+        micro_batches: int = 1,
+        virtual_stages: int | None = None,
+        *,
+        activation_shape: Callable[[dict], tuple] | None = None,
+        grads_ready: Callable[[int], None] | None = None,
+        slice_tp: bool | None = None,
+        schedule_costs: dict | str | None = None,
+        cuda_graphs: bool = False,
+    ):
         self.stage_modules = list(stage_modules)
         v = len(self.stage_modules)
         check_stage_modules(self.stage_modules, virtual_stages)
@@ -118,13 +131,21 @@ class PipelineParallel:
         self.rank = 0 if mesh is None else mesh.pp_rank
         measure = measures_costs(schedule_costs, schedule)
         self.shape, self.schedule_costs = placement(schedule), schedule_costs
-        self._use_lists(get_schedule(schedule, self.p, micro_batches, v, None if measure else schedule_costs))
+        self._use_lists(
+            get_schedule(schedule, self.p, micro_batches, v, None if measure else schedule_costs)
+        )
         self.planned_costs: dict | None = None
         self._steps, self._measure_step = 0, 1 if measure else None
         self.device = torch.device("cpu") if mesh is None else mesh.device
         self.pp_ranks = [0] if mesh is None else mesh.ranks("pp")
         self.slice_tp = self._resolve_slice_tp(slice_tp)
-        check_layer_order(self.stage_modules, self.p, self.rank, self.shape, None if mesh is None else mesh.pp_group)
+        check_layer_order(
+            self.stage_modules,
+            self.p,
+            self.rank,
+            self.shape,
+            None if mesh is None else mesh.pp_group,
+        )
         self.executor = self._make_executor(activation_shape, grads_ready)
         self.tied_parameters, self.tied_group = self._tied_embedding_setup()
         self._closed = False
@@ -137,25 +158,43 @@ class PipelineParallel:
         mesh = self.mesh
         p2p = StageP2P(self.pp_ranks, channel_groups(mesh), self.p * self.v, self.rank, self.shape)
         p2p.connect(self.device)
-        return PipelineExecutor(self.stage_modules, p2p, self.p, self.rank,
-                                activation_shape or self.stage_modules[0].activation_shape,
-                                dtype, self.device, grads_ready,
-                                tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
-                                shape=self.shape, cuda_graphs=self.cuda_graphs)
+        return PipelineExecutor(
+            self.stage_modules,
+            p2p,
+            self.p,
+            self.rank,
+            activation_shape or self.stage_modules[0].activation_shape,
+            dtype,
+            self.device,
+            grads_ready,
+            tp_slices=TPSlices(mesh.group("tp")) if self.slice_tp else None,
+            shape=self.shape,
+            cuda_graphs=self.cuda_graphs,
+        )
 
     def _check_graphs(self) -> None:
         check_device(torch.device("cpu") if self.mesh is None else self.mesh.device)
-        sizes = {} if self.mesh is None else {"tp": self.mesh.tp, "cp": self.mesh.cp, "ep": self.mesh.ep}
+        sizes = (
+            {}
+            if self.mesh is None
+            else {"tp": self.mesh.tp, "cp": self.mesh.cp, "ep": self.mesh.ep}
+        )
         if any(size > 1 for size in sizes.values()):
-            raise ValueError(f"cuda_graphs with {sizes}: the tensor-, context- and expert-parallel collectives inside "
-                             f"the chunks are not captured; use tp = cp = ep = 1 or cuda_graphs=False")
+            raise ValueError(
+                f"cuda_graphs with {sizes}: the tensor-, context- and expert-parallel collectives inside "
+                f"the chunks are not captured; use tp = cp = ep = 1 or cuda_graphs=False"
+            )
 
     def _use_lists(self, lists) -> None:
         """Run ``lists`` (every rank's compute actions) from the next step on."""
         self.lists = lists
-        self.actions: list[Action] = with_communication(lists, self.p, self.v, shape=self.shape)[self.rank]
+        self.actions: list[Action] = with_communication(lists, self.p, self.v, shape=self.shape)[
+            self.rank
+        ]
         forward_only = [[a for a in acts if a.kind == "F"] for acts in lists]
-        self.eval_actions: list[Action] = with_communication(forward_only, self.p, self.v, shape=self.shape)[self.rank]
+        self.eval_actions: list[Action] = with_communication(
+            forward_only, self.p, self.v, shape=self.shape
+        )[self.rank]
 
     def _plan_from(self, timeline) -> None:
         """Plan the lists for the stage times of this measured step on every rank of the world (all must run
@@ -176,12 +215,16 @@ class PipelineParallel:
         """The ``slice_tp`` argument resolved (class docstring), from the mesh and the chunks'
         ``sequence_parallel`` attribute."""
         sp = [getattr(chunk, "sequence_parallel", None) for chunk in self.stage_modules]
-        if self.p == 1 or self.mesh.tp == 1:   # nothing crosses a stage boundary, or nothing to slice
+        if (
+            self.p == 1 or self.mesh.tp == 1
+        ):  # nothing crosses a stage boundary, or nothing to slice
             return False
         if slice_tp and any(sp):
-            raise ValueError("slice_tp=True needs activations identical on the tp ranks of a stage, but the chunks "
-                             "use sequence parallelism (each tp rank holds its own [b, s/tp, h]); use "
-                             "slice_tp=None or False")
+            raise ValueError(
+                "slice_tp=True needs activations identical on the tp ranks of a stage, but the chunks "
+                "use sequence parallelism (each tp rank holds its own [b, s/tp, h]); use "
+                "slice_tp=None or False"
+            )
         if slice_tp is None:
             return all(flag is not None and not flag for flag in sp)
         return bool(slice_tp)
@@ -259,17 +302,23 @@ class PipelineParallel:
 
     def _pull(self, data_iter) -> list[dict]:
         if self._closed:
-            raise RuntimeError("this PipelineParallel was closed (its process groups are destroyed); build a "
-                               "new one to run more steps")
+            raise RuntimeError(
+                "this PipelineParallel was closed (its process groups are destroyed); build a "
+                "new one to run more steps"
+            )
         it = data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
         out = []
         for i in range(self.m):
             try:
                 batch = next(it)
             except StopIteration:
-                raise ValueError(f"the data iterator ran out after {i} of {self.m} micro-batches; give "
-                                 f"train_batch/eval_batch at least micro_batches={self.m} batches") from None
-            out.append({k: (t.to(self.device) if torch.is_tensor(t) else t) for k, t in batch.items()})
+                raise ValueError(
+                    f"the data iterator ran out after {i} of {self.m} micro-batches; give "
+                    f"train_batch/eval_batch at least micro_batches={self.m} batches"
+                ) from None
+            out.append(
+                {k: (t.to(self.device) if torch.is_tensor(t) else t) for k, t in batch.items()}
+            )
         return out
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -278,12 +327,20 @@ class PipelineParallel:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1:
-            last = rank_of(self.p * self.v - 1, self.p, self.shape)   # the rank holding the loss stage
+            last = rank_of(
+                self.p * self.v - 1, self.p, self.shape
+            )  # the rank holding the loss stage
             dist.broadcast(loss, src=self.pp_ranks[last], group=self.mesh.pp_group)
         return loss
 
-    def train_batch(self, data_iter, *, scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                    on_micro_batch: Callable[[], None] | None = None, sum_tied: bool = True) -> torch.Tensor:
+    def train_batch(
+        self,
+        data_iter,
+        *,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_micro_batch: Callable[[], None] | None = None,
+        sum_tied: bool = True,
+    ) -> torch.Tensor:
         """One training step's forward and backward over ``m`` micro-batches.
 
         Args:
@@ -313,8 +370,13 @@ class PipelineParallel:
         measuring, timing = self._steps == self._measure_step, self.executor.time_compute
         self.executor.time_compute = timing or measuring
         try:
-            losses = self.executor.run(self.actions, microbatches, train=True, scale_loss=scale_loss,
-                                       on_micro_batch=on_micro_batch)
+            losses = self.executor.run(
+                self.actions,
+                microbatches,
+                train=True,
+                scale_loss=scale_loss,
+                on_micro_batch=on_micro_batch,
+            )
         finally:
             self.executor.time_compute = timing
             self._steps += 1

@@ -7,6 +7,7 @@ and chunk hold stage ``s`` is the schedule's placement (``plait.parallel.pipelin
 for chunk ``c`` on rank ``r``, Narayanan et al., SC'21, Sec. 2.2.2, or the "v" shape of "zb-v"). A partition
 gives each virtual stage a contiguous, non-empty range ``[start, stop)`` of items.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,11 @@ def _check_count(num_items: int, p: int, v: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"partition_layers: {name} must be a positive integer, got {value!r}")
     if num_items < p * v:
-        raise ValueError(f"cannot split {num_items} layers (embedding + blocks + head) into p x v = "
-                         f"{p} x {v} = {p * v} pipeline stages of at least one layer each; use at most "
-                         f"{num_items} stages (lower pp or virtual stages) or add blocks")
+        raise ValueError(
+            f"cannot split {num_items} layers (embedding + blocks + head) into p x v = "
+            f"{p} x {v} = {p * v} pipeline stages of at least one layer each; use at most "
+            f"{num_items} stages (lower pp or virtual stages) or add blocks"
+        )
 
 
 def _uniform(n: int, stages: int) -> list[int]:
@@ -58,8 +61,13 @@ def _balanced(weights: Sequence[float], stages: int) -> list[int]:
     return bounds[::-1]
 
 
-def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[int] = "uniform",
-                     weights: Sequence[float] | None = None) -> list[tuple[int, int]]:
+def partition_layers(
+    num_items: int,
+    p: int,
+    v: int = 1,
+    method: str | Sequence[int] = "uniform",
+    weights: Sequence[float] | None = None,
+) -> list[tuple[int, int]]:
     """Split ``num_items`` layers into ``p*v`` contiguous virtual stages.
 
     Args:
@@ -87,12 +95,16 @@ def partition_layers(num_items: int, p: int, v: int = 1, method: str | Sequence[
         elif method == "parameters":
             if weights is None or len(weights) != num_items:
                 got = "none" if weights is None else f"{len(weights)}"
-                raise ValueError(f"method 'parameters' needs one weight per layer ({num_items}), got {got}; "
-                                 f"pass weights=layer_parameter_counts(config) (plait.layers.stages)")
+                raise ValueError(
+                    f"method 'parameters' needs one weight per layer ({num_items}), got {got}; "
+                    f"pass weights=layer_parameter_counts(config) (plait.layers.stages)"
+                )
             bounds = _balanced(weights, stages)
         else:
-            raise ValueError(f"unknown partition method {method!r}; use one of {METHODS} or a list of "
-                             f"boundaries [0, ..., {num_items}]")
+            raise ValueError(
+                f"unknown partition method {method!r}; use one of {METHODS} or a list of "
+                f"boundaries [0, ..., {num_items}]"
+            )
     else:
         bounds = _explicit(method, num_items, stages)
     return [(bounds[s], bounds[s + 1]) for s in range(stages)]
@@ -102,20 +114,28 @@ def _explicit(method: Sequence[int], num_items: int, stages: int) -> list[int]:
     """Given boundaries as ints; ValueError unless ``stages + 1`` of them rise strictly from 0 to ``num_items``."""
     bounds = [int(b) for b in method]
     if len(bounds) != stages + 1:
-        raise ValueError(f"explicit partition needs p x v + 1 = {stages + 1} boundaries for {stages} "
-                         f"stages, got {len(bounds)}: {bounds}")
+        raise ValueError(
+            f"explicit partition needs p x v + 1 = {stages + 1} boundaries for {stages} "
+            f"stages, got {len(bounds)}: {bounds}"
+        )
     if bounds[0] != 0 or bounds[-1] != num_items:
-        raise ValueError(f"explicit partition boundaries must start at 0 and end at {num_items} (the "
-                         f"number of layers) to cover the whole model, got {bounds}")
+        raise ValueError(
+            f"explicit partition boundaries must start at 0 and end at {num_items} (the "
+            f"number of layers) to cover the whole model, got {bounds}"
+        )
     bad = [i for i in range(stages) if bounds[i + 1] <= bounds[i]]
     if bad:
         i = bad[0]
-        raise ValueError(f"explicit partition boundaries must strictly increase (every stage needs at "
-                         f"least one layer), but stage {i} is [{bounds[i]}, {bounds[i + 1]}) in {bounds}")
+        raise ValueError(
+            f"explicit partition boundaries must strictly increase (every stage needs at "
+            f"least one layer), but stage {i} is [{bounds[i]}, {bounds[i + 1]}) in {bounds}"
+        )
     return bounds
 
 
-def stage_layers(parts: list[tuple[int, int]], p: int, rank: int, shape: str = "loop") -> list[range]:
+def stage_layers(
+    parts: list[tuple[int, int]], p: int, rank: int, shape: str = "loop"
+) -> list[range]:
     """Layer ranges of the chunks held by pipeline ``rank``: chunk ``c`` is stage ``stage_of(rank, c, p,
     shape)`` ("loop": ``c*p + rank``). Raises ValueError for an unknown ``shape``."""
     return [range(*parts[stage_of(rank, c, p, shape)]) for c in range(len(parts) // p)]

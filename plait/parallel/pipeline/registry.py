@@ -4,6 +4,7 @@ The generators of the fixed orders live in :mod:`plait.parallel.pipeline.schedul
 list scheduler on the simulator, in :mod:`plait.parallel.pipeline.zb_v`. This module imports both; neither
 imports it.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -51,11 +52,15 @@ def get_schedule(name: str, p: int, m: int, v: int = 1, costs: dict | None = Non
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown pipeline schedule {name!r}; {hint}known: {sorted(SCHEDULES)}")
     if name == "interleaved" and v == 1:
-        raise ValueError(f"schedule 'interleaved' needs v >= 2 model chunks per rank, got v={v}; "
-                         f"set v >= 2 or use schedule '1f1b' for one chunk per rank")
+        raise ValueError(
+            f"schedule 'interleaved' needs v >= 2 model chunks per rank, got v={v}; "
+            f"set v >= 2 or use schedule '1f1b' for one chunk per rank"
+        )
     if costs is not None:
         if name != "zb-v":
-            raise ValueError(f"schedule {name!r} is a fixed order and takes no costs; only 'zb-v' plans for "
-                             f"measured stage costs (drop schedule_costs or use schedule 'zb-v')")
+            raise ValueError(
+                f"schedule {name!r} is a fixed order and takes no costs; only 'zb-v' plans for "
+                f"measured stage costs (drop schedule_costs or use schedule 'zb-v')"
+            )
         return zb_v(p, m, v, costs)
     return SCHEDULES[name](p, m, v)

@@ -9,6 +9,7 @@ back up, used by "zb-v"). Generators emit compute actions only (F, B, BI, BW);
 ``plait.parallel.pipeline.comm_actions.with_communication`` adds sends and receives. Placements in
 detail: ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class Action:
         if self.kind not in KINDS:
             raise ValueError(f"Action kind {self.kind!r} is not one of {KINDS}")
         if self.microbatch < 0 or self.chunk < 0:
-            raise ValueError(f"Action {self.kind} needs microbatch >= 0 and chunk >= 0, "
-                             f"got microbatch={self.microbatch}, chunk={self.chunk}")
+            raise ValueError(
+                f"Action {self.kind} needs microbatch >= 0 and chunk >= 0, "
+                f"got microbatch={self.microbatch}, chunk={self.chunk}"
+            )
 
     @property
     def is_compute(self) -> bool:
@@ -95,8 +98,10 @@ def check_sizes(name: str, p: int, m: int, v: int) -> None:
 
 def _single_chunk(name: str, v: int) -> None:
     if v != 1:
-        raise ValueError(f"schedule {name!r} runs one model chunk per rank but got v={v}; use "
-                         f"schedule 'interleaved' for v={v} virtual stages per rank, or set v=1")
+        raise ValueError(
+            f"schedule {name!r} runs one model chunk per rank but got v={v}; use "
+            f"schedule 'interleaved' for v={v} virtual stages per rank, or set v=1"
+        )
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
@@ -108,8 +113,10 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     """
     check_sizes("gpipe", p, m, v)
     _single_chunk("gpipe", v)
-    return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in reversed(range(m))]
-            for _ in range(p)]
+    return [
+        [Action("F", i) for i in range(m)] + [Action("B", i) for i in reversed(range(m))]
+        for _ in range(p)
+    ]
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
@@ -183,7 +190,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         acts = fwd[:w]
         for i in range(total - w):
             acts += [fwd[w + i], bwd[i]]
-        acts += bwd[total - w:]
+        acts += bwd[total - w :]
         out.append(acts)
     return out
 

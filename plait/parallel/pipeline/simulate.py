@@ -8,6 +8,7 @@ message); a channel whose receives are not in send order raises ValueError, a st
 ``DeadlockError``. Returns a ``SimResult``. Costs are in any time unit and may be
 ``fractions.Fraction``. Rules in detail: ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,17 +96,31 @@ def _check_channels(lists: Schedule, p: int, shape: str) -> None:
             if a.is_compute:
                 continue
             side, *msg = _link(a, stage_of(r, a.chunk, p, shape))
-            src, dst = rank_of(msg[2], p, shape), rank_of(msg[2] + (1 if msg[0] == "F" else -1), p, shape)
+            src, dst = (
+                rank_of(msg[2], p, shape),
+                rank_of(msg[2] + (1 if msg[0] == "F" else -1), p, shape),
+            )
             order.setdefault((src, dst), {"send": [], "recv": []})[side].append(tuple(msg))
     for (src, dst), sides in order.items():
         if sides["send"] != sides["recv"]:
-            raise ValueError(f"rank {dst} posts its receives from rank {src} in the order {sides['recv'][:6]}... but "
-                             f"rank {src} sends {sides['send'][:6]}...: a channel's receives must follow its sends "
-                             f"(use with_communication)")
+            raise ValueError(
+                f"rank {dst} posts its receives from rank {src} in the order {sides['recv'][:6]}... but "
+                f"rank {src} sends {sides['send'][:6]}...: a channel's receives must follow its sends "
+                f"(use with_communication)"
+            )
 
 
-def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: float = 2.0,
-             cost_bi: float = 1.0, cost_bw: float = 1.0, cost_comm: float = 0.0, shape: str = "loop") -> SimResult:
+def simulate(
+    lists: Schedule,
+    p: int,
+    v: int = 1,
+    cost_f: float = 1.0,
+    cost_b: float = 2.0,
+    cost_bi: float = 1.0,
+    cost_bw: float = 1.0,
+    cost_comm: float = 0.0,
+    shape: str = "loop",
+) -> SimResult:
     """Run per-rank action lists against the dependency rules above and time every action.
 
     Args:
@@ -131,8 +146,10 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     """
     if len(lists) != p:
         raise ValueError(f"got {len(lists)} rank lists but p={p}; give one list per rank")
-    cost = {k: per_stage_costs(k, c, p, v, shape) for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi),
-                                                           ("BW", cost_bw))}
+    cost = {
+        k: per_stage_costs(k, c, p, v, shape)
+        for k, c in (("F", cost_f), ("B", cost_b), ("BI", cost_bi), ("BW", cost_bw))
+    }
     cost_comm = cost_comm or 0  # a float 0.0 would turn exact Fraction times into floats
     explicit = any(not a.is_compute for acts in lists for a in acts)
     if explicit:
@@ -154,7 +171,9 @@ def simulate(lists: Schedule, p: int, v: int = 1, cost_f: float = 1.0, cost_b: f
     return _sim_result(lists, p, v, sim.timeline, sim.clock)
 
 
-def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str | None = None) -> tuple:
+def per_stage_costs(
+    kind: str, cost, p: int, v: int, shape: str, *, owner: str | None = None
+) -> tuple:
     """``cost`` of one action kind as one value per virtual stage (for :func:`simulate` and the ZB-V planner).
 
     Args:
@@ -165,20 +184,24 @@ def per_stage_costs(kind: str, cost, p: int, v: int, shape: str, *, owner: str |
     Raises:
         ValueError: another number of values, or a value that is not finite and >= 0.
     """
-    seq = not isinstance(cost, numbers.Real)   # a tuple, list or array of values
+    seq = not isinstance(cost, numbers.Real)  # a tuple, list or array of values
     values = tuple(cost) if seq else (cost,)
     valid = all(math.isfinite(x) and x >= 0 for x in values)
     if owner is not None and not (seq and len(values) == p * v and valid):
-        raise ValueError(f"{owner} costs[{kind!r}] needs {p * v} finite non-negative values (one per virtual "
-                         f"stage), got {list(values) if seq else cost!r}")
+        raise ValueError(
+            f"{owner} costs[{kind!r}] needs {p * v} finite non-negative values (one per virtual "
+            f"stage), got {list(values) if seq else cost!r}"
+        )
     if not valid:
         raise ValueError(f"cost of {kind}: {list(values)} has a value that is not finite and >= 0")
     if not seq or len(values) == p:
         return tuple(values[0 if not seq else rank_of(s, p, shape)] for s in range(p * v))
     if len(values) == p * v:
         return values
-    raise ValueError(f"cost of {kind}: {len(values)} values; give one, one per rank (p={p}) or one per virtual "
-                     f"stage (p*v={p * v})")
+    raise ValueError(
+        f"cost of {kind}: {len(values)} values; give one, one per rank (p={p}) or one per virtual "
+        f"stage (p*v={p * v})"
+    )
 
 
 def stage_costs(timelines: list, p: int, v: int, shape: str = "loop") -> dict[str, list[float]]:
@@ -203,27 +226,42 @@ def stage_costs(timelines: list, p: int, v: int, shape: str = "loop") -> dict[st
         for t in timeline:
             t = t if isinstance(t, dict) else vars(t)
             if t["kind"] not in ("F", "B", "BI", "BW"):
-                raise ValueError(f"rank {r}: action kind {t['kind']!r} is not a compute kind (F, B, BI, BW)")
-            runs.setdefault((t["kind"], stage_of(r, t["chunk"], p, shape)), []).append(t["end"] - t["start"])
+                raise ValueError(
+                    f"rank {r}: action kind {t['kind']!r} is not a compute kind (F, B, BI, BW)"
+                )
+            runs.setdefault((t["kind"], stage_of(r, t["chunk"], p, shape)), []).append(
+                t["end"] - t["start"]
+            )
     kinds = sorted({k for k, _ in runs}, key="F B BI BW".split().index)
-    return {k: [statistics.median(runs[(k, s)]) if (k, s) in runs else 0.0 for s in range(p * v)] for k in kinds}
+    return {
+        k: [statistics.median(runs[(k, s)]) if (k, s) in runs else 0.0 for s in range(p * v)]
+        for k in kinds
+    }
 
 
 class _Run:
     """The state of one simulation: per-rank clocks and timelines, finished work, posted messages."""
 
     def __init__(self, p: int, last: int, cost_comm, explicit: bool, shape: str):
-        self.p, self.last, self.cost_comm, self.explicit, self.shape = p, last, cost_comm, explicit, shape
+        self.p, self.last, self.cost_comm, self.explicit, self.shape = (
+            p,
+            last,
+            cost_comm,
+            explicit,
+            shape,
+        )
         self.clock: list = [0] * p
         self.timeline: list[list[Timed]] = [[] for _ in range(p)]
-        self.done: dict[tuple[str, int, int], tuple[float, int]] = {}   # (F|BI|BW, mb, stage) -> (end, rank)
-        self.posted: dict[tuple, float] = {}      # (side, direction, mb, src stage) -> post time
-        self.arrived: dict[tuple, float] = {}     # (direction, mb, src stage) -> arrival time
-        self.last_arrival: dict[tuple[int, int], float] = {}   # channel -> its latest arrival
+        self.done: dict[
+            tuple[str, int, int], tuple[float, int]
+        ] = {}  # (F|BI|BW, mb, stage) -> (end, rank)
+        self.posted: dict[tuple, float] = {}  # (side, direction, mb, src stage) -> post time
+        self.arrived: dict[tuple, float] = {}  # (direction, mb, src stage) -> arrival time
+        self.last_arrival: dict[tuple[int, int], float] = {}  # channel -> its latest arrival
 
     def step(self, r: int, a: Action, cost: dict) -> bool:
         """Run action ``a`` on rank ``r`` if it can start; False when it must wait."""
-        if not a.is_compute:   # posting never blocks
+        if not a.is_compute:  # posting never blocks
             self.posted[_link(a, stage_of(r, a.chunk, self.p, self.shape))] = self.clock[r]
             return True
         start, _ = self.ready(r, a)
@@ -231,7 +269,7 @@ class _Run:
             return False
         s = stage_of(r, a.chunk, self.p, self.shape)
         end = start + cost[a.kind][s]
-        for k in (("F",) if a.kind == "F" else ("BI", "BW") if a.kind == "B" else (a.kind,)):
+        for k in ("F",) if a.kind == "F" else ("BI", "BW") if a.kind == "B" else (a.kind,):
             self.done[(k, a.microbatch, s)] = (end, r)
         self.timeline[r].append(Timed(a, start, end))
         self.clock[r] = end
@@ -255,8 +293,11 @@ class _Run:
             if src != r and self.explicit:
                 arrival = self._arrival(("F" if key[0] == "F" else "B", key[1], key[2]), r)
                 if arrival is None:
-                    return None, f"the {'activation' if key[0] == 'F' else 'gradient'} of micro-batch {key[1]} " \
-                                 f"from stage {key[2]} (its SEND and RECV must both be posted)"
+                    return (
+                        None,
+                        f"the {'activation' if key[0] == 'F' else 'gradient'} of micro-batch {key[1]} "
+                        f"from stage {key[2]} (its SEND and RECV must both be posted)",
+                    )
                 t = max(t, arrival)
                 continue
             if key not in self.done:
@@ -279,8 +320,9 @@ class _Run:
         return t
 
 
-def _sim_result(lists: Schedule, p: int, v: int, timeline: list[list[Timed]],
-                clock: list[float]) -> SimResult:
+def _sim_result(
+    lists: Schedule, p: int, v: int, timeline: list[list[Timed]], clock: list[float]
+) -> SimResult:
     """Summarise a finished run: makespan, busy/idle/bubble per rank and memory peaks."""
     busy = tuple(sum((t.end - t.start for t in tl), start=0) for tl in timeline)
     makespan = max((tl[-1].end for tl in timeline if tl), default=0)
@@ -288,9 +330,16 @@ def _sim_result(lists: Schedule, p: int, v: int, timeline: list[list[Timed]],
     idle = tuple(makespan - b for b in busy)
     peaks = [_peaks(acts) for acts in lists]
     return SimResult(
-        p=p, v=v, timeline=tuple(tuple(tl) for tl in timeline), makespan=makespan, busy=busy,
-        idle=idle, bubble_ratio=tuple(i / b if b else 0 for i, b in zip(idle, busy)),
-        peak_in_flight=tuple(pk[0] for pk in peaks), peak_unfinished=tuple(pk[1] for pk in peaks))
+        p=p,
+        v=v,
+        timeline=tuple(tuple(tl) for tl in timeline),
+        makespan=makespan,
+        busy=busy,
+        idle=idle,
+        bubble_ratio=tuple(i / b if b else 0 for i, b in zip(idle, busy)),
+        peak_in_flight=tuple(pk[0] for pk in peaks),
+        peak_unfinished=tuple(pk[1] for pk in peaks),
+    )
 
 
 def _stuck_message(lists: Schedule, pos: list[int], sim: _Run, p: int) -> str:
@@ -299,9 +348,12 @@ def _stuck_message(lists: Schedule, pos: list[int], sim: _Run, p: int) -> str:
         if pos[r] < len(lists[r]):
             a = lists[r][pos[r]]
             lines.append(f"rank {r} at step #{pos[r]}: {a} waits for {sim.ready(r, a)[1]}")
-    return ("pipeline schedule deadlocks: no rank can make progress. " + "; ".join(lines)
-            + ". Reorder the lists so each action's inputs are produced earlier "
-            "(check_schedule finds local ordering errors)")
+    return (
+        "pipeline schedule deadlocks: no rank can make progress. "
+        + "; ".join(lines)
+        + ". Reorder the lists so each action's inputs are produced earlier "
+        "(check_schedule finds local ordering errors)"
+    )
 
 
 def render(result: SimResult, unit: float | None = None) -> str:
@@ -317,7 +369,11 @@ def render(result: SimResult, unit: float | None = None) -> str:
     letter = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
 
     def label(a: Action) -> str:
-        return letter[a.kind] + str(a.microbatch) + ("" if result.v == 1 else "abcdefghij"[a.chunk % 10])
+        return (
+            letter[a.kind]
+            + str(a.microbatch)
+            + ("" if result.v == 1 else "abcdefghij"[a.chunk % 10])
+        )
 
     width = max(len(label(t.action)) for t in acts) + 1
     cells = round(result.makespan / unit)

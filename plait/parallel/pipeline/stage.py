@@ -1,6 +1,7 @@
 """What a pipeline stage chunk must offer ``PipelineParallel``: the contract between the pipeline and
 the model side that builds the chunks (``plait.layers.stages`` for plait's models; any model can
 implement it, see ``examples/compose_model.py``)."""
+
 from __future__ import annotations
 
 import inspect
@@ -30,7 +31,9 @@ class StageChunk(Protocol):
     layers: nn.ModuleDict
     tied_across_stages: bool
 
-    def __call__(self, *, hidden: torch.Tensor | None = None, **batch: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, *, hidden: torch.Tensor | None = None, **batch: torch.Tensor
+    ) -> torch.Tensor:
         """Run the chunk: the first stage reads ``batch["input_ids"] [b, s]`` (``hidden`` None), the others
         ``hidden`` (``activation_shape(batch)``); the last stage returns the micro-batch's scalar mean loss
         (given ``labels``), the others the activation for the next stage. ``batch["aux_loss_scale"]`` (a float,
@@ -38,8 +41,9 @@ class StageChunk(Protocol):
         for the losses a chunk's layers join to the gradient themselves (``plait.layers.moe.add_loss_gradient``)."""
         ...
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """The chunk's parameters under their global names (``layers.5.attn.q_proj.weight``)."""
         ...
 
@@ -61,7 +65,13 @@ class StageChunk(Protocol):
 
 def missing_members(chunk: object) -> list[str]:
     """The ``StageChunk`` members ``chunk`` lacks (``[]`` when it offers them all)."""
-    names = ("layers", "tied_across_stages", "named_parameters", "activation_shape", "tied_parameters")
+    names = (
+        "layers",
+        "tied_across_stages",
+        "named_parameters",
+        "activation_shape",
+        "tied_parameters",
+    )
     return [n for n in names if not hasattr(chunk, n)]
 
 
@@ -70,14 +80,18 @@ def check_stage_modules(stage_modules: list, virtual_stages: int | None) -> None
     ``StageChunk``), naming the fix."""
     v = len(stage_modules)
     if virtual_stages is not None and virtual_stages != v:
-        raise ValueError(f"virtual_stages={virtual_stages} but {v} stage modules were given; build "
-                         f"them with build_stage_modules(config, mesh, v={virtual_stages})")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} but {v} stage modules were given; build "
+            f"them with build_stage_modules(config, mesh, v={virtual_stages})"
+        )
     if v < 1:
         raise ValueError("PipelineParallel needs at least one stage module")
     for c, chunk in enumerate(stage_modules):
         if missing := missing_members(chunk):
-            raise TypeError(f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
-                            f"{missing} (see plait.parallel.pipeline.stage; plait.layers.stages builds plait's)")
+            raise TypeError(
+                f"stage module {c} ({type(chunk).__name__}) is not a StageChunk: it lacks "
+                f"{missing} (see plait.parallel.pipeline.stage; plait.layers.stages builds plait's)"
+            )
 
 
 def takes_keyword(module, name: str) -> bool:
@@ -94,8 +108,11 @@ def check_layer_order(chunks: list, p: int, rank: int, shape: str, group=None) -
     Raises:
         ValueError: naming the two stages, their layers and the fix.
     """
-    mine = [(stage_of(rank, c, p, shape), min(map(int, chunk.layers)), max(map(int, chunk.layers)))
-            for c, chunk in enumerate(chunks) if len(chunk.layers)]
+    mine = [
+        (stage_of(rank, c, p, shape), min(map(int, chunk.layers)), max(map(int, chunk.layers)))
+        for c, chunk in enumerate(chunks)
+        if len(chunk.layers)
+    ]
     spans = [mine]
     if p > 1:
         spans = [None] * p
@@ -103,6 +120,8 @@ def check_layer_order(chunks: list, p: int, rank: int, shape: str, group=None) -
     ordered = sorted(span for rank_spans in spans for span in rank_spans)
     for (s, _, end), (t, start, _) in zip(ordered, ordered[1:]):
         if start != end + 1:
-            raise ValueError(f"pipeline stage {s} ends at layer {end} but stage {t} starts at layer {start} "
-                             f"(placement {shape!r}); build the chunks for this schedule: "
-                             f"build_stage_modules(config, mesh, v, schedule=<the pipeline's schedule>)")
+            raise ValueError(
+                f"pipeline stage {s} ends at layer {end} but stage {t} starts at layer {start} "
+                f"(placement {shape!r}); build the chunks for this schedule: "
+                f"build_stage_modules(config, mesh, v, schedule=<the pipeline's schedule>)"
+            )

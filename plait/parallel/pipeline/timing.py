@@ -1,5 +1,6 @@
 """Timing a pipeline step's compute actions (``PipelineExecutor.time_compute``): ``ActionTime`` records,
 and the device clock they are read from (CUDA events on a GPU, ``time.perf_counter`` elsewhere)."""
+
 from __future__ import annotations
 
 import time
@@ -33,7 +34,9 @@ def mark(device: torch.device):
     return time.perf_counter()
 
 
-def timeline(device: torch.device, origin, spans: list[tuple[Action, object, object, float]]) -> list[ActionTime]:
+def timeline(
+    device: torch.device, origin, spans: list[tuple[Action, object, object, float]]
+) -> list[ActionTime]:
     """``ActionTime`` s of ``spans`` (``(action, start mark, end mark, host seconds)``) in seconds since
     ``origin`` (a ``mark``); waits for the GPU first."""
     if device.type == "cuda":
@@ -41,4 +44,7 @@ def timeline(device: torch.device, origin, spans: list[tuple[Action, object, obj
         since = lambda e: origin.elapsed_time(e) / 1e3  # noqa: E731
     else:
         since = lambda t: t - origin  # noqa: E731
-    return [ActionTime(a.kind, a.microbatch, a.chunk, since(s), since(e), host) for a, s, e, host in spans]
+    return [
+        ActionTime(a.kind, a.microbatch, a.chunk, since(s), since(e), host)
+        for a, s, e, host in spans
+    ]

@@ -11,6 +11,7 @@ grad, needs)`` (plait's RMSNorm). Real, strided tensors only.
 when no saved tensor it needs has saved-tensor hooks, so that pass may free the graph. More:
 ``docs/pipeline.md``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,7 +43,9 @@ def _mat1_grad(grad, mat2, sizes, strides, alpha):
 
 def _mat2_grad(grad, mat1, sizes, strides, alpha):
     """``mm_mat2_backward``: gradient of ``mat2`` in ``mat1 @ mat2`` (layout follows ``mat2``)."""
-    if strides[0] == 1 and strides[1] == sizes[0]:  # e.g. mat2 = W.t(): the gradient comes as dW.t()
+    if (
+        strides[0] == 1 and strides[1] == sizes[0]
+    ):  # e.g. mat2 = W.t(): the gradient comes as dW.t()
         return _times(grad.t().mm(mat1).t(), alpha)
     return _times(mat1.t().mm(grad), alpha)
 
@@ -56,6 +59,7 @@ def _fitter(child, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         if tuple(grad.shape) != shape:
             grad = grad.sum_to_size(shape)
         return grad if grad.dtype == dtype else grad.to(dtype)
+
     return fit
 
 
@@ -83,7 +87,7 @@ def _formula(node, name: str, i: int, get: Callable, child, k: int) -> Callable:
     if name == "MulBackward0":
         other = "other" if i == 0 else "self"
         return lambda dy: fit(dy * get(other))
-    alpha = 1 if i == 0 else node._saved_alpha   # AddBackward0
+    alpha = 1 if i == 0 else node._saved_alpha  # AddBackward0
     return lambda dy: fit(_times(dy, alpha))
 
 
@@ -98,8 +102,17 @@ def _layer_norm(node, side, get) -> Callable | None:
 
     def grads(dy):
         out = torch.ops.aten.native_layer_norm_backward(
-            dy, get("input"), shape, get("result1"), get("result2"), get("weight"), get("bias"), mask)
+            dy,
+            get("input"),
+            shape,
+            get("result1"),
+            get("result2"),
+            get("weight"),
+            get("bias"),
+            mask,
+        )
         return [fit(out[i]) for fit, i in zip(fits, slots)]
+
     return grads
 
 
@@ -120,6 +133,7 @@ def _function_plan(node, function, side: list) -> tuple[Callable, bool] | None:
     def grads(dy):
         out = function.plait_gradients(node, load(), dy, needs)
         return [fit(out[i]) for i, fit in fits]
+
     return grads, eager
 
 
@@ -165,11 +179,15 @@ def plan(node, side: list) -> tuple[Callable, bool] | None:
             return None
         get = saved.__getitem__
     else:
+
         def get(attr):
             t = getattr(node, "_saved_" + attr)
             if not _usable(t):
-                raise RuntimeError(f"zero-bubble weight pass: {name}._saved_{attr} is not a real strided tensor")
+                raise RuntimeError(
+                    f"zero-bubble weight pass: {name}._saved_{attr} is not a real strided tensor"
+                )
             return t
+
     if name == _LAYER_NORM:
         fn = _layer_norm(node, side, get)
         return None if fn is None else (fn, eager)

@@ -2,6 +2,7 @@
 Controllable Memory", NeurIPS 2024, Sec. 3) planned greedily in time order for per-virtual-stage costs, and
 the best of several such plans by simulated step. :func:`zb_v`'s docstring gives the rules and the bounds.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,7 +35,9 @@ def zb_v(p: int, m: int, v: int = 2, costs: dict | None = None, tries: int = 16)
     """
     check_sizes("zb-v", p, m, v)
     if v != 2:
-        raise ValueError(f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2")
+        raise ValueError(
+            f"schedule 'zb-v' runs v=2 chunks per rank (the V placement), got v={v}; set v=2"
+        )
     return plan_zb_v(p, m, costs, tries)
 
 
@@ -47,18 +50,27 @@ def plan_zb_v(p: int, m: int, costs: dict | None, tries: int) -> Schedule:
         return _GreedyV(p, m, cost).run()
 
     def span(lists: Schedule) -> float:
-        return simulate(lists, p, 2, cost_f=cost["F"], cost_bi=cost["BI"], cost_bw=cost["BW"], shape="v").makespan
-    jitter = [random.Random(k) for k in range(1, max(tries, 1))]   # seeded: every rank plans the same
-    trials = [cost] + [{kind: tuple(x * (1 + 0.05 * rng.uniform(-1, 1)) for x in c) for kind, c in cost.items()}
-                       for rng in jitter]
-    return min((_GreedyV(p, m, trial).run() for trial in trials), key=span)   # the first on ties
+        return simulate(
+            lists, p, 2, cost_f=cost["F"], cost_bi=cost["BI"], cost_bw=cost["BW"], shape="v"
+        ).makespan
+
+    jitter = [
+        random.Random(k) for k in range(1, max(tries, 1))
+    ]  # seeded: every rank plans the same
+    trials = [cost] + [
+        {kind: tuple(x * (1 + 0.05 * rng.uniform(-1, 1)) for x in c) for kind, c in cost.items()}
+        for rng in jitter
+    ]
+    return min((_GreedyV(p, m, trial).run() for trial in trials), key=span)  # the first on ties
 
 
 def checked_costs(costs: dict | None, p: int) -> dict[str, tuple]:
     """Per-stage F, BI and BW costs for ``p`` ranks in the V placement (unit costs when None)."""
     if costs is None:
         return {k: (1,) * (2 * p) for k in ("F", "BI", "BW")}
-    return {k: per_stage_costs(k, costs.get(k, ()), p, 2, "v", owner="zb-v") for k in ("F", "BI", "BW")}
+    return {
+        k: per_stage_costs(k, costs.get(k, ()), p, 2, "v", owner="zb-v") for k in ("F", "BI", "BW")
+    }
 
 
 class _GreedyV:
@@ -66,12 +78,14 @@ class _GreedyV:
 
     def __init__(self, p: int, m: int, cost: dict[str, tuple]):
         self.p, self.m, self.last, self.cost = p, m, 2 * p - 1, cost
-        self.done: dict[tuple[str, int, int], float] = {}   # (kind, micro-batch, stage) -> end time
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> end time
         self.lists: Schedule = [[] for _ in range(p)]
         self.next = {(r, kind, c): 0 for r in range(p) for kind in ("F", "BI") for c in (0, 1)}
-        self.weights: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # per rank: (mb, chunk) awaiting BW
-        self.held = [0] * p                               # chunk-forwards whose BW has not run
-        self.held_last = [0] * p                          # the same, of chunk 1 only
+        self.weights: list[list[tuple[int, int]]] = [
+            [] for _ in range(p)
+        ]  # per rank: (mb, chunk) awaiting BW
+        self.held = [0] * p  # chunk-forwards whose BW has not run
+        self.held_last = [0] * p  # the same, of chunk 1 only
 
     def _ready(self, key: tuple[str, int, int], t) -> bool:
         return key in self.done and self.done[key] <= t
@@ -80,7 +94,11 @@ class _GreedyV:
         p, m = self.p, self.m
         for c in (0, 1):
             mb, s = self.next[(r, "BI", c)], stage_of(r, c, p, "v")
-            if mb < m and self._ready(("F", mb, s), t) and (s == self.last or self._ready(("BI", mb, s + 1), t)):
+            if (
+                mb < m
+                and self._ready(("F", mb, s), t)
+                and (s == self.last or self._ready(("BI", mb, s + 1), t))
+            ):
                 return Action("BI", mb, c)
         for c in (1, 0):
             mb, s = self.next[(r, "F", c)], stage_of(r, c, p, "v")
@@ -122,7 +140,7 @@ class _GreedyV:
         total, t, free, ends = 6 * self.m, 0, [0] * self.p, set()
         while any(len(acts) < total for acts in self.lists):
             started = True
-            while started:   # an action of zero cost ends at t: let every rank look again
+            while started:  # an action of zero cost ends at t: let every rank look again
                 started = False
                 for r in range(self.p):
                     while free[r] <= t and (a := self._pick(r, t)) is not None:
@@ -131,7 +149,9 @@ class _GreedyV:
                         started = True
             later = [e for e in ends if e > t]
             if not later and any(len(acts) < total for acts in self.lists):
-                raise RuntimeError(f"zb-v list scheduler stalled at time {t} (p={self.p}, m={self.m})")
+                raise RuntimeError(
+                    f"zb-v list scheduler stalled at time {t} (p={self.p}, m={self.m})"
+                )
             t = min(later, default=t)
             ends = set(later)
         return self.lists

@@ -12,11 +12,20 @@ drives), ``HostOptimizer`` / ``host_optimizer`` (the torch optimizer over the ho
 tickets the next forward waits on). The data path, the two step modes, the overlap with the next forward
 and their limits: ``docs/offload.md``.
 """
+
 from plait.zero.offload.gatherer import OffloadGatherer
 from plait.zero.offload.host import HostStepper
 from plait.zero.offload.optim import HostOptimizer, host_optimizer, is_host_optimizer
 from plait.zero.offload.options import OffloadOptions
 from plait.zero.offload.ready import Readiness, forward_order
 
-__all__ = ["HostOptimizer", "HostStepper", "OffloadGatherer", "OffloadOptions", "Readiness", "forward_order",
-           "host_optimizer", "is_host_optimizer"]
+__all__ = [
+    "HostOptimizer",
+    "HostStepper",
+    "OffloadGatherer",
+    "OffloadOptions",
+    "Readiness",
+    "forward_order",
+    "host_optimizer",
+    "is_host_optimizer",
+]

@@ -1,6 +1,7 @@
 """The host step of one gradient segment and the copy of its updated weights back to the device
 (ZeRO-Offload, Ren et al., USENIX ATC'21, Sec. 4.2: CPU optimizer step, then the fp16/bf16 parameter
 copy host -> device). Runs on the ``HostStepper``'s worker thread."""
+
 from __future__ import annotations
 
 import time
@@ -31,18 +32,25 @@ class CopyBack:
         # kernel writes the host parameter shards directly).
         self.lowp: list[torch.Tensor | None] = []
         for g in shards.groups:
-            needs = (not g.key.resident and g.key.dtype != torch.float32
-                     and any(self.dest(s) is not None for s in g.segments))
+            needs = (
+                not g.key.resident
+                and g.key.dtype != torch.float32
+                and any(self.dest(s) is not None for s in g.segments)
+            )
             self.lowp.append(host_empty(g.shard_numel, g.key.dtype, pin) if needs else None)
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        self.copied: dict[int, object] = {}  # worker only: id(seg) -> event of its last host->device copy
-        self.cpu_end: float | None = None    # perf_counter() after the last host step (adaptive split)
+        self.copied: dict[
+            int, object
+        ] = {}  # worker only: id(seg) -> event of its last host->device copy
+        self.cpu_end: float | None = (
+            None  # perf_counter() after the last host step (adaptive split)
+        )
 
     def dest(self, seg: Segment) -> torch.Tensor | None:
         """Where the updated compute-dtype ``[S]`` shard of ``seg`` goes on the device (None: host shard)."""
         if seg.local is not None:
             return None if self.param_offload else seg.local
-        return seg.full[seg.lo:seg.lo + seg.shard_size]
+        return seg.full[seg.lo : seg.lo + seg.shard_size]
 
     def step_segment(self, seg: Segment, grad_coef: float, used=None):
         """Worker: host step of ``seg`` (gradient multiplied by ``grad_coef``) and its copy back to the
@@ -60,12 +68,14 @@ class CopyBack:
         if seg.key.dtype == torch.float32:
             out = None
         elif dest is None:
-            out = seg.local            # offload_param: the host parameter shard itself
+            out = seg.local  # offload_param: the host parameter shard itself
         else:
-            out = lowp[lo:lo + n]
-        host_opt.step_range(master, lo, n, shards.grad_shards[gi], lowp_out=out, grad_coef=grad_coef)
+            out = lowp[lo : lo + n]
+        host_opt.step_range(
+            master, lo, n, shards.grad_shards[gi], lowp_out=out, grad_coef=grad_coef
+        )
         self.cpu_end = time.perf_counter()
-        src = master.detach()[lo:lo + n] if out is None else out
+        src = master.detach()[lo : lo + n] if out is None else out
         if dest is None:
             if out is None:
                 seg.local.copy_(src)

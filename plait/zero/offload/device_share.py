@@ -10,6 +10,7 @@ Restrictions (checked when the ``HostStepper`` is built): Adam/AdamW only, gradi
 compute-dtype weights on the device (stages 1-2, stage 3 without offload_param), fp32 moments.
 Why and how: ``docs/offload.md``; measurements: ``benchmarks/results/offload_design_numbers.md``.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,25 +42,36 @@ class DeviceShare:
             always stepped here, in place, with no copy; not part of ``eligible`` or ``total``.
     """
 
-    def __init__(self, shards: ShardSet, device: torch.device, dest, eligible: list[Segment], count: int,
-                 total: int, adaptive: bool = False, resident: list[Segment] = ()):
+    def __init__(
+        self,
+        shards: ShardSet,
+        device: torch.device,
+        dest,
+        eligible: list[Segment],
+        count: int,
+        total: int,
+        adaptive: bool = False,
+        resident: list[Segment] = (),
+    ):
         self.shards, self.dest = shards, dest
         self.device, self.cuda = device, device.type == "cuda"
         self.eligible, self.count, self.total, self.adaptive = eligible, count, total, adaptive
         self.resident = frozenset(id(s) for s in resident)
         self.ids = self.resident | {id(s) for s in eligible[:count]}
-        self.grads: dict[int, torch.Tensor] = {}    # id(seg) -> device gradient of this step
-        self.events: list = []                      # copies back to the host still in flight
+        self.grads: dict[int, torch.Tensor] = {}  # id(seg) -> device gradient of this step
+        self.events: list = []  # copies back to the host still in flight
         self.turn = 0
         self.history = deque([count], maxlen=1024)  # segments on the device, last steps (adaptive)
-        self.device_rate: float | None = None       # elements/s of the device share, last measured
-        self._start = None                          # timing of the device share of the last step
+        self.device_rate: float | None = None  # elements/s of the device share, last measured
+        self._start = None  # timing of the device share of the last step
         self._seconds = 0.0
         if self.cuda:
             self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
             host = shards.optimizer
             chosen = eligible if adaptive else eligible[:count]
-            for gi in {s.group for s in chosen} - {s.group for s in resident}:   # page-lock the streamed states
+            for gi in {s.group for s in chosen} - {
+                s.group for s in resident
+            }:  # page-lock the streamed states
                 master = shards.masters[gi]
                 pin_existing(master)
                 k = host.kernels[master]
@@ -83,16 +95,24 @@ class DeviceShare:
         k = host.kernels[master]
         dest = self.dest(seg)
         grad = self.grads.pop(id(seg))
-        host_w, host_m, host_v = master.detach()[lo:lo + n], k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
+        host_w, host_m, host_v = (
+            master.detach()[lo : lo + n],
+            k.exp_avg[lo : lo + n],
+            k.exp_avg_sq[lo : lo + n],
+        )
         # resident states: updated where they live (bf16/int8 moments have no streamed share: ``HostStepper``)
-        if master.device == self.device and (self.cuda or getattr(host, "state_dtype", "fp32") != "fp32"):
+        if master.device == self.device and (
+            self.cuda or getattr(host, "state_dtype", "fp32") != "fp32"
+        ):
             return self._step_resident(master, lo, n, grad, grad_coef, dest)
         stream, event = None, None
         t0 = time.perf_counter()
         if self.cuda:
             stream = self.streams[self.turn % 2]
             self.turn += 1
-            stream.wait_stream(torch.cuda.current_stream(self.device))   # backward is done with grad, dest
+            stream.wait_stream(
+                torch.cuda.current_stream(self.device)
+            )  # backward is done with grad, dest
             if self._start is None:
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._start.record(stream)
@@ -103,12 +123,14 @@ class DeviceShare:
             adam_update_(w, grad, m, v, k, grad_coef)
             dest.copy_(w)
             if self.cuda:
-                event = torch.cuda.Event()          # the next forward waits for this one only
+                event = torch.cuda.Event()  # the next forward waits for this one only
                 event.record(stream)
                 host_w.copy_(w, non_blocking=True)
                 host_m.copy_(m, non_blocking=True)
                 host_v.copy_(v, non_blocking=True)
-                done = torch.cuda.Event(blocking=True, enable_timing=True)  # host readers of the states wait
+                done = torch.cuda.Event(
+                    blocking=True, enable_timing=True
+                )  # host readers of the states wait
                 done.record(stream)
                 self.events.append(done)
         if stream is not None:
@@ -122,7 +144,7 @@ class DeviceShare:
         backward, and the next forward follows it): no copy, no side stream; moments in any ``state_dtype``
         (``HostOptimizer.step_range`` of a device master). Returns None (done in order)."""
         self.shards.optimizer.step_range(master, lo, n, grad, grad_coef=grad_coef)
-        dest.copy_(master.detach()[lo:lo + n])
+        dest.copy_(master.detach()[lo : lo + n])
 
     def wait(self) -> None:
         """Host: every queued copy back to host memory has finished (host states may be read)."""
@@ -146,9 +168,9 @@ class DeviceShare:
         if not self.adaptive or 0.85 * cpu_seconds <= device_seconds <= 1.15 * cpu_seconds:
             return
         sizes = [s.shard_size for s in self.eligible]
-        on_device = sum(sizes[:self.count])
+        on_device = sum(sizes[: self.count])
         if self.count > 0 and device_seconds > 0:
-            self.device_rate = on_device / device_seconds      # remembered: no probing again from 0
+            self.device_rate = on_device / device_seconds  # remembered: no probing again from 0
         if self.device_rate is None or cpu_seconds <= 0 or self.total <= on_device:
             target = self.count + (1 if device_seconds < cpu_seconds else -1)
         else:
@@ -160,7 +182,7 @@ class DeviceShare:
             diff = balanced - self.count
             target = self.count + (int(math.copysign(max(1, abs(diff) // 2), diff)) if diff else 0)
         self.count = min(max(target, 0), len(sizes))
-        self.ids = self.resident | {id(s) for s in self.eligible[:self.count]}
+        self.ids = self.resident | {id(s) for s in self.eligible[: self.count]}
         self.history.append(self.count)
 
     def reset(self) -> None:
@@ -168,7 +190,9 @@ class DeviceShare:
         self.grads.clear()
 
 
-def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k, grad_coef: float) -> None:
+def adam_update_(
+    w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k, grad_coef: float
+) -> None:
     """One Adam/AdamW step in place on float32 ``w, m, v`` (``[n]``) from ``grad`` (``[n]``, any float dtype),
     with the hyper-parameters, step count and lr of the CPU kernel ``k`` (``plait.kernels.CPUAdam``).
 
@@ -179,11 +203,16 @@ def adam_update_(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
     kernel's result (``tests/test_offload.py``; on CUDA ``tests/gpu/run_offload_gpu.py``).
     """
     lr, (b1, b2), t = k._step_lr, k.betas, k.step_count
-    bc1 = 1.0 - b1 ** t if k.bias_correction else 1.0
-    bc2 = 1.0 - b2 ** t if k.bias_correction else 1.0
+    bc1 = 1.0 - b1**t if k.bias_correction else 1.0
+    bc2 = 1.0 - b2**t if k.bias_correction else 1.0
     # every scalar rounded to float32 first, as the kernel's are: then a product or quotient of two
     # float32 values rounds the same whether torch computes it in float32 or in double
-    beta1, one_minus_beta1, beta2, one_minus_beta2 = _f32(b1), _f32(1.0 - b1), _f32(b2), _f32(1.0 - b2)
+    beta1, one_minus_beta1, beta2, one_minus_beta2 = (
+        _f32(b1),
+        _f32(1.0 - b1),
+        _f32(b2),
+        _f32(1.0 - b2),
+    )
     g = grad.to(torch.float32, copy=True).mul_(_on(w, grad_coef))
     if k.adamw_mode:
         w.mul_(_f32(1.0 - lr * k.weight_decay))
@@ -207,4 +236,4 @@ def _on(like: torch.Tensor, x: float) -> torch.Tensor:
     """``x`` as a float32 0-dim tensor on ``like``'s device: a divisor. CUDA kernels replace division by a
     host scalar with multiplication by its reciprocal (not always the correctly rounded quotient);
     a device tensor keeps the IEEE division the CPU kernel does."""
-    return torch.full((), x, dtype=torch.float32, device=like.device)   # a fill kernel: no host copy
+    return torch.full((), x, dtype=torch.float32, device=like.device)  # a fill kernel: no host copy

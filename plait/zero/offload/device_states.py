@@ -8,6 +8,7 @@ dequantized (``plait.kernels.quant``: the same maps and block layout as the numb
 the CPU the result is bit-identical to the numba kernels' (``tests/test_quant_states.py``). Vectorized
 over blocks; temporaries of about 12 bytes per element of the range.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,9 @@ from plait.kernels.quant import dequantize, quantize_
 from plait.zero.offload.device_share import adam_update_
 
 
-def state_update_(k, w: torch.Tensor, grad: torch.Tensor, lo: int, n: int, grad_coef: float) -> None:
+def state_update_(
+    k, w: torch.Tensor, grad: torch.Tensor, lo: int, n: int, grad_coef: float
+) -> None:
     """One Adam/AdamW step of elements ``[lo, lo+n)``: master ``w`` (float32 ``[n]``, updated in place) from
     ``grad`` (``[n]``), with the moments, hyper-parameters, lr and step count of ``k``.
 
@@ -25,13 +28,13 @@ def state_update_(k, w: torch.Tensor, grad: torch.Tensor, lo: int, n: int, grad_
     """
     dtype = getattr(k, "state_dtype", "fp32")
     if dtype == "fp32":
-        adam_update_(w, grad, k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n], k, grad_coef)
+        adam_update_(w, grad, k.exp_avg[lo : lo + n], k.exp_avg_sq[lo : lo + n], k, grad_coef)
         return
-    m_store, v_store = k.exp_avg[lo:lo + n], k.exp_avg_sq[lo:lo + n]
+    m_store, v_store = k.exp_avg[lo : lo + n], k.exp_avg_sq[lo : lo + n]
     if dtype == "bf16":
         m, v = m_store.float(), v_store.float()
         adam_update_(w, grad, m, v, k, grad_coef)
-        m_store.copy_(m)           # round to nearest even, as the kernel's bf16_bits
+        m_store.copy_(m)  # round to nearest even, as the kernel's bf16_bits
         v_store.copy_(v)
         return
     b0, b1 = k._blocks_of(lo, n)

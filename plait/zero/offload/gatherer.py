@@ -1,5 +1,6 @@
 """Stage-3 parameter offload (ZeRO-Infinity's parameter offload, Rajbhandari et al., SC'21, Sec. 5):
 the rank's compute-dtype parameter shards live in (pinned) host memory between uses."""
+
 from __future__ import annotations
 
 import torch

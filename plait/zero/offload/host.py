@@ -6,6 +6,7 @@ compute-dtype shards go back to the device, overlapped with the next forward (``
 ``ZeroOptimizer.step`` protocol calls ``grad_norm`` then ``apply`` or ``discard``; modes in
 ``plait.zero.offload``.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,48 +45,89 @@ class HostStepper:
         ValueError: ``device_step_fraction`` > 0 or "auto" where it cannot apply (``_device_share``).
     """
 
-    def __init__(self, shards: ShardSet, options: OffloadOptions, ready: Readiness, *, module: torch.nn.Module,
-                 device: torch.device, dp_group, gradient_accumulation_steps: int, steps_as_is: bool,
-                 is_last_micro_step: Callable[[], bool]):
+    def __init__(
+        self,
+        shards: ShardSet,
+        options: OffloadOptions,
+        ready: Readiness,
+        *,
+        module: torch.nn.Module,
+        device: torch.device,
+        dp_group,
+        gradient_accumulation_steps: int,
+        steps_as_is: bool,
+        is_last_micro_step: Callable[[], bool],
+    ):
         self.shards, self.options, self.ready = shards, options, ready
         self.module, self.device, self.dp_group = module, device, dp_group
         self.segments = shards.segments
         self.order = ready.order
         self.writer = CopyBack(shards, device, options.param, options.pin_memory)
-        init = {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
+        init = (
+            {"initializer": torch.cuda.set_device, "initargs": (device,)}
+            if device.type == "cuda"
+            else {}
+        )
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-offload", **init)
         self.futures: list[Future] = []
         self.share = self._device_share(options.device_step_fraction, gradient_accumulation_steps)
         # early mode needs a clip coefficient of exactly 1 and no device share (deferred is then faster:
         # the CPU and the device step their shares at the same time)
-        self.early = options.overlap_step and steps_as_is and self.share is None and not options.final_at_step
-        self.landing = Landing(shards, device, options.pin_memory, self.segments, self.share, self._submit,
-                               self.synchronize, gradient_accumulation_steps, is_last_micro_step,
-                               self._early_step if self.early else None, final_at_step=options.final_at_step)
-        self.land = self.landing.land           # GradReducer's sink
-        self._cpu_start = self._last_split = None   # timing of the CPU share (adaptive split)
-        self._in_place = [s for s in self.segments if s.local is None]   # not stage-3 shards
-        self._ran: set[int] = set()      # modules whose forward ran (module_needs)
+        self.early = (
+            options.overlap_step
+            and steps_as_is
+            and self.share is None
+            and not options.final_at_step
+        )
+        self.landing = Landing(
+            shards,
+            device,
+            options.pin_memory,
+            self.segments,
+            self.share,
+            self._submit,
+            self.synchronize,
+            gradient_accumulation_steps,
+            is_last_micro_step,
+            self._early_step if self.early else None,
+            final_at_step=options.final_at_step,
+        )
+        self.land = self.landing.land  # GradReducer's sink
+        self._cpu_start = self._last_split = None  # timing of the CPU share (adaptive split)
+        self._in_place = [s for s in self.segments if s.local is None]  # not stage-3 shards
+        self._ran: set[int] = set()  # modules whose forward ran (module_needs)
         self._needs: dict[int, int] = {}
-        self._needs_for = -1             # len(self._ran) when _needs was computed
-        self._hooks = [m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in module.modules()]
+        self._needs_for = -1  # len(self._ran) when _needs was computed
+        self._hooks = [
+            m.register_forward_pre_hook(self._pre_forward, prepend=True) for m in module.modules()
+        ]
         self._reset()
 
     def _share_problems(self, resident: list, gas: int) -> list[str]:
         """What keeps states from stepping on the device (named for the error texts); empty when nothing does."""
         optimizer, problems = self.shards.optimizer, []
         if getattr(optimizer, "kind", None) not in ("adam", "adamw"):
-            problems.append(f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)")
-        if gas != 1 and not resident:   # a resident group accumulates on the device; a streamed share cannot
+            problems.append(
+                f"optimizer {getattr(optimizer, 'kind', type(optimizer).__name__)} (needs Adam/AdamW)"
+            )
+        if (
+            gas != 1 and not resident
+        ):  # a resident group accumulates on the device; a streamed share cannot
             problems.append(f"gradient_accumulation_steps={gas} (needs 1)")
         if self.options.final_at_step:
-            problems.append("gradients final only at step() (final_at_step: a pipeline edits them after backward, "
-                            "and a device share keeps its gradients where that edit does not reach)")
+            problems.append(
+                "gradients final only at step() (final_at_step: a pipeline edits them after backward, "
+                "and a device share keeps its gradients where that edit does not reach)"
+            )
         if any(self.writer.dest(s) is None for s in resident):
-            problems.append("offload_param (the weights of a resident group must live on the device)")
+            problems.append(
+                "offload_param (the weights of a resident group must live on the device)"
+            )
         if not any(self.writer.dest(s) is not None for s in self.order):
-            problems.append("no segment with device-resident weights (stage 3 with offload_param keeps them on the "
-                            "host)")
+            problems.append(
+                "no segment with device-resident weights (stage 3 with offload_param keeps them on the "
+                "host)"
+            )
         return problems
 
     def _device_share(self, fraction, gas: int) -> DeviceShare | None:
@@ -101,17 +143,23 @@ class HostStepper:
         by_default = fraction is None
         resident = [s for s in self.order if self.shards.groups[s.group].key.resident]
         # the default streams page-locked host states: only where the config lets plait page-lock (pin_memory)
-        adaptive = fraction == "auto" or (by_default and self.device.type == "cuda" and self.options.pin_memory)
+        adaptive = fraction == "auto" or (
+            by_default and self.device.type == "cuda" and self.options.pin_memory
+        )
         if not adaptive and not fraction and not resident:
             return None
         if gas != 1 and resident and not by_default and (adaptive or fraction):
-            raise ValueError(f"device_step_fraction {fraction!r} needs gradient_accumulation_steps=1 (got {gas}); set "
-                             "it to 0 (offload_optimizer.ratio < 1 keeps its states on the device at any accumulation)")
+            raise ValueError(
+                f"device_step_fraction {fraction!r} needs gradient_accumulation_steps=1 (got {gas}); set "
+                "it to 0 (offload_optimizer.ratio < 1 keeps its states on the device at any accumulation)"
+            )
         problems = self._share_problems(resident, gas)
         eligible = [s for s in self.order if self.writer.dest(s) is not None]
         if problems and resident:
-            raise ValueError(f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
-                             "be used with " + "; ".join(problems) + "; set the ratio to 1")
+            raise ValueError(
+                f"offload_optimizer.ratio={self.options.ratio} (optimizer states on the device) cannot "
+                "be used with " + "; ".join(problems) + "; set the ratio to 1"
+            )
         if not problems and not self._streams_moments(fraction, by_default):
             adaptive, fraction = False, 0
             if not resident:
@@ -121,12 +169,24 @@ class HostStepper:
         if problems:
             what = "device_step_fraction 'auto'" if adaptive else "device_step_fraction > 0"
             raise ValueError(f"{what} cannot be used with " + "; ".join(problems) + "; set it to 0")
-        adaptive = adaptive and gas == 1   # by default with a resident group at GAS > 1: no streamed share
+        adaptive = (
+            adaptive and gas == 1
+        )  # by default with a resident group at GAS > 1: no streamed share
         eligible, count, total = streamed_prefix(self.order, eligible, resident, fraction, adaptive)
         try:
-            return DeviceShare(self.shards, self.device, self.writer.dest, eligible, count, total, adaptive,
-                               resident)
-        except RuntimeError:   # page-locking refused (pinned.pin_existing): the default steps on the CPU
+            return DeviceShare(
+                self.shards,
+                self.device,
+                self.writer.dest,
+                eligible,
+                count,
+                total,
+                adaptive,
+                resident,
+            )
+        except (
+            RuntimeError
+        ):  # page-locking refused (pinned.pin_existing): the default steps on the CPU
             if not by_default:
                 raise
             return None
@@ -142,15 +202,19 @@ class HostStepper:
         if state_dtype == "fp32":
             return True
         if fraction == "auto" or (fraction and not by_default):
-            raise ValueError(f"device_step_fraction {fraction!r} streams fp32 moments; with optimizer.params.state_dtype "
-                             f"= {state_dtype!r} set it to 0 (offload_optimizer.ratio < 1 keeps states on the device "
-                             "in any state_dtype)")
+            raise ValueError(
+                f"device_step_fraction {fraction!r} streams fp32 moments; with optimizer.params.state_dtype "
+                f"= {state_dtype!r} set it to 0 (offload_optimizer.ratio < 1 keeps states on the device "
+                "in any state_dtype)"
+            )
         return False
 
     def _reset(self) -> None:
         self.landing.reset()
         self.stepped: set[int] = set()
-        self.begun = False  # begin_step() called for this step (worker in early mode, else main thread)
+        self.begun = (
+            False  # begin_step() called for this step (worker in early mode, else main thread)
+        )
         if self.share is not None:
             self.share.reset()
 
@@ -191,7 +255,9 @@ class HostStepper:
         """Global L2 norm of the (loss-scaled) final gradients over dp x tp x pp, in float64 partials;
         inf/nan when any element is. Waits for every landing. Collective."""
         self.synchronize()
-        self._last_split = None   # (CPU seconds, device seconds) of the previous step, for the adaptive split
+        self._last_split = (
+            None  # (CPU seconds, device seconds) of the previous step, for the adaptive split
+        )
         if self.share is not None and self._cpu_start is not None:
             cpu = self.writer.cpu_end - self._cpu_start if self.writer.cpu_end is not None else 0.0
             self._last_split = (max(cpu, 0.0), self.share.take_seconds())
@@ -207,7 +273,7 @@ class HostStepper:
         """Queue the host step of every segment in forward order (gradients times ``coef``) and hand
         the updated shards to the next forward (``Readiness``); waits only without ``overlap_step``."""
         if not self.begun:
-            self.shards.optimizer.begin_step()   # main thread: reads the LR schedule's lr for this step
+            self.shards.optimizer.begin_step()  # main thread: reads the LR schedule's lr for this step
             self.begun = True
         tickets = []  # per segment in self.order: a Future of the copy-back event, or the event (early)
         self._cpu_start, self.writer.cpu_end = time.perf_counter(), None
@@ -215,18 +281,23 @@ class HostStepper:
             if self.share is not None and seg in self.share:
                 tickets.append(self.share.step(seg, coef))
             elif id(seg) in self.stepped:
-                tickets.append(self.writer.copied.get(id(seg)))   # the worker is idle (drained)
+                tickets.append(self.writer.copied.get(id(seg)))  # the worker is idle (drained)
             else:
-                tickets.append(self.worker.submit(self.writer.step_segment, seg, coef,
-                                                  self.landing.used.get(id(seg))))
+                tickets.append(
+                    self.worker.submit(
+                        self.writer.step_segment, seg, coef, self.landing.used.get(id(seg))
+                    )
+                )
         if self._needs_for != len(self._ran):
             self._needs = module_needs(self.module, self._in_place, self.ready.pos, self._ran)
             self._needs_for = len(self._ran)
         self.ready.start(tickets)
         if self._last_split is not None:
-            self.share.rebalance(*self._last_split)   # applies from the next backward on
+            self.share.rebalance(*self._last_split)  # applies from the next backward on
         gathered_now = any(s.local is not None and s.full is not None for s in self.segments)
-        if not self.options.overlap_step or gathered_now:  # inside gathered_parameters(): finish here
+        if (
+            not self.options.overlap_step or gathered_now
+        ):  # inside gathered_parameters(): finish here
             self.synchronize()
         self._reset()
 
@@ -236,9 +307,11 @@ class HostStepper:
         self.synchronize()
         self.drain()
         if self.stepped:
-            raise RuntimeError(f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
-                               "stepped on the host (offload early mode, no clipping): call step() to finish "
-                               "this step, or build the optimizer with OffloadOptions(overlap_step=False)")
+            raise RuntimeError(
+                f"{len(self.stepped)} of {len(self.segments)} gradient segments were already "
+                "stepped on the host (offload early mode, no clipping): call step() to finish "
+                "this step, or build the optimizer with OffloadOptions(overlap_step=False)"
+            )
         self._reset()
 
     def close(self) -> None:

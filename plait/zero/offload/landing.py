@@ -11,6 +11,7 @@ are final; segments not yet final at ``step()`` are finalized there (``finalize_
 ``final_at_step`` (``OffloadOptions``: the gradients change after backward, e.g. a pipeline's tied sum) no
 landing is final and every norm is taken on the host at ``step()``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,12 +43,27 @@ class Landing:
             norm is computed by ``finalize_rest`` at ``step()``, on the host (no ``share`` then).
     """
 
-    def __init__(self, shards: ShardSet, device: torch.device, pin: bool, segments: list[Segment], share, submit,
-                 synchronize, gradient_accumulation_steps: int, is_last_micro_step: Callable[[], bool],
-                 on_final=None, final_at_step: bool = False):
+    def __init__(
+        self,
+        shards: ShardSet,
+        device: torch.device,
+        pin: bool,
+        segments: list[Segment],
+        share,
+        submit,
+        synchronize,
+        gradient_accumulation_steps: int,
+        is_last_micro_step: Callable[[], bool],
+        on_final=None,
+        final_at_step: bool = False,
+    ):
         self.shards, self.device, self.cuda, self.pin = shards, device, device.type == "cuda", pin
         self.segments, self.share, self.submit = segments, share, submit
-        self.synchronize, self.is_last_micro_step, self.on_final = synchronize, is_last_micro_step, on_final
+        self.synchronize, self.is_last_micro_step, self.on_final = (
+            synchronize,
+            is_last_micro_step,
+            on_final,
+        )
         self.tp_skip = group_rank(shards.norm_groups.tp) != 0
         # GAS 1: every landing is a segment's whole final gradient, so its norm is taken on the device
         # (float64, fixed order) for every segment, whichever side steps it
@@ -59,8 +75,12 @@ class Landing:
     def reset(self) -> None:
         self.finalized: set[int] = set()
         self.sumsq: dict[int, float] = {}
-        self.device_sq: dict[int, torch.Tensor] = {}  # id(seg) -> float64 device scalar (device_norms)
-        self.used: dict[int, object] = {}  # id(seg) -> compute-stream event after backward's last use
+        self.device_sq: dict[
+            int, torch.Tensor
+        ] = {}  # id(seg) -> float64 device scalar (device_norms)
+        self.used: dict[
+            int, object
+        ] = {}  # id(seg) -> compute-stream event after backward's last use
 
     def land(self, seg: Segment, out: torch.Tensor | None, fresh: bool) -> None:
         """Main thread (``GradReducer``'s sink): a reduced segment gradient ``out`` (``[S]``, reduce dtype, on
@@ -69,14 +89,18 @@ class Landing:
         self.synchronize()  # the last step's host work reads the gradient shards this overwrites
         last = not self.final_at_step and self.is_last_micro_step()
         if not self.device_norms and self.share is not None and id(seg) in self.share.resident:
-            grad = self.grad(seg)   # GAS > 1: accumulated in the resident group's device gradient shard
+            grad = self.grad(
+                seg
+            )  # GAS > 1: accumulated in the resident group's device gradient shard
             if out is not None:
                 grad.copy_(out) if fresh else grad.add_(out)
             if last:
                 self.finish_resident(seg)
             return
-        if self.device_norms:   # GAS 1: this is the segment's whole, final gradient
-            grad = out if out is not None else self.grad(seg)   # None: packed in place (CPU-only, dp 1)
+        if self.device_norms:  # GAS 1: this is the segment's whole, final gradient
+            grad = (
+                out if out is not None else self.grad(seg)
+            )  # None: packed in place (CPU-only, dp 1)
             self.device_sq[id(seg)] = self._device_norm(seg, grad)
             if self.share is not None and seg in self.share:
                 self.share.land(seg, grad)
@@ -141,15 +165,19 @@ class Landing:
 
     def grad(self, seg: Segment) -> torch.Tensor:
         """The gradient ``[S]`` of ``seg``: a view of its grad shard (host; device for a resident group)."""
-        return self.shards.grad_shards[seg.group][seg.shard_offset:seg.shard_offset + seg.shard_size]
+        return self.shards.grad_shards[seg.group][
+            seg.shard_offset : seg.shard_offset + seg.shard_size
+        ]
 
     def finalize(self, seg: Segment, used=None) -> None:
         """Worker: norm partials of a segment's final gradient (and the early step)."""
-        if not self.device_norms:   # GAS > 1: the final gradient exists only here, accumulated
+        if not self.device_norms:  # GAS > 1: the final gradient exists only here, accumulated
             g = self.grad(seg)
             excluded = self.excluded(seg)
             total = sum_of_squares(g)
-            counted = total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
+            counted = (
+                total - sum(sum_of_squares(g[a:b]) for a, b in excluded) if excluded else total
+            )
             self.sumsq[id(seg)] = 0.0 if seg.key.tp_replicated and self.tp_skip else counted
         if self.on_final is not None:
             self.on_final(seg, used)
@@ -159,7 +187,11 @@ class Landing:
         the device wait for an event recorded now on the compute stream (after every use of the step)."""
         used = None
         for seg in self.segments:
-            if id(seg) not in self.finalized and self.share is not None and id(seg) in self.share.resident:
+            if (
+                id(seg) not in self.finalized
+                and self.share is not None
+                and id(seg) in self.share.resident
+            ):
                 self.finish_resident(seg)
             elif id(seg) not in self.finalized:
                 if used is None and self.cuda:
@@ -173,8 +205,11 @@ class Landing:
         """``[1]`` float64 on the device: this rank's sum of squared final gradients (after the worker
         drained). Not yet all-reduced."""
         device_sq = torch.stack(list(self.device_sq.values())).sum() if self.device_sq else None
-        total = torch.tensor([sum(self.sumsq[id(s)] for s in self.segments if id(s) in self.sumsq)],
-                             dtype=torch.float64, device=self.device)
+        total = torch.tensor(
+            [sum(self.sumsq[id(s)] for s in self.segments if id(s) in self.sumsq)],
+            dtype=torch.float64,
+            device=self.device,
+        )
         if device_sq is not None:
             total = total + device_sq
         return total
@@ -184,5 +219,8 @@ class Landing:
         exclude = self.shards.norm_exclude
         if not exclude:
             return []
-        return [(pc.shard_offset - seg.shard_offset, pc.shard_offset - seg.shard_offset + pc.length)
-                for pc in seg.pieces() if id(pc.slot.param) in exclude]
+        return [
+            (pc.shard_offset - seg.shard_offset, pc.shard_offset - seg.shard_offset + pc.length)
+            for pc in seg.pieces()
+            if id(pc.slot.param) in exclude
+        ]

@@ -12,6 +12,7 @@ Stepping (``plait.zero.offload.HostStepper`` drives it)::
     host.begin_step()                                 # every master: step += 1, hyper-parameters read
     host.step_range(i, offset, length, grad, lowp_out, grad_coef)  # any order, each range once
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,12 @@ from plait.kernels.quant import check_state_dtype
 from plait.zero.offload.device_states import state_update_
 
 KINDS = ("adam", "adamw", "lion")
-_IGNORED = ("foreach", "fused", "capturable", "differentiable")   # torch options with no meaning here
+_IGNORED = (
+    "foreach",
+    "fused",
+    "capturable",
+    "differentiable",
+)  # torch options with no meaning here
 
 
 class HostOptimizer(torch.optim.Optimizer):
@@ -53,24 +59,45 @@ class HostOptimizer(torch.optim.Optimizer):
             Lion with a state_dtype other than fp32.
     """
 
-    def __init__(self, params, kind: str = "adamw", lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bias_correction: bool = True, num_threads: int | None = None,
-                 amsgrad: bool = False, maximize: bool = False, state_dtype: str = "fp32", boundaries=None,
-                 **torch_options):
+    def __init__(
+        self,
+        params,
+        kind: str = "adamw",
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        num_threads: int | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        state_dtype: str = "fp32",
+        boundaries=None,
+        **torch_options,
+    ):
         if kind not in KINDS:
             raise ValueError(f"HostOptimizer kind {kind!r} is not one of {KINDS}")
         check_state_dtype(state_dtype)
         if kind == "lion" and state_dtype != "fp32":
-            raise ValueError(f"optimizer.params.state_dtype = {state_dtype!r} is served for Adam/AdamW only; Lion keeps "
-                             "its fp32 momentum: remove state_dtype")
+            raise ValueError(
+                f"optimizer.params.state_dtype = {state_dtype!r} is served for Adam/AdamW only; Lion keeps "
+                "its fp32 momentum: remove state_dtype"
+            )
         unknown = sorted(set(torch_options) - set(_IGNORED) - {"decoupled_weight_decay"})
         if amsgrad or maximize or unknown:
-            raise ValueError(f"the offloaded CPU optimizer does not support amsgrad={amsgrad}, maximize={maximize} "
-                             f"or options {unknown}; remove them or turn offload_optimizer off")
+            raise ValueError(
+                f"the offloaded CPU optimizer does not support amsgrad={amsgrad}, maximize={maximize} "
+                f"or options {unknown}; remove them or turn offload_optimizer off"
+            )
         if torch_options.get("decoupled_weight_decay") and kind == "adam":
             kind = "adamw"
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "bias_correction": bias_correction}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bias_correction,
+        }
         super().__init__(params, defaults)
         self.kind, self.num_threads, self.state_dtype = kind, num_threads, state_dtype
         self.boundaries = boundaries or {}
@@ -79,33 +106,62 @@ class HostOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 on_host = p.device.type == "cpu" or kind != "lion"
                 if not on_host or p.dtype != torch.float32 or not p.is_contiguous() or p.dim() != 1:
-                    raise ValueError(f"HostOptimizer steps contiguous 1-D float32 tensors (CPU ones for Lion); got "
-                                     f"{p.dtype} {tuple(p.shape)} on {p.device}")
+                    raise ValueError(
+                        f"HostOptimizer steps contiguous 1-D float32 tensors (CPU ones for Lion); got "
+                        f"{p.dtype} {tuple(p.shape)} on {p.device}"
+                    )
                 self.kernels[p] = self._make_kernel(p, group)
 
     def _make_kernel(self, p: torch.Tensor, group: dict):
         if self.kind == "lion":
-            return CPULion(p, lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"],
-                           num_threads=self.num_threads)
-        kw = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                  adamw_mode=self.kind == "adamw", bias_correction=group["bias_correction"], num_threads=self.num_threads)
+            return CPULion(
+                p,
+                lr=group["lr"],
+                betas=group["betas"],
+                weight_decay=group["weight_decay"],
+                num_threads=self.num_threads,
+            )
+        kw = dict(
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw_mode=self.kind == "adamw",
+            bias_correction=group["bias_correction"],
+            num_threads=self.num_threads,
+        )
         if self.state_dtype == "fp32":
             return CPUAdam(p, **kw)
-        return CPUAdamStates(p, **kw, state_dtype=self.state_dtype, boundaries=self.boundaries.get(p, (0,)))
+        return CPUAdamStates(
+            p, **kw, state_dtype=self.state_dtype, boundaries=self.boundaries.get(p, (0,))
+        )
 
     def _hparams(self, group: dict) -> dict:
-        hp = {"lr": group["lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
-              "weight_decay": group["weight_decay"]}
+        hp = {
+            "lr": group["lr"],
+            "beta1": group["betas"][0],
+            "beta2": group["betas"][1],
+            "weight_decay": group["weight_decay"],
+        }
         if self.kind != "lion":
-            hp.update(eps=group.get("eps", 1e-8), adamw_mode=self.kind == "adamw",
-                      bias_correction=group.get("bias_correction", True))
+            hp.update(
+                eps=group.get("eps", 1e-8),
+                adamw_mode=self.kind == "adamw",
+                bias_correction=group.get("bias_correction", True),
+            )
         return hp
 
     def _link_state(self, p: torch.Tensor) -> None:
         k = self.kernels[p]
         st = {"step": torch.tensor(float(k.step_count), dtype=torch.float32)}
         st.update({n: getattr(k, n) for n in k._state_names})
-        st.update({n + "_absmax": getattr(k, n + "_absmax") for n in k._state_names if hasattr(k, n + "_absmax")})
+        st.update(
+            {
+                n + "_absmax": getattr(k, n + "_absmax")
+                for n in k._state_names
+                if hasattr(k, n + "_absmax")
+            }
+        )
         self.state[p] = st
 
     # ---- stepping --------------------------------------------------------------------------------
@@ -119,8 +175,15 @@ class HostOptimizer(torch.optim.Optimizer):
                 k.begin_step(group["lr"])
                 self._link_state(p)
 
-    def step_range(self, p: torch.Tensor, offset: int, length: int, grad: torch.Tensor,
-                   lowp_out: torch.Tensor | None = None, grad_coef: float = 1.0) -> None:
+    def step_range(
+        self,
+        p: torch.Tensor,
+        offset: int,
+        length: int,
+        grad: torch.Tensor,
+        lowp_out: torch.Tensor | None = None,
+        grad_coef: float = 1.0,
+    ) -> None:
         """Update elements ``[offset, offset+length)`` of master ``p`` (``[numel]`` fp32) from ``grad``
         (fp32, ``[numel]`` or ``[length]``), multiplying the gradient by ``grad_coef``; write the
         rounded bf16/fp16 weights into ``lowp_out`` (``[length]``) in the same pass when given. A master in
@@ -130,10 +193,18 @@ class HostOptimizer(torch.optim.Optimizer):
             k.step_range(p.detach(), grad, offset, length, lowp_out=lowp_out, grad_coef=grad_coef)
             return
         if k._step_lr is None:
-            raise RuntimeError("call begin_step() before step_range(): it advances the step counter once per step")
-        w = p.detach()[offset:offset + length]
-        state_update_(k, w, grad[offset:offset + length] if grad.numel() != length else grad, offset, length,
-                      grad_coef)
+            raise RuntimeError(
+                "call begin_step() before step_range(): it advances the step counter once per step"
+            )
+        w = p.detach()[offset : offset + length]
+        state_update_(
+            k,
+            w,
+            grad[offset : offset + length] if grad.numel() != length else grad,
+            offset,
+            length,
+            grad_coef,
+        )
         if lowp_out is not None:
             lowp_out.copy_(w)
 
@@ -163,7 +234,9 @@ class HostOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         if self.state_dtype != "fp32":
             order = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {i: self.checkpoint_state(p) for i, p in enumerate(order) if p in self.state}
+            sd["state"] = {
+                i: self.checkpoint_state(p) for i, p in enumerate(order) if p in self.state
+            }
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -172,8 +245,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 k, st = self.kernels[p], self.state.get(p, {})
-                for n in k._state_names:   # float32 values, stored in this state_dtype (converted by name)
-                    values = st[n].reshape(-1).to(torch.float32) if n in st else torch.zeros(k.numel)
+                for n in (
+                    k._state_names
+                ):  # float32 values, stored in this state_dtype (converted by name)
+                    values = (
+                        st[n].reshape(-1).to(torch.float32) if n in st else torch.zeros(k.numel)
+                    )
                     if hasattr(k, "set_moment"):
                         k.set_moment(n, values.to(getattr(k, n).device))
                     else:
@@ -212,6 +289,8 @@ def host_optimizer(factory, num_threads: int | None = None):
     if factory is torch.optim.Adam:
         return functools.partial(HostOptimizer, kind="adam", num_threads=num_threads)
     name = getattr(base, "__name__", type(base).__name__)
-    raise ValueError(f"optimizer {name} cannot run offloaded: the CPU optimizers are Adam, AdamW and Lion "
-                     "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload.HostOptimizer, "
-                     "kind='lion')), or turn offload_optimizer off")
+    raise ValueError(
+        f"optimizer {name} cannot run offloaded: the CPU optimizers are Adam, AdamW and Lion "
+        "(pass torch.optim.Adam/AdamW or functools.partial(plait.zero.offload.HostOptimizer, "
+        "kind='lion')), or turn offload_optimizer off"
+    )

@@ -1,5 +1,6 @@
 """``OffloadOptions``: what ``ZeroOptimizer(offload=...)`` moves to the host (ZeRO-Offload, Ren et al.,
 USENIX ATC'21, Sec. 4; stage-3 parameter offload: ZeRO-Infinity, Rajbhandari et al., SC'21)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,10 +62,14 @@ class OffloadOptions:
     def __post_init__(self):
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise ValueError(f"offload ratio={r!r} must be a number in [0, 1] (the share of the optimizer states in "
-                             "host memory; 1 = all of them)")
+            raise ValueError(
+                f"offload ratio={r!r} must be a number in [0, 1] (the share of the optimizer states in "
+                "host memory; 1 = all of them)"
+            )
         f = self.device_step_fraction
         number = isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0
         if f is not None and not self.adaptive and not number:
-            raise ValueError(f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
-                             "optimizer step the device computes; 0 = all on the CPU)")
+            raise ValueError(
+                f"device_step_fraction={self.device_step_fraction} must be in [0, 1) (the share of the "
+                "optimizer step the device computes; 0 = all on the CPU)"
+            )

@@ -10,6 +10,7 @@ the device steps them (``DeviceShare``, bit-identical to the host kernels); the 
 The unit of placement is a parameter (ZeRO stages 1-2) or a ZeRO-3 unit (all parameters gathered together
 share one flat group); a parameter marked resident gets a flat group of its own (``GroupKey.resident``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -40,7 +41,9 @@ def resident_params(blocks: Sequence[Iterable[torch.nn.Parameter]], ratio: float
     return out
 
 
-def placement_blocks(named: Sequence[tuple[str, torch.nn.Parameter]], units) -> list[list[torch.nn.Parameter]]:
+def placement_blocks(
+    named: Sequence[tuple[str, torch.nn.Parameter]], units
+) -> list[list[torch.nn.Parameter]]:
     """The units of placement in forward order: each ZeRO-3 unit's parameters (``units``: its ``Unit`` s, in
     forward order), then every parameter outside a unit; below stage 3 (``units`` empty) each parameter in
     registration order (a proxy for forward order, as ``ready.forward_order``)."""

@@ -13,6 +13,7 @@ whole, all-gathers the updated shards it consumed; consumption happens only at m
 in the same order on every rank, so collectives match. ``forward_order`` gives the segment order.
 Design: ``docs/offload.md``.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -32,8 +33,14 @@ class Readiness:
         allgather_bucket_size: elements per coalesced all-gather. overlap_comm: asynchronous all-gathers.
     """
 
-    def __init__(self, order: list[Segment], device: torch.device, comms,
-                 allgather_bucket_size: int, overlap_comm: bool):
+    def __init__(
+        self,
+        order: list[Segment],
+        device: torch.device,
+        comms,
+        allgather_bucket_size: int,
+        overlap_comm: bool,
+    ):
         self.order = order
         self.pos = {id(s): k for k, s in enumerate(order)}
         self.device, self.cuda = device, device.type == "cuda"
@@ -51,12 +58,16 @@ class Readiness:
     def start(self, tickets: list) -> None:
         """A step was queued: ``tickets[k]`` (Future, event or None) belongs to ``order[k]``."""
         if self.tickets is not None:
-            raise RuntimeError("an offloaded step is still in flight; wait_all() before starting another")
+            raise RuntimeError(
+                "an offloaded step is still in flight; wait_all() before starting another"
+            )
         if len(tickets) != len(self.order):
             raise ValueError(f"{len(tickets)} tickets for {len(self.order)} segments")
         self.tickets, self.next = tickets, 0
         self.stats["steps"] += 1
-        self.stats["segments_in_flight"] += sum(isinstance(t, Future) and not t.done() for t in tickets)
+        self.stats["segments_in_flight"] += sum(
+            isinstance(t, Future) and not t.done() for t in tickets
+        )
 
     def consumed(self, seg: Segment) -> bool:
         """True when ``seg`` may be read on the device now (no step in flight, or already handed out)."""
@@ -87,7 +98,7 @@ class Readiness:
                     stream.wait_event(event)
                 consumed.append(seg)
         except BaseException:
-            self.tickets = None                   # the step failed; do not wait on it again
+            self.tickets = None  # the step failed; do not wait on it again
             raise
         if self.next >= len(self.order):
             self.tickets = None
@@ -111,8 +122,9 @@ def forward_order(module: torch.nn.Module, segments: list[Segment]) -> list[Segm
     return sorted(segments, key=key)
 
 
-def module_needs(module: torch.nn.Module, segments: list[Segment], pos: dict[int, int],
-                 ran: set[int]) -> dict[int, int]:
+def module_needs(
+    module: torch.nn.Module, segments: list[Segment], pos: dict[int, int], ran: set[int]
+) -> dict[int, int]:
     """``{id(submodule): k}``: the forward pre-hook of that submodule must consume ``order[:k+1]``.
 
     Models read parameters of submodules that never run themselves (fused QKV or gate/up projections
