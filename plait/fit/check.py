@@ -22,7 +22,7 @@ import torch
 
 from plait.config import ConfigError, PlaitConfig
 from plait.config.schema_base import AUTO
-from plait.fit.plan import Plan, Settings, auto_ratio, estimate, fixes
+from plait.fit.plan import Plan, Settings, auto_ratio, estimate, fixes, unplanned
 from plait.fit.shape import ModelShape, shape_from_hf
 
 GiB = 2**30
@@ -127,7 +127,7 @@ def fit_config(model, config: PlaitConfig, device: torch.device, dp: int = 1) ->
     """``config`` with ``offload_optimizer.ratio: "auto"`` resolved (the smallest host share, in steps of 0.05,
     whose planned GPU need fits the GPU: ``memory_check.gpu_bytes``, else the device's free memory plus what
     this process holds, measured now), after refusing (ConfigError) a run of ``model`` that clearly does not
-    fit (module docstring). The check returns silently when it is off or ``model`` is not one it plans; a
+    fit (module docstring). The check returns silently when it is off or ``model`` or the placement is not one it plans; a
     "auto" ratio it cannot plan becomes 1 (every state on the host, DeepSpeed's default), with a warning
     saying why. The sequence length planned is ``memory_check.seq_len``; "auto" without it plans the model's
     ``max_position_embeddings`` (the longest sample)."""
@@ -147,12 +147,12 @@ def fit_config(model, config: PlaitConfig, device: torch.device, dp: int = 1) ->
         )
     if off or shape is None or gpu is None:
         return config
-    plan = estimate(
-        shape,
-        settings_from_config(
-            config, gpu, _host_bytes(c), c.seq_len or 1, _checkpointing(model), dp
-        ),
+    settings = settings_from_config(
+        config, gpu, _host_bytes(c), c.seq_len or 1, _checkpointing(model), dp
     )
+    if unplanned(settings):  # a placement the engine runs and the plan does not model: no check
+        return config
+    plan = estimate(shape, settings)
     if c.seq_len is None:
         plan = replace(plan, gpu_peak=plan.gpu_peak - plan.activations, activations=0)
     message = refusal(plan, c.margin)

@@ -254,26 +254,35 @@ def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, 
     return rows
 
 
+def unplanned(s: Settings) -> str | None:
+    """Why the planner does not model settings ``s`` (None: it does)."""
+    if s.offload_optimizer and (s.stage == 0 or (s.offload_param and s.stage != 3)):
+        return (
+            f"offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3; got stage {s.stage}"
+        )
+    if s.offload_optimizer and s.offload_param and s.ratio < 1:
+        return (
+            f"offload_optimizer.ratio={s.ratio} keeps optimizer states on the GPU, which "
+            "offload_param does not allow in plait; set the ratio to 1 or drop offload_param"
+        )
+    if s.offload_param and not s.offload_optimizer:
+        return "the plan models offload_param with offload_optimizer only (set both, or neither)"
+    return None
+
+
 def estimate(shape: ModelShape, s: Settings) -> Plan:
-    """The :class:`Plan` of training ``shape`` with settings ``s`` (module docstring)."""
+    """The :class:`Plan` of training ``shape`` with settings ``s`` (module docstring).
+
+    Raises:
+        ValueError: settings the plan does not model (``unplanned``).
+    """
     part = math.ceil(shape.params / s.dp)
+    why = unplanned(s)
+    if why:
+        raise ValueError(why)
     if s.offload_optimizer:
-        if s.stage == 0 or (s.offload_param and s.stage != 3):
-            raise ValueError(
-                "offload_optimizer needs ZeRO stage 1-3 and offload_param stage 3; "
-                f"got stage {s.stage}"
-            )
-        if s.offload_param and s.ratio < 1:
-            raise ValueError(
-                f"offload_optimizer.ratio={s.ratio} keeps optimizer states on the GPU, which "
-                "offload_param does not allow in plait; set the ratio to 1 or drop offload_param"
-            )
         rows = _offload_rows(shape, s, part)
     else:
-        if s.offload_param:
-            raise ValueError(
-                "offload_param needs offload_optimizer in plait (set both, or neither)"
-            )
         e = estimate_model_state_memory(shape.params, s.dp, s.stage, accounting="plait")
         held = e.gpu.optimizer_states // 12  # elements whose master and moments this rank holds
         rows = [
