@@ -68,7 +68,7 @@ ds-largest)   # issue 43: DeepSpeed's largest with ZeRO-3, weights on the GPU, o
     --out "$OUT/hf_trainer_ds_largest_1xH200.jsonl" --log "$OUT/hf_trainer_ds_largest_1xH200.log" \
     2>&1 | tee -a "$OUT/hf_trainer_ds_largest_1xH200.txt"
   ;;
-gpu-checks)   # the single-GPU checks of tests/gpu/ left unfinished on 2026-11-29 (~2-4 min; needs a GPU)
+gpu-checks)   # single-GPU checks of tests/gpu/ (CHECKS names them; ~2-4 min; needs a GPU)
   facts 2>&1 | tee "$OUT/gpu_checks_1xH200.txt"
   for t in ${CHECKS:-run_fused_cross_entropy_gpu run_step_faults_gpu}; do
     timeout ${CHECK_TIMEOUT:-150} python3 "tests/gpu/$t.py" 2>&1 | tee -a "$OUT/gpu_checks_1xH200.txt"
