@@ -127,9 +127,9 @@ def fit_config(model, config: PlaitConfig, device: torch.device, dp: int = 1) ->
     """``config`` with ``offload_optimizer.ratio: "auto"`` resolved (the smallest host share, in steps of 0.05,
     whose planned GPU need fits the GPU: ``memory_check.gpu_bytes``, else the device's free memory plus what
     this process holds, measured now), after refusing (ConfigError) a run of ``model`` that clearly does not
-    fit (module docstring). The check returns silently when it is off or ``model`` or the placement is not one it plans; a
-    "auto" ratio it cannot plan becomes 1 (every state on the host, DeepSpeed's default), with a warning
-    saying why. The sequence length planned is ``memory_check.seq_len``; "auto" without it plans the model's
+    fit (module docstring). The check returns silently when it is off or ``model`` or the placement is not
+    one it plans (``plan.unplanned``); a "auto" ratio it cannot plan becomes 1 (every state on the host,
+    DeepSpeed's default), with a warning saying why. The sequence length planned is ``memory_check.seq_len``; "auto" without it plans the model's
     ``max_position_embeddings`` (the longest sample)."""
     c, z = config.memory_check, config.zero_optimization
     auto = z.offload_optimizer.enabled and z.offload_optimizer.ratio == AUTO
