@@ -9,7 +9,6 @@ restoring the RNG before the iterator is made, or collating the skipped micro-ba
 the losses differ from the third decimal on.
 """
 
-import pytest
 import torch
 import transformers
 

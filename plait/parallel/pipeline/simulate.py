@@ -16,7 +16,7 @@ import numbers
 import statistics
 from dataclasses import dataclass
 
-from plait.parallel.pipeline.schedules import Action, Schedule, crosses_ranks, rank_of, stage_of
+from plait.parallel.pipeline.schedules import Action, Schedule, rank_of, stage_of
 
 
 class DeadlockError(RuntimeError):
