@@ -54,9 +54,15 @@ def recipe_of(arm: str) -> str | None:
 
 
 def shape(args):
+    """The preset, its rotary table long enough for ``--seq`` (the Llama presets hold 2048 positions)."""
+    import dataclasses
+
     from plait.models import preset
 
-    return preset(args.preset)
+    cfg = preset(args.preset)
+    return dataclasses.replace(
+        cfg, max_position_embeddings=max(cfg.max_position_embeddings, args.seq)
+    )
 
 
 def batch(cfg, device, step: int, args) -> dict:
@@ -85,6 +91,7 @@ def plait_arm(arm: str, cfg, device, args):
     config = ds_like_config(args.stage)
     config.update(
         train_micro_batch_size_per_gpu=args.micro,
+        gradient_accumulation_steps=args.gas,
         activation_checkpointing={"number_checkpoints": args.recompute},
     )
     if not args.dry_run:
@@ -96,9 +103,12 @@ def plait_arm(arm: str, cfg, device, args):
     engine = plait.initialize(model, config, mesh=ParallelMesh())
 
     def step(i):
-        loss = engine(**batch(cfg, device, i, args))
-        engine.backward(loss)
-        engine.step()
+        for j in range(
+            args.gas
+        ):  # one optimizer step: --gas micro-batches (engine.step steps at the last)
+            loss = engine(**batch(cfg, device, i * args.gas + j, args))
+            engine.backward(loss)
+            engine.step()
         return loss
 
     return step
@@ -143,8 +153,11 @@ def fsdp2_arm(arm: str, cfg, device, args):
     )
 
     def step(i):
-        loss = model(**batch(cfg, device, i, args))
-        loss.backward()
+        for j in range(
+            args.gas
+        ):  # gradients summed over --gas micro-batches, as the engine averages
+            loss = model(**batch(cfg, device, i * args.gas + j, args))
+            (loss / args.gas).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -175,7 +188,7 @@ def run_arm(arm: str, args) -> dict:
     dt = (time.perf_counter() - t0) / args.steps
     return {
         "arm": arm,
-        "tokens_per_s": args.micro * args.seq / dt,
+        "tokens_per_s": args.micro * args.gas * args.seq / dt,
         "step_s": dt,
         "first_step_s": first if args.warmup else None,
         "loss": float(loss.detach()),
@@ -183,6 +196,7 @@ def run_arm(arm: str, args) -> dict:
         "preset": args.preset,
         "seq": args.seq,
         "micro": args.micro,
+        "gas": args.gas,
         "stage": args.stage,
         "recompute": args.recompute,
         "dry_run": args.dry_run,
@@ -203,7 +217,8 @@ def report(rows) -> str:
         "dry run: CPU, eager, emulated float8 -- not a measurement" if r0["dry_run"] else "compiled"
     )
     head = (
-        f"{r0['preset']}, seq {r0['seq']}, micro-batch {r0['micro']}, plait ZeRO stage {r0['stage']}, blocks "
+        f"{r0['preset']}, seq {r0['seq']}, micro-batch {r0['micro']}, gradient accumulation "
+        f"{r0.get('gas', 1)}, plait ZeRO stage {r0['stage']}, blocks "
         f"recomputed: {recompute}, {mode}; {r0['device']}; torch {r0['torch']}"
     )
     out = [
@@ -237,6 +252,12 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="llama-5.9b")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro", type=int, default=1)
+    p.add_argument(
+        "--gas",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (a step's time covers all)",
+    )
     p.add_argument("--stage", type=int, default=2, help="plait's ZeRO stage")
     p.add_argument(
         "--recompute", type=int, default=10**6, help="blocks recomputed in backward (default: all)"
@@ -284,6 +305,8 @@ def main():
         str(args.seq),
         "--micro",
         str(args.micro),
+        "--gas",
+        str(args.gas),
         "--stage",
         str(args.stage),
         "--recompute",

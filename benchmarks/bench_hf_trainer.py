@@ -14,6 +14,8 @@ torchrun, one process):
 * ``ds-z2-offload``: ``from transformers import ...`` with ``deepspeed=`` the same config (DeepSpeed
   0.19.8, DeepSpeedCPUAdam), micro-batch 4;
 * ``plait-z3``: plait.hf, ZeRO-3 without offload, micro-batch 4;
+* ``plait-z3-compile`` / ``plait-z3-compile-fp8``: ``plait-z3`` with plait's ``compile`` section, and with
+  float8 matmuls too (``"fp8": {"enabled": true, "recipe": "tensorwise"}``, through torchao; issue 46);
 * ``fsdp2``: transformers' Trainer with ``fsdp="full_shard auto_wrap"``, FSDP2 (``fsdp_config: version 2``)
   wrapping each ``LlamaDecoderLayer``, micro-batch 4.
 
@@ -65,7 +67,15 @@ if SMOKE:
 
 def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
     """The arm's ds_config; ``state_dtype`` other than fp32 (plait arms of ``--largest`` only) is written as
-    plait's ``optimizer.params.state_dtype``."""
+    plait's ``optimizer.params.state_dtype``. ``plait-z3-compile`` adds plait's ``compile`` section, and
+    ``plait-z3-compile-fp8`` the ``fp8`` section too (tensorwise: issue 46's Trainer path)."""
+    if arm.endswith("-fp8"):
+        return {
+            **ds_config(arm.removesuffix("-fp8")),
+            "fp8": {"enabled": True, "recipe": "tensorwise"},
+        }
+    if arm.endswith("-compile"):
+        return {**ds_config(arm.removesuffix("-compile")), "compile": {"enabled": not SMOKE}}
     if "gpufirst" in arm:  # the weights on the GPU, a ratio of the optimizer states on the host
         config = ds_config("z3-offload", state_dtype=state_dtype)
         del config["zero_optimization"]["offload_param"]

@@ -1,6 +1,8 @@
 """Convergence with Adam's moments stored in fp32, bf16 and int8 (``optimizer.params.state_dtype``): the same
 ``examples/pretrain_gpt.py`` run per precision on the bundled corpus, the validation loss at fixed steps side
-by side (issue 43's convergence table).
+by side (issue 43's convergence table); the arms ``fp8-tensorwise`` / ``fp8-rowwise`` keep fp32 moments and turn on
+the ds_config's ``fp8`` section instead (float8 matmuls through torchao: issue 46's convergence against the fp32
+arm, whose matmuls run in bf16).
 
     python benchmarks/bench_state_dtype.py [--arms fp32,bf16,int8] [--steps 500] [--eval-every 50]
         [--out rows.jsonl] [--log runs.log] [--table table.md]
@@ -30,15 +32,19 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = ("fp32", "bf16", "int8")
+ARMS = ("fp32", "bf16", "int8", "fp8-tensorwise", "fp8-rowwise")
 
 
-def arm_config(state_dtype: str, folder: str) -> str:
-    """``examples/configs/pretrain_gpt.json`` with ``optimizer.params.state_dtype`` set, written to ``folder``."""
+def arm_config(arm: str, folder: str) -> str:
+    """``examples/configs/pretrain_gpt.json`` with ``optimizer.params.state_dtype`` = ``arm`` (or, for an
+    ``fp8-RECIPE`` arm, the ``fp8`` section enabled with that recipe), written to ``folder``."""
     with open(os.path.join(ROOT, "examples", "configs", "pretrain_gpt.json")) as f:
         config = json.load(f)
-    config["optimizer"]["params"]["state_dtype"] = state_dtype
-    path = os.path.join(folder, f"pretrain_gpt_{state_dtype}.json")
+    if arm.startswith("fp8-"):
+        config["fp8"] = {"enabled": True, "recipe": arm.removeprefix("fp8-")}
+    else:
+        config["optimizer"]["params"]["state_dtype"] = arm
+    path = os.path.join(folder, f"pretrain_gpt_{arm}.json")
     with open(path, "w") as f:
         json.dump(config, f, indent=1)
     return path
@@ -122,13 +128,14 @@ def run_arm(opt: argparse.Namespace, state_dtype: str, folder: str) -> dict:
         }
     return {
         "arm": state_dtype,
-        "state_dtype": state_dtype,
+        "state_dtype": "fp32" if state_dtype.startswith("fp8-") else state_dtype,
         "model": "llama-tiny" if opt.dry_run else opt.model,
         "steps": summary["step"],
         "seq": opt.seq,
         "global_batch": opt.global_batch,
         "lr": opt.lr,
         "val_loss": val,
+        "train_loss": {r["step"]: r["loss"] for r in train},
         "train_loss_last": train[-1]["loss"] if train else None,
         "tokens_per_s": summary.get("tokens_per_s"),
         "peak_gib": summary["peak_mem_gib"],
@@ -173,7 +180,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     cli = argparse.ArgumentParser()
     cli.add_argument(
-        "--arms", default=",".join(ARMS), help="state dtypes, in order (fp32 first: the reference)"
+        "--arms",
+        default=",".join(ARMS),
+        help="state dtypes or fp8-RECIPE, in order (fp32 first: the reference)",
     )
     cli.add_argument("--model", default="llama-886m")
     cli.add_argument("--steps", type=int, default=500)
@@ -209,7 +218,7 @@ def main() -> None:
         opt.eval_batches = 2
     for arm in opt.arms.split(","):
         if arm not in ARMS:
-            cli.error(f"--arms: unknown state dtype {arm!r}; choose from {', '.join(ARMS)}")
+            cli.error(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
     folder = tempfile.mkdtemp(prefix="bench_state_dtype_")
     rows = []
     for arm in opt.arms.split(","):
