@@ -151,6 +151,11 @@ def experts_refusal(
             f"{device_name or 'this GPU'} (compute capability {capability[0]}.{capability[1]}): "
             "torch._scaled_grouped_mm runs on compute capability 9.0 and 10.0 only (H100/H200, B200)"
         )
+    try:  # a prototype API of torchao: another version may have moved it
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
+        from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm  # noqa: F401
+    except ImportError as err:
+        return f"this torchao has no rowwise float8 grouped GEMM where torchao 0.18 had it ({err})"
     if not moe.grouped_gemm:
         return "grouped_gemm=False (torchao's float8 path is a grouped GEMM)"
     _, ffn, hidden = moe.gate_proj.shape
