@@ -38,6 +38,11 @@ def hp_grouped_mm(x, weight, ends):
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
+def hp_grouped_mm_bf16(x, weight, ends):
+    """``hp_grouped_mm`` without the check (which reads the offsets on the host)."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+
+
 def unpadded_offsets(counts):
     """Broken: a grouped GEMM given the unpadded group ends (the rows moved, the offsets did not): some of one
     expert's rows meet another expert's weights."""
@@ -220,3 +225,15 @@ def test_where_torchaos_grouped_float8_does_not_serve_the_reason_is_named(
     ffn = kw.pop("ffn", FFN)
     moe = MoE(H, ffn, E, 2, device="meta", **kw)
     assert experts_refusal(moe, recipe, "cuda", capability, "NVIDIA L40S") == reason
+
+
+def test_the_padded_data_path_compiles_in_one_graph():
+    """``torch.compile(fullgraph=True)`` (aot_eager: the same ATen kernels) traces the layout, the padding and
+    the unpadding without a graph break or a host sync and computes what eager does, bit for bit (bf16: the
+    dtype torch's grouped GEMM traces in)."""
+    moe = MoE(H, FFN, E, 2, dtype=torch.bfloat16)
+    init_parameters(moe, seed=3)
+    f8 = Float8MoE(moe, hp_grouped_mm_bf16)
+    x = torch.randn(2, T // 2, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    compiled = torch.compile(f8, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x)[0], f8(x)[0])
