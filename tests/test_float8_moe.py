@@ -7,8 +7,9 @@ no emulation mode (only the MXFP8 recipe has one). So on a CPU these tests check
 * ``Float8MoE``'s data path (pad, three grouped GEMMs, unpad) with a high-precision grouped GEMM in torchao's
   place, against the unconverted ``MoE``, float32, in one process and expert-parallel over 2 gloo ranks: the
   same products of the same rows, only the zero rows and group sizes differ, which can change float32
-  summation order: 1e-6 relative (l2; measured ~7e-8). A layout whose groups are not padded (the rows of one
-  expert multiplied by another's weights) is off by O(1) and fails it;
+  summation order: 1e-6 relative (l2; measured ~7e-8). Offsets left unpadded while the rows moved (some rows
+  of one expert multiplied by another's weights) are off by O(1) and fail it; compiled in one graph (no host
+  sync), it computes what eager does;
 * which layers convert (exclude honoured, parameters kept) and the notice naming why experts stay in high
   precision.
 torchao's float8 on an H200 against torchao's own converted experts: tests/gpu/run_float8_moe_gpu.py.
