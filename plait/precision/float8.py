@@ -4,10 +4,12 @@
 ``ColumnParallelLinear`` and ``RowParallelLinear`` for the layers of ``plait.precision.float8_layers``, a
 Hugging Face model's ``nn.Linear`` for torchao's ``Float8Linear``. Left in high precision: modules matched by
 ``fp8.exclude``, layers whose local weight is not a multiple of 16 in both dimensions, plait's ``LMHead``,
-embeddings, MoE experts and routers. Parameter tensors are kept (names, dtypes, ZeRO's flat buffers,
-checkpoints); the swap must run before ``torch.compile`` and before ZeRO collects parameters, and
-``plait.engine`` calls it first. Sources (torchao's ``Float8LinearConfig``; Micikevicius et al., "FP8
-Formats for Deep Learning", 2022) and the reasons for each rule: ``docs/kernels.md``.
+embeddings and MoE routers; plait's ``MoE`` experts run their grouped GEMMs through torchao's rowwise
+float8 grouped GEMM where it serves, else stay in high precision saying why (``plait.precision.float8_moe``).
+Parameter tensors are kept (names, dtypes, ZeRO's flat buffers, checkpoints); the swap must run before
+``torch.compile`` and before ZeRO collects parameters, and ``plait.engine`` calls it first. Sources
+(torchao's ``Float8LinearConfig``; Micikevicius et al., "FP8 Formats for Deep Learning", 2022) and the
+reasons for each rule: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def convert_to_float8(
     *,
     capability=None,
     device_name: str = "",
-) -> dict[str, list[str]]:
+) -> dict:
     """Swap ``module``'s linear layers for float8 ones in place (see the module docstring).
 
     Args:
@@ -88,7 +90,8 @@ def convert_to_float8(
         capability, device_name: the GPU's compute capability and name (default: read from ``device``).
 
     Returns:
-        ``{"converted": names, "excluded": names, "unaligned": names}`` of the linear layers.
+        ``{"converted": names, "excluded": names, "unaligned": names}`` of the linear layers, and
+        ``"experts"``: the MoE layers' ``float8_moe.ExpertsReport``.
 
     Raises:
         ConfigError: a GPU without float8 (``check_float8_device``), or torchao not installed.
@@ -107,7 +110,9 @@ def convert_to_float8(
         ) from None
     config = torchao_config(fp8.recipe, emulate)
     from torchao.float8.float8_linear import Float8Linear
+
     from plait.precision.float8_layers import Float8ColumnParallelLinear, Float8RowParallelLinear
+    from plait.precision.float8_moe import convert_moe_experts
 
     plait_layers = {
         ColumnParallelLinear: Float8ColumnParallelLinear,
@@ -124,8 +129,10 @@ def convert_to_float8(
         config=config,
         module_filter_fn=lambda m, fqn: type(m) is nn.Linear and wanted(m, fqn),
     )
+    experts = convert_moe_experts(module, fp8, device.type, capability, device_name)
+    wanted.matched |= experts.matched
     _log(fp8, wanted.report, emulate, wanted.matched)
-    return wanted.report
+    return {**wanted.report, "experts": experts}
 
 
 class _Selection:
