@@ -1,0 +1,162 @@
+"""ZeRO-3's float8 all-gather (``fp8.float8_all_gather``, ``plait.precision.float8_gather``) under torchao's CPU
+emulation on 2 gloo ranks: the losses and weights equal those of the bf16 gather bit for bit, the float8 layers'
+gathered bytes are halved (counted at the collective), and the refusals name the key."""
+
+import pytest
+import torch
+
+import plait
+import plait.zero.comm as zero_comm
+from plait.config import ConfigError, load_config
+from plait.layers import TransformerModel
+from plait.parallel import ParallelMesh
+from plait.testing import run_distributed
+from helpers import micro_batch, tiny
+
+STEPS = 3
+
+
+def ds_config(float8_all_gather: bool, **zero) -> dict:
+    return {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        # threshold 0: every parameter of the tiny model is sharded and gathered
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+        "fp8": {"enabled": True, "float8_all_gather": float8_all_gather},
+    }
+
+
+def _train(float8_all_gather: bool) -> dict:
+    """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks: losses, the bytes every parameter
+    all-gather received by dtype, and the whole weights after training."""
+    received: dict[str, int] = {}
+    plain = zero_comm.all_gather_flat
+
+    def counting(out, x, *args, **kwargs):
+        key = str(out.dtype).removeprefix("torch.")
+        received[key] = received.get(key, 0) + out.numel() * out.element_size()
+        return plain(out, x, *args, **kwargs)
+
+    mesh = ParallelMesh()
+    engine = plait.initialize(
+        TransformerModel(tiny(), None, seed=3), ds_config(float8_all_gather), mesh=mesh
+    )
+    zero_comm.all_gather_flat = counting
+    try:
+        losses = []
+        for step in range(STEPS):
+            loss = engine(**micro_batch(0, 0, mesh.dp_rank))  # one batch: the loss falls
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        zero_comm.all_gather_flat = plain
+    with engine.optimizer.gathered_parameters():
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "received": received, "weights": weights}
+
+
+def _both() -> dict:
+    return {on: _train(on) for on in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_both, 2)
+
+
+def test_losses_and_weights_equal_the_bf16_gathers_bit_for_bit(runs):
+    """Each piece is cast with the scale of the whole weight (its amax all-reduced over dp), elementwise as
+    torchao casts the whole gathered weight: the same float8 values and scale, so the same matmuls, losses,
+    gradients and updates, bit for bit (no tolerance); the whole weights read back are bf16."""
+    for rank in runs:
+        bf16, f8 = rank[False], rank[True]
+        assert f8["losses"] == bf16["losses"]
+        assert f8["losses"][-1] < f8["losses"][0], f8["losses"]
+        assert bf16["weights"].keys() == f8["weights"].keys()
+        for name, w in bf16["weights"].items():
+            assert f8["weights"][name].dtype == torch.bfloat16, name
+            assert torch.equal(f8["weights"][name], w), name
+
+
+def test_the_float8_layers_gathered_bytes_are_halved(runs):
+    """Counted at the collective: the bf16 run gathers only bf16; the float8 run gathers the float8 layers'
+    weights as one byte an element (uint8 buffers), exactly half the bf16 bytes it no longer gathers."""
+    for rank in runs:
+        bf16, f8 = rank[False]["received"], rank[True]["received"]
+        assert set(bf16) == {"bfloat16"} and set(f8) == {"bfloat16", "uint8"}
+        assert 2 * f8["uint8"] == bf16["bfloat16"] - f8["bfloat16"]
+        # every float8 weight (q, k, v, o, gate, up, down of both blocks) once for the forward and once for
+        # the backward of each step, one byte an element
+        c = tiny()
+        kv = c.num_kv_heads * c.hidden_size // c.num_heads
+        per_block = (
+            2 * c.hidden_size**2 + 2 * kv * c.hidden_size + 3 * c.ffn_hidden_size * c.hidden_size
+        )
+        assert f8["uint8"] == STEPS * 2 * c.num_layers * per_block
+
+
+BASE = {
+    "train_batch_size": 2,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+}
+
+
+@pytest.mark.parametrize(
+    "fp8, extra, match",
+    [
+        (
+            {"enabled": True, "recipe": "rowwise", "float8_all_gather": True},
+            {"zero_optimization": {"stage": 3}},
+            r"fp8.float8_all_gather .* fp8 is enabled with recipe 'rowwise': set fp8.enabled true "
+            r'with fp8.recipe "tensorwise", or fp8.float8_all_gather false',
+        ),
+        (
+            {"float8_all_gather": True},
+            {"zero_optimization": {"stage": 3}},
+            r"fp8.float8_all_gather .* but fp8 is not enabled",
+        ),
+        (
+            {"enabled": True, "float8_all_gather": True},
+            {"zero_optimization": {"stage": 2}},
+            r"fp8.float8_all_gather casts ZeRO-3's parameter shards .* zero_optimization.stage is 2: "
+            r"set zero_optimization.stage 3 or fp8.float8_all_gather false",
+        ),
+        (
+            {"enabled": True, "float8_all_gather": True},
+            {"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}},
+            r"fp8.float8_all_gather with tensor_parallel.size 2: not built .* set "
+            r"tensor_parallel.size 1 or fp8.float8_all_gather false",
+        ),
+    ],
+)
+def test_float8_all_gather_is_refused_outside_tensorwise_zero3(fp8, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({**BASE, "fp8": fp8, **extra})
+
+
+def test_a_hugging_face_models_float8_linears_are_refused_by_name():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    config = {**ds_config(True), "train_batch_size": 2}
+    with pytest.raises(
+        ConfigError,
+        match=r"fp8.float8_all_gather serves plait's Column/RowParallelLinear; "
+        r"model.layers.0.self_attn.q_proj \(and 6 more\) are torchao Float8Linear layers .* set "
+        "fp8.float8_all_gather false",
+    ):
+        plait.initialize(model, config, mesh=ParallelMesh())
