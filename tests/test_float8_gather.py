@@ -29,8 +29,9 @@ def ds_config(float8_all_gather: bool, **zero) -> dict:
     }
 
 
-def _train(float8_all_gather: bool) -> dict:
-    """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks: losses, the bytes every parameter
+def _train(float8_all_gather: bool, compiled: bool = False) -> dict:
+    """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks (``compiled``: every block compiled with
+    aot_eager, the same ATen kernels as eager, and recomputed in backward): losses, the bytes every parameter
     all-gather received by dtype, and the whole weights after training."""
     received: dict[str, int] = {}
     plain = zero_comm.all_gather_flat
@@ -40,10 +41,11 @@ def _train(float8_all_gather: bool) -> dict:
         received[key] = received.get(key, 0) + out.numel() * out.element_size()
         return plain(out, x, *args, **kwargs)
 
-    mesh = ParallelMesh()
-    engine = plait.initialize(
-        TransformerModel(tiny(), None, seed=3), ds_config(float8_all_gather), mesh=mesh
-    )
+    mesh, config = ParallelMesh(), ds_config(float8_all_gather)
+    if compiled:
+        config["compile"] = {"enabled": True, "backend": "aot_eager"}
+        config["activation_checkpointing"] = {"number_checkpoints": 2}
+    engine = plait.initialize(TransformerModel(tiny(), None, seed=3), config, mesh=mesh)
     zero_comm.all_gather_flat = counting
     try:
         losses = []
@@ -59,34 +61,37 @@ def _train(float8_all_gather: bool) -> dict:
     return {"losses": losses, "received": received, "weights": weights}
 
 
-def _both() -> dict:
-    return {on: _train(on) for on in (False, True)}
+def _runs() -> dict:
+    return {"bf16": _train(False), "float8": _train(True), "compiled": _train(True, compiled=True)}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_both, 2)
+    return run_distributed(_runs, 2)
 
 
 def test_losses_and_weights_equal_the_bf16_gathers_bit_for_bit(runs):
     """Each piece is cast with the scale of the whole weight (its amax all-reduced over dp), elementwise as
     torchao casts the whole gathered weight: the same float8 values and scale, so the same matmuls, losses,
-    gradients and updates, bit for bit (no tolerance); the whole weights read back are bf16."""
+    gradients and updates, bit for bit (no tolerance); the whole weights read back are bf16. Compiled and
+    recomputed blocks too (their graphs save the gathered float8 bytes for backward)."""
     for rank in runs:
-        bf16, f8 = rank[False], rank[True]
-        assert f8["losses"] == bf16["losses"]
-        assert f8["losses"][-1] < f8["losses"][0], f8["losses"]
-        assert bf16["weights"].keys() == f8["weights"].keys()
-        for name, w in bf16["weights"].items():
-            assert f8["weights"][name].dtype == torch.bfloat16, name
-            assert torch.equal(f8["weights"][name], w), name
+        bf16 = rank["bf16"]
+        assert bf16["losses"][-1] < bf16["losses"][0], bf16["losses"]
+        for f8 in (rank["float8"], rank["compiled"]):
+            assert f8["losses"] == bf16["losses"]
+            assert bf16["weights"].keys() == f8["weights"].keys()
+            for name, w in bf16["weights"].items():
+                assert f8["weights"][name].dtype == torch.bfloat16, name
+                assert torch.equal(f8["weights"][name], w), name
 
 
 def test_the_float8_layers_gathered_bytes_are_halved(runs):
     """Counted at the collective: the bf16 run gathers only bf16; the float8 run gathers the float8 layers'
     weights as one byte an element (uint8 buffers), exactly half the bf16 bytes it no longer gathers."""
     for rank in runs:
-        bf16, f8 = rank[False]["received"], rank[True]["received"]
+        bf16, f8 = rank["bf16"]["received"], rank["float8"]["received"]
+        assert rank["compiled"]["received"] == f8
         assert set(bf16) == {"bfloat16"} and set(f8) == {"bfloat16", "uint8"}
         assert 2 * f8["uint8"] == bf16["bfloat16"] - f8["bfloat16"]
         # every float8 weight (q, k, v, o, gate, up, down of both blocks) once for the forward and once for

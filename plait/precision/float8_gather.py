@@ -122,7 +122,10 @@ class Float8Gather:
         seg.full = full
         cached = self.views.get(id(seg))
         if cached is None or cached[0] is not full:
-            f8 = full.view(self._dtype(seg.slots[0].param))
+            # ``.data``: views with a version counter of their own, which the gather into ``full`` for the
+            # backward (the same bytes again) does not bump: a compiled graph saves them for its backward,
+            # as the bf16 gather's parameters, re-pointed by ``.data``, keep theirs
+            f8 = full.data.view(self._dtype(seg.slots[0].param))
             views = [f8[s.offset : s.offset + s.numel].view(s.shape) for s in seg.slots]
             cached = self.views[id(seg)] = (full, views)
         for slot, data in zip(seg.slots, cached[1]):
