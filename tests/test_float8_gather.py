@@ -31,8 +31,8 @@ def ds_config(float8_all_gather: bool, **zero) -> dict:
 
 def _train(float8_all_gather: bool, compiled: bool = False) -> dict:
     """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks (``compiled``: every block compiled with
-    aot_eager, the same ATen kernels as eager, and recomputed in backward): losses, the bytes every parameter
-    all-gather received by dtype, and the whole weights after training."""
+    aot_eager, the same ATen kernels as eager, and recomputed in backward; asynchronous gathers prefetched):
+    losses, the bytes every parameter all-gather received by dtype, and the whole weights after training."""
     received: dict[str, int] = {}
     plain = zero_comm.all_gather_flat
 
@@ -43,6 +43,7 @@ def _train(float8_all_gather: bool, compiled: bool = False) -> dict:
 
     mesh, config = ParallelMesh(), ds_config(float8_all_gather)
     if compiled:
+        config = ds_config(True, overlap_comm=True, stage3_prefetch_bucket_size=10**6)
         config["compile"] = {"enabled": True, "backend": "aot_eager"}
         config["activation_checkpointing"] = {"number_checkpoints": 2}
     engine = plait.initialize(TransformerModel(tiny(), None, seed=3), config, mesh=mesh)

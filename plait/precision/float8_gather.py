@@ -129,7 +129,7 @@ class Float8Gather:
             views = [f8[s.offset : s.offset + s.numel].view(s.shape) for s in seg.slots]
             cached = self.views[id(seg)] = (full, views)
         for slot, data in zip(seg.slots, cached[1]):
-            slot.param.data = seg.local.new_zeros(()).to(full.device).expand(slot.shape)
+            slot.param.data = full.new_zeros((), dtype=seg.local.dtype).expand(slot.shape)
             setattr(slot.param, GATHERED_ATTR, (data, self.scales[id(slot.param)]))
 
     def released(self, seg: Segment) -> None:
