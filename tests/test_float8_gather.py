@@ -2,6 +2,9 @@
 emulation on 2 gloo ranks: the losses and weights equal those of the bf16 gather bit for bit, the float8 layers'
 gathered bytes are halved (counted at the collective), and the refusals name the key."""
 
+import glob
+import os
+
 import pytest
 import torch
 
@@ -29,10 +32,11 @@ def ds_config(float8_all_gather: bool, **zero) -> dict:
     }
 
 
-def _train(float8_all_gather: bool, compiled: bool = False) -> dict:
+def _train(float8_all_gather: bool, compiled: bool = False, save: str | None = None) -> dict:
     """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks (``compiled``: every block compiled with
     aot_eager, the same ATen kernels as eager, and recomputed in backward; asynchronous gathers prefetched):
-    losses, the bytes every parameter all-gather received by dtype, and the whole weights after training."""
+    losses, the bytes every parameter all-gather received by dtype, and the whole weights after training
+    (saved as a checkpoint to ``save`` if given)."""
     received: dict[str, int] = {}
     plain = zero_comm.all_gather_flat
 
@@ -59,16 +63,27 @@ def _train(float8_all_gather: bool, compiled: bool = False) -> dict:
         zero_comm.all_gather_flat = plain
     with engine.optimizer.gathered_parameters():
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if save:
+        engine.save_checkpoint(save)
     return {"losses": losses, "received": received, "weights": weights}
 
 
-def _runs() -> dict:
-    return {"bf16": _train(False), "float8": _train(True), "compiled": _train(True, compiled=True)}
+def _runs(save: str) -> dict:
+    return {
+        "bf16": _train(False),
+        "float8": _train(True, save=save),
+        "compiled": _train(True, compiled=True),
+    }
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_runs, 2)
+def saved(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("float8_gather"))
+
+
+@pytest.fixture(scope="module")
+def runs(saved):
+    return run_distributed(_runs, 2, saved)
 
 
 def test_losses_and_weights_equal_the_bf16_gathers_bit_for_bit(runs):
@@ -85,6 +100,18 @@ def test_losses_and_weights_equal_the_bf16_gathers_bit_for_bit(runs):
             for name, w in bf16["weights"].items():
                 assert f8["weights"][name].dtype == torch.bfloat16, name
                 assert torch.equal(f8["weights"][name], w), name
+
+
+def test_the_checkpoint_of_a_float8_gather_run_holds_bf16_and_fp32_only(runs, saved):
+    """float8 is a compute and a transfer format, never a storage format: bf16 weights, fp32 masters and
+    moments (``test_float8_training``'s check of the bf16 gather, here with the float8 gather)."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in glob.glob(os.path.join(saved, "**", "*.safetensors"), recursive=True):
+        with safe_open(path, framework="pt") as f:
+            dtypes.update(f.get_slice(k).get_dtype() for k in f.keys())
+    assert dtypes == {"BF16", "F32"}
 
 
 def test_the_float8_layers_gathered_bytes_are_halved(runs):
