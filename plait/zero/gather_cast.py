@@ -65,3 +65,18 @@ def sources(
     for k, x in zip(picked, made):
         out[k] = x
     return out
+
+
+def land(cast: GatherCast | None, seg: Segment, full: torch.Tensor) -> None:
+    """The gather of ``seg`` into ``full`` is complete: its parameters become views of ``full`` (the compute
+    dtype), or what ``cast.landed`` makes of a narrow ``full``."""
+    if full.dtype == seg.local.dtype:
+        seg.set_views(full)
+    else:
+        cast.landed(seg, full)
+
+
+def forget(cast: GatherCast | None, seg: Segment) -> None:
+    """Before ``seg`` is released: ``cast.released`` if it is gathered narrow."""
+    if seg.full is not None and seg.full.dtype != seg.local.dtype:
+        cast.released(seg)

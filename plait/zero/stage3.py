@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.zero.comm import Comms, Pending, gather_segments
 from plait.zero.flat import Segment
-from plait.zero.gather_cast import narrows, sources
+from plait.zero.gather_cast import forget, land, narrows, sources
 from plait.zero.stage3_units import Unit, UnitOrder, accumulates, ahead
 
 
@@ -128,8 +128,7 @@ class ParamGatherer:
         """Release ``seg``: parameters empty, its gather buffer's storage (and every view of it) freed. A
         buffer whose storage was handed to numpy (``Tensor.numpy()`` makes it fixed-size: a checkpoint
         write) is dropped instead, and the next gather makes a new one."""
-        if seg.full is not None and seg.full.dtype != seg.local.dtype:
-            self.cast.released(seg)
+        forget(self.cast, seg)
         seg.free()
         buf = self.buffers.get(id(seg))
         if buf is None:
@@ -148,10 +147,7 @@ class ParamGatherer:
     def _gathered(self, segs: list[Segment], outs: list[torch.Tensor]) -> None:
         """The all-gather into ``outs`` is complete: point the parameters there, give back derived shards."""
         for s, out in zip(segs, outs):
-            if out.dtype == s.local.dtype:
-                s.set_views(out)
-            else:
-                self.cast.landed(s, out)
+            land(self.cast, s, out)
             if out is not s.local:
                 s.drop_shard()
 
