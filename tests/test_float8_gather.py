@@ -32,11 +32,30 @@ def ds_config(float8_all_gather: bool, **zero) -> dict:
     }
 
 
-def _train(float8_all_gather: bool, compiled: bool = False, save: str | None = None) -> dict:
+def hf_llama():
+    """A 1-layer Hugging Face Llama whose seven projections are float8-served (dimensions of 16s)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _train(
+    float8_all_gather: bool, compiled: bool = False, save: str | None = None, hf: bool = False
+) -> dict:
     """STEPS steps of a tiny plait Llama at ZeRO-3 over 2 dp ranks (``compiled``: every block compiled with
     aot_eager, the same ATen kernels as eager, and recomputed in backward; asynchronous gathers prefetched):
     losses, the bytes every parameter all-gather received by dtype, and the whole weights after training
-    (saved as a checkpoint to ``save`` if given)."""
+    (saved as a checkpoint to ``save`` if given). ``hf``: ``hf_llama`` instead (torchao's ``Float8Linear``)."""
     received: dict[str, int] = {}
     plain = zero_comm.all_gather_flat
 
@@ -50,12 +69,15 @@ def _train(float8_all_gather: bool, compiled: bool = False, save: str | None = N
         config = ds_config(True, overlap_comm=True, stage3_prefetch_bucket_size=10**6)
         config["compile"] = {"enabled": True, "backend": "aot_eager"}
         config["activation_checkpointing"] = {"number_checkpoints": 2}
-    engine = plait.initialize(TransformerModel(tiny(), None, seed=3), config, mesh=mesh)
+    model = hf_llama() if hf else TransformerModel(tiny(), None, seed=3)
+    engine = plait.initialize(model, config, mesh=mesh)
+    batch = micro_batch(0, 0, mesh.dp_rank, vocab_size=128 if hf else 257)
     zero_comm.all_gather_flat = counting
     try:
         losses = []
         for step in range(STEPS):
-            loss = engine(**micro_batch(0, 0, mesh.dp_rank))  # one batch: the loss falls
+            loss = engine(**batch)  # one batch: the loss falls
+            loss = loss.loss if hf else loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -65,7 +87,9 @@ def _train(float8_all_gather: bool, compiled: bool = False, save: str | None = N
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if save:
         engine.save_checkpoint(save)
-    return {"losses": losses, "received": received, "weights": weights}
+    layers = [type(m).__name__ for m in model.modules() if "Float8" in type(m).__name__]
+    layers = {k: layers.count(k) for k in set(layers)}
+    return {"losses": losses, "received": received, "weights": weights, "layers": layers}
 
 
 def _runs(save: str) -> dict:
@@ -73,6 +97,8 @@ def _runs(save: str) -> dict:
         "bf16": _train(False),
         "float8": _train(True, save=save),
         "compiled": _train(True, compiled=True),
+        "hf-bf16": _train(False, hf=True),
+        "hf-float8": _train(True, hf=True),
     }
 
 
@@ -100,6 +126,24 @@ def test_losses_and_weights_equal_the_bf16_gathers_bit_for_bit(runs):
             for name, w in bf16["weights"].items():
                 assert f8["weights"][name].dtype == torch.bfloat16, name
                 assert torch.equal(f8["weights"][name], w), name
+
+
+def test_a_hugging_face_llama_gathers_its_float8_linears_in_float8_with_the_same_losses(runs):
+    """torchao's ``Float8Linear`` layers (the model's seven projections; the head stays bf16) compute with the
+    float8-gathered weight: the bf16 gather's losses and weights bit for bit, the projections' bytes halved."""
+    for rank in runs:
+        bf16, f8 = rank["hf-bf16"], rank["hf-float8"]
+        assert bf16["layers"] == {"Float8Linear": 7} and f8["layers"] == {"GatheredFloat8Linear": 7}
+        assert f8["losses"] == bf16["losses"] and bf16["losses"][-1] < bf16["losses"][0]
+        for name, w in bf16["weights"].items():
+            assert torch.equal(f8["weights"][name], w), name
+        projections = 2 * (
+            4 * 32 * 32 + 3 * 64 * 32
+        )  # q, k, v, o and gate, up, down; forward and backward
+        assert f8["received"]["uint8"] == STEPS * projections
+        assert (
+            2 * f8["received"]["uint8"] == bf16["received"]["bfloat16"] - f8["received"]["bfloat16"]
+        )
 
 
 def test_the_checkpoint_of_a_float8_gather_run_holds_bf16_and_fp32_only(runs, saved):
@@ -170,26 +214,3 @@ BASE = {
 def test_float8_all_gather_is_refused_outside_tensorwise_zero3(fp8, extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config({**BASE, "fp8": fp8, **extra})
-
-
-def test_a_hugging_face_models_float8_linears_are_refused_by_name():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
-    config = {**ds_config(True), "train_batch_size": 2}
-    with pytest.raises(
-        ConfigError,
-        match=r"fp8.float8_all_gather serves plait's Column/RowParallelLinear; "
-        r"model.layers.0.self_attn.q_proj \(and 6 more\) are torchao Float8Linear layers .* set "
-        "fp8.float8_all_gather false",
-    ):
-        plait.initialize(model, config, mesh=ParallelMesh())

@@ -13,7 +13,8 @@ scale and hence the losses equal the bf16 gather's bit for bit. Parameters, mast
 checkpoints keep their dtypes; whole-model access (``gathered_parameters``) gathers bf16.
 
 Served: plait's ``Float8ColumnParallelLinear`` / ``Float8RowParallelLinear`` at tensor_parallel.size 1
-(``plait.config`` refuses other sizes); a Hugging Face model's torchao ``Float8Linear`` is refused by name.
+(``plait.config`` refuses other sizes) and a Hugging Face model's torchao ``Float8Linear`` layers
+(``GatheredFloat8Linear``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
-
-from plait.config.schema_base import ConfigError
 
 if TYPE_CHECKING:
     from plait.zero.flat import Segment
@@ -55,41 +55,53 @@ def gathered_weight(weight: nn.Parameter, linear_mm) -> torch.Tensor | None:
     return None if got is None else _GatheredWeight.apply(weight, *got, linear_mm)
 
 
-class Float8Gather:
-    """``plait.zero.gather_cast.GatherCast`` for the weights of ``module``'s plait float8 layers (converted
-    already: ``plait.precision.float8.convert_to_float8``).
+class GatheredFloat8Linear(Float8Linear):
+    """torchao's ``Float8Linear`` (a Hugging Face model's converted ``nn.Linear``) that computes with its weight
+    as ZeRO-3 gathered it in float8 (``gathered_weight``) when it was, as torchao's ``Float8Linear`` does with
+    FSDP2's float8 all-gather; otherwise torchao's forward. ``Float8Gather`` gives a model's ``Float8Linear``
+    layers this class (as FSDP2's ``fully_shard`` gives modules its own subclass); parameters are kept."""
 
-    Raises:
-        ConfigError: the model has torchao ``Float8Linear`` layers (a Hugging Face model's), not served.
-    """
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = gathered_weight(self.weight, self.linear_mm_config)
+        if weight is None:
+            return super().forward(input)
+        if torch.is_autocast_enabled():  # as torchao's Float8Linear.forward
+            input = input.to(torch.get_autocast_gpu_dtype())
+        out = matmul_with_hp_or_float8_args.apply(
+            input, weight.t(), self.linear_mm_config, self.config
+        )
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class Float8Gather:
+    """``plait.zero.gather_cast.GatherCast`` for the weights of ``module``'s float8 layers (converted already:
+    ``plait.precision.float8.convert_to_float8``): plait's Float8Column/RowParallelLinear, and torchao's
+    ``Float8Linear``, whose class becomes ``GatheredFloat8Linear``."""
 
     def __init__(self, module: nn.Module):
-        from torchao.float8.float8_linear import Float8Linear
-
         from plait.precision.float8_layers import (
             Float8ColumnParallelLinear,
             Float8RowParallelLinear,
         )
 
-        hf = [n for n, m in module.named_modules() if isinstance(m, Float8Linear)]
-        if hf:
-            raise ConfigError(
-                f"fp8.float8_all_gather serves plait's Column/RowParallelLinear; {hf[0]} (and "
-                f"{len(hf) - 1} more) are torchao Float8Linear layers of a Hugging Face model, which "
-                "ZeRO-3 gathers in bf16: set fp8.float8_all_gather false"
-            )
-        plait_layers = (Float8ColumnParallelLinear, Float8RowParallelLinear)
-        self.layers = {id(m.weight): m for m in module.modules() if isinstance(m, plait_layers)}
+        self.configs = {}  # id(weight) -> its layer's torchao Float8LinearConfig
+        for m in module.modules():
+            if type(m) is Float8Linear:
+                m.__class__ = GatheredFloat8Linear
+            if isinstance(m, Float8Linear):
+                self.configs[id(m.weight)] = m.config
+            elif isinstance(m, (Float8ColumnParallelLinear, Float8RowParallelLinear)):
+                self.configs[id(m.weight)] = m.fp8_config
         self.scales: dict[int, torch.Tensor] = {}  # id(weight) -> its scale of the latest narrow
         self.views: dict[
             int, tuple[torch.Tensor, list[torch.Tensor]]
         ] = {}  # id(seg) -> buffer, views
 
     def casts(self, param: nn.Parameter) -> bool:
-        return id(param) in self.layers
+        return id(param) in self.configs
 
     def _dtype(self, param) -> torch.dtype:
-        return self.layers[id(param)].fp8_config.cast_config_weight.target_dtype
+        return self.configs[id(param)].cast_config_weight.target_dtype
 
     def narrow(self, segs: list[Segment], shards: list[torch.Tensor], group) -> list[torch.Tensor]:
         """Cast each weight's piece of ``shards`` with the scale of the whole weight (one all-reduce of the
@@ -108,8 +120,8 @@ class Float8Gather:
             for seg, s in zip(segs, shards)
         ]
         for (i, slot, piece, start), m in zip(pieces, amax):
-            layer, dtype = self.layers[id(slot.param)], self._dtype(slot.param)
-            scale = amax_to_scale(m, dtype, layer.fp8_config.round_scales_to_power_of_2)
+            config, dtype = self.configs[id(slot.param)], self._dtype(slot.param)
+            scale = amax_to_scale(m, dtype, config.round_scales_to_power_of_2)
             self.scales[id(slot.param)] = scale
             if piece.numel():
                 target = out[i].view(dtype)[start : start + piece.numel()]
