@@ -214,3 +214,21 @@ BASE = {
 def test_float8_all_gather_is_refused_outside_tensorwise_zero3(fp8, extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config({**BASE, "fp8": fp8, **extra})
+
+
+def test_a_float8_weight_tied_to_an_embedding_is_gathered_in_bf16():
+    """A Hugging Face head tied to its embedding and converted (``fp8.exclude`` emptied): the embedding reads
+    the gathered weight too, so it is not cast (the projections are)."""
+    from plait.config.schema_fp8 import FP8Config
+    from plait.precision.float8 import convert_to_float8
+    from plait.precision.float8_gather import Float8Gather, GatheredFloat8Linear
+
+    model = hf_llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    convert_to_float8(model, FP8Config(True, exclude=[]), torch.device("cpu"))
+    gather = Float8Gather(model)
+    assert isinstance(model.lm_head, GatheredFloat8Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not gather.casts(model.lm_head.weight)
+    assert gather.casts(model.model.layers[0].mlp.up_proj.weight)

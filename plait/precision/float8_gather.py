@@ -76,7 +76,9 @@ class GatheredFloat8Linear(Float8Linear):
 class Float8Gather:
     """``plait.zero.gather_cast.GatherCast`` for the weights of ``module``'s float8 layers (converted already:
     ``plait.precision.float8.convert_to_float8``): plait's Float8Column/RowParallelLinear, and torchao's
-    ``Float8Linear``, whose class becomes ``GatheredFloat8Linear``."""
+    ``Float8Linear``, whose class becomes ``GatheredFloat8Linear``. A weight another module reads too (an
+    output head tied to the embedding) is gathered in its compute dtype: only the float8 layer could read it
+    gathered in float8."""
 
     def __init__(self, module: nn.Module):
         from plait.precision.float8_layers import (
@@ -84,7 +86,7 @@ class Float8Gather:
             Float8RowParallelLinear,
         )
 
-        self.configs = {}  # id(weight) -> its layer's torchao Float8LinearConfig
+        self.configs, others = {}, set()  # id(weight) -> its layer's torchao Float8LinearConfig
         for m in module.modules():
             if type(m) is Float8Linear:
                 m.__class__ = GatheredFloat8Linear
@@ -92,6 +94,9 @@ class Float8Gather:
                 self.configs[id(m.weight)] = m.config
             elif isinstance(m, (Float8ColumnParallelLinear, Float8RowParallelLinear)):
                 self.configs[id(m.weight)] = m.fp8_config
+            else:
+                others.update(id(p) for p in m.parameters(recurse=False))
+        self.configs = {k: c for k, c in self.configs.items() if k not in others}
         self.scales: dict[int, torch.Tensor] = {}  # id(weight) -> its scale of the latest narrow
         self.views: dict[
             int, tuple[torch.Tensor, list[torch.Tensor]]
