@@ -19,6 +19,7 @@ Served: plait's ``Float8ColumnParallelLinear`` / ``Float8RowParallelLinear`` at 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,21 +118,38 @@ class Float8Gather:
             for slot in seg.slots:
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 pieces.append((i, slot, shard[a - lo : max(a, b) - lo], a - lo))
-        zero = shards[0].new_zeros(())
-        amax = torch.stack([p.abs().max() if p.numel() else zero for _, _, p, _ in pieces]).float()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scales = self._scales(pieces, group)
         out = [
             torch.zeros(seg.shard_size, dtype=torch.uint8, device=s.device)
             for seg, s in zip(segs, shards)
         ]
-        for (i, slot, piece, start), m in zip(pieces, amax):
-            config, dtype = self.configs[id(slot.param)], self._dtype(slot.param)
-            scale = amax_to_scale(m, dtype, config.round_scales_to_power_of_2)
+        for (i, slot, piece, start), scale in zip(pieces, scales):
             self.scales[id(slot.param)] = scale
             if piece.numel():
+                dtype = self._dtype(slot.param)
                 target = out[i].view(dtype)[start : start + piece.numel()]
                 target.copy_(to_fp8_saturated(piece.float() * scale, dtype))
         return out
+
+    def _scales(self, pieces: list, group) -> torch.Tensor:
+        """``[len(pieces)]`` float32: each piece's weight's tensorwise scale from the amax of the whole weight
+        (``torch._foreach_norm`` of inf order, i.e. max |x| exactly, as torchao's FSDP2 precompute; all-reduced
+        MAX over ``group``), by torchao's ``amax_to_scale``."""
+        amax = pieces[0][2].new_zeros(len(pieces), dtype=torch.float32)
+        held = [k for k, (_, _, p, _) in enumerate(pieces) if p.numel()]
+        if held:
+            norms = torch._foreach_norm([pieces[k][2] for k in held], ord=math.inf)
+            amax[held] = torch.stack(norms).float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        kinds = [
+            (self._dtype(s.param), self.configs[id(s.param)].round_scales_to_power_of_2)
+            for _, s, _, _ in pieces
+        ]
+        scales = torch.empty_like(amax)
+        for kind in set(kinds):  # one kind (one torchao config) in practice
+            same = [k for k, x in enumerate(kinds) if x == kind]
+            scales[same] = amax_to_scale(amax[same], *kind)
+        return scales
 
     def landed(self, seg: Segment, full: torch.Tensor) -> None:
         """Point each weight of ``seg`` at a one-element stand-in of its shape and attach its float8 view of
