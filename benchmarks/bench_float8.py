@@ -1,7 +1,12 @@
-"""Issue 46: float8 training, plait's against plait's bf16 and against FSDP2 + torchao by hand, one GPU.
+"""Issue 46: float8 training, plait's against plait's bf16 and against FSDP2 + torchao by hand, on one GPU or
+``--nproc`` GPUs of one host (each arm under ``torch.distributed.run``).
 
     PYTHONPATH=$PWD python benchmarks/bench_float8.py [--arms a,b,...] [--preset llama-5.9b] [--seq 4096]
-        [--micro 1] [--stage 2] [--recompute N] [--steps 10] [--warmup 5] [--timeout 900] [--out bench_float8.jsonl]
+        [--micro 1] [--gas 1] [--stage 2] [--recompute N] [--steps 10] [--warmup 5] [--timeout 900] [--out bench_float8.jsonl]
+        [--nproc 1]
+    # ZeRO-3's two parameter gathers of the float8 layers' weights, bf16 and float8, over 2 GPUs:
+    PYTHONPATH=$PWD python benchmarks/bench_float8.py --nproc 2 --stage 3 \
+        --arms plait-fp8-tensorwise,plait-fp8-tensorwise-f8gather,fsdp2-fp8-tensorwise
     python benchmarks/bench_float8.py --dry-run     # CPU, llama-tiny, 2 steps per arm, no compile: does it run?
     python benchmarks/bench_float8.py --report a.jsonl ...
 
@@ -13,21 +18,25 @@ weight decay, clipping 1.0), every block compiled (regional ``torch.compile``, i
 - plait-bf16: ``TransformerModel`` through ``plait.initialize`` with ZeRO ``--stage`` and ``"compile"``.
 - plait-fp8-tensorwise / plait-fp8-rowwise: the same ds_config with ``"fp8": {"enabled": true, "recipe": ...}``
   (plait's Column/RowParallelLinear in float8 through torchao; the head stays bf16).
+- plait-fp8-tensorwise-f8gather: plait-fp8-tensorwise with ``"float8_all_gather": true`` (needs ``--stage 3``):
+  ZeRO-3 gathers the float8 layers' weights as float8, one byte an element (``plait.precision.float8_gather``);
+  against plait-fp8-tensorwise at ``--stage 3`` it measures both gathers (with ``--nproc`` > 1: at one rank
+  nothing is gathered).
 - fsdp2-bf16 / fsdp2-fp8-tensorwise / fsdp2-fp8-rowwise: ``hand_llama.HandLlama`` converted by hand with
   torchao's ``convert_to_float8_training`` (head left out; tensorwise with ``enable_fsdp_float8_all_gather``, as
   torchtitan's float8 recipe), activation checkpointing (``checkpoint_wrapper``) and ``block.compile()`` per
   block, then FSDP2 (``fully_shard`` per block and root, bf16 params, fp32 reduce) at world size 1: torchtitan's
   order (float8, AC, compile, FSDP).
 
-Reported per arm: tokens/s, peak GiB (``torch.cuda.max_memory_allocated`` over the timed steps), mean step time
-after the warm-up, the first step's time (compilation), the last loss; ratios against plait-bf16 and against the
-fsdp2 arm of the same recipe. Nothing here is a result until run on the GPU: ``--dry-run`` checks the script only.
+Reported per arm: tokens/s (all ranks), peak GiB (``torch.cuda.max_memory_allocated`` of rank 0 over the timed
+steps), mean step time after the warm-up, the first step's time (compilation), the last loss, and for plait's arms
+the GiB rank 0's parameter all-gathers received per step (counted at the collective); ratios against plait-bf16
+and against the fsdp2 arm of the same recipe. Nothing here is a result until run on the GPU: ``--dry-run`` checks the script only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,12 +45,22 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import BETAS, CLIP, LR, WEIGHT_DECAY, ds_like_config, run_arms, single_process_env  # noqa: E402
+from _common import (  # noqa: E402
+    BETAS,
+    CLIP,
+    LR,
+    WEIGHT_DECAY,
+    child_or_report,
+    ds_like_config,
+    run_arms,
+    single_process_env,
+)
 
 ARMS = (
     "plait-bf16",
     "plait-fp8-tensorwise",
     "plait-fp8-rowwise",
+    "plait-fp8-tensorwise-f8gather",
     "fsdp2-bf16",
     "fsdp2-fp8-tensorwise",
     "fsdp2-fp8-rowwise",
@@ -50,7 +69,16 @@ ARMS = (
 
 def recipe_of(arm: str) -> str | None:
     """ "tensorwise" / "rowwise" for a float8 arm, None for a bf16 one."""
-    return arm.split("fp8-")[1] if "fp8-" in arm else None
+    return arm.split("fp8-")[1].removesuffix("-f8gather") if "fp8-" in arm else None
+
+
+def peer_of(arm: str) -> str | None:
+    """The fsdp2 arm of a plait arm's recipe (FSDP2's tensorwise arm gathers in float8 anyway), else None."""
+    return (
+        arm.replace("plait-", "fsdp2-").removesuffix("-f8gather")
+        if arm.startswith("plait-")
+        else None
+    )
 
 
 def shape(args):
@@ -72,15 +100,28 @@ def batch(cfg, device, step: int, args) -> dict:
 
 
 def init_group(device) -> None:
-    """A one-rank process group: NCCL on the GPU, gloo for --dry-run on the CPU."""
+    """The process group (torchrun's, else one rank): NCCL on the GPU, gloo for --dry-run on the CPU."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     single_process_env()
     if device.type == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def count_gathers(received: list) -> None:
+    """Add the bytes each ZeRO parameter all-gather of this rank receives to ``received[0]``."""
+    import plait.zero.comm as zero_comm
+
+    plain = zero_comm.all_gather_flat
+
+    def counting(out, x, *args, **kwargs):
+        received[0] += out.numel() * out.element_size()
+        return plain(out, x, *args, **kwargs)
+
+    zero_comm.all_gather_flat = counting
 
 
 def plait_arm(arm: str, cfg, device, args):
@@ -96,21 +137,25 @@ def plait_arm(arm: str, cfg, device, args):
     )
     if not args.dry_run:
         config["compile"] = {"enabled": True, "backend": "inductor"}
+    else:  # llama-tiny's weights are under the persistence threshold: gather them all the same
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if recipe_of(arm):
         config["fp8"] = {"enabled": True, "recipe": recipe_of(arm)}
+        config["fp8"]["float8_all_gather"] = arm.endswith("-f8gather")
     init_group(device)
     model = TransformerModel(cfg, None, seed=0, device=device)
     engine = plait.initialize(model, config, mesh=ParallelMesh())
 
     def step(i):
-        for j in range(
-            args.gas
-        ):  # one optimizer step: --gas micro-batches (engine.step steps at the last)
+        # one optimizer step: --gas micro-batches (engine.step steps at the last)
+        for j in range(args.gas):
             loss = engine(**batch(cfg, device, i * args.gas + j, args))
             engine.backward(loss)
             engine.step()
         return loss
 
+    step.gathered = [0]  # bytes received by this rank's parameter all-gathers
+    count_gathers(step.gathered)
     return step
 
 
@@ -153,9 +198,8 @@ def fsdp2_arm(arm: str, cfg, device, args):
     )
 
     def step(i):
-        for j in range(
-            args.gas
-        ):  # gradients summed over --gas micro-batches, as the engine averages
+        # gradients summed over --gas micro-batches, averaged as the engine averages them
+        for j in range(args.gas):
             loss = model(**batch(cfg, device, i * args.gas + j, args))
             (loss / args.gas).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -168,7 +212,8 @@ def fsdp2_arm(arm: str, cfg, device, args):
 
 def run_arm(arm: str, args) -> dict:
     """Warm up, then time ``args.steps`` steps; peak memory over the timed steps (GPU only)."""
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", local)
     cfg = shape(args)
     step = (plait_arm if arm.startswith("plait") else fsdp2_arm)(arm, cfg, device, args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -181,14 +226,20 @@ def run_arm(arm: str, args) -> dict:
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    gathered = getattr(step, "gathered", None)
+    if gathered is not None:
+        gathered[0] = 0
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         loss = step(i)
     sync()
     dt = (time.perf_counter() - t0) / args.steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     return {
         "arm": arm,
-        "tokens_per_s": args.micro * args.gas * args.seq / dt,
+        "tokens_per_s": world * args.micro * args.gas * args.seq / dt,
+        "gathered_gib_per_step": None if gathered is None else gathered[0] / args.steps / 2**30,
+        "nproc": world,
         "step_s": dt,
         "first_step_s": first if args.warmup else None,
         "loss": float(loss.detach()),
@@ -200,13 +251,14 @@ def run_arm(arm: str, args) -> dict:
         "stage": args.stage,
         "recompute": args.recompute,
         "dry_run": args.dry_run,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
 
 
 def report(rows) -> str:
-    """A markdown table: tokens/s, peak GiB, step time, ratios against plait-bf16 and the fsdp2 peer."""
+    """A markdown table: tokens/s, peak GiB, step time, gathered GiB per step, ratios against plait-bf16 and
+    the fsdp2 peer."""
     ok = [r for r in rows if "tokens_per_s" in r]
     by = {r["arm"]: r for r in ok}
     if not ok:
@@ -218,28 +270,33 @@ def report(rows) -> str:
     )
     head = (
         f"{r0['preset']}, seq {r0['seq']}, micro-batch {r0['micro']}, gradient accumulation "
-        f"{r0.get('gas', 1)}, plait ZeRO stage {r0['stage']}, blocks "
-        f"recomputed: {recompute}, {mode}; {r0['device']}; torch {r0['torch']}"
+        f"{r0.get('gas', 1)}, plait ZeRO stage {r0['stage']}, blocks recomputed: {recompute}, {mode}; "
+        f"{r0.get('nproc', 1)} x {r0['device']}; torch {r0['torch']}"
     )
     out = [
         head,
         "",
-        "| arm | tokens/s | peak GiB | step s | first step s | loss | x plait-bf16 | x fsdp2 peer |",
-        "|---|---|---|---|---|---|---|---|",
+        (
+            "| arm | tokens/s | peak GiB | step s | first step s | loss | gathered GiB/step "
+            "| x plait-bf16 | x fsdp2 peer |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | |")
+            out.append(
+                f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | | |"
+            )
             continue
-        peer = (
-            by.get(r["arm"].replace("plait-", "fsdp2-")) if r["arm"].startswith("plait-") else None
-        )
+        peer = by.get(peer_of(r["arm"]))
         ratio = lambda base: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""  # noqa: E731
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         first = "" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
+        gathered = r.get("gathered_gib_per_step")
+        gathered = "" if gathered is None else f"{gathered:.3f}"
         out.append(
             f"| {r['arm']} | {r['tokens_per_s']:.0f} | {peak} | {r['step_s']:.3f} | {first} | {r['loss']:.3f} "
-            f"| {ratio(by.get('plait-bf16'))} | {ratio(peer)} |"
+            f"| {gathered} | {ratio(by.get('plait-bf16'))} | {ratio(peer)} |"
         )
     return "\n".join(out)
 
@@ -259,6 +316,9 @@ def parse_args(argv=None):
         help="micro-batches per optimizer step (a step's time covers all)",
     )
     p.add_argument("--stage", type=int, default=2, help="plait's ZeRO stage")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="GPUs (ranks) per arm, under torch.distributed.run"
+    )
     p.add_argument(
         "--recompute", type=int, default=10**6, help="blocks recomputed in backward (default: all)"
     )
@@ -282,20 +342,14 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_arm(args.one, args)), flush=True)
-        return
-    if args.report:
-        print(
-            report(
-                [json.loads(line) for path in args.report for line in open(path) if line.strip()]
-            )
-        )
+    if child_or_report(args, run_arm, report):
         return
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
+        raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
     if os.path.exists(args.out):
         os.remove(args.out)
     child = [
@@ -317,7 +371,16 @@ def main():
         str(args.warmup),
     ]
     child += ["--dry-run"] if args.dry_run else []
-    print("\n" + report(run_arms(__file__, arms, args, child)))
+    launcher = []
+    if args.nproc > 1:
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.nproc),
+        ]
+    print("\n" + report(run_arms(__file__, arms, args, child, launcher=launcher)))
 
 
 if __name__ == "__main__":

@@ -285,6 +285,7 @@ class PlaitConfig:
                 "plait's tensor-parallel float8 layers scale tensorwise (as torchao's float8 tensor "
                 'parallelism); set fp8.recipe "tensorwise" or tensor_parallel.size 1'
             )
+        self.fp8.check_parallel(self.zero_optimization.stage, self.tensor_parallel.size)
 
     @property
     def data_parallel_size(self) -> int:

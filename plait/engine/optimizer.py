@@ -55,7 +55,7 @@ def zero_optimizer(
         optimizer=factory,
         optimizer_kwargs=kwargs,
         param_groups=groups,
-        comm=comm_options(config),
+        comm=comm_options(config, module),
         units=(units if units is not None else stage3_units(module)) if z.stage == 3 else None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         offload=offload,
@@ -92,8 +92,14 @@ def precision_options(config: PlaitConfig) -> PrecisionOptions:
     return PrecisionOptions(param_dtype, None, skip_nonfinite=config.nonfinite_guard.enabled)
 
 
-def comm_options(config: PlaitConfig) -> CommOptions:
-    """The ``zero_optimization`` section's buckets, overlap and stage-3 options, and ``communication_data_type``."""
+def comm_options(config: PlaitConfig, module: nn.Module | None = None) -> CommOptions:
+    """The ``zero_optimization`` section's buckets, overlap and stage-3 options, ``communication_data_type``,
+    and ``fp8.float8_all_gather`` over ``module``'s float8 layers (``plait.precision.float8_gather``)."""
+    gather_cast = None
+    if config.fp8.float8_all_gather:  # imports torchao
+        from plait.precision.float8_gather import Float8Gather
+
+        gather_cast = Float8Gather(module)
     z = config.zero_optimization
     reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
         config.communication_data_type, torch.float32
@@ -107,6 +113,7 @@ def comm_options(config: PlaitConfig) -> CommOptions:
         prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         param_persistence_threshold=z.stage3_param_persistence_threshold,
         reshard_after_forward=z.reshard_after_forward,
+        gather_cast=gather_cast,
     )
 
 

@@ -25,6 +25,7 @@ from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from plait.layers.linear import ColumnParallelLinear, RowParallelLinear
 from plait.parallel.collectives import group_size
+from plait.precision.float8_gather import gathered_weight
 
 _TP_GROUP = object()  # default of ``amax_group``: the layer's own tp group
 
@@ -102,6 +103,14 @@ class _Float8Matmul:
             x, dtype, self.linear_mm, role, self.amax_group, c.round_scales_to_power_of_2
         )
 
+    def _weight_t(self, cast: bool):
+        """The weight operand ``[in, out]``: as ZeRO-3 gathered it in float8 (``fp8.float8_all_gather``),
+        else cast here with the tp-global amax (``cast``) or left to torchao's matmul to cast."""
+        gathered = gathered_weight(self.weight, self.linear_mm)
+        if gathered is not None:
+            return gathered.t()
+        return self._cast(self.weight.t(), GemmInputRole.WEIGHT) if cast else self.weight.t()
+
     def _mm(self, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
         return matmul_with_hp_or_float8_args.apply(x, weight_t, self.linear_mm, self.fp8_config)
 
@@ -140,13 +149,13 @@ class Float8ColumnParallelLinear(_Float8Matmul, ColumnParallelLinear):
             self.sharded
         ):  # x is whole (replicated or all-gathered); the weight and the output gradient are not
             y = _GradToFloat8.apply(
-                self._mm(x, self._cast(self.weight.t(), GemmInputRole.WEIGHT)),
+                self._mm(x, self._weight_t(cast=True)),
                 self.fp8_config,
                 self.linear_mm,
                 self.amax_group,
             )
         else:
-            y = self._mm(x, self.weight.t())
+            y = self._mm(x, self._weight_t(cast=False))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -175,8 +184,5 @@ class Float8RowParallelLinear(_Float8Matmul, RowParallelLinear):
         if (
             self.sharded
         ):  # the input and the weight are shards; the output gradient is whole on every rank
-            return self._mm(
-                self._cast(x, GemmInputRole.INPUT),
-                self._cast(self.weight.t(), GemmInputRole.WEIGHT),
-            )
-        return self._mm(x, self.weight.t())
+            return self._mm(self._cast(x, GemmInputRole.INPUT), self._weight_t(cast=True))
+        return self._mm(x, self._weight_t(cast=False))

@@ -77,6 +77,7 @@ def layout_of(opt: ZeroOptimizer, param_groups, dtype: torch.dtype | None, units
         opt.comm.param_persistence_threshold,
         units,
         host_ratio,
+        opt.comm.gather_cast,
     )
     world, rank = opt.policy.shard_world(opt.dp_size, opt.dp_rank)
     experts = opt.policy.shard_world(opt.comms.experts.size, opt.comms.experts.rank)
@@ -167,6 +168,7 @@ def gatherer_of(opt: ZeroOptimizer, ready: Readiness | None) -> ParamGatherer | 
         opt._note_backward,
         gate=ready,
         reshard_after_forward=comm.reshard_after_forward,
+        cast=comm.gather_cast,
         **extra,
     )
 

@@ -158,11 +158,14 @@ def layout_entries(
     persistence_threshold: int,
     units,
     host_ratio: float = 1.0,
+    cast=None,
 ) -> tuple[list[Entry], list[Unit]]:
     """Layout entries in packing order and the stage-3 units (empty below stage 3).
 
     ``host_ratio`` < 1 (offload, ``OffloadOptions.ratio``): the parameters ``placement.resident_params`` keeps
     on the device get flat groups of their own (``GroupKey.resident``).
+    ``cast`` (stage 3, a ``plait.zero.gather_cast.GatherCast``): the sharded parameters it gathers cast get
+    flat groups of their own (``GroupKey.cast``), so each segment is gathered whole in one dtype.
 
     Below stage 3: reverse registration order (~ the order backward produces gradients). Stage 3:
     parameters grouped by the unit that first holds them (the unit is part of their ``GroupKey``: one flat
@@ -182,6 +185,7 @@ def layout_entries(
             unit,
             experts,
             id(p) in resident,
+            unit is not None and cast is not None and cast.casts(p),
         )
 
     if not policy.parameters:

@@ -102,8 +102,8 @@ def gather_segments(
 ) -> list[tuple[Pending, list[int]]]:
     """All-gather ``inputs[k]`` (``[S_k]``, this rank's slice) into ``outputs[k]`` (``[world*S_k]``).
 
-    Consecutive segments are coalesced into one collective while their total padded size stays
-    within ``bucket_numel`` elements (a staging buffer is then copied out on ``wait``).
+    Consecutive segments of one dtype are coalesced into one collective while their total padded size
+    stays within ``bucket_numel`` elements (a staging buffer is then copied out on ``wait``).
     ``world == 1`` copies locally. Collective over ``group``: every rank must call it with segments
     of the same sizes in the same order. Returns ``(pending, indices of the segments it covers)``
     per collective; with ``async_op=False`` they are already complete.
@@ -116,7 +116,7 @@ def gather_segments(
     runs: list[list[int]] = []
     total = 0
     for k, out in enumerate(outputs):
-        if runs and total + out.numel() <= bucket_numel:
+        if runs and total + out.numel() <= bucket_numel and out.dtype == outputs[runs[-1][0]].dtype:
             runs[-1].append(k)
             total += out.numel()
         else:

@@ -36,6 +36,7 @@ class GroupKey(NamedTuple):
     resident: bool = (
         False  # offload: master and optimizer state in device memory (``offload.placement``)
     )
+    cast: bool = False  # stage 3: gathered in a narrower dtype (``plait.zero.gather_cast``)
 
 
 @dataclass(eq=False)

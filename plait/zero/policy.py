@@ -62,6 +62,8 @@ class CommOptions:
         param_persistence_threshold: stage 3: parameters with fewer elements stay whole on every rank.
         reshard_after_forward: stage 3: release a unit's gathered parameters when its forward ends and
             gather them again for its backward; False keeps them gathered in between (``stage3.ParamGatherer``).
+        gather_cast: stage 3: a ``plait.zero.gather_cast.GatherCast`` whose parameters the forward and
+            backward gather narrow (float8 weights: ``plait.precision.float8_gather``); None: none.
 
     Raises:
         ValueError: a bucket size below 1 element.
@@ -74,6 +76,7 @@ class CommOptions:
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     reshard_after_forward: bool = True
+    gather_cast: object = None
 
     def __post_init__(self):
         for name in ("reduce_bucket_size", "allgather_bucket_size"):

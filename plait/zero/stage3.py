@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.zero.comm import Comms, Pending, gather_segments
 from plait.zero.flat import Segment
+from plait.zero.gather_cast import forget, land, narrows, sources
 from plait.zero.stage3_units import Unit, UnitOrder, accumulates, ahead
 
 
@@ -42,6 +43,8 @@ class ParamGatherer:
         gate: ZeRO-Offload's ``plait.zero.offload.ready.Readiness`` (None otherwise): ``gather`` first
             calls ``gate.wait_for(segments)`` so a host optimizer step still in flight has written them,
             and prefetch takes only segments for which ``gate.consumed(seg)`` holds.
+        cast: a ``plait.zero.gather_cast.GatherCast`` (None: none): the hooks' gathers of its segments
+            (``GroupKey.cast``) over more than one rank send what ``cast.narrow`` makes of the shards.
     """
 
     def __init__(
@@ -55,8 +58,9 @@ class ParamGatherer:
         gate=None,
         reshard_after_forward: bool = True,
         device: torch.device | None = None,
+        cast=None,
     ):
-        self.root, self.units = root, units
+        self.root, self.units, self.cast = root, units, cast
         self.reshard_after_forward = reshard_after_forward
         self.device = device  # where gathered buffers live (None: beside each shard)
         self.buffers: dict[int, torch.Tensor] = {}  # id(segment) -> its [padded] gather buffer
@@ -107,16 +111,15 @@ class ParamGatherer:
                     out.append(seg)
         return out
 
-    def _buffer(self, seg: Segment) -> torch.Tensor:
-        """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank)."""
+    def _buffer(self, seg: Segment, narrow: bool = False) -> torch.Tensor:
+        """``seg``'s ``[padded]`` gather buffer with its storage allocated (the shard itself on one rank);
+        ``narrow``: the uint8 one of ``cast``."""
         device = self.device if self.device is not None else seg.local.device
         if self.comms.of(seg).size == 1 and seg.local.device == device:
             return seg.local  # filled by _sources: the gather is the shard itself
-        buf = self.buffers.get(id(seg))
-        if buf is None:
-            buf = self.buffers[id(seg)] = torch.empty(
-                seg.padded, dtype=seg.local.dtype, device=device
-            )
+        buf, dtype = self.buffers.get(id(seg)), torch.uint8 if narrow else seg.local.dtype
+        if buf is None or buf.dtype != dtype:
+            buf = self.buffers[id(seg)] = torch.empty(seg.padded, dtype=dtype, device=device)
         elif buf.untyped_storage().nbytes() == 0:
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         return buf
@@ -125,6 +128,7 @@ class ParamGatherer:
         """Release ``seg``: parameters empty, its gather buffer's storage (and every view of it) freed. A
         buffer whose storage was handed to numpy (``Tensor.numpy()`` makes it fixed-size: a checkpoint
         write) is dropped instead, and the next gather makes a new one."""
+        forget(self.cast, seg)
         seg.free()
         buf = self.buffers.get(id(seg))
         if buf is None:
@@ -143,18 +147,20 @@ class ParamGatherer:
     def _gathered(self, segs: list[Segment], outs: list[torch.Tensor]) -> None:
         """The all-gather into ``outs`` is complete: point the parameters there, give back derived shards."""
         for s, out in zip(segs, outs):
-            s.set_views(out)
+            land(self.cast, s, out)
             if out is not s.local:
                 s.drop_shard()
 
-    def _fetch(self, segs: list[Segment], async_op: bool) -> None:
+    def _fetch(self, segs: list[Segment], async_op: bool, narrow: bool = True) -> None:
         if not segs:
             return
         self.stats["prefetched" if async_op else "fetched"] += len(segs)
         if async_op and torch._C._current_graph_task_id() != -1:
             self.stats["prefetched_in_backward"] += len(segs)
         for comm, part in self.comms.split(segs):
-            outs, ins = [self._buffer(s) for s in part], self._sources(part)
+            flags = narrows(self.cast if narrow else None, part, comm.size)
+            outs = [self._buffer(s, f) for s, f in zip(part, flags)]
+            ins = sources(self.cast, part, self._sources(part), flags, comm.group)
             launched = gather_segments(
                 outs, ins, comm.group, comm.size, self.allgather_bucket_size, async_op=async_op
             )
@@ -177,8 +183,9 @@ class ParamGatherer:
             self.in_flight.pop(id(s), None)
         self._gathered(segs, outs)
 
-    def gather(self, u: Unit) -> None:
-        """Make ``u``'s parameters whole (synchronous for what was not prefetched). Collective."""
+    def gather(self, u: Unit, narrow: bool = True) -> None:
+        """Make ``u``'s parameters whole (synchronous for what was not prefetched; ``narrow``: through
+        ``cast`` where it applies). Collective."""
         if u.gathered:
             return
         u.gathered = True
@@ -189,7 +196,7 @@ class ParamGatherer:
             self.refs[id(seg)] = self.refs.get(id(seg), 0) + 1
             if seg.full is None and id(seg) not in self.in_flight:
                 need.append(seg)
-        self._fetch(need, async_op=False)
+        self._fetch(need, async_op=False, narrow=narrow)
         for seg in u.segments:
             self._land(seg)
 
@@ -361,9 +368,11 @@ class ParamGatherer:
 
     # ---- whole-model access -------------------------------------------------------------------
     def gather_all(self) -> None:
-        """Gather every unit (for evaluation outside hooks, export, or tests). Collective."""
+        """Gather every unit in the compute dtype (for evaluation outside hooks, export, or tests; what a hook
+        or a prefetch gathered through ``cast`` and no unit holds is dropped first). Collective."""
+        self._free_unheld()
         for u in self.units:
-            self.gather(u)
+            self.gather(u, narrow=False)
 
     def release_all(self) -> None:
         """Release every unit. The gathered buffers are let go rather than freed in place: tensors taken
