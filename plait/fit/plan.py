@@ -207,14 +207,24 @@ def auto_ratio(shape: ModelShape, s: Settings) -> tuple[float, str]:
     (``plait.fit.check``) and ``plait estimate-memory --ratio auto``."""
     if s.offload_param:
         return 1.0, "offload_param keeps every optimizer state on the host"
-    for ratio in RATIO_STEPS:
+    found = first_ratio(shape, s, lambda plan: plan.gpu_need <= s.gpu_bytes)
+    if found is None:
+        return 1.0, f"even every state on the host does not fit {s.gpu_bytes / GiB:.1f} GiB"
+    ratio, plan = found
+    return ratio, (
+        f"planned GPU need {plan.gpu_need / GiB:.1f} of {s.gpu_bytes / GiB:.1f} GiB at "
+        f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
+    )
+
+
+def first_ratio(shape: ModelShape, s: Settings, accept, above: float = -1.0):
+    """The smallest host share of :data:`RATIO_STEPS` over ``above`` whose plan (``offload_optimizer`` on)
+    ``accept`` takes, with that plan; None when none does."""
+    for ratio in (r for r in RATIO_STEPS if r > above):
         plan = estimate(shape, replace(s, offload_optimizer=True, ratio=ratio))
-        if plan.gpu_need <= s.gpu_bytes:
-            return ratio, (
-                f"planned GPU need {plan.gpu_need / GiB:.1f} of {s.gpu_bytes / GiB:.1f} GiB at "
-                f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
-            )
-    return 1.0, f"even every state on the host does not fit {s.gpu_bytes / GiB:.1f} GiB"
+        if accept(plan):
+            return ratio, plan
+    return None
 
 
 def _offload_rows(shape: ModelShape, s: Settings, part: int) -> list[tuple[str, int, int]]:
@@ -326,14 +336,13 @@ def fixes(shape: ModelShape, s: Settings) -> list[str]:
     """Single changes of ``s`` under which ``shape`` fits, as config/flag texts (empty when none does)."""
     out = []
     if s.stage >= 1 and not s.offload_param:
-        start = s.ratio if s.offload_optimizer else -1.0
-        for r in [i / 20 for i in range(21) if i / 20 > start]:
-            if estimate(shape, replace(s, offload_optimizer=True, ratio=r)).fits:
-                out.append(
-                    f"zero_optimization.offload_optimizer with ratio {r:g} (the share of optimizer states "
-                    "on the host)"
-                )
-                break
+        above = s.ratio if s.offload_optimizer else -1.0
+        found = first_ratio(shape, s, lambda plan: plan.fits, above)
+        if found is not None:
+            out.append(
+                f"zero_optimization.offload_optimizer with ratio {found[0]:g} (the share of optimizer "
+                "states on the host)"
+            )
     if not s.checkpointing and estimate(shape, replace(s, checkpointing=True)).fits:
         out.append("activation checkpointing on (the Trainer's gradient_checkpointing=True)")
     for micro in range(s.micro_batch - 1, 0, -1):
