@@ -26,10 +26,9 @@ def titan_module():
         import _titan
     except ImportError as e:
         raise ImportError(
-            f"torchtitan is not importable with torch {torch.__version__} ({e}): torchtitan 0.3.0 needs "
-            "torch.distributed.fsdp.DataParallelMeshDims (a torch newer than 2.11); install "
-            "torchtitan 0.3.0, spmd_types 0.2.3, tyro, docstring_parser, typeguard, torchdata, "
-            "torch_checkpointing (pip install --no-deps)"
+            f"torchtitan is not importable with torch {torch.__version__} ({e}): install torchtitan "
+            "0.3.0, spmd_types 0.2.3, tyro, docstring_parser, typeguard, torchdata, torch_checkpointing "
+            "(pip install --no-deps; on the GPU: carry .whl-titan/)"
         ) from e
     return _titan
 

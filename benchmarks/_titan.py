@@ -12,7 +12,12 @@ document masks), the tokenizer and dataloader are synthetic (no Hugging Face ass
 checkpointing, validation and metric loggers are off. torchtitan imports ``datasets`` and
 ``tensorboard`` at import time and uses neither here: where they are not installed, empty stand-ins
 are put in ``sys.modules`` first, as is one for its expert-parallel Triton kernels where Triton is not
-installed (a CPU torch). bench_float8 sets, through ``trainer_config``'s keywords, what is above left at
+installed (a CPU torch). torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which
+torch 2.11 (the GPU image's) lacks; its default spmd_types backend builds one only over more than one
+data-parallel rank (at one rank FSDP gets none), so where torch lacks it a stand-in that refuses to be built
+is put there: more ranks then fail naming it. It is the only name that the loaded modules of torchtitan,
+spmd_types, torchdata and torch_checkpointing import and torch 2.11 lacks (checked against 2.11's sources).
+bench_float8 sets, through ``trainer_config``'s keywords, what is above left at
 bench_compile's: gradient accumulation, activation checkpointing (torchtitan's full or selective) and
 model converters (its float8 ``Float8LinearConverter``, see ``float8_converter``).
 """
@@ -63,6 +68,18 @@ if (
     )
 
 import torch  # noqa: E402
+import torch.distributed.fsdp as _fsdp  # noqa: E402
+
+if not hasattr(_fsdp, "DataParallelMeshDims"):  # torch 2.11: see the module docstring
+
+    class _AbsentMeshDims:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(
+                f"torch {torch.__version__} has no DataParallelMeshDims: torchtitan over more than "
+                "one data-parallel rank needs a newer torch (bench stand-in)"
+            )
+
+    _fsdp.DataParallelMeshDims = _AbsentMeshDims
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 
