@@ -278,7 +278,8 @@ def report(rows) -> str:
     ok = [r for r in rows if "tokens_per_s" in r]
     by = {r["arm"]: r for r in ok}
     if not ok:
-        return "no successful arm\n" + "\n".join(f"{r['arm']}: {r.get('error')}" for r in rows)
+        why = lambda r: r.get("error") or f"not run: {r.get('not_run')}"  # noqa: E731
+        return "no measured arm\n" + "\n".join(f"{r['arm']}: {why(r)}" for r in rows)
     r0 = ok[0]
     recompute = "all" if r0["recompute"] >= 10**6 else r0["recompute"]
     mode = (
