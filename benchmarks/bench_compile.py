@@ -177,9 +177,8 @@ def titan_arm(arm, cfg, total_steps: int):
             "tyro, docstring_parser, typeguard, torchdata, torch_checkpointing) with pip --target"
         ) from e
     single_process_env()
-    step, parts, n = make_titan(
-        cfg, micro=MICRO, seq=SEQ, steps=total_steps, cuda_graphs=arm == "torchtitan"
-    )
+    run = make_titan(cfg, micro=MICRO, seq=SEQ, steps=total_steps, cuda_graphs=arm == "torchtitan")
+    step, parts, n = run.step, run.parts, run.n_params
     expected = cfg.num_parameters()
     assert n == expected, f"torchtitan's model has {n:,} parameters, plait's {PRESET} {expected:,}"
     return step, parts, n

@@ -1,5 +1,5 @@
-"""Issue 46: float8 training, plait's against plait's bf16 and against FSDP2 + torchao by hand, on one GPU or
-``--nproc`` GPUs of one host (each arm under ``torch.distributed.run``).
+"""Issue 46: float8 training, plait's against plait's bf16, torchtitan's float8 and FSDP2 + torchao by hand, on
+one GPU or ``--nproc`` GPUs of one host (each arm under ``torch.distributed.run``).
 
     PYTHONPATH=$PWD python benchmarks/bench_float8.py [--arms a,b,...] [--preset llama-5.9b] [--seq 4096]
         [--micro 1] [--gas 1] [--stage 2] [--recompute N] [--steps 10] [--warmup 5] [--timeout 900] [--out bench_float8.jsonl]
@@ -27,11 +27,15 @@ weight decay, clipping 1.0), every block compiled (regional ``torch.compile``, i
   torchtitan's float8 recipe), activation checkpointing (``checkpoint_wrapper``) and ``block.compile()`` per
   block, then FSDP2 (``fully_shard`` per block and root, bf16 params, fp32 reduce) at world size 1: torchtitan's
   order (float8, AC, compile, FSDP).
+- titan-bf16 / titan-fp8-rowwise / titan-fp8-tensorwise: torchtitan's own Trainer (``_float8_titan.py`` says
+  how; its CUDA graphs unless --titan-no-cuda-graphs); torchtitan 0.3.0 refuses tensorwise (its recipes are
+  rowwise and rowwise_with_gw_hp), so that arm's row names the refusal and fsdp2 stays the tensorwise peer.
 
 Reported per arm: tokens/s (all ranks), peak GiB (``torch.cuda.max_memory_allocated`` of rank 0 over the timed
 steps), mean step time after the warm-up, the first step's time (compilation), the last loss, and for plait's arms
-the GiB rank 0's parameter all-gathers received per step (counted at the collective); ratios against plait-bf16
-and against the fsdp2 arm of the same recipe. Nothing here is a result until run on the GPU: ``--dry-run`` checks the script only.
+the GiB rank 0's parameter all-gathers received per step (counted at the collective), for torchtitan's arms
+its version and Float8Linear count; ratios against plait-bf16 and against the peer of the same recipe
+(torchtitan's arm where it ran, else fsdp2's). Nothing here is a result until run on the GPU: ``--dry-run`` checks the script only.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ ARMS = (
     "fsdp2-bf16",
     "fsdp2-fp8-tensorwise",
     "fsdp2-fp8-rowwise",
+    "titan-bf16",
+    "titan-fp8-tensorwise",
+    "titan-fp8-rowwise",
 )
 
 
@@ -72,13 +79,13 @@ def recipe_of(arm: str) -> str | None:
     return arm.split("fp8-")[1].removesuffix("-f8gather") if "fp8-" in arm else None
 
 
-def peer_of(arm: str) -> str | None:
-    """The fsdp2 arm of a plait arm's recipe (FSDP2's tensorwise arm gathers in float8 anyway), else None."""
-    return (
-        arm.replace("plait-", "fsdp2-").removesuffix("-f8gather")
-        if arm.startswith("plait-")
-        else None
-    )
+def peer_of(arm: str, measured) -> str | None:
+    """The peer of a plait arm's recipe among the ``measured`` arms: torchtitan's arm, else fsdp2's (its
+    tensorwise arm gathers in float8 anyway); None for other arms or when neither was measured."""
+    if not arm.startswith("plait-"):
+        return None
+    base = arm.removeprefix("plait-").removesuffix("-f8gather")
+    return next((p for p in (f"titan-{base}", f"fsdp2-{base}") if p in measured), None)
 
 
 def shape(args):
@@ -215,7 +222,15 @@ def run_arm(arm: str, args) -> dict:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", local)
     cfg = shape(args)
-    step = (plait_arm if arm.startswith("plait") else fsdp2_arm)(arm, cfg, device, args)
+    extra = {}  # an arm's own row fields
+    if arm.startswith("titan-"):
+        from _float8_titan import titan_arm, titan_dry_run
+
+        if args.dry_run:
+            return titan_dry_run(arm, cfg, recipe_of(arm), args)
+        step, extra = titan_arm(arm, cfg, recipe_of(arm), args)
+    else:
+        step = (plait_arm if arm.startswith("plait") else fsdp2_arm)(arm, cfg, device, args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for i in range(args.warmup):
@@ -242,7 +257,7 @@ def run_arm(arm: str, args) -> dict:
         "nproc": world,
         "step_s": dt,
         "first_step_s": first if args.warmup else None,
-        "loss": float(loss.detach()),
+        "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "preset": args.preset,
         "seq": args.seq,
@@ -253,16 +268,18 @@ def run_arm(arm: str, args) -> dict:
         "dry_run": args.dry_run,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        **extra,
     }
 
 
 def report(rows) -> str:
     """A markdown table: tokens/s, peak GiB, step time, gathered GiB per step, ratios against plait-bf16 and
-    the fsdp2 peer."""
+    the peer of the recipe (``peer_of``); torchtitan's arms give its version and Float8Linear count."""
     ok = [r for r in rows if "tokens_per_s" in r]
     by = {r["arm"]: r for r in ok}
     if not ok:
-        return "no successful arm\n" + "\n".join(f"{r['arm']}: {r.get('error')}" for r in rows)
+        why = lambda r: r.get("error") or f"not run: {r.get('not_run')}"  # noqa: E731
+        return "no measured arm\n" + "\n".join(f"{r['arm']}: {why(r)}" for r in rows)
     r0 = ok[0]
     recompute = "all" if r0["recompute"] >= 10**6 else r0["recompute"]
     mode = (
@@ -278,25 +295,28 @@ def report(rows) -> str:
         "",
         (
             "| arm | tokens/s | peak GiB | step s | first step s | loss | gathered GiB/step "
-            "| x plait-bf16 | x fsdp2 peer |"
+            "| x plait-bf16 | peer | x peer |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "error" in r:
-            out.append(
-                f"| {r['arm']} | failed: {r['error'][:300].replace('|', '/')} | | | | | | | |"
-            )
+        if "error" in r or "not_run" in r:
+            why = f"failed: {r['error']}" if "error" in r else f"not run: {r['not_run']}"
+            out.append(f"| {r['arm']} | {why[:300].replace('|', '/')} | | | | | | | | |")
             continue
-        peer = by.get(peer_of(r["arm"]))
+        peer = by.get(peer_of(r["arm"], by))
+        arm = r["arm"]
+        if "torchtitan" in r:
+            arm += f" (torchtitan {r['torchtitan']}, {r['float8_linears']} Float8Linear)"
         ratio = lambda base: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else ""  # noqa: E731
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         first = "" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
         gathered = r.get("gathered_gib_per_step")
         gathered = "" if gathered is None else f"{gathered:.3f}"
         out.append(
-            f"| {r['arm']} | {r['tokens_per_s']:.0f} | {peak} | {r['step_s']:.3f} | {first} | {r['loss']:.3f} "
-            f"| {gathered} | {ratio(by.get('plait-bf16'))} | {ratio(peer)} |"
+            f"| {arm} | {r['tokens_per_s']:.0f} | {peak} | {r['step_s']:.3f} | {first} | {r['loss']:.3f} "
+            f"| {gathered} | {ratio(by.get('plait-bf16'))} | {peer['arm'] if peer else ''} "
+            f"| {ratio(peer)} |"
         )
     return "\n".join(out)
 
@@ -321,6 +341,11 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--recompute", type=int, default=10**6, help="blocks recomputed in backward (default: all)"
+    )
+    p.add_argument(
+        "--titan-no-cuda-graphs",
+        action="store_true",
+        help="torchtitan's arms without its CUDA graphs (on by default, as torchtitan runs)",
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
@@ -352,25 +377,11 @@ def main():
         raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
     if os.path.exists(args.out):
         os.remove(args.out)
-    child = [
-        "--preset",
-        args.preset,
-        "--seq",
-        str(args.seq),
-        "--micro",
-        str(args.micro),
-        "--gas",
-        str(args.gas),
-        "--stage",
-        str(args.stage),
-        "--recompute",
-        str(args.recompute),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-    ]
+    # the child's flags: the shape and schedule, the same for every arm
+    names = ("preset", "seq", "micro", "gas", "stage", "recompute", "steps", "warmup")
+    child = [x for name in names for x in (f"--{name}", str(getattr(args, name)))]
     child += ["--dry-run"] if args.dry_run else []
+    child += ["--titan-no-cuda-graphs"] if args.titan_no_cuda_graphs else []
     launcher = []
     if args.nproc > 1:
         launcher = [
