@@ -10,7 +10,7 @@ one GPU or ``--nproc`` GPUs of one host (each arm under ``torch.distributed.run`
     python benchmarks/bench_float8.py --dry-run     # CPU, llama-tiny, 2 steps per arm, no compile: does it run?
     python benchmarks/bench_float8.py --report a.jsonl ...
 
-Every arm trains the same Llama shape (plait's preset, default "llama-5.9b": Llama-3-8B's blocks with a 32k
+Every arm trains the same Llama shape (plait's preset, default "llama-5.9b": hidden 4096, 32 layers, GQA 32/8, ffn 11008, 32k
 vocabulary) at sequence ``--seq`` and micro-batch ``--micro``, bf16 compute, AdamW (``_common``'s lr, betas,
 weight decay, clipping 1.0), every block compiled (regional ``torch.compile``, inductor), the first
 ``--recompute`` blocks recomputed in backward (default: all), in a child process of its own:
