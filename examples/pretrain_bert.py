@@ -65,9 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--layers", type=int)
     m.add_argument("--heads", type=int)
     m.add_argument(
-        "--seq-len", type=int, default=64, help="tokens per sample including [CLS] and [SEP]"
+        "--seq-len", type=int, default=16, help="tokens per sample including [CLS] and [SEP]"
     )
-    m.add_argument("--mask-prob", type=float, default=0.15)
+    m.add_argument("--mask-prob", type=float, default=0.3)
     m.add_argument(
         "--dropout",
         type=float,
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--val-fraction", type=float, default=0.02)
     m.add_argument("--no-export", action="store_true")
     layout.add_parallel_args(parser, "pretrain_bert.json")
-    parser.set_defaults(steps=1000, eval_every=100, log_every=50)
+    parser.set_defaults(steps=1500, eval_every=250, log_every=100)
     return parser.parse_args(argv)
 
 
