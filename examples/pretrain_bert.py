@@ -2,7 +2,7 @@
 with any tp x pp x ZeRO layout.
 
     torchrun --nproc-per-node 2 examples/pretrain_bert.py      # CPU: dp=2, about 5 min on 2 busy cores
-    python examples/pretrain_bert.py                            # the same on one CPU rank
+    python examples/pretrain_bert.py                            # one CPU rank: 2 micro-batches of 32 a step
     torchrun --nproc-per-node 8 examples/pretrain_bert.py --model bert-base --tp 1 --pp 1 --seq-len 128 \\
         --config examples/configs/pretrain_bert_lamb.json --dropout 0.1 --mask-prob 0.15 \\
         --micro-batch 64 --global-batch 4096 --steps 2000              # dp=8 on GPUs, LAMB as in DeepSpeed's tutorial

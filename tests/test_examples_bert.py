@@ -76,8 +76,8 @@ def test_pretrain_bert_defaults_learn_word_order(tmp_path):
     there in 1000 steps (6.6% against the unigram baseline's 6.7%); the default run now reaches 20.1%
     against 6.7% (benchmarks/results/pretrain_bert_cpu.md), but only after ~800 steps of the default model,
     beyond a test's budget. Here: measured 34.6% against 4.4% (1,450 [MASK]s). The old recipe (sequence 64,
-    15% masking, batch 32, beta2 0.999, tp=2; the old example and config under this test) on such a text
-    for the same 400 steps: at the baseline (4.2% against 4.2%), failing. The accuracy rises ~20 points
+    15% masking, batch 32, beta2 0.999, tp=2: the old example and config under this test) for the same 400
+    steps: at the baseline (4.5% against 4.6%), failing. The accuracy rises ~20 points
     per 100 steps here once the model reads order (16.4% after 300 steps on a similar chain), so we ask
     for >= 15% and 10 points over the baseline: a breakout ~100 steps later than measured still passes; a
     model that does not read word order cannot (binomial standard error ~1.3 points)."""
