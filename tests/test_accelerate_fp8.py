@@ -213,6 +213,16 @@ def _te_handler():
             r"AORecipeKwargs with mixed_precision='bf16': pass mixed_precision='fp8'",
         ),
     ],
+    ids=[
+        "msamp_handler",
+        "te_handler",
+        "te_env",
+        "msamp_env",
+        "plugin_enable_msamp",
+        "emulate_is_no_recipe_field",
+        "custom_config",
+        "handler_without_fp8",
+    ],
 )
 def test_what_plait_does_not_serve_is_refused_by_name(monkeypatch, env, kwargs, match):
     for key, value in env.items():
