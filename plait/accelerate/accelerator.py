@@ -67,6 +67,8 @@ class Accelerator(accelerate.Accelerator):
 
     Attributes:
         engine: the ``plait.engine.Engine`` once ``prepare`` has built it (None before, and without a plugin).
+        fp8_request: accelerate's fp8 request read (``plait.accelerate.fp8.Fp8Request``), written into the
+            ds_config's ``fp8`` section by ``prepare``; None without fp8 or without a plugin.
 
     Raises:
         ConfigError: a feature plait does not serve (named).
