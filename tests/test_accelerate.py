@@ -276,13 +276,6 @@ def test_a_dynamo_backend_compiles_the_engine():
         ),
         (
             {
-                "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=str(ACCEL_Z2)),
-                "mixed_precision": "fp8",
-            },
-            "fp8",
-        ),
-        (
-            {
                 "deepspeed_plugin": DeepSpeedPlugin(
                     hf_ds_config=str(ACCEL_Z2), transformer_moe_cls_names="BertLayer"
                 )

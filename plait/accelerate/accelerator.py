@@ -7,9 +7,12 @@ does, on one plait engine; every other method, and all of it without a plugin, i
 ``clip_grad_norm_`` returns the step's norm and refuses a ``max_norm`` other than the config's
 ``gradient_clipping``; precision is the ds_config's.
 
-Refused, naming the feature: several plugins, fp8 / MS-AMP, ``transformer_moe_cls_names``,
-``device_placement`` lists, two models, ``backward`` keyword arguments, ``clip_grad_value_``. Each
-method's behaviour: ``docs/accelerate.md``.
+fp8 (``mixed_precision="fp8"``, accelerate's torchao backend ``AORecipeKwargs``) becomes the ds_config's
+``fp8`` section (``plait.accelerate.fp8``).
+
+Refused, naming the feature: several plugins, fp8 through TransformerEngine / MS-AMP,
+``transformer_moe_cls_names``, ``device_placement`` lists, two models, ``backward`` keyword arguments,
+``clip_grad_value_``. Each method's behaviour: ``docs/accelerate.md``.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, DynamoBackend, parse_choice_from_env
 from accelerate.utils.constants import MODEL_NAME
+from accelerate.utils.dataclasses import FP8BackendType
 from torch.utils.data import DataLoader
 
-from plait.accelerate import ds_prepare
+from plait.accelerate import ds_prepare, fp8
 from plait.checkpoint.export16 import gathered_state_dict
 from plait.config import ConfigError
 from plait.parallel import launch
@@ -49,6 +53,8 @@ class DeepSpeedState(AcceleratorState):
     @property
     def mixed_precision(self) -> str:
         config = self._plait_plugin.deepspeed_config
+        if config.get("fp8", {}).get("enabled") is True:
+            return "fp8"  # as accelerate's state under DeepSpeed with fp8
         for name in ("fp16", "bf16"):
             if config.get(name, {}).get("enabled") is True:
                 return name
@@ -61,6 +67,8 @@ class Accelerator(accelerate.Accelerator):
 
     Attributes:
         engine: the ``plait.engine.Engine`` once ``prepare`` has built it (None before, and without a plugin).
+        fp8_request: accelerate's fp8 request read (``plait.accelerate.fp8.Fp8Request``), written into the
+            ds_config's ``fp8`` section by ``prepare``; None without fp8 or without a plugin.
 
     Raises:
         ConfigError: a feature plait does not serve (named).
@@ -73,17 +81,15 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
         plugin = _plugin(deepspeed_plugin if deepspeed_plugin is not None else deepspeed_plugins)
         self.engine = None
+        self.fp8_request = None
         if plugin is None:
             super().__init__(mixed_precision=mixed_precision, **kwargs)
             return
         precision = (
             mixed_precision or parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no")
         ).lower()
-        if precision == "fp8" or plugin.enable_msamp:
-            raise ConfigError(
-                "plait.accelerate: fp8 mixed precision / MS-AMP is not served; use bf16 or fp16 "
-                "(mixed_precision= or the ds_config's bf16/fp16 section)"
-            )
+        recipes, kwargs["kwargs_handlers"] = fp8.split_handlers(kwargs.get("kwargs_handlers"))
+        self.fp8_request = fp8.request(precision, recipes, bool(plugin.enable_msamp))
         if plugin.transformer_moe_cls_names or os.environ.get(
             "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"
         ):
@@ -97,9 +103,17 @@ class Accelerator(accelerate.Accelerator):
                 "weights, use plait.hf.from_pretrained)"
             )
         plugin.set_mixed_precision(precision)
-        with _without_env("ACCELERATE_USE_DEEPSPEED"):  # accelerate would import deepspeed for it
+        # accelerate would import deepspeed for the first, and read the second as its own fp8 backend
+        with _without_env("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_FP8_BACKEND"):
             super().__init__(mixed_precision="no", **kwargs)  # the ds_config carries the precision
         self.state = DeepSpeedState(plugin)
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """With a plugin: AO when accelerate's fp8 was asked (plait's engine converts), else NO."""
+        if self.deepspeed_plugin is None:
+            return super().fp8_backend
+        return FP8BackendType.AO if self.fp8_request is not None else FP8BackendType.NO
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
@@ -140,6 +154,9 @@ class Accelerator(accelerate.Accelerator):
         ds_prepare.fill_auto(
             plugin, models[0], optimizer, scheduler, micro, self.num_processes, self.split_batches
         )
+        if self.fp8_request is not None:
+            section = self.fp8_request.section(models[0])
+            fp8.write(plugin.deepspeed_config, section, self.fp8_request.source)
         if torch.distributed.is_initialized():
             launch.leave_at_exit()  # accelerate started the group; it stays up until the process ends
         self.engine, opt, sched = ds_prepare.build(
@@ -332,14 +349,13 @@ def _plugin(given) -> DeepSpeedPlugin | None:
 
 
 @contextlib.contextmanager
-def _without_env(name: str):
-    """``os.environ[name]`` absent inside (restored after)."""
-    saved = os.environ.pop(name, None)
+def _without_env(*names: str):
+    """``os.environ[name]`` absent inside for each of ``names`` (restored after)."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ[name] = saved
+        os.environ.update(saved)
 
 
 def _is_schedule(obj) -> bool:
