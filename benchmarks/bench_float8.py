@@ -56,6 +56,7 @@ from _common import (  # noqa: E402
     WEIGHT_DECAY,
     child_or_report,
     ds_like_config,
+    fsdp2_wrap,
     run_arms,
     single_process_env,
 )
@@ -169,7 +170,6 @@ def plait_arm(arm: str, cfg, device, args):
 def fsdp2_arm(arm: str, cfg, device, args):
     """HandLlama: float8 by hand (torchao), activation checkpointing, compile, FSDP2 (torchtitan's order)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hand_llama import HandLlama, llama_shape
 
@@ -192,10 +192,7 @@ def fsdp2_arm(arm: str, cfg, device, args):
         for block in model.blocks:
             block.compile()
     init_group(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    fsdp2_wrap(model)  # per block and root, bf16 parameters, fp32 reduction
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=LR,
@@ -217,8 +214,9 @@ def fsdp2_arm(arm: str, cfg, device, args):
     return step
 
 
-def run_arm(arm: str, args) -> dict:
-    """Warm up, then time ``args.steps`` steps; peak memory over the timed steps (GPU only)."""
+def run_arm(arm: str, args, build=None) -> dict:
+    """Warm up, then time ``args.steps`` steps; peak memory over the timed steps (GPU only). ``build(arm, cfg,
+    device, args) -> step`` builds a non-torchtitan arm (default: plait_arm / fsdp2_arm); ``step.row`` joins the row."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", local)
     cfg = shape(args)
@@ -230,7 +228,9 @@ def run_arm(arm: str, args) -> dict:
             return titan_dry_run(arm, cfg, recipe_of(arm), args)
         step, extra = titan_arm(arm, cfg, recipe_of(arm), args)
     else:
-        step = (plait_arm if arm.startswith("plait") else fsdp2_arm)(arm, cfg, device, args)
+        build = build or (plait_arm if arm.startswith("plait") else fsdp2_arm)
+        step = build(arm, cfg, device, args)
+        extra = getattr(step, "row", {})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for i in range(args.warmup):

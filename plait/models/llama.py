@@ -152,6 +152,17 @@ FAMILY = ModelFamily(
         "llama-5.9b": lambda: llama_config(
             hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=11008
         ),
+        # Llama-3-8B's shape (Meta's config.json of Meta-Llama-3-8B): 8,030,261,248 parameters
+        "llama3-8b": lambda: llama_config(
+            vocab_size=128256,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            ffn_hidden_size=14336,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        ),
         "llama-tiny": lambda: llama_config(
             vocab_size=8192,
             hidden_size=128,
