@@ -33,6 +33,15 @@ def model_flops_per_token(cfg, n_params: int, seq: int = SEQ) -> float:
     return 6 * n_params + 6 * cfg.num_layers * cfg.hidden_size * seq
 
 
+def palm_flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs of one trained token as torchtitan counts them for its published MFU (``get_num_flop_per_token``;
+    PaLM, Chowdhery et al. 2022, appendix B): ``6 N + 12 L h s``, N the parameters without the input embedding.
+    :func:`model_flops_per_token` is ANCHORS.md's count for plait's own tables; this one compares with
+    torchtitan's figures (issue 47)."""
+    non_embedding = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size
+    return 6 * non_embedding + 12 * cfg.num_layers * cfg.hidden_size * seq
+
+
 def batch(cfg, device, step, micro: int = MICRO, seq: int = SEQ) -> dict:
     """Random token ids (seeded by ``step``): ``input_ids`` and next-token ``labels``, ``[micro, seq]``."""
     g = torch.Generator(device=device).manual_seed(step)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from _common import BETAS, LR, WEIGHT_DECAY, ds_like_config
 from bench_float8 import batch, init_group
 
@@ -22,14 +21,6 @@ PEAK_BF16, PEAK_FP8 = 989e12, 1979e12
 DS_ARMS = ("ds-z3",)
 LAYOUT_ARMS = ("plait-tp2", "plait-pp2-zbh1", "plait-pp2-1f1b")
 SPLIT = 2  # ranks one model replica spans in the tp and pp arms
-
-
-def flops_per_token(cfg, seq: int) -> float:
-    """Model FLOPs of one trained token (forward + backward, no recomputation): ``6 N + 12 L h s``, N the
-    parameters without the input embedding, L layers, h hidden size, s sequence length: PaLM's count
-    (Chowdhery et al. 2022, appendix B) as torchtitan's ``get_num_flop_per_token`` applies it."""
-    non_embedding = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size
-    return 6 * non_embedding + 12 * cfg.num_layers * cfg.hidden_size * seq
 
 
 def ds_arm(arm: str, cfg, device, args):

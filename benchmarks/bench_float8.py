@@ -57,6 +57,7 @@ from _common import (  # noqa: E402
     child_or_report,
     ds_like_config,
     fsdp2_wrap,
+    known_arms,
     run_arms,
     single_process_env,
 )
@@ -369,10 +370,7 @@ def main():
     args = parse_args()
     if child_or_report(args, run_arm, report):
         return
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    arms = known_arms(args.arms, ARMS)
     if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
         raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
     if os.path.exists(args.out):

@@ -37,8 +37,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import child_or_report, run_arms  # noqa: E402
-from _llama8b_arms import DS_ARMS, LAYOUT_ARMS, PEAK_BF16, PEAK_FP8, build, flops_per_token  # noqa: E402
+from _common import child_or_report, known_arms, palm_flops_per_token, run_arms  # noqa: E402
+from _llama8b_arms import DS_ARMS, LAYOUT_ARMS, PEAK_BF16, PEAK_FP8, build  # noqa: E402
 from bench_float8 import peer_of, recipe_of, run_arm, shape  # noqa: E402
 
 ARMS = (
@@ -58,7 +58,7 @@ def measure(arm: str, args) -> dict:
     """bench_float8's ``run_arm`` with this file's builders, plus per-GPU tokens/s and MFU."""
     row = run_arm(arm, args, build)
     cfg = shape(args)
-    row["flops_per_token"] = flops_per_token(cfg, args.seq)
+    row["flops_per_token"] = palm_flops_per_token(cfg, args.seq)
     row["parameters"] = cfg.num_parameters()
     if "tokens_per_s" in row:
         per_gpu = row["tokens_per_s"] / row["nproc"]
@@ -212,10 +212,7 @@ def main():
     args = parse_args()
     if child_or_report(args, measure, report):
         return
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; choose from {','.join(ARMS)}")
+    arms = known_arms(args.arms, ARMS)
     if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
         raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
     if os.path.exists(args.out):
