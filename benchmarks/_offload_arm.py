@@ -16,11 +16,15 @@ SIZES = {
     "3b": (3200, 26, 32, 8, 8640),
     "5b": (4096, 24, 32, 8, 11008),
     "7b": (4096, 32, 32, 32, 11008),
+    # Llama-3-8B's layers (hidden 4096, 32 layers, 8 kv heads, ffn 14336) with this table's vocabulary 32000
+    # (not Llama-3's 128256): 7.24B parameters, so named by its count, not "8b"
+    "7.2b": (4096, 32, 32, 8, 14336),
     "10b": (5120, 32, 40, 8, 13824),
     "13b": (5120, 40, 40, 40, 13824),
     "20b": (6144, 44, 48, 8, 16384),  # 17.56B parameters
     "21b": (6144, 52, 48, 8, 16384),  # 20.68B: the "20B or more" of issue 43
     "30b": (6656, 60, 52, 52, 17920),
+    "70b": (8192, 80, 64, 8, 28672),  # Llama-2-70B: 68.98B parameters with vocabulary 32000
 }
 
 

@@ -83,7 +83,9 @@ def step_clock(warmup: int, steps: int):
 
 def timed_train(arm: str, trainer, clock, tokens_per_step: int, n_params: int) -> dict:
     """``trainer.train()`` timed by ``clock`` (``step_clock``): the row's common fields (tokens/s over the timed
-    steps, seconds a step, peak GPU and host memory, the last logged loss, versions, host threads)."""
+    steps in total over the ``world`` data-parallel ranks, ``tokens_per_step`` being one rank's, and per GPU;
+    seconds a step; peak GPU memory of this rank, which prints the row: rank 0; peak host memory summed over
+    the ranks; the last logged loss, versions, host threads)."""
     import torch
     import transformers
 
@@ -92,13 +94,17 @@ def timed_train(arm: str, trainer, clock, tokens_per_step: int, n_params: int) -
     total = time.perf_counter() - t0
     dt = clock.marks[clock.warmup + clock.steps] - clock.marks[clock.warmup]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    world, host_peaks = _over_ranks(_host_peak_gib())
     return {
         "arm": arm,
         "params": n_params,
-        "tokens_per_s": tokens_per_step * clock.steps / dt,
+        "world": world,
+        "tokens_per_s": tokens_per_step * world * clock.steps / dt,
+        "tokens_per_s_gpu": tokens_per_step * clock.steps / dt,
         "step_s": dt / clock.steps,
         "peak_gib": 0.0 if SMOKE else torch.cuda.max_memory_allocated() / 2**30,
-        "host_peak_gib": _host_peak_gib(),
+        "host_peak_gib": sum(host_peaks),
+        "host_peak_gib_ranks": host_peaks,
         "loss": losses[-1] if losses else None,
         "train_s": total,
         "device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0),
@@ -106,6 +112,18 @@ def timed_train(arm: str, trainer, clock, tokens_per_step: int, n_params: int) -
         "transformers": transformers.__version__,
         "host": _host_threads(),
     }
+
+
+def _over_ranks(value: float) -> tuple[int, list[float]]:
+    """The world size and every rank's ``value`` (all ranks call this; one process without a process
+    group: ``(1, [value])``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return len(values), values
 
 
 def _host_peak_gib() -> float:
@@ -138,10 +156,15 @@ def _host_threads() -> dict:
 
 
 def launch_arm(
-    script: str, arm: str, args: list[str], log: str | None = None, out: str | None = None
+    script: str,
+    arm: str,
+    args: list[str],
+    nproc: int,
+    log: str | None = None,
+    out: str | None = None,
 ) -> dict:
-    """Run ``script --arm ARM ARGS`` in its own process (torchrun, one process) and return the row of its
-    ``RESULT {json}`` line, or ``{"arm", "error", "returncode"}`` holding the child's own error lines (not
+    """Run ``script --arm ARM ARGS`` under torchrun with ``nproc`` processes (one node) and return the row of
+    its ``RESULT {json}`` line (rank 0's), or ``{"arm", "error", "returncode"}`` holding the child's own error lines (not
     torchrun's); the row is printed as JSON and appended to the file ``out``. ``log``: a file the child's stdout
     and stderr are appended to."""
     cmd = [
@@ -150,7 +173,7 @@ def launch_arm(
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "1",
+        str(nproc),
         script,
         "--arm",
         arm,
@@ -168,7 +191,7 @@ def launch_arm(
     row = (
         json.loads(found[-1][7:])
         if found
-        else {"arm": arm, "error": why, "returncode": done.returncode}
+        else {"arm": arm, "world": nproc, "error": why, "returncode": done.returncode}
     )
     print(json.dumps(row), flush=True)
     if out:
@@ -178,16 +201,20 @@ def launch_arm(
 
 
 def print_table(rows: list[dict]) -> None:
-    """The markdown table of the rows (a failed arm: the end of its error)."""
+    """The markdown table of the rows (a failed arm: the end of its error): tokens/s in total and per GPU,
+    peak GPU memory of rank 0, host peak summed over the node's ranks."""
     print(
-        "\n| arm | parameters | tokens/s | step s | peak GPU GiB | host peak GiB | last loss |\n"
-        "|---|---|---|---|---|---|---|"
+        "\n| arm | GPUs | parameters | tokens/s | tokens/s/GPU | step s | peak GPU GiB (rank 0) "
+        "| host peak GiB (all ranks) | last loss |\n|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         if "error" in r:
-            print(f"| {r['arm']} | | failed: {r['error'][-160:]!r} | | | | |")
+            print(
+                f"| {r['arm']} | {r.get('world', '')} | | failed: {r['error'][-160:]!r} | | | | | |"
+            )
         else:
             print(
-                f"| {r['arm']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
-                f"{r['peak_gib']:.2f} | {r['host_peak_gib']:.1f} | {r['loss']:.4f} |"
+                f"| {r['arm']} | {r['world']} | {r['params'] / 1e9:.2f}B | {r['tokens_per_s']:.0f} | "
+                f"{r['tokens_per_s_gpu']:.0f} | {r['step_s']:.3f} | {r['peak_gib']:.2f} | "
+                f"{r['host_peak_gib']:.1f} | {r['loss']:.4f} |"
             )

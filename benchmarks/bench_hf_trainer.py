@@ -1,13 +1,14 @@
-"""The Hugging Face Trainer on one GPU: plait (``plait.hf``) against DeepSpeed and FSDP2 under the same
+"""The Hugging Face Trainer on one GPU or one node: plait (``plait.hf``) against DeepSpeed and FSDP2 under the same
 Trainer script, in the same run.
 
     python benchmarks/bench_hf_trainer.py [--arms plait-z2-offload,ds-z2-offload,plait-z3,fsdp2]
-        [--steps 8] [--warmup 3] [--out results.jsonl]
+        [--steps 8] [--warmup 3] [--out results.jsonl] [--nproc 1] [--size 7.2b]
 
 Model: an unmodified ``transformers.LlamaForCausalLM`` of TinyLlama's shape (hidden 2048, 22 layers, 32 heads,
 4 kv heads, ffn 5632, vocab 32000: 1.1B parameters), built from its config, sequence 2048, bf16,
-AdamW (lr 1e-4, weight decay 0.1), clip 1.0; random tokens. Arms (each in its own process, launched with
-torchrun, one process):
+AdamW (lr 1e-4, weight decay 0.1), clip 1.0; random tokens; ``--size`` builds the arms at one of
+``_offload_arm.SIZES`` instead (``7.2b``: Llama-3-8B's layers with vocabulary 32000). Arms (each launched with
+torchrun, ``--nproc`` processes of one node, data-parallel, micro-batch per rank):
 
 * ``plait-z2-offload``: ``from plait.hf import Trainer, TrainingArguments``, ZeRO-2 + offload_optimizer
   (the seed's ``examples/configs/zero2_offload_hf.json``), micro-batch 4;
@@ -38,9 +39,12 @@ whose ZeRO-3 keeps the same share of its optimizer states on the GPU): ZeRO-3 wi
 moments so (``optimizer.params.state_dtype``), and the host-memory guard counts them at that size.
 ``--log FILE`` appends every arm's full output to FILE.
 
-Reported per arm: tokens/s over the timed steps (wall time between the ends of the warm-up and the last
-step, each end after a CUDA synchronization), peak GPU memory (``torch.cuda.max_memory_allocated``), the
-last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table (the
+``--nproc N`` with ``--largest``: the host-memory guard counts the states once (sharded over the ranks) and
+each rank's process overhead N times (``_hf_sizes.host_need_gib``).
+
+Reported per arm: the world size, tokens/s in total and per GPU over the timed steps (wall time between the ends of the warm-up and the last
+step, each end after a CUDA synchronization), peak GPU memory of rank 0 (``torch.cuda.max_memory_allocated``), the
+host peak summed over the ranks (each rank's VmHWM; ``host_peak_gib_ranks`` lists them), the last logged loss. Each arm prints one ``RESULT {json}`` line; the parent prints a markdown table (the
 harness shared with bench_trl.py: ``_trainer.py``).
 """
 
@@ -53,16 +57,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_offload import HOST_BYTES_PER_PARAM, mem_available_gib  # noqa: E402
-from _offload_arm import SIZES  # noqa: E402
+from bench_offload import mem_available_gib  # noqa: E402
+from _hf_sizes import host_need_gib, llama_shape, write_checkpoint  # noqa: E402
 from _trainer import MICRO, ROOT, SEQ, SHAPE, SMOKE, launch_arm, print_table, step_clock  # noqa: E402
 from _trainer import timed_train, trainer_arguments  # noqa: E402
-
-
-# --largest: bench_offload's Llama sizes and host bytes per parameter under ZeRO-3 + full offload
-HOST_BYTES = HOST_BYTES_PER_PARAM
-if SMOKE:
-    SIZES = {k: (32, 2, 4, 2, 64) for k in SIZES}
 
 
 def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
@@ -116,62 +114,6 @@ def ds_config(arm: str, ratio: float = 1.0, state_dtype: str = "fp32") -> dict:
     }
 
 
-def llama_shape(size: str) -> dict:
-    """The LlamaConfig fields of bench_offload's size ``size``."""
-    h, n, heads, kv, ffn = SIZES[size]
-    shape = dict(SHAPE)
-    shape.update(
-        hidden_size=h,
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=ffn,
-    )
-    return shape
-
-
-def write_checkpoint(folder: str, size: str) -> None:
-    """A Hugging Face Llama checkpoint of ``size`` with random bf16 weights (std 0.02, norms 1), written
-    tensor by tensor into safetensors shards of at most 2 GB with their index: the host never holds more
-    than one shard."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-    from plait.zero import meta_parameters
-
-    config = transformers.LlamaConfig(**llama_shape(size), torch_dtype="bfloat16")
-    with meta_parameters():
-        names = [(n, p.shape) for n, p in transformers.LlamaForCausalLM(config).named_parameters()]
-    os.makedirs(folder, exist_ok=True)
-    config.save_pretrained(folder)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(dev).manual_seed(0)
-    shard, shard_bytes, weight_map, files = {}, 0, {}, []
-
-    def flush():
-        name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
-        files.append(name)
-        weight_map.update(dict.fromkeys(shard, name))
-
-    for n, shape in names:
-        t = (
-            torch.ones(shape)
-            if "norm" in n
-            else torch.randn(shape, generator=gen, device=dev).mul_(0.02)
-        )
-        if shard and shard_bytes + t.numel() * 2 > 2 * 2**30:
-            flush()
-            shard, shard_bytes = {}, 0
-        shard[n] = t.to(torch.bfloat16).cpu()
-        shard_bytes += t.numel() * 2
-    flush()
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    if dev == "cuda":  # the arm's process gets the GPU: this one keeps only its CUDA context
-        torch.cuda.empty_cache()
-
-
 def run_arm(
     arm: str,
     steps: int,
@@ -181,6 +123,7 @@ def run_arm(
     act_ckpt: bool = False,
     micro: int | None = None,
     state_dtype: str = "fp32",
+    size: str | None = None,
 ) -> dict:
     import torch
     import transformers
@@ -191,7 +134,10 @@ def run_arm(
         from transformers import Trainer, TrainingArguments
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    shape, sized = dict(SHAPE), "z3-offload-" in arm or "gpufirst" in arm
+    shape = (
+        llama_shape(size) if size else dict(SHAPE)
+    )  # --size: the arms at that size, from its config
+    sized = "z3-offload-" in arm or "gpufirst" in arm
     micro = micro or (
         1 if sized else MICRO
     )  # --largest: micro-batch 1 at a named size unless --micro
@@ -204,7 +150,9 @@ def run_arm(
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self):
-            return micro * (steps + warmup) * 4
+            return (
+                micro * (steps + warmup) * 4 * world
+            )  # the Trainer's sampler gives each rank 1/world
 
         def __getitem__(self, i):
             ids = torch.randint(
@@ -212,6 +160,7 @@ def run_arm(
             )
             return {"input_ids": ids, "labels": ids.clone()}
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     clock = step_clock(warmup, steps)
     extra = {}
     if arm.startswith(("plait", "ds")):
@@ -243,15 +192,8 @@ def run_arm(
         "micro": micro,
         "act_ckpt": act_ckpt,
         "state_dtype": built if arm.startswith("plait") else "fp32",
+        **({"size": size} if size else {}),
     }
-
-
-def host_bytes_per_param(fw: str, state_dtype: str) -> float:
-    """Host bytes per host-side parameter under ZeRO-3 + offload: bench_offload's fp32-moment figure with the
-    two moments (8 bytes) stored in ``state_dtype`` instead (``plait.fit.plan.moment_bytes``)."""
-    from plait.fit.plan import moment_bytes
-
-    return HOST_BYTES[fw] - 8 + moment_bytes(2**20, state_dtype) / 2**20
 
 
 def main() -> None:
@@ -283,6 +225,15 @@ def main() -> None:
         default="fp32",
         help="--largest: Adam's moments in plait's arms (optimizer.params.state_dtype; default fp32)",
     )
+    cli.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes (GPUs) of each arm: torchrun --nproc-per-node",
+    )
+    cli.add_argument(
+        "--size", default=None, help="the --arms at this size (e.g. 7.2b), not TinyLlama's 1.1B"
+    )
     cli.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # the child process
     cli.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     opt = cli.parse_args()
@@ -296,8 +247,10 @@ def main() -> None:
             opt.act_ckpt,
             opt.micro,
             opt.state_dtype,
+            opt.size,
         )
-        print("RESULT " + json.dumps(result), flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
         return
     if opt.state_dtype != "fp32" and not (opt.largest and opt.frameworks == "plait"):
         cli.error(
@@ -319,14 +272,14 @@ def main() -> None:
         if opt.largest and fw in failed:
             continue
         if opt.largest:
-            h, n, heads, kv, ffn = SIZES[arm.rsplit("-", 1)[1]]
-            params = n * (2 * h * h * (1 + kv / heads) + 3 * h * ffn) + 2 * 32000 * h
             on_host = opt.ratio if "gpufirst" in arm else 1.0
-            need = params * host_bytes_per_param(fw, opt.state_dtype) * on_host / 2**30
+            size = arm.rsplit("-", 1)[1]
+            need = host_need_gib(fw, size, on_host, opt.state_dtype, opt.nproc)
             have = mem_available_gib()
             if need > 0.9 * have:
                 row = {
                     "arm": arm,
+                    "world": opt.nproc,
                     "error": f"skipped: needs ~{need:.0f} GiB host memory, {have:.0f} GiB available",
                 }
                 print(json.dumps(row), flush=True)
@@ -345,13 +298,14 @@ def main() -> None:
             ["--act-ckpt"] if opt.act_ckpt else []
         )
         args += ["--micro", str(opt.micro)] if opt.micro else []
+        args += ["--size", opt.size] if opt.size else []
         if opt.largest:
             size = arm.rsplit("-", 1)[1]
             folder = os.path.join(tempfile.gettempdir(), f"bench_llama_{size}")
             if not os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
                 write_checkpoint(folder, size)
             args += ["--checkpoint", folder]
-        row = launch_arm(__file__, arm, args, opt.log, opt.out)
+        row = launch_arm(__file__, arm, args, opt.nproc, opt.log, opt.out)
         rows.append(row)
         if "error" in row:
             failed.add(fw)

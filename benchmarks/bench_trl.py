@@ -189,6 +189,7 @@ def main() -> None:
                 __file__,
                 arm,
                 ["--steps", str(opt.steps), "--warmup", str(opt.warmup)],
+                1,
                 opt.log,
                 opt.out,
             )
