@@ -11,6 +11,7 @@ run could hold, such as a hidden size of 10**9 in a config from elsewhere).
 from __future__ import annotations
 
 import os
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
 import torch
@@ -29,9 +30,12 @@ def build_elements(config, mesh=None, layers: Sequence[int] | None = None, dtype
 
     last = config.num_layers + 1
     indices = range(last + 1) if layers is None else sorted(set(layers))
-    blocks = sum(1 for i in indices if 0 < i < last)
-    first_block = next((i for i in indices if 0 < i < last), None)
-    sample = sorted({i for i in (0, last) if i in indices} | ({first_block} if blocks else set()))
+    # sorted and unique: the blocks (0 < i < last) are one run, found by bisection, not by a walk over
+    # num_layers entries (a config from elsewhere may ask for 10**6 blocks)
+    lo, hi = bisect_right(indices, 0), bisect_left(indices, last)
+    blocks, first_block = hi - lo, indices[lo] if hi > lo else None
+    ends = {i for i in (0, last) if _holds(indices, i)}
+    sample = sorted(ends | ({first_block} if blocks else set()))
     try:
         model = TransformerModel(config, mesh, layers=sample, device="meta", dtype=dtype)
     except (
@@ -46,6 +50,12 @@ def build_elements(config, mesh=None, layers: Sequence[int] | None = None, dtype
     for name, p in model.named_parameters():
         total += p.numel() * (blocks if int(name.split(".")[1]) == first_block else 1)
     return total
+
+
+def _holds(indices: Sequence[int], i: int) -> bool:
+    """Whether the sorted ``indices`` hold ``i`` (by bisection)."""
+    k = bisect_left(indices, i)
+    return k < len(indices) and indices[k] == i
 
 
 def memory_of(device: torch.device) -> int | None:
