@@ -205,6 +205,16 @@ def known_arms(text: str, arms: tuple) -> list[str]:
     return chosen
 
 
+def chosen_arms(args, known: tuple) -> list[str]:
+    """``--arms`` checked against ``known`` (and -f8gather against ``--stage``); ``--out`` cleared."""
+    arms = known_arms(args.arms, known)
+    if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
+        raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
+    if os.path.exists(args.out):
+        os.remove(args.out)
+    return arms
+
+
 def fsdp2_wrap(model) -> None:
     """FSDP2 as the benchmarks run it: ``fully_shard`` on each of ``model.blocks`` and on the root,
     bf16 parameters, fp32 gradient reduction."""

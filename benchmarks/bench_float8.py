@@ -57,7 +57,7 @@ from _common import (  # noqa: E402
     child_or_report,
     ds_like_config,
     fsdp2_wrap,
-    known_arms,
+    chosen_arms,
     run_arms,
     single_process_env,
 )
@@ -370,11 +370,7 @@ def main():
     args = parse_args()
     if child_or_report(args, run_arm, report):
         return
-    arms = known_arms(args.arms, ARMS)
-    if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
-        raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
-    if os.path.exists(args.out):
-        os.remove(args.out)
+    arms = chosen_arms(args, ARMS)
     # the child's flags: the shape and schedule, the same for every arm
     names = ("preset", "seq", "micro", "gas", "stage", "recompute", "steps", "warmup")
     child = [x for name in names for x in (f"--{name}", str(getattr(args, name)))]

@@ -37,7 +37,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import child_or_report, known_arms, palm_flops_per_token, run_arms  # noqa: E402
+from _common import chosen_arms, child_or_report, palm_flops_per_token, run_arms  # noqa: E402
 from _llama8b_arms import DS_ARMS, LAYOUT_ARMS, PEAK_BF16, PEAK_FP8, build  # noqa: E402
 from bench_float8 import peer_of, recipe_of, run_arm, shape  # noqa: E402
 
@@ -212,11 +212,7 @@ def main():
     args = parse_args()
     if child_or_report(args, measure, report):
         return
-    arms = known_arms(args.arms, ARMS)
-    if args.stage != 3 and any(a.endswith("-f8gather") for a in arms):
-        raise SystemExit("the -f8gather arm gathers ZeRO-3's parameters in float8: pass --stage 3")
-    if os.path.exists(args.out):
-        os.remove(args.out)
+    arms = chosen_arms(args, ARMS)
     if args.dry_run:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU
     rows = []
