@@ -131,25 +131,23 @@ class Float8Gather:
                 target.copy_(to_fp8_saturated(piece.float() * scale, dtype))
         return out
 
-    def _scales(self, pieces: list, group) -> torch.Tensor:
-        """``[len(pieces)]`` float32: each piece's weight's tensorwise scale from the amax of the whole weight
-        (``torch._foreach_norm`` of inf order, i.e. max |x| exactly, as torchao's FSDP2 precompute; all-reduced
-        MAX over ``group``), by torchao's ``amax_to_scale``."""
-        amax = pieces[0][2].new_zeros(len(pieces), dtype=torch.float32)
-        held = [k for k, (_, _, p, _) in enumerate(pieces) if p.numel()]
-        if held:
-            norms = torch._foreach_norm([pieces[k][2] for k in held], ord=math.inf)
-            amax[held] = torch.stack(norms).float()
+    def _scales(self, pieces: list, group) -> list[torch.Tensor]:
+        """Each piece's weight's tensorwise scale (``[]`` float32 views of one ``[len(pieces)]`` tensor) from the
+        amax of the whole weight (``torch._foreach_norm`` of inf order, i.e. max |x| exactly, as torchao's FSDP2
+        precompute; all-reduced MAX over ``group``), by torchao's ``amax_to_scale``. Nothing here waits for the
+        GPU: no tensor is indexed by a Python list (that copies the index host to device and synchronizes),
+        so the host keeps queueing the prefetches ahead of the blocks."""
+        held = [p for _, _, p, _ in pieces if p.numel()]
+        norms = iter(torch._foreach_norm(held, ord=math.inf) if held else [])
+        zero = pieces[0][2].new_zeros((), dtype=torch.float32)
+        amax = torch.stack([next(norms).float() if p.numel() else zero for _, _, p, _ in pieces])
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         kinds = [
             (self._dtype(s.param), self.configs[id(s.param)].round_scales_to_power_of_2)
             for _, s, _, _ in pieces
         ]
-        scales = torch.empty_like(amax)
-        for kind in set(kinds):  # one kind (one torchao config) in practice
-            same = [k for k, x in enumerate(kinds) if x == kind]
-            scales[same] = amax_to_scale(amax[same], *kind)
-        return scales
+        per_kind = {kind: amax_to_scale(amax, *kind) for kind in set(kinds)}  # one in practice
+        return [per_kind[kind][k] for k, kind in enumerate(kinds)]
 
     def landed(self, seg: Segment, full: torch.Tensor) -> None:
         """Point each weight of ``seg`` at a one-element stand-in of its shape and attach its float8 view of
