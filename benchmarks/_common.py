@@ -107,8 +107,10 @@ def engine_step(engine, cfg, device, micro: int = MICRO):
 
 
 def _error_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    exc = [x for x in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", x)]
+    """The child's last exception line (``Name: message``, torchrun's ``[rankN]:`` prefix dropped), else its
+    last lines; a warning that merely starts with "Error" (torchtitan's "Error running lspci") is not one."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", x) for x in text.strip().splitlines() if x.strip()]
+    exc = [x for x in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)(:|$)", x)]
     return exc[-1] if exc else " | ".join(lines[-3:]) or "no output"
 
 

@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 GATHERED_ATTR = "_plait_float8_gathered"
 
 
+@torch.no_grad()
+def cast_into(target: torch.Tensor, piece: torch.Tensor, scale: torch.Tensor) -> None:
+    """``target`` (float8, ``piece``'s shape) := ``piece`` scaled by ``scale`` (``[]`` float32) and saturated,
+    as torchao casts a weight (``to_fp8_saturated(w.float() * scale)``)."""
+    target.copy_(to_fp8_saturated(piece.float() * scale, target.dtype))
+
+
 class _GatheredWeight(torch.autograd.Function):
     """Forward: ``weight``'s gathered float8 ``data`` and ``scale`` as a ``Float8TrainingTensor`` (``weight`` is a
     stand-in of its shape and dtype). Backward: the gradient passes to ``weight`` unchanged, as torchao's casts."""
@@ -102,6 +109,8 @@ class Float8Gather:
         self.views: dict[
             int, tuple[torch.Tensor, list[torch.Tensor]]
         ] = {}  # id(seg) -> buffer, views
+        self.amax_groups: dict = {}  # a gather's group -> the same ranks on a communicator of their own
+        self.fused_cast = None  # on the GPU: ``cast_into`` compiled, made at the first narrow there (_cast)
 
     def casts(self, param: nn.Parameter) -> bool:
         return id(param) in self.configs
@@ -128,8 +137,17 @@ class Float8Gather:
             if piece.numel():
                 dtype = self._dtype(slot.param)
                 target = out[i].view(dtype)[start : start + piece.numel()]
-                target.copy_(to_fp8_saturated(piece.float() * scale, dtype))
+                self._cast(piece)(target, piece, scale)
         return out
+
+    def _cast(self, piece: torch.Tensor):
+        """``cast_into``; on the GPU compiled into one kernel (the piece read, float8 written: 3 bytes an element,
+        where the eager ops' fp32 temporaries move 19), the same elementwise arithmetic, so the same bytes."""
+        if not piece.is_cuda:
+            return cast_into
+        if self.fused_cast is None:
+            self.fused_cast = torch.compile(cast_into, dynamic=True)
+        return self.fused_cast
 
     def _scales(self, pieces: list, group) -> list[torch.Tensor]:
         """Each piece's weight's tensorwise scale (``[]`` float32 views of one ``[len(pieces)]`` tensor) from the
@@ -141,13 +159,23 @@ class Float8Gather:
         norms = iter(torch._foreach_norm(held, ord=math.inf) if held else [])
         zero = pieces[0][2].new_zeros((), dtype=torch.float32)
         amax = torch.stack([next(norms).float() if p.numel() else zero for _, _, p, _ in pieces])
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self._amax_group(group))
         kinds = [
             (self._dtype(s.param), self.configs[id(s.param)].round_scales_to_power_of_2)
             for _, s, _, _ in pieces
         ]
         per_kind = {kind: amax_to_scale(amax, *kind) for kind in set(kinds)}  # one in practice
         return [per_kind[kind][k] for k, kind in enumerate(kinds)]
+
+    def _amax_group(self, group):
+        """``group``'s ranks as a process group of their own for the amax all-reduce (made at the first
+        narrow, by those ranks only). On ZeRO's communicator it would queue behind the gathers and the
+        gradients' reduce-scatters in flight, and the casts, on the compute stream, would wait for them."""
+        group = group if group is not None else dist.group.WORLD
+        if group not in self.amax_groups:
+            ranks = dist.get_process_group_ranks(group)
+            self.amax_groups[group] = dist.new_group(ranks, use_local_synchronization=True)
+        return self.amax_groups[group]
 
     def landed(self, seg: Segment, full: torch.Tensor) -> None:
         """Point each weight of ``seg`` at a one-element stand-in of its shape and attach its float8 view of
