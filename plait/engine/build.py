@@ -21,8 +21,20 @@ from plait.engine.ranks import check_mesh_covers_world, check_ranks_agree, start
 from plait.fit.check import fit_config
 from plait.parallel.launch import init_distributed, launcher_world_size, leave_at_exit
 from plait.parallel.mesh import ParallelMesh
+from plait.parallel.rank_errors import report_errors_once
 from plait.parallel.pipeline.parallel import PipelineParallel
 from plait.zero.weights import prepare_weights
+
+
+def join_group() -> None:
+    """Under torchrun or SLURM with no process group yet, join the job's (each rank would train alone);
+    with one (plait's, the HF Trainer's, accelerate's), an error every rank raises is printed once
+    (``plait.parallel.rank_errors``)."""
+    if not dist.is_initialized() and launcher_world_size() > 1:
+        init_distributed()
+        leave_at_exit()
+    if dist.is_initialized():
+        report_errors_once()
 
 
 def initialize(
@@ -65,9 +77,7 @@ def initialize(
         ValueError: parameters on the meta device without ``weights``, ``weights`` for a model whose
             parameters are not on the meta device, or a checkpoint tensor of another shape.
     """
-    if not dist.is_initialized() and launcher_world_size() > 1:
-        init_distributed()  # under torchrun/SLURM: join the job's group (each rank would train alone)
-        leave_at_exit()
+    join_group()
     config, mesh = config_and_mesh(model, config, mesh, config_facts)
     config = start_up(
         config, model, mesh

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plait.parallel.rank_errors import report_errors_once
+
 
 @dataclass(frozen=True)
 class LaunchInfo:
@@ -160,6 +162,7 @@ def init_distributed(
         device_count: CUDA devices on this node (default ``torch.cuda.device_count()``; tests pass it).
 
     Returns the ``LaunchInfo``. Calling it when a group already exists returns the facts unchanged.
+    Under torchrun, an error every rank raises is then printed once, by rank 0 (``rank_errors``).
     """
     info = launch_info(env)
     if dist.is_initialized():
@@ -184,6 +187,7 @@ def init_distributed(
         if store.add("plait/joined", 1) == info.world_size:
             store.set("plait/all_joined", "1")
         store.wait(["plait/all_joined"], timeout)
+    report_errors_once(os.environ if env is None else env)
     return info
 
 

@@ -110,7 +110,8 @@ class Float8Gather:
             int, tuple[torch.Tensor, list[torch.Tensor]]
         ] = {}  # id(seg) -> buffer, views
         self.amax_groups: dict = {}  # a gather's group -> the same ranks on a communicator of their own
-        self.fused_cast = None  # on the GPU: ``cast_into`` compiled, made at the first narrow there (_cast)
+        # on the GPU: ``cast_into`` compiled, made at the first narrow there (``_cast``)
+        self.fused_cast = None
 
     def casts(self, param: nn.Parameter) -> bool:
         return id(param) in self.configs

@@ -51,7 +51,9 @@ def train(float8_all_gather: bool, compiled: bool, checked=None) -> list[float]:
         config["compile"] = {"enabled": True}
     mesh = ParallelMesh()
     narrow = Float8Gather.narrow
-    engine = plait.initialize(TransformerModel(preset("llama-tiny"), None, seed=3), config, mesh=mesh)
+    engine = plait.initialize(
+        TransformerModel(preset("llama-tiny"), None, seed=3), config, mesh=mesh
+    )
     losses = []
     for step in range(STEPS * 2):
         if checked is not None:  # after the first micro-batch, which compiles the GPU cast
@@ -97,7 +99,9 @@ def main() -> int:
     narrow = Float8Gather.narrow
     failures, lines = 0, []
     try:
-        eager = {f8: train(f8, compiled=False, checked=checked_narrow(narrow)) for f8 in (False, True)}
+        eager = {
+            f8: train(f8, compiled=False, checked=checked_narrow(narrow)) for f8 in (False, True)
+        }
         same = eager[True] == eager[False]
         failures += not same
         lines.append(f"eager: float8 gather losses {eager[True]} == bf16 gather's: {same}")
@@ -111,7 +115,9 @@ def main() -> int:
     failures += not caught
     lines.append(f"a list-indexed write fails the synchronization check: {caught}")
     compiled = {f8: train(f8, compiled=True) for f8 in (False, True)}
-    lines.append(f"compiled (inductor): bf16 gather {compiled[False]}, float8 gather {compiled[True]}")
+    lines.append(
+        f"compiled (inductor): bf16 gather {compiled[False]}, float8 gather {compiled[True]}"
+    )
     if info.rank == 0:
         for line in lines:
             print(line, flush=True)
