@@ -19,6 +19,7 @@ micro-batch's loss per process, the gradient norms, learning rates, evaluation a
 import argparse
 import json
 import os
+import time
 
 import torch
 from torch.utils.data import DataLoader
@@ -146,6 +147,14 @@ def main():
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(record, f, default=str)
     accelerator.end_training()
+    if args.plain:
+        # The reference's exit, not the loop: when this frame frees DDP, its reducer drops the last reference
+        # to the gloo process group, whose destructor joins gloo's worker threads with the GIL held; a worker
+        # still dropping the last barrier's tensors waits for the GIL, and the process hangs (seen twice in
+        # loaded test runs: result.json written, rank 1 stuck in ~ProcessGroupGloo -> thread::join, its worker
+        # in take_gil). Releasing the GIL for a moment lets the workers finish first, as plait's own exit
+        # does for the same cause (plait.parallel.launch.leave_at_exit).
+        time.sleep(0.5)
 
 
 def evaluate(accelerator, model, eval_dataloader):
