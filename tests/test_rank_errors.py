@@ -26,7 +26,7 @@ dist.barrier()  # rank 0 waits for rank 1, until rank 1's exit closes its connec
 ERROR_LINE = "plait.config.schema_base.ConfigError: "
 
 
-def torchrun(tmp_path, mode: str, **env) -> tuple[int, list[str]]:
+def torchrun(tmp_path, mode: str) -> tuple[int, list[str]]:
     """Run SCRIPT on 2 ranks; the exit status and the lines naming the ConfigError (as torchrun prints
     them: ``[rankN]: <type>: <message>``)."""
     script = tmp_path / "fails.py"
@@ -34,7 +34,7 @@ def torchrun(tmp_path, mode: str, **env) -> tuple[int, list[str]]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + [str(script), mode],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,

@@ -158,7 +158,7 @@ class Float8Gather:
         so the host keeps queueing the prefetches ahead of the blocks."""
         held = [p for _, _, p, _ in pieces if p.numel()]
         norms = iter(torch._foreach_norm(held, ord=math.inf) if held else [])
-        zero = pieces[0][2].new_zeros((), dtype=torch.float32)
+        zero = None if len(held) == len(pieces) else pieces[0][2].new_zeros((), dtype=torch.float32)
         amax = torch.stack([next(norms).float() if p.numel() else zero for _, _, p, _ in pieces])
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self._amax_group(group))
         kinds = [

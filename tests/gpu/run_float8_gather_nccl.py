@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 
 import plait
-from plait.models import preset
 from plait.layers import TransformerModel
+from plait.models import preset
 from plait.parallel import ParallelMesh, init_distributed
 from plait.precision.float8_gather import Float8Gather
 
 STEPS = 3
 
 
-def train(float8_all_gather: bool, compiled: bool, checked=None) -> list[float]:
+def train(float8_all_gather: bool, compiled: bool, check_syncs: bool = False) -> list[float]:
     config = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
@@ -55,16 +55,20 @@ def train(float8_all_gather: bool, compiled: bool, checked=None) -> list[float]:
         TransformerModel(preset("llama-tiny"), None, seed=3), config, mesh=mesh
     )
     losses = []
-    for step in range(STEPS * 2):
-        if checked is not None:  # after the first micro-batch, which compiles the GPU cast
-            Float8Gather.narrow = checked if step >= 1 else narrow
-        g = torch.Generator(device="cuda").manual_seed(100 * step + mesh.dp_rank)
-        ids = torch.randint(0, 8192, (2, 129), generator=g, device="cuda")
-        loss = engine(input_ids=ids[:, :-1], labels=ids[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    Float8Gather.narrow = narrow
+    try:
+        for step in range(STEPS * 2):
+            if (
+                check_syncs and step == 1
+            ):  # after the first micro-batch, which compiles the GPU cast
+                Float8Gather.narrow = checked_narrow(narrow)
+            g = torch.Generator(device="cuda").manual_seed(100 * step + mesh.dp_rank)
+            ids = torch.randint(0, 8192, (2, 129), generator=g, device="cuda")
+            loss = engine(input_ids=ids[:, :-1], labels=ids[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        Float8Gather.narrow = narrow
     return losses
 
 
@@ -96,12 +100,9 @@ def broken_write_is_caught() -> bool:
 
 def main() -> int:
     info = init_distributed(backend="nccl")
-    narrow = Float8Gather.narrow
     failures, lines = 0, []
     try:
-        eager = {
-            f8: train(f8, compiled=False, checked=checked_narrow(narrow)) for f8 in (False, True)
-        }
+        eager = {f8: train(f8, compiled=False, check_syncs=True) for f8 in (False, True)}
         same = eager[True] == eager[False]
         failures += not same
         lines.append(f"eager: float8 gather losses {eager[True]} == bf16 gather's: {same}")
@@ -109,8 +110,6 @@ def main() -> int:
     except RuntimeError as err:
         failures += 1
         lines.append(f"FAILED, a synchronization in Float8Gather.narrow or a run error: {err}")
-    finally:
-        Float8Gather.narrow = narrow
     caught = broken_write_is_caught()
     failures += not caught
     lines.append(f"a list-indexed write fails the synchronization check: {caught}")
